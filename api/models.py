@@ -1,0 +1,307 @@
+"""The wire contract shared by the control plane, the workers and the SDK.
+
+Field names follow OpenAI's fine-tuning job objects where such a field exists; everything
+moetune-specific lives in the `lora`, `training` and `parallelism` sections.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+URI_SCHEMES = ("s3://", "file://", "memory://")
+
+
+class JobStatus(StrEnum):
+    validating_files = "validating_files"
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+class _Strict(BaseModel):
+    # Unknown fields are a user error (a typo like `learning_rat` must not be silently ignored).
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_uri(value: str | None) -> str | None:
+    if value is not None and not value.startswith(URI_SCHEMES):
+        raise ValueError(f"must be a URI starting with one of {', '.join(URI_SCHEMES)}")
+    return value
+
+
+class LoraSpec(_Strict):
+    rank: int = Field(16, ge=1, le=1024)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    # "all-linear" or explicit module names (matched as in PEFT: exact or suffix).
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    # Per-expert low-rank adapters on the routed experts (see the expert-parallel engine).
+    train_experts: bool = False
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, list) and (not v or any(not name.strip() for name in v)):
+            raise ValueError("must be 'all-linear' or a non-empty list of module names")
+        return v
+
+
+class TrainingSpec(_Strict):
+    max_steps: int | None = Field(None, ge=1)
+    n_epochs: int | None = Field(None, ge=1, le=1000)
+    learning_rate: float = Field(1e-4, gt=0, le=1.0)
+    warmup_ratio: float = Field(0.03, ge=0.0, le=1.0)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    global_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(1, ge=1)
+    seq_len: int = Field(512, ge=8, le=1_048_576)
+    eval_every: int | None = Field(None, ge=1)
+    checkpoint_every: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self):
+        if self.max_steps is not None and self.n_epochs is not None:
+            raise ValueError("set either max_steps or n_epochs, not both")
+        return self
+
+
+class ParallelismSpec(_Strict):
+    num_workers: int = Field(1, ge=1, le=4096)
+    gpus_per_worker: int = Field(0, ge=0, le=16)  # 0 = CPU workers (gloo)
+    expert_parallel_size: int = Field(1, ge=1)
+    zero_stage: Literal[1, 2, 3] = 2
+
+
+class Hyperparameters(_Strict):
+    """OpenAI-compatible knobs; when given they override the matching `training` fields."""
+
+    batch_size: int | Literal["auto"] = "auto"
+    learning_rate_multiplier: float | Literal["auto"] = "auto"
+    n_epochs: int | Literal["auto"] = "auto"
+
+
+class JobCreate(_Strict):
+    model: str = Field(..., description="URI of a Hugging Face-format checkpoint folder")
+    training_file: str = Field(..., description="URI of a JSONL file")
+    validation_file: str | None = None
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    suffix: str | None = Field(None, max_length=64)
+    metadata: dict[str, str] | None = None
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    output_uri: str | None = Field(None, description="where checkpoints and the adapter go (default: server setting)")
+    priority: int = Field(0, ge=-100, le=100)
+
+    _check_uris = field_validator("model", "training_file", "validation_file", "output_uri")(_check_uri)
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix_chars(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
+            raise ValueError("may only contain letters, digits, '-', '_' and '.'")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, v):
+        if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
+            raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
+        return v
+
+
+class SpecError(ValueError):
+    """A job spec that is well-typed but inconsistent; `param` is the offending field path."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def resolve_spec(req: JobCreate) -> JobCreate:
+    """Apply OpenAI hyperparameters onto `training` and check cross-field rules.
+
+    Returns a copy whose `training` section is authoritative; raises SpecError naming the field.
+    """
+    training = req.training.model_copy()
+    hp = req.hyperparameters
+    if hp.batch_size != "auto":
+        if hp.batch_size < 1:
+            raise SpecError("hyperparameters.batch_size", "must be >= 1")
+        training.global_batch_size = hp.batch_size
+    if hp.learning_rate_multiplier != "auto":
+        if hp.learning_rate_multiplier <= 0:
+            raise SpecError("hyperparameters.learning_rate_multiplier", "must be > 0")
+        training.learning_rate = training.learning_rate * hp.learning_rate_multiplier
+    if hp.n_epochs != "auto":
+        if hp.n_epochs < 1:
+            raise SpecError("hyperparameters.n_epochs", "must be >= 1")
+        training.n_epochs, training.max_steps = hp.n_epochs, None
+    if training.max_steps is None and training.n_epochs is None:
+        training.n_epochs = 1
+
+    par = req.parallelism
+    per_step = training.micro_batch_size * par.num_workers
+    if training.global_batch_size % per_step:
+        raise SpecError(
+            "training.global_batch_size",
+            f"must be a multiple of micro_batch_size x num_workers = {per_step}",
+        )
+    if par.num_workers % par.expert_parallel_size:
+        raise SpecError("parallelism.expert_parallel_size", "must divide parallelism.num_workers")
+    return req.model_copy(update={"training": training})
+
+
+# ---------------------------------------------------------------- responses
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class Progress(BaseModel):
+    step: int = 0
+    total_steps: int | None = None
+    train_loss: float | None = None
+    valid_loss: float | None = None
+    tokens_per_second: float | None = None
+
+
+class Job(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    finished_at: int | None = None
+    model: str
+    fine_tuned_model: str | None = None
+    organization_id: str
+    status: JobStatus
+    error: ErrorInfo | None = None
+    hyperparameters: dict[str, Any]
+    method: dict[str, Any] = Field(default_factory=lambda: {"type": "supervised"})
+    training_file: str
+    validation_file: str | None = None
+    result_files: list[str] = Field(default_factory=list)
+    trained_tokens: int | None = None
+    seed: int
+    estimated_finish: int | None = None
+    integrations: list[Any] = Field(default_factory=list)
+    metadata: dict[str, str] | None = None
+    user_provided_suffix: str | None = None
+    # moetune extensions
+    lora: LoraSpec
+    training: TrainingSpec
+    parallelism: ParallelismSpec
+    output_uri: str
+    priority: int = 0
+    progress: Progress = Field(default_factory=Progress)
+
+
+EventLevel = Literal["info", "warn", "error"]
+EventType = Literal["message", "metrics"]
+
+
+class JobEvent(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: EventLevel = "info"
+    message: str
+    type: EventType = "message"
+    data: dict[str, Any] | None = None
+
+
+class CheckpointMetrics(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    step: int
+    train_loss: float | None = None
+    valid_loss: float | None = None
+
+
+class Checkpoint(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    metrics: CheckpointMetrics
+    step_number: int
+
+
+T = TypeVar("T")
+
+
+class ListPage(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+# ---------------------------------------------------------------- worker -> control plane
+
+
+class JobRunSpec(BaseModel):
+    """Everything a driver needs to run one job; handed to the Ray job as JSON."""
+
+    job_id: str
+    spec: JobCreate  # already passed through resolve_spec
+    seed: int
+    output_uri: str  # <output_uri>/<job id>, where checkpoints and the adapter land
+
+
+class EventReport(BaseModel):
+    kind: Literal["event"] = "event"
+    level: EventLevel = "info"
+    message: str
+    type: EventType = "message"
+    data: dict[str, Any] | None = None
+
+
+class CheckpointReport(BaseModel):
+    kind: Literal["checkpoint"] = "checkpoint"
+    step_number: int
+    uri: str
+    metrics: CheckpointMetrics
+
+
+class ResultReport(BaseModel):
+    """The driver's final word. `fine_tuned_model` is the adapter URI on success."""
+
+    kind: Literal["result"] = "result"
+    status: Literal["succeeded", "failed"]
+    fine_tuned_model: str | None = None
+    result_files: list[str] = Field(default_factory=list)
+    trained_tokens: int | None = None
+    error: ErrorInfo | None = None
+
+
+class WorkerReport(BaseModel):
+    report: EventReport | CheckpointReport | ResultReport = Field(discriminator="kind")
+
+
+# Environment a Ray job's driver reads (set by the control plane's scheduler).
+ENV_RUN_SPEC = "MOETUNE_RUN_SPEC"  # JobRunSpec as JSON
+ENV_CALLBACK_URL = "MOETUNE_CALLBACK_URL"  # control plane base URL for reports
+ENV_JOB_TOKEN = "MOETUNE_JOB_TOKEN"  # per-job bearer token for the report endpoint
+ENV_S3_ENDPOINT_URL = "MOETUNE_S3_ENDPOINT_URL"  # S3-compatible endpoint (MinIO, Ceph, R2, local); unset = AWS
+REPORT_PATH = "/internal/v1/jobs/{job_id}/reports"
