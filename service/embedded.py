@@ -1,0 +1,118 @@
+"""The embedded default stack, all on loopback: an S3-compatible server and a local Ray head.
+
+Used by `moetune demo` and by the test suite, so both exercise the same real parts. Each
+helper owns the processes it starts (own process group) and stops only those.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+
+LOCAL_S3_KEY = "moetune-local"  # credentials of the embedded S3 server (any value works there)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode} before {url} answered")
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
+
+
+def _stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def s3_env(endpoint_url: str) -> dict[str, str]:
+    """Environment that points boto3/s3fs (and moetune's workers) at the embedded server."""
+    return {
+        "MOETUNE_S3_ENDPOINT_URL": endpoint_url,
+        "AWS_ACCESS_KEY_ID": LOCAL_S3_KEY,
+        "AWS_SECRET_ACCESS_KEY": LOCAL_S3_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
+@contextmanager
+def local_s3_server(port: int | None = None):
+    """A moto S3 server over HTTP on loopback; yields its endpoint URL."""
+    port = port or free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/moto-api/", 30, proc)
+        yield url
+    finally:
+        _stop(proc)
+
+
+@dataclass
+class RayHead:
+    gcs_address: str
+    dashboard_url: str  # where the Jobs API listens
+
+
+@contextmanager
+def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
+    """A Ray head started by `ray start --head --block` in its own process group.
+
+    `num_cpus` is logical: tiny CPU jobs may oversubscribe the machine's cores. The processes
+    inherit `env` (e.g. the S3 endpoint), so Ray jobs and their workers see it too.
+    """
+    gcs_port, dash_port = free_port(), free_port()
+    temp_dir = tempfile.mkdtemp(prefix="moetune-ray-")
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+    proc = subprocess.Popen(
+        [
+            ray_bin, "start", "--head", "--block",
+            f"--port={gcs_port}", f"--num-cpus={num_cpus}",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+            f"--temp-dir={temp_dir}", "--disable-usage-stats",
+        ],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    dashboard_url = f"http://127.0.0.1:{dash_port}"
+    try:
+        wait_http(f"{dashboard_url}/api/version", 90, proc)
+        yield RayHead(gcs_address=f"127.0.0.1:{gcs_port}", dashboard_url=dashboard_url)
+    finally:
+        _stop(proc, grace=5)
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,0 +1,41 @@
+"""Shared real parts for the suite: one local S3 server and one local Ray head per session."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import boto3
+import pytest
+
+from service.embedded import local_ray_head, local_s3_server, s3_env
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """URL of a real S3-compatible server (moto) on loopback; AWS_* and MOETUNE_S3_ENDPOINT_URL are set."""
+    with local_s3_server() as url:
+        env = s3_env(url)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        yield url
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh, empty bucket name on the session's S3 server."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def ray_head(s3_endpoint):
+    """A real local Ray head (Jobs API at .dashboard_url, GCS at .gcs_address) that sees the S3 server."""
+    with local_ray_head(num_cpus=4, env=s3_env(s3_endpoint)) as head:
+        yield head
