@@ -104,9 +104,10 @@ def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
             f"--temp-dir={temp_dir}", "--disable-usage-stats",
         ],
-        env={**os.environ, **(env or {})},
+        # Jobs run `python -m workers.driver`: put this interpreter's bin first so they find our packages.
+        env={**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}", **(env or {})},
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     dashboard_url = f"http://127.0.0.1:{dash_port}"

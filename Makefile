@@ -1,0 +1,27 @@
+# Two entry points that do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.moetune-installed
+
+.PHONY: demo test install server lint-imports clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/moetune demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/pytest
+
+server: $(STAMP)
+	$(BIN)/moetune server
+
+clean:
+	rm -rf $(VENV) .moetune .pytest_cache
