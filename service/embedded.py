@@ -117,3 +117,22 @@ def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
     finally:
         _stop(proc, grace=5)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def control_plane_in_thread(app, port: int):
+    """Serves the FastAPI app with uvicorn on loopback from a background thread; yields its base URL."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="moetune-control-plane", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/healthz", 30)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(15)

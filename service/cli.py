@@ -1,0 +1,159 @@
+"""The `moetune` command: run the control plane, submit and follow jobs, run the demo."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from api.client import APIError, Client
+from api.models import JobCreate, JobStatus
+
+console = Console()
+
+
+def _client(ctx: click.Context) -> Client:
+    return Client(ctx.obj["url"], ctx.obj["token"])
+
+
+def _when(ts: int | None) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def _exit_for(job) -> None:
+    sys.exit(0 if job.status == JobStatus.succeeded else 1)
+
+
+class _FriendlyErrors(click.Group):
+    """API errors and unreachable servers become one clear line, not a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except APIError as e:
+            where = f" ({e.param})" if e.param else ""
+            raise click.ClickException(f"{e.status_code} {e.code}{where}: {e.message}") from None
+        except OSError as e:  # includes httpx connection errors' causes
+            raise click.ClickException(f"cannot reach the control plane: {e}") from None
+
+
+@click.group(cls=_FriendlyErrors)
+@click.option("--url", envvar="MOETUNE_URL", default="http://127.0.0.1:8000", show_default=True,
+              help="Control plane base URL.")
+@click.option("--token", envvar="MOETUNE_TOKEN", default="dev-token", show_default=True, help="API bearer token.")
+@click.pass_context
+def main(ctx: click.Context, url: str, token: str) -> None:
+    """moetune: LoRA fine-tuning of very large Mixture-of-Experts models on Ray + DeepSpeed."""
+    ctx.obj = {"url": url, "token": token}
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+def server(host: str, port: int) -> None:
+    """Run the control plane (settings from MOETUNE_* environment variables)."""
+    import uvicorn
+
+    from service.app import create_app
+
+    uvicorn.run(create_app(), host=host, port=port, log_level="info")
+
+
+@main.command()
+@click.argument("spec_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--follow/--no-follow", default=False, help="Show progress until the job ends.")
+@click.option("--idempotency-key", default=None, help="Submitting twice with the same key returns the same job.")
+@click.option("--timeout", default=86400.0, show_default=True, help="Seconds to follow before giving up.")
+@click.pass_context
+def submit(ctx: click.Context, spec_file: Path, follow: bool, idempotency_key: str | None, timeout: float) -> None:
+    """Submit the job described by SPEC_FILE (YAML or JSON with the fields of POST /v1/fine_tuning/jobs)."""
+    try:
+        spec = JobCreate.model_validate(yaml.safe_load(spec_file.read_text()) or {})
+    except (yaml.YAMLError, ValidationError) as e:
+        raise click.ClickException(f"{spec_file}: {e}") from None
+    client = _client(ctx)
+    job = client.jobs.create(spec, idempotency_key=idempotency_key)
+    console.print(f"submitted [bold]{job.id}[/] ({job.status})")
+    if follow:
+        _follow(client, job.id, timeout)
+
+
+def _follow(client: Client, job_id: str, timeout: float) -> None:
+    from service.progress import follow
+
+    job, _ = follow(client, job_id, timeout=timeout, console=console)
+    console.print(f"{job.id}: [bold]{job.status}[/]" + (f" -> {job.fine_tuned_model}" if job.fine_tuned_model else ""))
+    if job.error:
+        console.print(f"[red]{job.error.code}: {job.error.message}")
+    _exit_for(job)
+
+
+@main.group()
+def jobs() -> None:
+    """List, inspect, cancel and follow jobs."""
+
+
+@jobs.command("list")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 100))
+@click.option("--after", default=None, help="Cursor: list jobs older than this job id.")
+@click.pass_context
+def jobs_list(ctx: click.Context, limit: int, after: str | None) -> None:
+    page = _client(ctx.parent).jobs.list(after=after, limit=limit)
+    table = Table("id", "status", "created", "model", "step", "loss")
+    for job in page.data:
+        p = job.progress
+        table.add_row(job.id, job.status, _when(job.created_at), job.model,
+                      f"{p.step}/{p.total_steps or '?'}", f"{p.train_loss:.4f}" if p.train_loss is not None else "-")
+    console.print(table)
+    if page.has_more:
+        console.print(f"more: --after {page.last_id}")
+
+
+@jobs.command("get")
+@click.argument("job_id")
+@click.pass_context
+def jobs_get(ctx: click.Context, job_id: str) -> None:
+    click.echo(json.dumps(_client(ctx.parent).jobs.retrieve(job_id).model_dump(mode="json"), indent=2))
+
+
+@jobs.command("cancel")
+@click.argument("job_id")
+@click.pass_context
+def jobs_cancel(ctx: click.Context, job_id: str) -> None:
+    job = _client(ctx.parent).jobs.cancel(job_id)
+    console.print(f"{job.id}: {job.status}")
+
+
+@jobs.command("events")
+@click.argument("job_id")
+@click.option("--follow", is_flag=True, help="Stream events live and show progress until the job ends.")
+@click.option("--timeout", default=86400.0, show_default=True)
+@click.pass_context
+def jobs_events(ctx: click.Context, job_id: str, follow: bool, timeout: float) -> None:
+    client = _client(ctx.parent)
+    if follow:
+        _follow(client, job_id, timeout)
+    after = None
+    while True:
+        page = client.jobs.events(job_id, after=after, limit=100)
+        for ev in page.data:
+            console.print(f"{_when(ev.created_at)} {ev.level:5} {ev.message}", markup=False, highlight=False)
+        if not page.has_more:
+            return
+        after = page.last_id
+
+
+@main.command()
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the demo job.")
+def demo(timeout: float) -> None:
+    """Run one tiny job end to end on the embedded default (loopback S3, local Ray, SQLite, CPU)."""
+    from service.demo import run_demo
+
+    sys.exit(run_demo(timeout=timeout))
