@@ -42,7 +42,7 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 
 
-def _stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+def stop_process(proc: subprocess.Popen, grace: float = 15.0) -> None:
     if proc.poll() is not None:
         return
     os.killpg(proc.pid, signal.SIGTERM)
@@ -78,7 +78,7 @@ def local_s3_server(port: int | None = None):
         wait_http(f"{url}/moto-api/", 30, proc)
         yield url
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @dataclass
@@ -115,7 +115,7 @@ def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
         wait_http(f"{dashboard_url}/api/version", 90, proc)
         yield RayHead(gcs_address=f"127.0.0.1:{gcs_port}", dashboard_url=dashboard_url)
     finally:
-        _stop(proc, grace=5)
+        stop_process(proc, grace=5)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

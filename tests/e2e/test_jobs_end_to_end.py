@@ -1,0 +1,140 @@
+"""Real jobs: HTTP -> control plane -> Ray Jobs -> Ray Train workers -> DeepSpeed -> adapter in S3."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+import s3fs
+import yaml
+from ray.job_submission import JobStatus as RayJobStatus
+from ray.job_submission import JobSubmissionClient
+
+from api.models import JobCreate, JobStatus
+
+pytestmark = pytest.mark.e2e
+
+
+def _spec(assets, **training) -> JobCreate:
+    return JobCreate(
+        model=assets["model"],
+        training_file=assets["training_file"],
+        validation_file=assets["validation_file"],
+        seed=3,
+        lora={"rank": 8, "alpha": 16},
+        training={"max_steps": 12, "learning_rate": 3e-3, "global_batch_size": 4, "micro_batch_size": 1,
+                  "seq_len": 96, **training},
+        parallelism={"num_workers": 2, "zero_stage": 2},
+    )
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _loss_on_rows(model, tokenizer, rows: list[dict]) -> float:
+    import torch
+
+    texts = [r["text"] for r in rows if "text" in r][:8]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=96)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    with torch.no_grad():
+        return model(**batch, labels=labels).loss.item()
+
+
+def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, tiny_assets, tmp_path):
+    job = client_a.jobs.create(_spec(tiny_assets, eval_every=6, checkpoint_every=6))
+    assert job.status in (JobStatus.validating_files, JobStatus.queued)
+
+    events = list(client_a.jobs.stream_events(job.id))  # the live SSE stream ends when the job does
+    job = client_a.jobs.retrieve(job.id)
+    assert job.status == JobStatus.succeeded, (job.error, [e.message for e in events][-10:])
+
+    metrics = [e.data for e in events if e.type == "metrics" and e.data and e.data.get("train_loss") is not None]
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    assert any(e.data and e.data.get("valid_loss") is not None for e in events if e.type == "metrics")
+    assert job.trained_tokens and job.trained_tokens > 0
+    assert job.progress.step == 12
+
+    checkpoints = client_a.jobs.checkpoints(job.id).data
+    assert sorted(c.step_number for c in checkpoints) == [6, 12]
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["MOETUNE_S3_ENDPOINT_URL"]})
+    for ckpt in checkpoints:
+        assert fs.ls(ckpt.fine_tuned_model_checkpoint), ckpt.fine_tuned_model_checkpoint
+
+    # The adapter loads onto the plain transformers model and changes what it predicts.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert job.fine_tuned_model.endswith("/adapter")
+    adapter_dir = tmp_path / "adapter"
+    fs.get(job.fine_tuned_model.removeprefix("s3://") + "/", str(adapter_dir), recursive=True)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter_dir.iterdir()}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["local_model"])
+    rows = [json.loads(line) for line in Path(tiny_assets["local_train"]).read_text().splitlines()]
+    base_loss = _loss_on_rows(AutoModelForCausalLM.from_pretrained(tiny_assets["local_model"]), tokenizer, rows)
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_assets["local_model"]), adapter_dir)
+    assert _loss_on_rows(tuned, tokenizer, rows) < base_loss - 0.1
+
+
+def test_cancel_stops_the_running_ray_job(client_a, tiny_assets, ray_head):
+    job = client_a.jobs.create(_spec(tiny_assets, max_steps=2000))
+    _wait_for(lambda: any(e.type == "metrics" for e in client_a.jobs.events(job.id, limit=100).data), 240,
+              "the first training step")
+
+    cancelled = client_a.jobs.cancel(job.id)
+    assert cancelled.status == JobStatus.cancelled
+
+    ray_jobs = JobSubmissionClient(ray_head.dashboard_url)
+    _wait_for(lambda: ray_jobs.get_job_status(f"moetune-{job.id}") == RayJobStatus.STOPPED, 90,
+              "Ray to stop the job")
+    time.sleep(2)  # late reports from dying workers must not resurrect the job
+    assert client_a.jobs.retrieve(job.id).status == JobStatus.cancelled
+
+
+def test_malformed_row_fails_the_job_with_the_row_number(client_a, tiny_assets, s3_bucket):
+    rows = ['{"text": "fine"}', '{"messages": [{"role": "user", "content": "hi"}]}', "{not json", '{"text": "x"}']
+    boto3.client("s3", endpoint_url=os.environ["MOETUNE_S3_ENDPOINT_URL"]).put_object(
+        Bucket=s3_bucket, Key="bad.jsonl", Body="\n".join(rows).encode())
+    spec = _spec(tiny_assets).model_copy(update={"training_file": f"s3://{s3_bucket}/bad.jsonl",
+                                                 "validation_file": None})
+    job = client_a.jobs.wait(client_a.jobs.create(spec).id, timeout=180)
+
+    assert job.status == JobStatus.failed
+    assert job.error.param == "training_file"
+    assert "row 3" in job.error.message and "bad.jsonl" in job.error.message
+    assert "Traceback" not in job.error.message
+
+
+def test_cli_submits_lists_and_cancels(control_plane, tiny_assets, tmp_path):
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump(_spec(tiny_assets, max_steps=2000).model_dump(mode="json", exclude_none=True)))
+    moetune = [str(Path(sys.executable).with_name("moetune")), "--url", control_plane, "--token", "tok-b"]
+
+    def run(*args):
+        return subprocess.run([*moetune, *args], capture_output=True, text=True, timeout=60)
+
+    submitted = run("submit", str(spec_file))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.split()[1]
+    assert job_id.startswith("ftjob-")
+    assert job_id in run("jobs", "list").stdout
+    assert json.loads(run("jobs", "get", job_id).stdout)["id"] == job_id
+    assert "cancelled" in run("jobs", "cancel", job_id).stdout
+    assert "Job cancelled" in run("jobs", "events", job_id).stdout
+
+    missing = run("jobs", "get", "ftjob-doesnotexist")
+    assert missing.returncode != 0 and "404" in missing.stderr and "Traceback" not in missing.stderr
