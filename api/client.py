@@ -1,0 +1,160 @@
+"""The Python SDK: a typed httpx client for the moetune control plane.
+
+    client = Client("http://127.0.0.1:8000", token="dev-token")
+    job = client.jobs.create({"model": "s3://models/m", "training_file": "s3://data/train.jsonl"})
+    job = client.jobs.wait(job.id, timeout=3600, on_event=print)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+from pydantic import BaseModel
+
+from api.models import Checkpoint, Job, JobCreate, JobEvent, JobStatus, ListPage
+
+JOBS_PATH = "/v1/fine_tuning/jobs"
+
+
+class APIError(Exception):
+    """An error answer of the control plane (`{"error": {"code", "message", "param"}}`)."""
+
+    def __init__(self, status_code: int, code: str, message: str, param: str | None = None):
+        super().__init__(f"{status_code} {code}: {message}" + (f" (param: {param})" if param else ""))
+        self.status_code, self.code, self.message, self.param = status_code, code, message, param
+
+    @classmethod
+    def from_response(cls, response: httpx.Response) -> APIError:
+        try:
+            error = response.json()["error"]
+            return cls(response.status_code, error["code"], error["message"], error.get("param"))
+        except (ValueError, KeyError, TypeError):
+            return cls(response.status_code, "http_error", response.text[:500] or response.reason_phrase)
+
+
+def _raise_for_error(response: httpx.Response) -> None:
+    if response.is_error:
+        response.read()  # streamed responses have not read their body yet
+        raise APIError.from_response(response)
+
+
+def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(event name, data) per Server-Sent Event; comments and ids are consumed."""
+    name, data = "message", []
+    for line in lines:
+        if not line:
+            if data:
+                yield name, "\n".join(data)
+            name, data = "message", []
+        elif line.startswith(":"):
+            continue
+        else:
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if field == "event":
+                name = value
+            elif field == "data":
+                data.append(value)
+
+
+class Jobs:
+    def __init__(self, http: httpx.Client):
+        self._http = http
+
+    def _request(self, method: str, path: str, model: type[BaseModel], **kwargs) -> Any:
+        response = self._http.request(method, path, **kwargs)
+        _raise_for_error(response)
+        return model.model_validate(response.json())
+
+    def create(self, spec: JobCreate | dict, idempotency_key: str | None = None) -> Job:
+        """Submits a job. With `idempotency_key`, repeating the same request returns the same job."""
+        spec = spec if isinstance(spec, JobCreate) else JobCreate.model_validate(spec)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._request("POST", JOBS_PATH, Job, headers=headers,
+                             json=spec.model_dump(mode="json", exclude_unset=True))
+
+    def list(self, after: str | None = None, limit: int = 20) -> ListPage[Job]:
+        """Newest first; pass the page's `last_id` as `after` for the next page."""
+        return self._request("GET", JOBS_PATH, ListPage[Job], params=_params(after=after, limit=limit))
+
+    def retrieve(self, job_id: str) -> Job:
+        return self._request("GET", f"{JOBS_PATH}/{job_id}", Job)
+
+    def cancel(self, job_id: str) -> Job:
+        return self._request("POST", f"{JOBS_PATH}/{job_id}/cancel", Job)
+
+    def events(self, job_id: str, after: str | None = None, limit: int = 20) -> ListPage[JobEvent]:
+        """Oldest first; pass the page's `last_id` as `after` for the next page."""
+        return self._request("GET", f"{JOBS_PATH}/{job_id}/events", ListPage[JobEvent],
+                             params=_params(after=after, limit=limit))
+
+    def checkpoints(self, job_id: str, after: str | None = None, limit: int = 10) -> ListPage[Checkpoint]:
+        """Newest first."""
+        return self._request("GET", f"{JOBS_PATH}/{job_id}/checkpoints", ListPage[Checkpoint],
+                             params=_params(after=after, limit=limit))
+
+    def stream_events(self, job_id: str, after: str | None = None,
+                      read_timeout: float | None = 60.0) -> Iterator[JobEvent]:
+        """The job's events live (Server-Sent Events), from after `after`; ends once the job has ended.
+
+        The server sends keep-alive comments, so `read_timeout` only trips on a dead connection.
+        """
+        timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout)
+        with self._http.stream("GET", f"{JOBS_PATH}/{job_id}/events", params=_params(stream="true", after=after),
+                               headers={"Accept": "text/event-stream"}, timeout=timeout) as response:
+            _raise_for_error(response)
+            for name, data in _sse_events(response.iter_lines()):
+                if name == "done":
+                    return
+                yield JobEvent.model_validate_json(data)
+
+    def wait(self, job_id: str, timeout: float, poll_interval: float = 2.0,
+             on_event: Callable[[JobEvent], None] | None = None) -> Job:
+        """Follows the job until it ends, calling `on_event` for each event; returns the final job.
+
+        Raises TimeoutError when the job has not ended after `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        after = None
+        while True:
+            job = self.retrieve(job_id)  # status first: once it is terminal, its last event is in the list below
+            for event in self._events_after(job_id, after):
+                if on_event is not None:
+                    on_event(event)
+                after = event.id
+            if JobStatus(job.status).terminal:
+                return job
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} still {job.status} after {timeout:.0f}s")
+            time.sleep(min(poll_interval, max(deadline - time.monotonic(), 0)))
+
+    def _events_after(self, job_id: str, after: str | None) -> Iterator[JobEvent]:
+        while True:
+            page = self.events(job_id, after=after, limit=100)
+            yield from page.data
+            if not page.has_more:
+                return
+            after = page.last_id
+
+
+def _params(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+class Client:
+    def __init__(self, base_url: str, token: str, timeout: float = 30.0):
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout,
+                                  headers={"Authorization": f"Bearer {token}"})
+        self.jobs = Jobs(self._http)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

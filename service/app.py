@@ -1,0 +1,66 @@
+"""The control plane's FastAPI application."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+
+from service import internal, routes
+from service.auth import TenantResolver
+from service.errors import error_response, install_error_handlers
+from service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
+from service.scheduler import Scheduler
+from service.settings import Settings
+from service.store import Store
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    store = Store(settings.database_url)
+    scheduler = Scheduler(store, settings)
+    metrics = ControlPlaneMetrics(store)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await run_in_threadpool(store.migrate)
+        if settings.scheduler_enabled:
+            scheduler.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(scheduler.stop)
+            store.close()
+
+    app = FastAPI(
+        title="moetune",
+        summary="LoRA fine-tuning of very large Mixture-of-Experts models (OpenAI-compatible job API)",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.store = store
+    app.state.scheduler = scheduler
+    app.state.tenant_resolver = TenantResolver(settings.tenants_by_token)
+    install_error_handlers(app)
+    app.add_middleware(RequestLatencyMiddleware, histogram=metrics.request_latency)
+    app.include_router(routes.router)
+    app.include_router(internal.router)
+
+    @app.get("/healthz", tags=["ops"])
+    def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"])
+    def readyz(request: Request):
+        if not request.app.state.store.ping():
+            return error_response(503, "not_ready", "The database is not reachable.")
+        return {"status": "ready"}
+
+    @app.get("/metrics", tags=["ops"], response_class=Response)
+    def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

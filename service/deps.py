@@ -1,0 +1,18 @@
+"""FastAPI dependencies shared by the routers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from service.auth import current_tenant
+from service.store import Store
+
+
+def get_store(request: Request) -> Store:
+    return request.app.state.store
+
+
+StoreDep = Annotated[Store, Depends(get_store)]
+Tenant = Annotated[str, Depends(current_tenant)]

@@ -1,0 +1,46 @@
+"""Checks that a job's input objects exist before it is queued (fsspec: s3://, file://, memory://)."""
+
+from __future__ import annotations
+
+import fsspec
+
+from api.models import ErrorInfo, JobCreate
+
+
+def _filesystem(uri: str, s3_endpoint_url: str | None):
+    options = {}
+    if uri.startswith("s3://"):
+        # No listing cache: an object uploaded after a first failed check must be seen on the next one.
+        options = {"use_listings_cache": False}
+        if s3_endpoint_url:
+            options["client_kwargs"] = {"endpoint_url": s3_endpoint_url}
+    return fsspec.core.url_to_fs(uri, **options)
+
+
+def _inputs(spec: JobCreate) -> list[tuple[str, str, str]]:
+    """(param, uri to check, what it should be)."""
+    inputs = [
+        ("model", f"{spec.model.rstrip('/')}/config.json", "a Hugging Face checkpoint folder with a config.json"),
+        ("training_file", spec.training_file, "a JSONL file"),
+    ]
+    if spec.validation_file:
+        inputs.append(("validation_file", spec.validation_file, "a JSONL file"))
+    return inputs
+
+
+def missing_input(spec: JobCreate, s3_endpoint_url: str | None) -> ErrorInfo | None:
+    """The first input that does not exist or cannot be read, as the job's error; None when all are there.
+
+    Other storage errors (endpoint down, timeouts) propagate: they are worth a retry, not a failed job.
+    """
+    for param, uri, expected in _inputs(spec):
+        try:
+            fs, path = _filesystem(uri, s3_endpoint_url)
+            found = fs.exists(path)
+        except PermissionError:
+            return ErrorInfo(code="file_not_accessible", param=param,
+                             message=f"{param}: access to {uri} was denied")
+        if not found:
+            return ErrorInfo(code="file_not_found", param=param,
+                             message=f"{param}: {uri} does not exist (expected {expected})")
+    return None

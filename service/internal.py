@@ -1,0 +1,90 @@
+"""The route workers report through: events, metrics, checkpoints and the final result of one job."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, Request
+from pydantic import ValidationError
+
+from api.models import (
+    REPORT_PATH,
+    CheckpointReport,
+    ErrorInfo,
+    EventReport,
+    JobStatus,
+    Progress,
+    ResultReport,
+    WorkerReport,
+)
+from service.auth import bearer_token, job_token_matches, unauthorized
+from service.errors import invalid_request
+from service.deps import StoreDep
+from service.store import ACTIVE_STATUSES, JobRow, Store
+
+router = APIRouter(tags=["internal"], include_in_schema=False)
+
+
+def _reporting_job(job_id: str, request: Request, store: StoreDep) -> JobRow:
+    """The job whose worker token was presented; unknown jobs get the same 401 (no id oracle)."""
+    job = store.get_job(job_id)
+    if job is None or not job_token_matches(bearer_token(request), job.job_token_hash):
+        raise unauthorized("Invalid job token.", code="invalid_job_token")
+    return job
+
+
+def estimate_finish(started_at: float | None, step: int, total_steps: int | None, now: float) -> float | None:
+    """Linear extrapolation of the time per step since the job started."""
+    if not started_at or not total_steps or step <= 0:
+        return None
+    return now + (now - started_at) / step * max(total_steps - step, 0)
+
+
+def _progress_updater(data: dict):
+    """Merges a metrics event's data into the job row (a job that already ended keeps its last values)."""
+    try:
+        merged = Progress.model_validate(data)  # checks the known fields before anything is stored
+    except ValidationError as e:
+        raise invalid_request(f"metrics data: {e.errors()[0]['msg']}", "report.data") from None
+    fields = merged.model_dump(exclude_unset=True, exclude_none=True)
+
+    def update(job: JobRow) -> None:
+        if JobStatus(job.status).terminal:
+            return
+        progress = {**(job.progress or {}), **fields}
+        job.progress = progress
+        if data.get("trained_tokens") is not None:
+            job.trained_tokens = int(data["trained_tokens"])
+        job.estimated_finish = estimate_finish(job.started_at, progress.get("step", 0), progress.get("total_steps"),
+                                               time.time())
+
+    return update
+
+
+def _finish(store: Store, job: JobRow, result: ResultReport) -> None:
+    if result.status == "succeeded":
+        fields = {"fine_tuned_model": result.fine_tuned_model, "result_files": result.result_files,
+                  "estimated_finish": None}
+        if result.trained_tokens is not None:
+            fields["trained_tokens"] = result.trained_tokens
+        store.transition(job.id, ACTIVE_STATUSES, JobStatus.succeeded, "Job succeeded", **fields)
+        return
+    error = result.error or ErrorInfo(code="training_failed", message="the training run failed without a reason")
+    store.transition(job.id, ACTIVE_STATUSES, JobStatus.failed, f"Job failed: {error.message}", level="error",
+                     error=error.model_dump(), estimated_finish=None)
+
+
+@router.post(REPORT_PATH)
+def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated[WorkerReport, Body()],
+                store: StoreDep) -> dict:
+    """Accepts a report; the reply tells the driver the job's status (e.g. `cancelled` means: stop)."""
+    report = body.report
+    if isinstance(report, EventReport):
+        updater = _progress_updater(report.data) if report.type == "metrics" and report.data else None
+        store.add_event(job.id, report.message, report.level, report.type, report.data, change_job=updater)
+    elif isinstance(report, CheckpointReport):
+        store.add_checkpoint(job.id, report.step_number, report.uri, report.metrics.model_dump())
+    else:
+        _finish(store, job, report)  # a no-op for a job that already ended (e.g. cancelled)
+    return {"job_status": store.get_job(job.id).status}

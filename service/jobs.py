@@ -1,0 +1,62 @@
+"""Creating a job: spec resolution, idempotency, the stored row and its first events."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+
+from api.models import JobCreate, JobStatus, SpecError, resolve_spec
+from service.errors import APIException, invalid_request
+from service.settings import Settings
+from service.store import IdempotencyKeyTaken, JobRow, Store
+
+MAX_SEED = 2**31 - 1
+
+
+def new_job_id() -> str:
+    return f"ftjob-{secrets.token_hex(12)}"
+
+
+def request_hash(request: JobCreate) -> str:
+    """Equal for equal requests, whatever their key order, whitespace or spelled-out defaults."""
+    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _replay(existing: JobRow, digest: str) -> JobRow:
+    if existing.request_hash != digest:
+        raise APIException(409, "idempotency_key_reused",
+                           "This Idempotency-Key was already used with a different request body.")
+    return existing
+
+
+def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate,
+               idempotency_key: str | None = None) -> JobRow:
+    """The new job, or the one an earlier identical request with the same Idempotency-Key created."""
+    digest = request_hash(request)
+    if idempotency_key is not None and (existing := store.find_by_idempotency_key(tenant, idempotency_key)):
+        return _replay(existing, digest)
+    try:
+        spec = resolve_spec(request)
+    except SpecError as e:
+        raise invalid_request(e.message, e.param) from None
+    job_id = new_job_id()
+    row = JobRow(
+        id=job_id,
+        tenant=tenant,
+        status=JobStatus.validating_files.value,
+        priority=spec.priority,
+        spec=spec.model_dump(mode="json"),
+        seed=spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED + 1),
+        output_uri=f"{(spec.output_uri or settings.default_output_uri).rstrip('/')}/{job_id}",
+        result_files=[],
+        progress={},
+        idempotency_key=idempotency_key,
+        request_hash=digest,
+        cancel_requested=False,
+    )
+    try:
+        return store.create_job(row, ["Job created", "Validating files"])
+    except IdempotencyKeyTaken:  # an identical request raced this one
+        return _replay(store.find_by_idempotency_key(tenant, idempotency_key), digest)

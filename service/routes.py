@@ -1,0 +1,110 @@
+"""The public /v1 routes: thin wrappers over the store and the job service."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import StreamingResponse
+
+from api.models import Checkpoint, Job, JobCreate, JobEvent, JobStatus, ListPage
+from service import jobs as job_service
+from service.deps import StoreDep, Tenant
+from service.errors import APIException, invalid_request, job_not_found
+from service.store import ACTIVE_STATUSES, JobRow, Store
+from service.streaming import job_event_stream
+from service.views import (
+    CHECKPOINT_ID_PREFIX,
+    EVENT_ID_PREFIX,
+    checkpoint_view,
+    event_view,
+    job_view,
+    parse_sequence_id,
+)
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+
+Limit = Annotated[int, Query(ge=1, le=100)]
+
+
+def _own_job(store: Store, tenant: str, job_id: str, param: str | None = None) -> JobRow:
+    """The tenant's job; another tenant's job is exactly as unknown as a missing one."""
+    job = store.get_job(job_id, tenant)
+    if job is None:
+        raise job_not_found(job_id, param)
+    return job
+
+
+def _cursor(value: str | None, prefix: str, param: str = "after") -> int | None:
+    if value is None:
+        return None
+    seq = parse_sequence_id(value, prefix)
+    if seq is None:
+        raise invalid_request(f"{param}: expected an id like '{prefix}123'", param)
+    return seq
+
+
+def _page(rows: list, has_more: bool, view) -> ListPage:
+    data = [view(r) for r in rows]
+    return ListPage(data=data, has_more=has_more, first_id=data[0].id if data else None,
+                    last_id=data[-1].id if data else None)
+
+
+@router.post("", response_model=Job)
+def create_job(request: Request, body: JobCreate, tenant: Tenant, store: StoreDep,
+               idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> Job:
+    return job_view(job_service.create_job(store, request.app.state.settings, tenant, body, idempotency_key))
+
+
+@router.get("", response_model=ListPage[Job])
+def list_jobs(tenant: Tenant, store: StoreDep, after: str | None = None, limit: Limit = 20) -> ListPage[Job]:
+    cursor = _own_job(store, tenant, after, param="after") if after else None
+    return _page(*store.list_jobs(tenant, limit, cursor), job_view)
+
+
+@router.get("/{job_id}", response_model=Job)
+def retrieve_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
+    return job_view(_own_job(store, tenant, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=Job)
+def cancel_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
+    job = _own_job(store, tenant, job_id)
+    # A running job's Ray submission is stopped by the scheduler (cancel_requested).
+    if not store.transition(job.id, ACTIVE_STATUSES, JobStatus.cancelled, "Job cancelled", cancel_requested=True):
+        job = _own_job(store, tenant, job_id)
+        raise APIException(409, "job_not_cancellable", f"Job {job.id} has already finished with status {job.status}.")
+    return job_view(_own_job(store, tenant, job_id))
+
+
+@router.get(
+    "/{job_id}/events",
+    response_model=ListPage[JobEvent],
+    responses={200: {"content": {"text/event-stream": {}},
+                     "description": "A page of events, or with ?stream=true a live SSE stream"}},
+)
+def list_events(
+    job_id: str,
+    request: Request,
+    tenant: Tenant,
+    store: StoreDep,
+    after: str | None = None,
+    limit: Limit = 20,
+    stream: bool = False,
+    last_event_id: Annotated[str | None, Header()] = None,
+):
+    job = _own_job(store, tenant, job_id)
+    if stream or "text/event-stream" in request.headers.get("accept", ""):
+        # On reconnect the browser resends the original URL plus Last-Event-ID, which is the newer cursor.
+        after_seq = (_cursor(last_event_id, EVENT_ID_PREFIX, "Last-Event-ID") if last_event_id
+                     else _cursor(after, EVENT_ID_PREFIX))
+        return StreamingResponse(job_event_stream(store, job.id, after_seq), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _page(*store.list_events(job.id, limit, _cursor(after, EVENT_ID_PREFIX)), event_view)
+
+
+@router.get("/{job_id}/checkpoints", response_model=ListPage[Checkpoint])
+def list_checkpoints(job_id: str, tenant: Tenant, store: StoreDep, after: str | None = None,
+                     limit: Limit = 10) -> ListPage[Checkpoint]:
+    job = _own_job(store, tenant, job_id)
+    return _page(*store.list_checkpoints(job.id, limit, _cursor(after, CHECKPOINT_ID_PREFIX)), checkpoint_view)

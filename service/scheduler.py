@@ -1,0 +1,154 @@
+"""The background loop that moves jobs along: file checks, Ray submission, following and stopping Ray jobs.
+
+All state lives in the store, so a restarted control plane picks up where the previous one stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+
+from api.models import (
+    ENV_CALLBACK_URL,
+    ENV_JOB_TOKEN,
+    ENV_RUN_SPEC,
+    ENV_S3_ENDPOINT_URL,
+    ErrorInfo,
+    JobCreate,
+    JobRunSpec,
+    JobStatus,
+)
+from service.auth import hash_token, new_job_token
+from service.files import missing_input
+from service.ray_jobs import RayJobs, RayUnavailable
+from service.settings import Settings
+from service.store import JobRow, Store
+
+log = logging.getLogger(__name__)
+
+_MAX_CAUSE_CHARS = 300
+
+
+def submission_id(job_id: str) -> str:
+    return f"moetune-{job_id}"
+
+
+def short_cause(ray_message: str | None) -> str:
+    """Ray's failure message without the driver's log dump: its first line plus the last log line."""
+    if not ray_message:
+        return "the Ray job ended without a message"
+    first, *rest = ray_message.strip().splitlines()
+    cause = re.split(r",? last available logs", first)[0].rstrip(".:, ")
+    last_log_line = next((line.strip() for line in reversed(rest) if line.strip()), None)
+    if last_log_line:
+        cause += f" ({last_log_line})"
+    return cause[:_MAX_CAUSE_CHARS]
+
+
+class Scheduler:
+    def __init__(self, store: Store, settings: Settings, ray: RayJobs | None = None):
+        self.store = store
+        self.settings = settings
+        self.ray = ray or RayJobs(settings.ray_address)
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ thread
+
+    def start(self) -> None:
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="moetune-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self.tick()
+            self._stopping.wait(self.settings.scheduler_interval_s)
+
+    def tick(self) -> None:
+        """One pass; a failing step is logged and retried next tick, never ends the thread."""
+        for step in (self.stop_cancelled, self.follow_running, self.validate_files, self.submit_queued):
+            try:
+                step()
+            except RayUnavailable:
+                pass  # logged by RayJobs when it goes down; jobs wait for the next tick
+            except Exception:
+                log.exception("scheduler step %s failed; retrying next tick", step.__name__)
+
+    # ------------------------------------------------------------ steps
+
+    def stop_cancelled(self) -> None:
+        for job in self.store.cancelled_with_ray_job():
+            self.ray.stop(job.ray_submission_id)
+            self.store.update_job(job.id, cancel_requested=False)
+            log.info("stopped Ray job %s of cancelled job %s", job.ray_submission_id, job.id)
+
+    def follow_running(self) -> None:
+        """Fails jobs whose Ray job ended without the driver's ResultReport (which would have ended the job)."""
+        for job in self.store.jobs_with_status(JobStatus.running):
+            state = self.ray.state(job.ray_submission_id)
+            if state is None:
+                self._fail(job, "ray_job_lost", f"Ray no longer knows job {job.ray_submission_id} "
+                                                "(was the Ray cluster restarted?)")
+            elif state.status in ("FAILED", "STOPPED"):
+                self._fail(job, "driver_failed", short_cause(state.message))
+            elif state.status == "SUCCEEDED":
+                self._fail(job, "driver_failed", "driver exited without reporting a result")
+
+    def validate_files(self) -> None:
+        for job in self.store.jobs_with_status(JobStatus.validating_files):
+            error = missing_input(JobCreate.model_validate(job.spec), self.settings.s3_endpoint_url)
+            if error is None:
+                self.store.transition(job.id, [JobStatus.validating_files], JobStatus.queued, "Job queued")
+            else:
+                self.store.transition(job.id, [JobStatus.validating_files], JobStatus.failed,
+                                      f"Job failed: {error.message}", level="error", error=error.model_dump())
+
+    def submit_queued(self) -> None:
+        """Starts queued jobs, highest priority then oldest first, while running jobs < max_running_jobs."""
+        free = self.settings.max_running_jobs - len(self.store.jobs_with_status(JobStatus.running))
+        if free > 0:
+            for job in self.store.next_queued(free):
+                self._submit(job)
+
+    # ------------------------------------------------------------ helpers
+
+    def _submit(self, job: JobRow) -> None:
+        token = new_job_token()
+        # The hash is stored before Ray gets the token, so the driver's first report is already accepted.
+        if not self.store.update_job(job.id, only_if_status=[JobStatus.queued], job_token_hash=hash_token(token)):
+            return  # cancelled meanwhile
+        sid = submission_id(job.id)
+        self.ray.submit(sid, self.settings.driver_entrypoint, self.job_env(job, token))
+        if not self.store.transition(job.id, [JobStatus.queued], JobStatus.running, "Job started",
+                                     ray_submission_id=sid):
+            # Cancelled while submitting: record the submission so stop_cancelled ends it.
+            self.store.update_job(job.id, ray_submission_id=sid)
+        log.info("submitted %s as Ray job %s", job.id, sid)
+
+    def job_env(self, job: JobRow, token: str) -> dict[str, str]:
+        run_spec = JobRunSpec(job_id=job.id, spec=JobCreate.model_validate(job.spec), seed=job.seed,
+                              output_uri=job.output_uri)
+        env = {name: os.environ[name] for name in self.settings.worker_env_passthrough if name in os.environ}
+        env.update({
+            ENV_RUN_SPEC: run_spec.model_dump_json(),
+            ENV_CALLBACK_URL: self.settings.callback_url,
+            ENV_JOB_TOKEN: token,
+        })
+        if self.settings.s3_endpoint_url:
+            env[ENV_S3_ENDPOINT_URL] = self.settings.s3_endpoint_url
+        return env
+
+    def _fail(self, job: JobRow, code: str, message: str) -> None:
+        error = ErrorInfo(code=code, message=message)
+        if self.store.transition(job.id, [JobStatus.running], JobStatus.failed, f"Job failed: {message}",
+                                 level="error", error=error.model_dump(), estimated_finish=None):
+            log.info("job %s failed: %s", job.id, message)

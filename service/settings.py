@@ -1,0 +1,72 @@
+"""The control plane's configuration: one object, read from `MOETUNE_*` environment variables."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MOETUNE_", frozen=True)
+
+    database_url: str = "sqlite:///./.moetune/moetune.db"
+    # "token1:tenantA,token2:tenantB"
+    api_tokens: str = "dev-token:default"
+    ray_address: str = "http://127.0.0.1:8265"  # Ray Jobs API (dashboard) URL
+    max_running_jobs: int = 2
+    scheduler_enabled: bool = True
+    scheduler_interval_s: float = 1.0
+    callback_url: str = "http://127.0.0.1:8000"  # how workers reach this control plane
+    default_output_uri: str = "s3://moetune/outputs"
+    s3_endpoint_url: str | None = None  # S3-compatible endpoint; unset = AWS
+    # Names of variables copied from this process's environment into every Ray job (comma-separated or JSON list).
+    worker_env_passthrough: Annotated[list[str], NoDecode] = [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_DEFAULT_REGION",
+        "HF_HUB_OFFLINE",
+    ]
+    driver_entrypoint: str = "python -m workers.driver"
+
+    @field_validator("worker_env_passthrough", mode="before")
+    @classmethod
+    def _split_names(cls, value):
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else [n.strip() for n in text.split(",") if n.strip()]
+        return value
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _well_formed_tokens(cls, value: str) -> str:
+        parse_api_tokens(value)
+        return value
+
+    @field_validator("max_running_jobs")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+    @property
+    def tenants_by_token(self) -> dict[str, str]:
+        return parse_api_tokens(self.api_tokens)
+
+
+def parse_api_tokens(spec: str) -> dict[str, str]:
+    """`"tok1:tenantA,tok2:tenantB"` -> {"tok1": "tenantA", ...}; a malformed entry is a startup error."""
+    tenants: dict[str, str] = {}
+    for number, entry in enumerate(filter(None, (e.strip() for e in spec.split(","))), start=1):
+        token, sep, tenant = entry.rpartition(":")
+        if not sep or not token.strip() or not tenant.strip():
+            # The entry itself is not echoed: it holds a secret.
+            raise ValueError(f"api_tokens entry {number} must look like 'token:tenant'")
+        tenants[token.strip()] = tenant.strip()
+    if not tenants:
+        raise ValueError("api_tokens must name at least one 'token:tenant'")
+    return tenants

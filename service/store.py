@@ -1,0 +1,307 @@
+"""Persistence of jobs, their events and checkpoints (SQLAlchemy 2; SQLite by default, Postgres in production).
+
+Status changes are conditional updates (`UPDATE ... WHERE status IN (...)`), so the HTTP routes, the
+worker reports and the scheduler thread can race without one overwriting another's decision.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    func,
+    or_,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+from api.models import JobStatus
+
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+ACTIVE_STATUSES = tuple(s for s in JobStatus if not s.terminal)
+# Autoincrementing 64-bit keys; SQLite only autoincrements a column declared INTEGER.
+SequenceKey = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("tenant", "idempotency_key", name="uq_jobs_tenant_idempotency_key"),
+        Index("ix_jobs_tenant_created", "tenant", "created_at"),
+        Index("ix_jobs_status_priority_created", "status", "priority", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(32))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float)  # epoch seconds, sub-second so age order is exact
+    started_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+    spec: Mapped[dict] = mapped_column(JSON)  # JobCreate after resolve_spec
+    seed: Mapped[int] = mapped_column(BigInteger)
+    output_uri: Mapped[str] = mapped_column(Text)
+    fine_tuned_model: Mapped[str | None] = mapped_column(Text)
+    result_files: Mapped[list] = mapped_column(JSON, default=list)
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    error: Mapped[dict | None] = mapped_column(JSON)
+    progress: Mapped[dict] = mapped_column(JSON, default=dict)
+    estimated_finish: Mapped[float | None] = mapped_column(Float)
+    ray_submission_id: Mapped[str | None] = mapped_column(String(128))
+    job_token_hash: Mapped[str | None] = mapped_column(String(64))
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    request_hash: Mapped[str | None] = mapped_column(String(64))
+    # Set by a cancel; cleared once Ray confirmed the job's submission is stopped (or there was none).
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+
+    seq: Mapped[int] = mapped_column(SequenceKey, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    level: Mapped[str] = mapped_column(String(16))
+    type: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict | None] = mapped_column(JSON)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+
+    seq: Mapped[int] = mapped_column(SequenceKey, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    step_number: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str] = mapped_column(Text)
+    metrics: Mapped[dict] = mapped_column(JSON)
+
+
+class IdempotencyKeyTaken(Exception):
+    """Another request created a job with this tenant's idempotency key first."""
+
+
+def _engine(url: str) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+    in_memory = parsed.database in (None, "", ":memory:")
+    if not in_memory:
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url,
+        # Routes run in a thread pool and the scheduler in its own thread.
+        connect_args={"check_same_thread": False, "timeout": 30},
+        # An in-memory database exists once per connection: share a single one.
+        poolclass=StaticPool if in_memory else None,
+    )
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn, _record):
+        cursor = dbapi_conn.cursor()
+        if not in_memory:
+            cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    return engine
+
+
+class Store:
+    def __init__(self, url: str):
+        self.engine = _engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest revision (alembic `upgrade head`)."""
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+        with self.engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+
+    def ping(self) -> bool:
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            return True
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ------------------------------------------------------------ jobs
+
+    def create_job(self, job: JobRow, first_events: Iterable[str]) -> JobRow:
+        """Insert a job with its first events; IdempotencyKeyTaken if the tenant's key is already used."""
+        now = time.time()
+        job.created_at = now
+        try:
+            with self._sessions.begin() as s:
+                s.add(job)
+                s.flush()  # the job row must exist before its events (foreign key)
+                s.add_all(EventRow(job_id=job.id, created_at=now, level="info", type="message", message=m)
+                          for m in first_events)
+        except IntegrityError as e:
+            if job.idempotency_key is not None and self.find_by_idempotency_key(job.tenant, job.idempotency_key):
+                raise IdempotencyKeyTaken() from e
+            raise
+        return job
+
+    def find_by_idempotency_key(self, tenant: str, key: str) -> JobRow | None:
+        with self._sessions() as s:
+            return s.scalar(select(JobRow).where(JobRow.tenant == tenant, JobRow.idempotency_key == key))
+
+    def get_job(self, job_id: str, tenant: str | None = None) -> JobRow | None:
+        """The job, or None when unknown or (with `tenant`) owned by another tenant."""
+        with self._sessions() as s:
+            job = s.get(JobRow, job_id)
+        return job if job is not None and (tenant is None or job.tenant == tenant) else None
+
+    def list_jobs(self, tenant: str, limit: int, after: JobRow | None = None) -> tuple[list[JobRow], bool]:
+        """Newest first; `after` is the last job of the previous page."""
+        query = select(JobRow).where(JobRow.tenant == tenant)
+        if after is not None:
+            query = query.where(or_(
+                JobRow.created_at < after.created_at,
+                (JobRow.created_at == after.created_at) & (JobRow.id < after.id),
+            ))
+        query = query.order_by(JobRow.created_at.desc(), JobRow.id.desc())
+        return self._page(query, limit)
+
+    def next_queued(self, limit: int) -> list[JobRow]:
+        """Queued jobs in the order they should start: highest priority, then oldest."""
+        query = (select(JobRow).where(JobRow.status == JobStatus.queued)
+                 .order_by(JobRow.priority.desc(), JobRow.created_at.asc(), JobRow.id.asc()).limit(limit))
+        with self._sessions() as s:
+            return list(s.scalars(query))
+
+    def jobs_with_status(self, status: JobStatus) -> list[JobRow]:
+        with self._sessions() as s:
+            return list(s.scalars(select(JobRow).where(JobRow.status == status).order_by(JobRow.created_at)))
+
+    def cancelled_with_ray_job(self) -> list[JobRow]:
+        """Cancelled jobs whose Ray submission has not been confirmed stopped yet."""
+        query = select(JobRow).where(JobRow.status == JobStatus.cancelled, JobRow.cancel_requested.is_(True),
+                                     JobRow.ray_submission_id.is_not(None))
+        with self._sessions() as s:
+            return list(s.scalars(query))
+
+    def count_by_status(self) -> dict[str, int]:
+        with self._sessions() as s:
+            rows = s.execute(select(JobRow.status, func.count()).group_by(JobRow.status))
+            return {status: count for status, count in rows}
+
+    def transition(
+        self,
+        job_id: str,
+        from_statuses: Iterable[JobStatus],
+        to_status: JobStatus,
+        message: str,
+        level: str = "info",
+        **fields: Any,
+    ) -> bool:
+        """Move a job to `to_status` only if it is in one of `from_statuses`; records `message` as an event.
+
+        Returns False (and changes nothing) when another actor moved the job first.
+        """
+        now = time.time()
+        if to_status.terminal:
+            fields.setdefault("finished_at", now)
+        if to_status == JobStatus.running:
+            fields.setdefault("started_at", now)
+        with self._sessions.begin() as s:
+            result = s.execute(
+                update(JobRow)
+                .where(JobRow.id == job_id, JobRow.status.in_([str(f) for f in from_statuses]))
+                .values(status=to_status.value, **fields)
+            )
+            if result.rowcount != 1:
+                return False
+            s.add(EventRow(job_id=job_id, created_at=now, level=level, type="message", message=message))
+        return True
+
+    def update_job(self, job_id: str, only_if_status: Iterable[JobStatus] | None = None, **fields: Any) -> bool:
+        query = update(JobRow).where(JobRow.id == job_id)
+        if only_if_status is not None:
+            query = query.where(JobRow.status.in_([str(f) for f in only_if_status]))
+        with self._sessions.begin() as s:
+            return s.execute(query.values(**fields)).rowcount == 1
+
+    # ------------------------------------------------------------ events
+
+    def add_event(
+        self,
+        job_id: str,
+        message: str,
+        level: str = "info",
+        type: str = "message",
+        data: dict | None = None,
+        change_job: Callable[[JobRow], None] | None = None,
+    ) -> None:
+        """Append an event; `change_job` may modify the job row (assign, don't mutate, JSON fields) in the same transaction."""
+        with self._sessions.begin() as s:
+            # Locking the job row (a no-op on SQLite, which has one writer) makes a job's event
+            # sequence numbers commit in order, so an `after` cursor never skips a late commit.
+            job = s.scalar(select(JobRow).where(JobRow.id == job_id).with_for_update())
+            if change_job is not None:
+                change_job(job)
+            s.add(EventRow(job_id=job_id, created_at=time.time(), level=level, type=type, message=message, data=data))
+
+    def list_events(self, job_id: str, limit: int, after_seq: int | None = None) -> tuple[list[EventRow], bool]:
+        """Oldest first."""
+        query = select(EventRow).where(EventRow.job_id == job_id)
+        if after_seq is not None:
+            query = query.where(EventRow.seq > after_seq)
+        return self._page(query.order_by(EventRow.seq.asc()), limit)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def add_checkpoint(self, job_id: str, step_number: int, uri: str, metrics: dict) -> None:
+        with self._sessions.begin() as s:
+            s.add(CheckpointRow(job_id=job_id, created_at=time.time(), step_number=step_number, uri=uri,
+                                metrics=metrics))
+
+    def list_checkpoints(self, job_id: str, limit: int, after_seq: int | None = None) -> tuple[list[CheckpointRow], bool]:
+        """Newest first, like OpenAI's checkpoint list."""
+        query = select(CheckpointRow).where(CheckpointRow.job_id == job_id)
+        if after_seq is not None:
+            query = query.where(CheckpointRow.seq < after_seq)
+        return self._page(query.order_by(CheckpointRow.seq.desc()), limit)
+
+    # ------------------------------------------------------------ helpers
+
+    def _page(self, query, limit: int) -> tuple[list, bool]:
+        with self._sessions() as s:
+            rows = list(s.scalars(query.limit(limit + 1)))
+        return rows[:limit], len(rows) > limit
