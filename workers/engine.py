@@ -1,0 +1,39 @@
+"""The DeepSpeed ZeRO engine over the LoRA model."""
+
+from __future__ import annotations
+
+from api.models import JobCreate
+from workers.schedule import lr_scheduler
+
+
+def deepspeed_config(spec: JobCreate, world_size: int, bf16: bool) -> dict:
+    t = spec.training
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * world_size),
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": spec.parallelism.zero_stage},
+        "bf16": {"enabled": bf16},
+        # The client optimizer is plain torch AdamW: DeepSpeed's CPU Adam needs a compiled extension.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # progress goes to the control plane, not stdout
+    }
+
+
+def build_engine(model, spec: JobCreate, world_size: int, total_steps: int, bf16: bool):
+    """Returns (engine, lr_scheduler); DeepSpeed steps the scheduler at every optimizer step."""
+    import deepspeed
+    import torch
+
+    t = spec.training
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=0.0)
+    scheduler = lr_scheduler(optimizer, total_steps, t.warmup_ratio, t.lr_scheduler)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(spec, world_size, bf16),
+    )
+    return engine, scheduler

@@ -1,0 +1,78 @@
+"""Reports from the Ray job back to the control plane (events, metrics, checkpoints, the result).
+
+Reporting must never take training down: failures are retried with backoff, then logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import httpx
+
+from api.models import (
+    ENV_CALLBACK_URL,
+    ENV_JOB_TOKEN,
+    REPORT_PATH,
+    CheckpointMetrics,
+    CheckpointReport,
+    ErrorInfo,
+    EventReport,
+    ResultReport,
+    WorkerReport,
+)
+
+log = logging.getLogger("moetune.reporter")
+
+
+class Reporter:
+    def __init__(self, job_id: str, callback_url: str | None = None, token: str | None = None,
+                 attempts: int = 5, backoff_s: float = 0.5):
+        base = callback_url if callback_url is not None else os.environ.get(ENV_CALLBACK_URL)
+        self.url = base.rstrip("/") + REPORT_PATH.format(job_id=job_id) if base else None
+        token = token if token is not None else os.environ.get(ENV_JOB_TOKEN)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.attempts, self.backoff_s = attempts, backoff_s
+
+    def send(self, report) -> bool:
+        """Posts one report; True when the control plane accepted it."""
+        body = WorkerReport(report=report).model_dump(mode="json")
+        if self.url is None:
+            log.info("report (no callback URL): %s", body["report"])
+            return False
+        for attempt in range(self.attempts):
+            try:
+                response = httpx.post(self.url, json=body, headers=self.headers, timeout=10)
+                if response.status_code < 500:
+                    if response.is_success:
+                        return True
+                    # A 4xx will not get better by retrying (bad token, job gone).
+                    log.warning("report rejected with HTTP %s: %s", response.status_code, response.text[:200])
+                    return False
+                problem = f"HTTP {response.status_code}"
+            except httpx.HTTPError as e:
+                problem = f"{type(e).__name__}: {e}"
+            if attempt + 1 < self.attempts:
+                time.sleep(self.backoff_s * 2**attempt)
+        log.warning("report dropped after %d attempts (%s): %s", self.attempts, problem, body["report"])
+        return False
+
+    def event(self, message: str, level: str = "info", type: str = "message", data: dict[str, Any] | None = None):
+        return self.send(EventReport(message=message, level=level, type=type, data=data))
+
+    def metrics(self, step: int, **values: Any):
+        values = {"step": step, **values}
+        summary = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+        return self.event(f"Step {step}: {summary}", type="metrics", data=values)
+
+    def checkpoint(self, step: int, uri: str, **metrics: Any):
+        return self.send(CheckpointReport(step_number=step, uri=uri, metrics=CheckpointMetrics(step=step, **metrics)))
+
+    def succeeded(self, fine_tuned_model: str, result_files: list[str], trained_tokens: int | None):
+        return self.send(ResultReport(status="succeeded", fine_tuned_model=fine_tuned_model,
+                                      result_files=result_files, trained_tokens=trained_tokens))
+
+    def failed(self, code: str, message: str, param: str | None = None):
+        return self.send(ResultReport(status="failed", error=ErrorInfo(code=code, message=message, param=param)))

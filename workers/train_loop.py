@@ -1,0 +1,185 @@
+"""The loop every Ray Train worker runs: load, LoRA, DeepSpeed ZeRO, steps, eval, checkpoints, adapter.
+
+Rank 0 ("chief") reports to the control plane and writes what exists once (adapter, metrics);
+the first worker of each node ("node leader") moves node-local files to and from storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+
+from api.models import JobRunSpec
+from workers import storage
+from workers.checkpoints import save_adapter, save_checkpoint
+from workers.data import collate, eval_micro_batches, load_rows, step_micro_batches, tokenize_rows
+from workers.engine import build_engine
+from workers.lora import apply_lora
+from workers.model import load_model, load_tokenizer
+from workers.reporter import Reporter
+from workers.schedule import total_steps
+
+ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE = "adapter", "metrics.jsonl", "summary.json"
+
+
+class _Worker:
+    def __init__(self, config: dict):
+        import ray.train
+        import ray.train.torch
+        import torch
+
+        os.environ.update(config["worker_env"])  # report endpoint and storage credentials
+        torch.set_num_threads(config["threads"])
+        self.run = JobRunSpec.model_validate_json(config["run_spec"])
+        self.spec, self.t = self.run.spec, self.run.spec.training
+        ctx = ray.train.get_context()
+        self.rank, self.world, self.local_rank = ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank()
+        self.chief, self.node_leader = self.rank == 0, self.local_rank == 0
+        self.device = ray.train.torch.get_device()
+        self.reporter = Reporter(self.run.job_id) if self.chief else None
+        self.node_dir = os.path.join(tempfile.gettempdir(), "moetune", self.run.job_id)
+
+    # -------------------------------------------------------------- helpers
+
+    def event(self, message: str, **kwargs) -> None:
+        if self.chief:
+            self.reporter.event(message, **kwargs)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def all_sum(self, *values: float) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    # -------------------------------------------------------------- phases
+
+    def load(self) -> None:
+        model_dir = os.path.join(self.node_dir, "model")
+        self.event("Loading model", data={"model": self.spec.model})
+        if self.node_leader:
+            shutil.rmtree(self.node_dir, ignore_errors=True)
+            storage.download_dir(self.spec.model, model_dir)
+        self.barrier()
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = apply_lora(load_model(model_dir, self.device), self.spec.lora)
+        total = sum(p.numel() for p in self.model.parameters())
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.event(f"Model loaded: {total:,} parameters, {trainable:,} trainable (LoRA)",
+                   data={"parameters": total, "trainable_parameters": trainable})
+
+    def load_data(self) -> None:
+        seq_len = self.t.seq_len
+        self.train_set, dropped = tokenize_rows(self.tokenizer, load_rows(self.spec.training_file, "training_file"), seq_len)
+        if dropped:
+            self.event(f"{dropped} training rows have no trained token within seq_len={seq_len}; skipped",
+                       level="warn")
+        self.valid_set = []
+        if self.spec.validation_file:
+            self.valid_set, _ = tokenize_rows(self.tokenizer, load_rows(self.spec.validation_file, "validation_file"),
+                                          seq_len)
+
+    def evaluate(self) -> float:
+        """Token-weighted mean loss over the whole validation set, across ranks."""
+        import torch
+        import torch.nn.functional as F
+
+        loss_sum = count = 0.0
+        self.engine.eval()
+        with torch.no_grad():
+            for indices in eval_micro_batches(len(self.valid_set), self.t.micro_batch_size, self.rank, self.world):
+                real = [self.valid_set[i] for i in indices if i is not None]
+                # A rank whose share ran out still runs a forward: under ZeRO-3 it is a collective.
+                batch = self.to_device(collate(real or self.valid_set[:1], self.tokenizer.pad_token_id))
+                logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                labels = batch["labels"][:, 1:]
+                if real:
+                    loss_sum += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
+                                                ignore_index=-100, reduction="sum").item()
+                    count += (labels != -100).sum().item()
+        self.engine.train()
+        loss_sum, count = self.all_sum(loss_sum, count)
+        return loss_sum / count
+
+    def checkpoint(self, step: int, record: dict) -> None:
+        local = os.path.join(self.node_dir, "checkpoints", f"step-{step}")
+        save_checkpoint(self.engine, local, is_writer=self.chief)
+        self.barrier()
+        uri = storage.join(self.run.output_uri, "checkpoints", f"step-{step}")
+        if self.node_leader:
+            storage.upload_dir(local, uri)
+            shutil.rmtree(local)
+        self.barrier()
+        if self.chief:
+            self.reporter.checkpoint(step, uri, train_loss=record["train_loss"], valid_loss=record.get("valid_loss"))
+
+    def train(self) -> None:
+        t = self.t
+        steps = total_steps(len(self.train_set), t.global_batch_size, t.max_steps, t.n_epochs)
+        self.engine, scheduler = build_engine(self.model, self.spec, self.world, steps,
+                                              bf16=self.device.type == "cuda")
+        self.event(f"Training started: {steps} steps on {self.world} workers",
+                   data={"total_steps": steps, "train_examples": len(self.train_set), "workers": self.world})
+        self.history, trained_tokens = [], 0
+        for step in range(1, steps + 1):
+            started, learning_rate = time.perf_counter(), scheduler.get_last_lr()[0]
+            loss_sum = tokens = 0.0
+            micro_batches = step_micro_batches(len(self.train_set), step - 1, t.global_batch_size, t.micro_batch_size,
+                                               self.rank, self.world, self.run.seed)
+            for indices in micro_batches:
+                batch = self.to_device(collate([self.train_set[i] for i in indices], self.tokenizer.pad_token_id))
+                loss = self.engine(**batch).loss
+                self.engine.backward(loss)
+                self.engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
+                loss_sum += loss.item()
+                tokens += batch["attention_mask"].sum().item()
+            loss_sum, n_micro, tokens = self.all_sum(loss_sum, len(micro_batches), tokens)
+            trained_tokens += int(tokens)
+            record = {"step": step, "total_steps": steps, "train_loss": loss_sum / n_micro,
+                      "learning_rate": learning_rate,
+                      "tokens_per_second": tokens / (time.perf_counter() - started),
+                      "trained_tokens": trained_tokens}
+            if self.valid_set and ((t.eval_every and step % t.eval_every == 0) or step == steps):
+                record["valid_loss"] = self.evaluate()
+            if self.chief:
+                self.reporter.metrics(**record)
+                self.history.append(record)
+            if t.checkpoint_every and step % t.checkpoint_every == 0 and step < steps:
+                self.checkpoint(step, record)
+
+    def finish(self) -> None:
+        local = os.path.join(self.node_dir, ADAPTER_DIR)
+        save_adapter(self.engine, local, is_writer=self.chief)
+        if self.chief:
+            storage.upload_dir(local, storage.join(self.run.output_uri, ADAPTER_DIR))
+            lines = "".join(json.dumps(r) + "\n" for r in self.history)
+            storage.write_bytes(storage.join(self.run.output_uri, METRICS_FILE), lines.encode())
+            last = self.history[-1]
+            summary = {k: last.get(k) for k in ("step", "train_loss", "valid_loss", "trained_tokens")}
+            summary["first_train_loss"] = self.history[0]["train_loss"]
+            storage.write_bytes(storage.join(self.run.output_uri, SUMMARY_FILE), json.dumps(summary).encode())
+            self.event("Training finished", data=summary)
+        self.barrier()
+        if self.node_leader:
+            shutil.rmtree(self.node_dir, ignore_errors=True)
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Entry point for ray.train.torch.TorchTrainer; `config` comes from workers.driver."""
+    worker = _Worker(config)
+    worker.load()
+    worker.load_data()
+    worker.train()
+    worker.finish()
