@@ -1,0 +1,101 @@
+"""A real control plane on a loopback port (uvicorn in a background thread) and helpers to drive its jobs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from api.client import Client
+from api.models import REPORT_PATH, JobStatus
+from service.app import create_app
+from service.auth import hash_token, new_job_token
+from service.embedded import free_port
+from service.settings import Settings
+from service.store import Store
+
+TOKENS = {"tenant-a": "tok-a", "tenant-b": "tok-b"}
+API_TOKENS = ",".join(f"{token}:{tenant}" for tenant, token in TOKENS.items())
+SPEC = {"model": "s3://models/tiny", "training_file": "s3://data/train.jsonl"}
+
+
+@dataclass
+class RunningService:
+    url: str
+    app: FastAPI
+
+    @property
+    def store(self) -> Store:
+        return self.app.state.store
+
+    def http(self, tenant: str | None = "tenant-a") -> httpx.Client:
+        headers = {"Authorization": f"Bearer {TOKENS[tenant]}"} if tenant else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=10)
+
+    def sdk(self, tenant: str = "tenant-a") -> Client:
+        return Client(self.url, TOKENS[tenant], timeout=10)
+
+    def create_job(self, tenant: str = "tenant-a", **fields) -> dict:
+        response = self.http(tenant).post("/v1/fine_tuning/jobs", json={**SPEC, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def start_job(self, job_id: str) -> str:
+        """What the scheduler does around a Ray submission, minus Ray; returns the job's worker token."""
+        token = new_job_token()
+        assert self.store.transition(job_id, [JobStatus.validating_files], JobStatus.queued, "Job queued")
+        assert self.store.update_job(job_id, job_token_hash=hash_token(token))
+        assert self.store.transition(job_id, [JobStatus.queued], JobStatus.running, "Job started",
+                                     ray_submission_id=f"moetune-{job_id}")
+        return token
+
+    def report(self, job_id: str, token: str, report: dict) -> httpx.Response:
+        return httpx.post(self.url + REPORT_PATH.format(job_id=job_id), json={"report": report},
+                          headers={"Authorization": f"Bearer {token}"}, timeout=10)
+
+
+@contextmanager
+def run_service(settings: Settings) -> Iterator[RunningService]:
+    port = free_port()
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the control plane did not start")
+        time.sleep(0.02)
+    try:
+        yield RunningService(url=f"http://127.0.0.1:{port}", app=app)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def settings_for(tmp_dir, **overrides) -> Settings:
+    values = {"database_url": f"sqlite:///{tmp_dir}/moetune.db", "api_tokens": API_TOKENS,
+              "scheduler_enabled": False, "default_output_uri": "s3://outputs/runs", **overrides}
+    return Settings(**values)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory) -> Iterator[RunningService]:
+    """One control plane per test module, scheduler off: tests move jobs along themselves."""
+    with run_service(settings_for(tmp_path_factory.mktemp("service"))) as running:
+        yield running
+
+
+@pytest.fixture
+def start_service(tmp_path):
+    """Starts a control plane with custom settings; stopped at the end of the test."""
+    with ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(run_service(settings_for(tmp_path, **overrides)))

@@ -1,0 +1,102 @@
+"""The internal report route: per-job tokens; events, progress, checkpoints and results reach the job."""
+
+import pytest
+
+from api.models import REPORT_PATH
+
+JOBS = "/v1/fine_tuning/jobs"
+
+
+@pytest.fixture
+def running(service):
+    job_id = service.create_job()["id"]
+    return job_id, service.start_job(job_id)
+
+
+def test_a_wrong_or_missing_job_token_is_401(service, running):
+    job_id, token = running
+    other_id = service.create_job()["id"]
+    other_token = service.start_job(other_id)
+    event = {"kind": "event", "message": "hello"}
+
+    assert service.report(job_id, "not-the-token", event).status_code == 401
+    assert service.report(job_id, other_token, event).status_code == 401  # tokens are per job
+    assert service.report("ftjob-unknown", token, event).status_code == 401
+    missing = service.http(None).post(REPORT_PATH.format(job_id=job_id), json={"report": event})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_job_token"
+    assert service.report(job_id, token, event).status_code == 200
+
+
+def test_metrics_events_update_progress_and_eta(service, running):
+    job_id, token = running
+    data = {"step": 5, "total_steps": 20, "train_loss": 2.5, "tokens_per_second": 900.0, "trained_tokens": 4096}
+    reply = service.report(job_id, token, {"kind": "event", "type": "metrics", "message": "Step 5", "data": data})
+    assert reply.json() == {"job_status": "running"}
+    service.report(job_id, token, {"kind": "event", "type": "metrics", "message": "eval",
+                                   "data": {"step": 5, "valid_loss": 2.7}})
+
+    job = service.http().get(f"{JOBS}/{job_id}").json()
+    assert job["progress"] == {"step": 5, "total_steps": 20, "train_loss": 2.5, "valid_loss": 2.7,
+                               "tokens_per_second": 900.0}
+    assert job["trained_tokens"] == 4096
+    assert job["estimated_finish"] >= job["created_at"]
+    last = service.http().get(f"{JOBS}/{job_id}/events", params={"limit": 100}).json()["data"][-2]
+    assert last["type"] == "metrics" and last["data"]["train_loss"] == 2.5
+
+
+def test_malformed_metrics_are_rejected(service, running):
+    job_id, token = running
+    reply = service.report(job_id, token, {"kind": "event", "type": "metrics", "message": "x",
+                                           "data": {"step": "seven"}})
+    assert reply.status_code == 422 and reply.json()["error"]["param"] == "report.data"
+    assert service.http().get(f"{JOBS}/{job_id}").json()["progress"]["step"] == 0
+
+
+def test_checkpoints_are_listed_newest_first(service, running):
+    job_id, token = running
+    for step in (10, 20, 30):
+        service.report(job_id, token, {"kind": "checkpoint", "step_number": step, "uri": f"s3://o/ckpt-{step}",
+                                       "metrics": {"step": step, "train_loss": 1.0 / step}})
+    http = service.http()
+    page = http.get(f"{JOBS}/{job_id}/checkpoints", params={"limit": 2}).json()
+    assert [c["step_number"] for c in page["data"]] == [30, 20] and page["has_more"]
+    assert page["data"][0]["fine_tuned_model_checkpoint"] == "s3://o/ckpt-30"
+    assert page["data"][0]["fine_tuning_job_id"] == job_id
+    rest = http.get(f"{JOBS}/{job_id}/checkpoints", params={"after": page["last_id"]}).json()
+    assert [c["step_number"] for c in rest["data"]] == [10] and not rest["has_more"]
+
+
+def test_a_success_result_finishes_the_job(service, running):
+    job_id, token = running
+    result = {"kind": "result", "status": "succeeded", "fine_tuned_model": "s3://o/adapter",
+              "result_files": ["s3://o/metrics.jsonl"], "trained_tokens": 12345}
+    assert service.report(job_id, token, result).json() == {"job_status": "succeeded"}
+
+    job = service.http().get(f"{JOBS}/{job_id}").json()
+    assert job["status"] == "succeeded" and job["fine_tuned_model"] == "s3://o/adapter"
+    assert job["result_files"] == ["s3://o/metrics.jsonl"] and job["trained_tokens"] == 12345
+    assert job["finished_at"] is not None and job["error"] is None
+
+
+def test_a_failure_result_carries_the_error(service, running):
+    job_id, token = running
+    error = {"code": "invalid_training_file", "message": "row 3 of train.jsonl is not JSON", "param": "training_file"}
+    service.report(job_id, token, {"kind": "result", "status": "failed", "error": error})
+
+    job = service.http().get(f"{JOBS}/{job_id}").json()
+    assert job["status"] == "failed" and job["error"] == error
+    last = service.http().get(f"{JOBS}/{job_id}/events", params={"limit": 100}).json()["data"][-1]
+    assert last["level"] == "error" and last["message"] == "Job failed: row 3 of train.jsonl is not JSON"
+
+
+def test_reports_after_cancel_are_accepted_but_do_not_revive_the_job(service, running):
+    job_id, token = running
+    assert service.http().post(f"{JOBS}/{job_id}/cancel").json()["status"] == "cancelled"
+
+    late = {"kind": "event", "type": "metrics", "message": "Step 9", "data": {"step": 9}}
+    assert service.report(job_id, token, late).json() == {"job_status": "cancelled"}
+    done = {"kind": "result", "status": "succeeded", "fine_tuned_model": "s3://o/adapter"}
+    assert service.report(job_id, token, done).status_code == 200
+
+    job = service.http().get(f"{JOBS}/{job_id}").json()
+    assert job["status"] == "cancelled" and job["fine_tuned_model"] is None and job["progress"]["step"] == 0

@@ -1,0 +1,76 @@
+"""The SQL store on a real SQLite file: queue order, cursors, idempotency, conditional status changes."""
+
+import pytest
+
+from api.models import JobStatus
+from service.store import IdempotencyKeyTaken, JobRow, Store
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/nested/dir/moetune.db")  # the parent directories are created
+    store.migrate()
+    yield store
+    store.close()
+
+
+def add_job(store: Store, job_id: str, tenant="t", priority=0, status=JobStatus.queued, key=None) -> JobRow:
+    row = JobRow(id=job_id, tenant=tenant, status=status.value, priority=priority, spec={}, seed=1,
+                 output_uri=f"s3://o/{job_id}", result_files=[], progress={}, idempotency_key=key,
+                 request_hash="h", cancel_requested=False)
+    return store.create_job(row, ["Job created"])
+
+
+def test_migrating_twice_is_a_no_op(store):
+    store.migrate()
+    assert store.ping() and store.count_by_status() == {}
+
+
+def test_next_queued_orders_by_priority_then_age(store):
+    for job_id, priority in [("old-low", 0), ("old-high", 5), ("new-high", 5), ("new-low", 0), ("urgent", 9)]:
+        add_job(store, job_id, priority=priority)
+    add_job(store, "running-high", priority=100, status=JobStatus.running)
+
+    assert [j.id for j in store.next_queued(10)] == ["urgent", "old-high", "new-high", "old-low", "new-low"]
+    assert [j.id for j in store.next_queued(2)] == ["urgent", "old-high"]
+
+
+def test_job_pages_go_newest_first_and_stay_within_the_tenant(store):
+    for n in range(5):
+        add_job(store, f"job-{n}")
+    add_job(store, "other", tenant="someone-else")
+
+    first, more = store.list_jobs("t", limit=2)
+    assert [j.id for j in first] == ["job-4", "job-3"] and more
+    second, more = store.list_jobs("t", limit=2, after=first[-1])
+    assert [j.id for j in second] == ["job-2", "job-1"] and more
+    last, more = store.list_jobs("t", limit=2, after=second[-1])
+    assert [j.id for j in last] == ["job-0"] and not more
+
+
+def test_an_idempotency_key_is_unique_per_tenant(store):
+    add_job(store, "a1", key="k")
+    add_job(store, "b1", tenant="other", key="k")  # another tenant may use the same key
+    with pytest.raises(IdempotencyKeyTaken):
+        add_job(store, "a2", key="k")
+    assert store.find_by_idempotency_key("t", "k").id == "a1"
+    assert store.get_job("a2") is None
+
+
+def test_transitions_are_conditional_and_write_events(store):
+    add_job(store, "j", status=JobStatus.running)
+    assert store.transition("j", [JobStatus.running], JobStatus.cancelled, "Job cancelled")
+    assert not store.transition("j", [JobStatus.running], JobStatus.succeeded, "Job succeeded")
+
+    job = store.get_job("j")
+    assert job.status == "cancelled" and job.finished_at is not None
+    events, more = store.list_events("j", limit=10)
+    assert [e.message for e in events] == ["Job created", "Job cancelled"] and not more
+    later, _ = store.list_events("j", limit=10, after_seq=events[0].seq)
+    assert [e.message for e in later] == ["Job cancelled"]
+
+
+def test_tenant_scoped_lookup_hides_other_tenants_jobs(store):
+    add_job(store, "j", tenant="a")
+    assert store.get_job("j", "a").id == "j"
+    assert store.get_job("j", "b") is None
