@@ -1,0 +1,108 @@
+"""The scheduler against real parts: a moto S3 server for file checks, an unreachable Ray for resilience."""
+
+import json
+import time
+
+import boto3
+import pytest
+
+from api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL, JobRunSpec, JobStatus
+from service.embedded import free_port
+from service.scheduler import Scheduler, short_cause
+
+JOBS = "/v1/fine_tuning/jobs"
+
+
+@pytest.fixture
+def inputs(s3_endpoint, s3_bucket):
+    """URIs of a model folder and training/validation files that exist in a real bucket."""
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    for key in ("model/config.json", "train.jsonl", "valid.jsonl"):
+        s3.put_object(Bucket=s3_bucket, Key=key, Body=b"{}")
+    return {"model": f"s3://{s3_bucket}/model", "training_file": f"s3://{s3_bucket}/train.jsonl",
+            "validation_file": f"s3://{s3_bucket}/valid.jsonl"}
+
+
+@pytest.fixture
+def nowhere() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+def status_of(service, job_id: str) -> dict:
+    return service.http().get(f"{JOBS}/{job_id}").json()
+
+
+@pytest.mark.parametrize("override, param", [
+    ({"model": "s3://{bucket}/no-such-model"}, "model"),
+    ({"training_file": "s3://{bucket}/missing.jsonl"}, "training_file"),
+    ({"validation_file": "s3://no-such-bucket-x1/valid.jsonl"}, "validation_file"),
+])
+def test_missing_inputs_fail_the_job_with_the_field(start_service, s3_endpoint, s3_bucket, inputs, nowhere,
+                                                    override, param):
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=nowhere)
+    spec = {**inputs, **{k: v.format(bucket=s3_bucket) for k, v in override.items()}}
+    job_id = service.create_job(**spec)["id"]
+
+    Scheduler(service.store, service.app.state.settings).tick()
+
+    job = status_of(service, job_id)
+    assert job["status"] == "failed" and job["error"]["code"] == "file_not_found"
+    assert job["error"]["param"] == param and spec[param] in job["error"]["message"]
+    events = service.http().get(f"{JOBS}/{job_id}/events").json()["data"]
+    assert events[-1]["level"] == "error" and events[-1]["message"].startswith("Job failed: ")
+
+
+def test_an_unreachable_ray_keeps_jobs_queued_and_they_can_be_cancelled(start_service, s3_endpoint, inputs,
+                                                                         nowhere):
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=nowhere, scheduler_enabled=True,
+                            scheduler_interval_s=0.05)
+    job_id = service.create_job(**inputs)["id"]
+    deadline = time.monotonic() + 15
+    while status_of(service, job_id)["status"] == "validating_files" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # several ticks that each fail to reach Ray
+
+    assert status_of(service, job_id)["status"] == "queued"
+    assert service.app.state.scheduler._thread.is_alive()
+    assert service.http().post(f"{JOBS}/{job_id}/cancel").json()["status"] == "cancelled"
+    messages = [e["message"] for e in service.http().get(f"{JOBS}/{job_id}/events").json()["data"]]
+    assert messages == ["Job created", "Validating files", "Job queued", "Job cancelled"]
+
+
+def test_ray_jobs_get_the_run_spec_and_passthrough_env(start_service, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    service = start_service(s3_endpoint_url="http://s3.local:9000", callback_url="http://cp:8000")
+    job_id = service.create_job(seed=11)["id"]
+
+    env = Scheduler(service.store, service.app.state.settings).job_env(service.store.get_job(job_id), "secret")
+
+    run_spec = JobRunSpec.model_validate(json.loads(env[ENV_RUN_SPEC]))
+    assert run_spec.job_id == job_id and run_spec.seed == 11
+    assert run_spec.output_uri == f"s3://outputs/runs/{job_id}" and run_spec.spec.training.n_epochs == 1
+    assert env[ENV_CALLBACK_URL] == "http://cp:8000" and env[ENV_JOB_TOKEN] == "secret"
+    assert env[ENV_S3_ENDPOINT_URL] == "http://s3.local:9000"
+    assert env["HF_HUB_OFFLINE"] == "1" and "AWS_SESSION_TOKEN" not in env
+
+
+def test_ray_failure_messages_are_shortened_to_the_cause():
+    message = ("Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):\n"
+               "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: bad rank\n")
+    assert short_cause(message) == "Job entrypoint command failed with exit code 1 (ValueError: bad rank)"
+    assert short_cause("Job was intentionally stopped.") == "Job was intentionally stopped"
+    assert short_cause(None) == "the Ray job ended without a message"
+
+
+def test_settings_read_the_environment(monkeypatch):
+    from service.settings import Settings
+
+    monkeypatch.setenv("MOETUNE_API_TOKENS", "t1:alpha, t2:beta")
+    monkeypatch.setenv("MOETUNE_WORKER_ENV_PASSTHROUGH", "A,B")
+    monkeypatch.setenv("MOETUNE_MAX_RUNNING_JOBS", "5")
+    settings = Settings()
+    assert settings.tenants_by_token == {"t1": "alpha", "t2": "beta"}
+    assert settings.worker_env_passthrough == ["A", "B"] and settings.max_running_jobs == 5
+
+    monkeypatch.setenv("MOETUNE_API_TOKENS", "no-tenant-here")
+    with pytest.raises(ValueError, match="entry 1"):
+        Settings()
