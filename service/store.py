@@ -34,7 +34,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from api.models import JobStatus
@@ -77,7 +77,7 @@ class JobRow(Base):
     job_token_hash: Mapped[str | None] = mapped_column(String(64))
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64))
-    # Set by a cancel; cleared once Ray confirmed the job's submission is stopped (or there was none).
+    # Set by a cancel; cleared once the job's Ray submission (if it had one) was told to stop.
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
@@ -269,7 +269,10 @@ class Store:
         data: dict | None = None,
         change_job: Callable[[JobRow], None] | None = None,
     ) -> None:
-        """Append an event; `change_job` may modify the job row (assign, don't mutate, JSON fields) in the same transaction."""
+        """Append an event; `change_job` may modify the job row in the same transaction.
+
+        (`change_job` must assign JSON fields anew: in-place changes to a dict are not detected.)
+        """
         with self._sessions.begin() as s:
             # Locking the job row (a no-op on SQLite, which has one writer) makes a job's event
             # sequence numbers commit in order, so an `after` cursor never skips a late commit.
@@ -292,7 +295,8 @@ class Store:
             s.add(CheckpointRow(job_id=job_id, created_at=time.time(), step_number=step_number, uri=uri,
                                 metrics=metrics))
 
-    def list_checkpoints(self, job_id: str, limit: int, after_seq: int | None = None) -> tuple[list[CheckpointRow], bool]:
+    def list_checkpoints(self, job_id: str, limit: int,
+                         after_seq: int | None = None) -> tuple[list[CheckpointRow], bool]:
         """Newest first, like OpenAI's checkpoint list."""
         query = select(CheckpointRow).where(CheckpointRow.job_id == job_id)
         if after_seq is not None:

@@ -129,3 +129,12 @@ def test_readyz_is_503_when_the_database_is_gone(start_service, tmp_path):
     shutil.rmtree(tmp_path / "db")  # SQLite cannot open (or re-create) a file in a missing directory
     response = service.http(None).get("/readyz")
     assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
+
+
+def test_an_internal_error_is_a_500_without_a_stack_trace(service):
+    job_id = service.create_job()["id"]
+    service.store.update_job(job_id, spec={"not": "a job spec"})  # a row this version cannot read
+    response = service.http().get(f"{JOBS}/{job_id}")
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "internal_error"
+    assert "Traceback" not in response.text and "ValidationError" not in response.text
