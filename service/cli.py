@@ -11,7 +11,7 @@ import click
 import yaml
 from pydantic import ValidationError
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from api.client import APIError, Client
 from api.models import JobCreate, JobStatus
@@ -106,10 +106,12 @@ def jobs() -> None:
 @click.pass_context
 def jobs_list(ctx: click.Context, limit: int, after: str | None) -> None:
     page = _client(ctx.parent).jobs.list(after=after, limit=limit)
-    table = Table("id", "status", "created", "model", "step", "loss")
+    # Ids must stay copy-pasteable on narrow or non-tty consoles: never wrap or truncate them.
+    table = Table(Column("id", no_wrap=True, min_width=30), Column("status", no_wrap=True, min_width=16),
+                  "model", "created", "step", "loss")
     for job in page.data:
         p = job.progress
-        table.add_row(job.id, job.status, _when(job.created_at), job.model,
+        table.add_row(job.id, job.status, job.model, _when(job.created_at),
                       f"{p.step}/{p.total_steps or '?'}", f"{p.train_loss:.4f}" if p.train_loss is not None else "-")
     console.print(table)
     if page.has_more:

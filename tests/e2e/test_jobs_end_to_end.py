@@ -106,7 +106,8 @@ def test_cancel_stops_the_running_ray_job(client_a, tiny_assets, ray_head):
 
 
 def test_malformed_row_fails_the_job_with_the_row_number(client_a, tiny_assets, s3_bucket):
-    rows = ['{"text": "fine"}', '{"messages": [{"role": "user", "content": "hi"}]}', "{not json", '{"text": "x"}']
+    rows = ['{"text": "fine"}', '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
+            "{not json", '{"text": "x"}']
     boto3.client("s3", endpoint_url=os.environ["MOETUNE_S3_ENDPOINT_URL"]).put_object(
         Bucket=s3_bucket, Key="bad.jsonl", Body="\n".join(rows).encode())
     spec = _spec(tiny_assets).model_copy(update={"training_file": f"s3://{s3_bucket}/bad.jsonl",
