@@ -8,6 +8,7 @@ submitted through the SDK.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -22,11 +23,20 @@ from service.progress import follow
 
 BUCKET = "moetune-demo"
 TOKEN = "demo-token"
+ADAPTER_COPY = Path(".moetune/demo-adapter")  # the demo's S3 server is gone when it exits; keep the adapter
 
 
 def _upload_dir(s3, local: Path, prefix: str) -> None:
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         s3.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(local).as_posix()}")
+
+
+def _download_dir(s3, uri: str, local: Path) -> None:
+    prefix = uri.removeprefix(f"s3://{BUCKET}/")
+    for obj in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", []):
+        target = local / obj["Key"][len(prefix) + 1:]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        s3.download_file(BUCKET, obj["Key"], str(target))
 
 
 def _make_assets(work: Path, s3) -> None:
@@ -71,7 +81,8 @@ def run_demo(timeout: float = 600) -> int:
         env = s3_env(s3_url)
         os.environ.update(env)
         console.print(f"[bold]S3-compatible server[/] {s3_url}")
-        _make_assets(work, boto3.client("s3", endpoint_url=s3_url))
+        s3 = boto3.client("s3", endpoint_url=s3_url)
+        _make_assets(work, s3)
         console.print("Generated a tiny kimi_linear MoE checkpoint, tokenizer and dataset; uploaded to "
                       f"s3://{BUCKET}/")
         with local_ray_head(num_cpus=max(4, os.cpu_count() or 1), env=env) as head:
@@ -91,12 +102,15 @@ def run_demo(timeout: float = 600) -> int:
                 job = client.jobs.create(demo_job_spec())
                 console.print(f"Submitted [bold]{job.id}[/]: 2 workers, ZeRO-2, LoRA r=8 on all linear layers")
                 job, follower = follow(client, job.id, timeout=timeout, console=console)
+                if job.status == JobStatus.succeeded:
+                    shutil.rmtree(ADAPTER_COPY, ignore_errors=True)
+                    _download_dir(s3, job.fine_tuned_model, ADAPTER_COPY)
     elapsed = time.monotonic() - start
     console.print(f"\nstatus: [bold]{job.status}[/]  ({elapsed:.0f}s)")
     if follower.losses:
         console.print(f"loss: first {follower.losses[0]:.4f} -> last {follower.losses[-1]:.4f}")
     if job.status == JobStatus.succeeded:
-        console.print(f"adapter: {job.fine_tuned_model}")
+        console.print(f"adapter: {job.fine_tuned_model} (copied to {ADAPTER_COPY}/)")
         return 0
     if job.error:
         console.print(f"[bold red]error[/] {job.error.code}: {job.error.message}")

@@ -1,0 +1,24 @@
+"""`make demo` runs `moetune demo`: the whole embedded default, in its own S3 server, Ray head and control plane."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.e2e
+
+
+def test_demo_command_succeeds_and_learns(tmp_path):
+    moetune = Path(sys.executable).with_name("moetune")
+    result = subprocess.run([str(moetune), "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=420)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert "status: succeeded" in out
+    first, last = map(float, re.search(r"loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
+    assert last < first - 1.0
+    adapter = tmp_path / ".moetune" / "demo-adapter"
+    weights = load_file(adapter / "adapter_model.safetensors")
+    assert any("lora_B" in name and t.abs().sum() > 0 for name, t in weights.items())  # B starts at zero
