@@ -16,6 +16,7 @@ from api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_END
 from workers import storage
 from workers.data import load_rows
 from workers.errors import JobError
+from workers.lora import check_targets_on_config
 from workers.model import check_supported, read_remote_config
 from workers.reporter import Reporter
 from workers.train_loop import ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE
@@ -36,7 +37,7 @@ def validate(run: JobRunSpec) -> int:
             raise JobError("invalid_uri", f"{param} {uri}: memory:// lives in one process; Ray workers cannot see it",
                            param)
     check_supported(spec)
-    read_remote_config(spec.model)
+    check_targets_on_config(read_remote_config(spec.model), spec.lora)
     rows = len(load_rows(spec.training_file, "training_file"))
     if spec.validation_file:
         load_rows(spec.validation_file, "validation_file")

@@ -22,6 +22,17 @@ def _check_targets(model, targets: list[str]) -> None:
         )
 
 
+def check_targets_on_config(config: dict, spec: LoraSpec) -> None:
+    """The target check without weights: the model is built on the meta device (no memory, no I/O)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(spec.target_modules, list):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+        _check_targets(model, spec.target_modules)
+
+
 def apply_lora(model, spec: LoraSpec):
     """Wraps `model` in a PeftModel; only the LoRA weights are trainable afterwards."""
     from peft import LoraConfig, TaskType, get_peft_model

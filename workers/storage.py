@@ -23,6 +23,8 @@ def _options(uri: str) -> dict:
     endpoint = os.environ.get(ENV_S3_ENDPOINT_URL)
     if uri.startswith("s3://") and endpoint:
         return {"endpoint_url": endpoint}
+    if uri.startswith("file://"):
+        return {"auto_mkdir": True}  # object stores have no folders to create first; make local ones behave alike
     return {}
 
 

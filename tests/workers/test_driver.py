@@ -1,0 +1,197 @@
+"""The driver for real: fail-fast validation, and LoRA jobs on the local Ray head over the S3 server."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, JobCreate, JobRunSpec
+from workers import storage
+from workers.data import collate, load_rows, step_micro_batches, tokenize_rows
+from workers.driver import root_cause, run_job
+from workers.errors import JobError
+from workers.reporter import Reporter
+from workers.tiny import write_tiny_dataset
+
+TRAINING = {"learning_rate": 3e-3, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 128}
+
+
+@pytest.fixture
+def assets(tiny_checkpoint, s3_bucket, tmp_path):
+    """The tiny checkpoint and datasets in a fresh bucket; returns the bucket's base URI."""
+    base = f"s3://{s3_bucket}"
+    storage.upload_dir(tiny_checkpoint, f"{base}/models/tiny")
+    for name, rows, seed in (("train.jsonl", 160, 0), ("valid.jsonl", 16, 1)):
+        write_tiny_dataset(str(tmp_path / name), rows, seed)
+        storage.write_bytes(f"{base}/data/{name}", (tmp_path / name).read_bytes())
+    return base
+
+
+def _run_spec(base: str, job_id: str, training: dict, zero_stage: int, **spec) -> JobRunSpec:
+    create = JobCreate(
+        model=f"{base}/models/tiny", training_file=f"{base}/data/train.jsonl",
+        validation_file=f"{base}/data/valid.jsonl", lora={"rank": 8, "alpha": 16, "dropout": 0.0},
+        training={**TRAINING, **training}, parallelism={"num_workers": 2, "zero_stage": zero_stage}, **spec)
+    return JobRunSpec(job_id=job_id, spec=create, seed=3, output_uri=f"{base}/out/{job_id}")
+
+
+def _driver_env(run: JobRunSpec, receiver) -> dict[str, str]:
+    return {ENV_RUN_SPEC: run.model_dump_json(), ENV_CALLBACK_URL: receiver.url, ENV_JOB_TOKEN: "tok",
+            "HF_HUB_OFFLINE": "1"}
+
+
+# ------------------------------------------------------------------ fail fast
+
+
+def test_malformed_row_fails_before_any_worker_starts(assets, receiver):
+    lines = storage.read_text(f"{assets}/data/train.jsonl").splitlines()
+    lines[6] = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 7}]})
+    storage.write_bytes(f"{assets}/data/train.jsonl", "\n".join(lines).encode())
+    run = _run_spec(assets, "ftjob-badrow", {"max_steps": 2}, zero_stage=2)
+
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "workers.driver"], env={**os.environ, **_driver_env(run, receiver)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert time.monotonic() - started < 30  # no Ray, no model download
+    (result,) = receiver.of_kind("result")
+    assert result.status == "failed"
+    assert (result.error.code, result.error.param) == ("invalid_training_file", "training_file")
+    assert result.error.message == (f"training_file {assets}/data/train.jsonl row 7: "
+                                    "'messages[1].content' must be a string")
+    assert "Traceback" not in result.error.message
+
+
+def test_missing_model_fails_fast(assets, receiver):
+    run = _run_spec(assets, "ftjob-nomodel", {"max_steps": 2}, zero_stage=2).model_copy()
+    run.spec.model = f"{assets}/models/absent"
+    assert not run_job(run, Reporter(run.job_id, callback_url=receiver.url, token="t"))
+    (result,) = receiver.of_kind("result")
+    assert (result.error.code, result.error.param) == ("model_not_found", "model")
+
+
+def test_worker_job_errors_keep_code_and_param():
+    from ray.train import WorkerGroupError
+
+    inner = JobError("invalid_target_modules", "no linear module named 'wq'", "lora.target_modules")
+    error = WorkerGroupError("rank 0 failed", {0: inner, 1: RuntimeError("peer gone")})
+    cause = root_cause(error)
+    assert (cause.code, cause.param, cause.message) == (inner.code, inner.param, inner.message)
+    assert root_cause(RuntimeError("boom\nline two")).message == "RuntimeError: line two"
+
+
+# ------------------------------------------------------------------ real jobs on Ray
+
+
+def _expected_first_loss(run: JobRunSpec, checkpoint: str) -> float:
+    """Step 1's train loss recomputed on the plain transformers model: mean over all ranks' micro-batches."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t, world = run.spec.training, run.spec.parallelism.num_workers
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    examples, _ = tokenize_rows(tokenizer, load_rows(run.spec.training_file, "training_file"), t.seq_len)
+    losses = []
+    with torch.no_grad():
+        for rank in range(world):
+            for indices in step_micro_batches(len(examples), 0, t.global_batch_size, t.micro_batch_size,
+                                              rank, world, run.seed):
+                losses.append(model(**collate([examples[i] for i in indices], tokenizer.pad_token_id)).loss.item())
+    return sum(losses) / len(losses)
+
+
+def _adapter_valid_loss(run: JobRunSpec, checkpoint: str, tmp_path) -> float:
+    """Token-weighted validation loss of the exported adapter on the plain transformers model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = storage.download_dir(f"{run.output_uri}/adapter", str(tmp_path / "adapter"))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapter).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    examples, _ = tokenize_rows(tokenizer, load_rows(run.spec.validation_file, "validation_file"),
+                                run.spec.training.seq_len)
+    total = count = 0.0
+    with torch.no_grad():
+        for e in examples:
+            batch = collate([e], tokenizer.pad_token_id)
+            n = (batch["labels"][:, 1:] != -100).sum().item()
+            total += model(**batch).loss.item() * n
+            count += n
+    return total / count
+
+
+def _submit(client, **kwargs) -> str:
+    """submit_job, retried while a just-started head's job agent is not up yet."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return client.submit_job(**kwargs)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def test_zero2_job_through_the_jobs_api(assets, ray_head, receiver, tiny_checkpoint, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    run = _run_spec(assets, "ftjob-zero2", {"max_steps": 20, "eval_every": 10, "checkpoint_every": 10},
+                    zero_stage=2)
+    client = JobSubmissionClient(ray_head.dashboard_url)
+    started = time.monotonic()
+    sid = _submit(client, entrypoint=f"{sys.executable} -m workers.driver",
+                  runtime_env={"env_vars": _driver_env(run, receiver)})
+    while (status := client.get_job_status(sid)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        assert time.monotonic() - started < 240, "job did not finish in time"
+        time.sleep(1)
+    wall = time.monotonic() - started
+    assert status == JobStatus.SUCCEEDED, client.get_job_logs(sid)[-4000:]
+    print(f"ZeRO-2 job: {wall:.1f}s wall")
+
+    messages = [e.message for e in receiver.of_kind("event")]
+    assert any(m.startswith("Loading model") for m in messages)
+    assert any(m.startswith("Training started: 20 steps on 2 workers") for m in messages)
+    metrics = receiver.metrics()
+    assert [m["step"] for m in metrics] == list(range(1, 21))
+    first, last = metrics[0]["train_loss"], metrics[-1]["train_loss"]
+    print(f"train loss {first:.3f} -> {last:.3f}; valid loss {metrics[-1]['valid_loss']:.3f}")
+    assert first == pytest.approx(_expected_first_loss(run, tiny_checkpoint), abs=1e-4)
+    assert last < 3.0 < 5.0 < first
+    assert metrics[9]["valid_loss"] > metrics[-1]["valid_loss"]
+    assert all(m["learning_rate"] > 0 and m["tokens_per_second"] > 0 for m in metrics)
+
+    (checkpoint,) = receiver.of_kind("checkpoint")
+    assert (checkpoint.step_number, checkpoint.uri) == (10, f"{run.output_uri}/checkpoints/step-10")
+    assert storage.exists(f"{checkpoint.uri}/adapter/adapter_model.safetensors")
+    assert storage.exists(f"{checkpoint.uri}/deepspeed/latest")
+
+    (result,) = receiver.of_kind("result")
+    assert result.status == "succeeded" and result.fine_tuned_model == f"{run.output_uri}/adapter"
+    assert result.trained_tokens == metrics[-1]["trained_tokens"]
+    assert result.result_files == [f"{run.output_uri}/metrics.jsonl"]
+    assert len(storage.read_text(result.result_files[0]).splitlines()) == 20
+    assert _adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
+
+
+def test_zero3_job(assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
+    import ray
+
+    run = _run_spec(assets, "ftjob-zero3", {"max_steps": 4}, zero_stage=3)
+    for name, value in _driver_env(run, receiver).items():  # the driver forwards these to its workers
+        monkeypatch.setenv(name, value)
+    ray.init(address=ray_head.gcs_address)
+    try:
+        assert run_job(run, Reporter(run.job_id))
+    finally:
+        ray.shutdown()
+    metrics = receiver.metrics()
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[0]["train_loss"] == pytest.approx(_expected_first_loss(run, tiny_checkpoint), abs=1e-4)
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"] and math.isfinite(metrics[-1]["valid_loss"])
+    assert _adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)

@@ -1,0 +1,36 @@
+import socket
+
+from workers.reporter import Reporter
+
+
+def test_posts_reports_with_the_job_token(receiver):
+    r = Reporter("ftjob-1", callback_url=receiver.url, token="secret")
+    assert r.event("Loading model")
+    assert r.metrics(3, train_loss=1.5, total_steps=10)
+    assert r.checkpoint(3, "s3://b/out/checkpoints/step-3", train_loss=1.5)
+    assert r.succeeded("s3://b/out/adapter", ["s3://b/out/metrics.jsonl"], trained_tokens=42)
+    assert r.failed("invalid_training_file", "row 3: bad", "training_file")
+    assert {req for req in receiver.requests} == {("/internal/v1/jobs/ftjob-1/reports", "Bearer secret")}
+    kinds = [rep.report.kind for rep in receiver.reports]
+    assert kinds == ["event", "event", "checkpoint", "result", "result"]
+    assert receiver.metrics() == [{"step": 3, "train_loss": 1.5, "total_steps": 10}]
+    assert receiver.of_kind("result")[1].error.param == "training_file"
+
+
+def test_retries_server_errors(receiver):
+    receiver.fail_first = 2
+    assert Reporter("j", callback_url=receiver.url, token="t", backoff_s=0.01).event("hi")
+    assert len(receiver.requests) == 3 and len(receiver.reports) == 1
+
+
+def test_never_raises_when_the_control_plane_is_down():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    r = Reporter("j", callback_url=f"http://127.0.0.1:{port}", token="t", attempts=2, backoff_s=0.01)
+    assert r.event("hi") is False
+
+
+def test_without_callback_url_only_logs(monkeypatch):
+    monkeypatch.delenv("MOETUNE_CALLBACK_URL", raising=False)
+    assert Reporter("j").event("hi") is False
