@@ -17,6 +17,7 @@ from workers import storage
 from workers.checkpoints import save_adapter, save_checkpoint
 from workers.data import collate, eval_micro_batches, load_rows, step_micro_batches, tokenize_rows
 from workers.engine import build_engine
+from workers.errors import DatasetError
 from workers.lora import apply_lora
 from workers.model import load_model, load_tokenizer
 from workers.reporter import Reporter
@@ -34,6 +35,7 @@ class _Worker:
         os.environ.update(config["worker_env"])  # report endpoint and storage credentials
         torch.set_num_threads(config["threads"])
         self.run = JobRunSpec.model_validate_json(config["run_spec"])
+        torch.manual_seed(self.run.seed)  # same LoRA init on every rank and in every rerun of the job
         self.spec, self.t = self.run.spec, self.run.spec.training
         ctx = ray.train.get_context()
         self.rank, self.world, self.local_rank = ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank()
@@ -83,6 +85,9 @@ class _Worker:
     def load_data(self) -> None:
         seq_len = self.t.seq_len
         self.train_set, dropped = tokenize_rows(self.tokenizer, load_rows(self.spec.training_file, "training_file"), seq_len)
+        if not self.train_set:
+            raise DatasetError("training_file", f"training_file {self.spec.training_file}: no row has a trained "
+                                                f"token within seq_len={seq_len}")
         if dropped:
             self.event(f"{dropped} training rows have no trained token within seq_len={seq_len}; skipped",
                        level="warn")

@@ -76,7 +76,16 @@ def test_missing_model_fails_fast(assets, receiver):
 
 
 def test_worker_job_errors_keep_code_and_param():
+    import pickle
+
     from ray.train import WorkerGroupError
+
+    from workers.errors import DatasetError
+
+    for error in (JobError("c", "m", "p"), DatasetError("training_file", "row 2: bad")):
+        copy = pickle.loads(pickle.dumps(error))  # how worker failures reach the driver
+        assert (type(copy), copy.code, copy.message, copy.param) == (type(error), error.code, error.message,
+                                                                     error.param)
 
     inner = JobError("invalid_target_modules", "no linear module named 'wq'", "lora.target_modules")
     error = WorkerGroupError("rank 0 failed", {0: inner, 1: RuntimeError("peer gone")})
@@ -179,19 +188,35 @@ def test_zero2_job_through_the_jobs_api(assets, ray_head, receiver, tiny_checkpo
     assert _adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
 
 
-def test_zero3_job(assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
+def _run_in_process(run: JobRunSpec, ray_head, receiver, monkeypatch) -> bool:
+    """run_job from this process, connected to the session's Ray head."""
     import ray
 
-    run = _run_spec(assets, "ftjob-zero3", {"max_steps": 4}, zero_stage=3)
     for name, value in _driver_env(run, receiver).items():  # the driver forwards these to its workers
         monkeypatch.setenv(name, value)
     ray.init(address=ray_head.gcs_address)
     try:
-        assert run_job(run, Reporter(run.job_id))
+        return run_job(run, Reporter(run.job_id))
     finally:
         ray.shutdown()
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_other_zero_stages(zero_stage, assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
+    run = _run_spec(assets, f"ftjob-zero{zero_stage}", {"max_steps": 4}, zero_stage=zero_stage)
+    assert _run_in_process(run, ray_head, receiver, monkeypatch)
     metrics = receiver.metrics()
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert metrics[0]["train_loss"] == pytest.approx(_expected_first_loss(run, tiny_checkpoint), abs=1e-4)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"] and math.isfinite(metrics[-1]["valid_loss"])
     assert _adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
+
+
+def test_job_error_inside_a_worker_reaches_the_result(assets, ray_head, receiver, monkeypatch):
+    long_prompt = {"messages": [{"role": "user", "content": "x" * 64}, {"role": "assistant", "content": "a"}]}
+    storage.write_bytes(f"{assets}/data/train.jsonl", (json.dumps(long_prompt) + "\n").encode() * 8)
+    run = _run_spec(assets, "ftjob-noloss", {"max_steps": 2, "seq_len": 16}, zero_stage=2)
+    assert not _run_in_process(run, ray_head, receiver, monkeypatch)
+    (result,) = receiver.of_kind("result")
+    assert (result.error.code, result.error.param) == ("invalid_training_file", "training_file")
+    assert result.error.message.endswith("no row has a trained token within seq_len=16")
