@@ -63,9 +63,8 @@ class Reporter:
         return self.send(EventReport(message=message, level=level, type=type, data=data))
 
     def metrics(self, step: int, **values: Any):
-        values = {"step": step, **values}
         summary = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
-        return self.event(f"Step {step}: {summary}", type="metrics", data=values)
+        return self.event(f"Step {step}: {summary}", type="metrics", data={"step": step, **values})
 
     def checkpoint(self, step: int, uri: str, **metrics: Any):
         return self.send(CheckpointReport(step_number=step, uri=uri, metrics=CheckpointMetrics(step=step, **metrics)))
