@@ -12,7 +12,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-URI_SCHEMES = ("s3://", "file://", "memory://")
+# memory:// is deliberately absent: it lives in one process and Ray workers are others.
+URI_SCHEMES = ("s3://", "file://")
 
 
 class JobStatus(StrEnum):

@@ -1,4 +1,4 @@
-"""Checks that a job's input objects exist before it is queued (fsspec: s3://, file://, memory://)."""
+"""Checks that a job's input objects exist before it is queued (fsspec: s3://, file://)."""
 
 from __future__ import annotations
 

@@ -62,6 +62,8 @@ class RayJobs:
             self._call("submit_job", entrypoint=entrypoint, submission_id=submission_id,
                        runtime_env={"env_vars": env_vars})
         except RuntimeError as e:
+            if "No available agent" in str(e):  # the head is up but its job agent is not ready yet
+                raise RayUnavailable(str(e)) from e
             if "already exists" not in str(e):
                 raise
             log.warning("Ray already has submission %s; treating it as submitted", submission_id)

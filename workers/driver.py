@@ -31,12 +31,6 @@ FORWARDED_ENV = (ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_S3_ENDPOINT_URL, "AWS_ACCE
 def validate(run: JobRunSpec) -> int:
     """Fails fast, before any worker starts: returns the number of training rows."""
     spec = run.spec
-    uris = {"model": spec.model, "training_file": spec.training_file, "validation_file": spec.validation_file,
-            "output_uri": run.output_uri}
-    for param, uri in uris.items():
-        if uri and uri.startswith("memory://"):
-            raise JobError("invalid_uri", f"{param} {uri}: memory:// lives in one process; Ray workers cannot see it",
-                           param)
     check_supported(spec)
     check_targets_on_config(read_remote_config(spec.model), spec.lora)
     rows = len(load_rows(spec.training_file, "training_file"))

@@ -161,7 +161,7 @@ class _Worker:
             if self.chief:
                 self.reporter.metrics(**record)
                 self.history.append(record)
-            if t.checkpoint_every and step % t.checkpoint_every == 0 and step < steps:
+            if t.checkpoint_every and step % t.checkpoint_every == 0:
                 self.checkpoint(step, record)
 
     def finish(self) -> None:
