@@ -175,10 +175,12 @@ def test_zero2_job_through_the_jobs_api(assets, ray_head, receiver, tiny_checkpo
     assert metrics[9]["valid_loss"] > metrics[-1]["valid_loss"]
     assert all(m["learning_rate"] > 0 and m["tokens_per_second"] > 0 for m in metrics)
 
-    (checkpoint,) = receiver.of_kind("checkpoint")
-    assert (checkpoint.step_number, checkpoint.uri) == (10, f"{run.output_uri}/checkpoints/step-10")
-    assert storage.exists(f"{checkpoint.uri}/adapter/adapter_model.safetensors")
-    assert storage.exists(f"{checkpoint.uri}/deepspeed/latest")
+    checkpoints = receiver.of_kind("checkpoint")
+    assert [(c.step_number, c.uri) for c in checkpoints] == [
+        (step, f"{run.output_uri}/checkpoints/step-{step}") for step in (10, 20)]
+    for checkpoint in checkpoints:
+        assert storage.exists(f"{checkpoint.uri}/adapter/adapter_model.safetensors")
+        assert storage.exists(f"{checkpoint.uri}/deepspeed/latest")
 
     (result,) = receiver.of_kind("result")
     assert result.status == "succeeded" and result.fine_tuned_model == f"{run.output_uri}/adapter"
