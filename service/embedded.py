@@ -28,18 +28,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log_path: str | None = None) -> None:
+    """Polls `url` until it answers; fails early (with the log's tail) if `proc` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode} before {url} answered")
+            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode} before {url} answered"
+                               + _log_tail(log_path))
         try:
             if httpx.get(url, timeout=2).status_code < 500:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s" + _log_tail(log_path))
+
+
+def _log_tail(log_path: str | None, lines: int = 20) -> str:
+    if not log_path or not os.path.exists(log_path):
+        return ""
+    with open(log_path, errors="replace") as f:
+        return "; its output ended with:\n" + "".join(f.readlines()[-lines:])
+
+
+def _spawn(args: list[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Starts a helper server in its own process group (so stop_process ends all of it), output to a log."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 15.0) -> None:
@@ -67,18 +82,16 @@ def s3_env(endpoint_url: str) -> dict[str, str]:
 def local_s3_server(port: int | None = None):
     """A moto S3 server over HTTP on loopback; yields its endpoint URL."""
     port = port or free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    log_dir = tempfile.mkdtemp(prefix="moetune-s3-")
+    log_path = os.path.join(log_dir, "server.log")
+    proc = _spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], log_path)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(f"{url}/moto-api/", 30, proc)
+        wait_http(f"{url}/moto-api/", 30, proc, log_path)
         yield url
     finally:
         stop_process(proc)
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 @dataclass
@@ -97,22 +110,19 @@ def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
     gcs_port, dash_port = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="moetune-ray-")
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
-    proc = subprocess.Popen(
-        [
-            ray_bin, "start", "--head", "--block",
-            f"--port={gcs_port}", f"--num-cpus={num_cpus}",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-            f"--temp-dir={temp_dir}", "--disable-usage-stats",
-        ],
-        # Jobs run `python -m workers.driver`: put this interpreter's bin first so they find our packages.
-        env={**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}", **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    log_path = os.path.join(temp_dir, "ray-start.log")
+    args = [
+        ray_bin, "start", "--head", "--block",
+        f"--port={gcs_port}", f"--num-cpus={num_cpus}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+        f"--temp-dir={temp_dir}", "--disable-usage-stats",
+    ]
+    # Jobs run `python -m workers.driver`: put this interpreter's bin first so they find our packages.
+    path = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
+    proc = _spawn(args, log_path, env={**os.environ, "PATH": path, **(env or {})})
     dashboard_url = f"http://127.0.0.1:{dash_port}"
     try:
-        wait_http(f"{dashboard_url}/api/version", 90, proc)
+        wait_http(f"{dashboard_url}/api/version", 90, proc, log_path)
         yield RayHead(gcs_address=f"127.0.0.1:{gcs_port}", dashboard_url=dashboard_url)
     finally:
         stop_process(proc, grace=5)
