@@ -85,6 +85,8 @@ def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated
         store.add_event(job.id, report.message, report.level, report.type, report.data, change_job=updater)
     elif isinstance(report, CheckpointReport):
         store.add_checkpoint(job.id, report.step_number, report.uri, report.metrics.model_dump())
+        store.add_event(job.id, f"Checkpoint saved at step {report.step_number}: {report.uri}",
+                        data={"step": report.step_number, "uri": report.uri})
     else:
         _finish(store, job, report)  # a no-op for a job that already ended (e.g. cancelled)
     return {"job_status": store.get_job(job.id).status}

@@ -64,6 +64,8 @@ def test_checkpoints_are_listed_newest_first(service, running):
     assert page["data"][0]["fine_tuning_job_id"] == job_id
     rest = http.get(f"{JOBS}/{job_id}/checkpoints", params={"after": page["last_id"]}).json()
     assert [c["step_number"] for c in rest["data"]] == [10] and not rest["has_more"]
+    messages = [e["message"] for e in http.get(f"{JOBS}/{job_id}/events", params={"limit": 100}).json()["data"]]
+    assert "Checkpoint saved at step 20: s3://o/ckpt-20" in messages
 
 
 def test_a_success_result_finishes_the_job(service, running):
