@@ -1,4 +1,5 @@
-"""The SQL store on a real SQLite file: queue order, cursors, idempotency, conditional status changes."""
+"""The SQL store on a real SQLite file and a real PostgreSQL server: queue order, cursors, idempotency,
+conditional status changes."""
 
 import pytest
 
@@ -6,9 +7,13 @@ from api.models import JobStatus
 from service.store import IdempotencyKeyTaken, JobRow, Store
 
 
-@pytest.fixture
-def store(tmp_path):
-    store = Store(f"sqlite:///{tmp_path}/nested/dir/moetune.db")  # the parent directories are created
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/nested/dir/moetune.db"  # the parent directories are created
+    else:
+        url = request.getfixturevalue("postgres_url")
+    store = Store(url)
     store.migrate()
     yield store
     store.close()
