@@ -1,0 +1,103 @@
+"""Sparse attention against the dense-mask oracle: the PyTorch path and the Triton kernels (through the interpreter
+on CPU), forward and every gradient, plus the indexer's causal top-k and an sm_90 compile of both kernels."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors through the interpreter
+
+from kernels.sparse_attention import select_topk, sparse_attention  # noqa: E402
+from kernels.sparse_attention.reference import (  # noqa: E402
+    indexer_scores_reference, sparse_attention_reference, topk_mask)
+from kernels.testing import compile_in_subprocess, rmse_ratio  # noqa: E402
+
+
+def _inputs(batch=2, q_len=37, heads=4, kv_heads=2, dk=24, dv=20, topk=16, dtype=torch.float32, seed=0):
+    """Shapes that are not multiples of any block size; topk > the causal prefix for the first queries."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_len, heads, dk, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(batch, q_len, kv_heads, dk, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(batch, q_len, kv_heads, dv, generator=gen).to(dtype).requires_grad_()
+    q_idx = torch.randn(batch, q_len, 3, 8, generator=gen)
+    k_idx = torch.randn(batch, q_len, 8, generator=gen)
+    w = torch.randn(batch, q_len, 3, generator=gen)
+    indices = select_topk(q_idx, k_idx, w, topk)
+    indices[1, 5] = -1  # a query that selected nothing at all
+    grad = torch.randn(batch, q_len, heads, dv, generator=gen).to(dtype)
+    return q, k, v, indices, grad
+
+
+def _check_against_oracle(backend, dtype, tol):
+    q, k, v, indices, grad = _inputs(dtype=dtype)
+    gate = torch.randn(*q.shape[:3], v.shape[-1], dtype=dtype).requires_grad_()
+    expected = sparse_attention_reference(q.float(), k.float(), v.float(), indices, 0.3, gate.float())
+    exp_grads = torch.autograd.grad(expected, (q, k, v, gate), grad.float())
+    out = sparse_attention(q, k, v, indices, 0.3, gate=gate, backend=backend)
+    grads = torch.autograd.grad(out, (q, k, v, gate), grad)
+    assert out.dtype == dtype
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dgate"), (out, *grads), (expected, *exp_grads)):
+        assert rmse_ratio(got, want) <= tol, (name, rmse_ratio(got, want))
+    assert out[1, 5].abs().max() == 0 and grads[0][1, 5].abs().max() == 0  # no keys: zero output, zero dq
+
+
+def test_indexer_selects_the_causal_topk_of_the_dense_scores():
+    gen = torch.Generator().manual_seed(1)
+    q_idx, k_idx, w = torch.randn(2, 29, 4, 16, generator=gen), torch.randn(2, 29, 16, generator=gen), \
+        torch.randn(2, 29, 4, generator=gen)
+    indices = select_topk(q_idx, k_idx, w, 8)
+    scores = indexer_scores_reference(q_idx, k_idx, w)
+    causal = torch.ones(29, 29, dtype=torch.bool).tril()
+    for t in range(29):
+        n_valid = min(8, t + 1)
+        assert (indices[:, t, n_valid:] == -1).all()  # topk larger than the causal prefix
+        chosen = indices[:, t, :n_valid].long()
+        assert (chosen <= t).all() and (chosen >= 0).all()
+        best = scores[:, t].masked_fill(~causal[t], float("-inf")).topk(n_valid, dim=-1).values
+        torch.testing.assert_close(scores[:, t].gather(-1, chosen), best)
+
+
+def test_indexer_chunks_queries_against_a_longer_cache():
+    """Queries that continue a cache (T < S) see keys up to their own position S - T + t."""
+    gen = torch.Generator().manual_seed(2)
+    q_idx, k_idx, w = torch.randn(1, 5, 2, 8, generator=gen), torch.randn(1, 12, 8, generator=gen), \
+        torch.randn(1, 5, 2, generator=gen)
+    indices = select_topk(q_idx, k_idx, w, 12)
+    assert [(row >= 0).sum().item() for row in indices[0]] == [8, 9, 10, 11, 12]
+
+
+def test_topk_mask_ignores_invalid_slots():
+    mask = topk_mask(torch.tensor([[[0, -1, 2]]]), 4)
+    assert mask.tolist() == [[[True, False, True, False]]]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 0.005), (torch.bfloat16, 0.02)])
+def test_torch_path_matches_the_oracle(dtype, tol):
+    _check_against_oracle("torch", dtype, tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 0.005), (torch.float16, 0.005), (torch.bfloat16, 0.02)])
+def test_triton_kernels_match_the_oracle(dtype, tol):
+    _check_against_oracle("triton", dtype, tol)
+
+
+def test_default_backend_on_cpu_is_the_torch_path():
+    q, k, v, indices, _ = _inputs()
+    out = sparse_attention(q, k, v, indices, 0.3)
+    torch.testing.assert_close(out, sparse_attention(q, k, v, indices, 0.3, backend="torch"), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="backend"):
+        sparse_attention(q, k, v, indices, 0.3, backend="cuda-magic")
+
+
+def test_kernels_compile_for_sm90():
+    """Query groups of 16 (MLA-style shared kv head), 1 (one kv head per query head) and 64, head dims not powers
+    of two included."""
+    shapes = [(16, 128, 128), (1, 192, 128), (64, 64, 64)]
+    shared = compile_in_subprocess(
+        f"[importlib.import_module('kernels.sparse_attention.triton_impl').compile_sm90(*s) for s in {shapes}]")
+    for per_kernel in shared:
+        assert 0 < per_kernel["fwd"] <= 228 * 1024 and 0 < per_kernel["bwd"] <= 228 * 1024, shared
