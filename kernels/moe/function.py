@@ -1,0 +1,27 @@
+"""The expert compute with LoRA, y = xW + s·(xA)B per expert, and its backend choice: the Triton kernels on CUDA,
+torch's grouped_mm elsewhere. W is frozen in every path: it never receives a gradient and W + ΔW is never formed."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.moe.torch_impl import moe_lora_grouped_torch
+
+
+def moe_lora_grouped(x_sorted, counts, w, lora_a, lora_b, scale: float, backend: str | None = None) -> torch.Tensor:
+    """x_sorted [N, Din]: the routed token copies grouped by local expert (counts[e] rows for expert e, in expert
+    order; zero is fine); w [E, Din, Dout] (frozen; a transposed view of a [E, Dout, Din] weight works as is);
+    lora_a [E, Din, r]; lora_b [E, r, Dout]. Returns [N, Dout]; gradients flow to x_sorted, lora_a and lora_b.
+    backend: None (by device), "triton" or "torch"."""
+    if counts.numel() != w.shape[0] or lora_a.shape[0] != w.shape[0] or lora_b.shape[0] != w.shape[0]:
+        raise ValueError(f"counts, w, lora_a and lora_b must agree on the number of experts "
+                         f"({counts.numel()}, {w.shape[0]}, {lora_a.shape[0]}, {lora_b.shape[0]})")
+    if backend is None:
+        backend = "triton" if x_sorted.device.type == "cuda" else "torch"
+    if backend == "torch":
+        return moe_lora_grouped_torch(x_sorted, counts, w, lora_a, lora_b, scale)
+    if backend == "triton":
+        from kernels.moe.triton_impl import MoeLoraFn
+
+        return MoeLoraFn.apply(x_sorted.contiguous(), counts, w.detach(), lora_a, lora_b, scale)
+    raise ValueError(f"unknown MoE backend {backend!r} (expected 'triton' or 'torch')")

@@ -1,0 +1,81 @@
+"""MoE grouped GEMM with fused LoRA against the per-expert loop: forward, dX, dA and dB, W frozen; experts with no
+tokens, widths that are not multiples of the block sizes; both the grouped_mm path and the Triton kernels (through
+the interpreter on CPU), plus an sm_90 compile of the kernels."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors through the interpreter
+
+from kernels.moe import moe_lora_grouped  # noqa: E402
+from kernels.moe.reference import moe_lora_reference  # noqa: E402
+from kernels.testing import compile_in_subprocess, rmse_ratio  # noqa: E402
+
+
+def _inputs(dtype, d_in=40, d_out=72, rank=4, counts=(5, 0, 70, 3, 0), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.tensor(counts)
+    n_experts, n_rows = counts.numel(), int(counts.sum())
+    x = torch.randn(n_rows, d_in, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(n_experts, d_in, d_out, generator=gen) * d_in ** -0.5).to(dtype).requires_grad_(False)
+    a = (torch.randn(n_experts, d_in, rank, generator=gen) * 0.3).to(dtype).requires_grad_()
+    b = (torch.randn(n_experts, rank, d_out, generator=gen) * 0.3).to(dtype).requires_grad_()
+    grad = torch.randn(n_rows, d_out, generator=gen).to(dtype)
+    return x, counts, w, a, b, grad
+
+
+def _check(backend, dtype, tol, **shape):
+    x, counts, w, a, b, grad = _inputs(dtype, **shape)
+    expected = moe_lora_reference(x.float(), counts, w.float(), a.float(), b.float(), 2.0)
+    exp_grads = torch.autograd.grad(expected, (x, a, b), grad.float())
+    out = moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend)
+    grads = torch.autograd.grad(out, (x, a, b), grad)
+    assert out.dtype == dtype and out.shape == expected.shape
+    for name, got, want in zip(("y", "dx", "da", "db"), (out, *grads), (expected, *exp_grads)):
+        assert rmse_ratio(got, want) <= tol, (name, rmse_ratio(got, want))
+    for e in (1, 4):  # experts without tokens: no LoRA gradient at all
+        assert grads[1][e].abs().max() == 0 and grads[2][e].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 0.005), (torch.bfloat16, 0.01)])
+def test_grouped_mm_path_matches_the_loop(dtype, tol):
+    _check("torch", dtype, tol)
+
+
+def test_grouped_mm_path_falls_back_to_the_loop_for_unaligned_widths():
+    _check("torch", torch.bfloat16, 0.01, d_in=20, d_out=36)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 0.005), (torch.float16, 0.005), (torch.bfloat16, 0.01)])
+def test_triton_kernels_match_the_loop(dtype, tol):
+    _check("triton", dtype, tol)
+
+
+def test_triton_kernels_with_rank_wider_than_a_block_and_all_rows_on_one_expert():
+    _check("triton", torch.float32, 0.005, d_in=33, d_out=130, rank=24, counts=(0, 0, 131, 0, 0))
+
+
+def test_frozen_weight_gets_no_gradient_and_bad_arguments_are_named():
+    x, counts, w, a, b, grad = _inputs(torch.float32)
+    w.requires_grad_()
+    for backend in ("torch", "triton"):
+        out = moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend)
+        out.backward(grad)
+        assert w.grad is None
+    with pytest.raises(ValueError, match="number of experts"):
+        moe_lora_grouped(x, counts[:-1], w, a, b, 2.0)
+    with pytest.raises(ValueError, match="backend"):
+        moe_lora_grouped(x, counts, w, a, b, 2.0, backend="loop")
+
+
+def test_kernels_compile_for_sm90():
+    shapes = [(2048, 768, 16), (7168, 2048, 64), (1000, 3000, 8)]
+    shared = compile_in_subprocess(
+        f"[importlib.import_module('kernels.moe.triton_impl').compile_sm90(*s) for s in {shapes}]")
+    for per_kernel in shared:
+        assert all(0 < v <= 228 * 1024 for v in per_kernel.values()), shared
