@@ -1,8 +1,11 @@
-"""LoRA on the attention / dense-MLP / shared-expert linears via PEFT; the router stays frozen."""
+"""LoRA on the attention / dense-MLP / shared-expert linears via PEFT; the router stays frozen.
+Routed experts get per-expert LoRA in the expert-parallel module (`lora.train_experts`)."""
 
 from __future__ import annotations
 
-from api.models import LoraSpec
+from contextlib import contextmanager
+
+from api.models import JobCreate, LoraSpec
 from workers.errors import JobError
 
 
@@ -33,6 +36,23 @@ def check_targets_on_config(config: dict, spec: LoraSpec) -> None:
         _check_targets(model, spec.target_modules)
 
 
+@contextmanager
+def _no_v4_target_conversion(model):
+    """PEFT 0.21 rewrites the targets `gate`, `gate_proj`, `up_proj`, `down_proj` of some MoE model types (qwen3_moe,
+    qwen3_next, deepseek_v3) into LoRA on the fused routed experts and the router (its transformers v4 -> v5
+    conversion). Here those names mean the dense / shared-expert linears, the router stays frozen and routed
+    experts get their own expert-parallel LoRA (`train_experts`), so the conversion is off while wrapping."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    model_type = getattr(model.config, "model_type", None)
+    pattern = conversion._MODEL_TO_CONVERSION_PATTERN.pop(model_type, None)
+    try:
+        yield
+    finally:
+        if pattern is not None:
+            conversion._MODEL_TO_CONVERSION_PATTERN[model_type] = pattern
+
+
 def apply_lora(model, spec: LoraSpec):
     """Wraps `model` in a PeftModel; only the LoRA weights are trainable afterwards."""
     from peft import LoraConfig, TaskType, get_peft_model
@@ -47,4 +67,21 @@ def apply_lora(model, spec: LoraSpec):
         target_modules=spec.target_modules,  # "all-linear" leaves out lm_head; the router is no nn.Linear
         bias="none",
     )
-    return get_peft_model(model, config)
+    with _no_v4_target_conversion(model):
+        return get_peft_model(model, config)
+
+
+def trainable_model(model, spec: JobCreate):
+    """PEFT LoRA, then (with expert parallelism or `train_experts`) this rank's share of the routed experts.
+
+    Call with torch.distributed up when EP > 1; every rank must have drawn the same random state.
+    """
+    from workers.expert_parallel import ep_group, swap_experts
+    from workers.families import family_for
+
+    peft_model = apply_lora(model, spec.lora)
+    ep_size, train_experts = spec.parallelism.expert_parallel_size, spec.lora.train_experts
+    if ep_size > 1 or train_experts:
+        swap_experts(peft_model, family_for(model.config), ep_group(ep_size),
+                     lora_rank=spec.lora.rank if train_experts else 0, lora_alpha=spec.lora.alpha)
+    return peft_model

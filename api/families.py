@@ -1,0 +1,39 @@
+"""Pure-data facts about the supported MoE model families, keyed by config.json's `model_type`.
+
+The control plane uses them to reject a job at submission (expert count, LoRA target names) without
+importing torch; the workers' family adapters (workers/families/) use the same facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Linear module names every family shares (dense MLPs and shared experts).
+_MLP = ("gate_proj", "up_proj", "down_proj")
+# Multi-head latent attention (DeepSeek-V3 style), used by kimi_linear's full-attention layers too.
+_MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class FamilyFacts:
+    model_type: str
+    expert_count_keys: tuple[str, ...]  # config.json keys holding the routed expert count, first present wins
+    linear_names: tuple[str, ...]  # LoRA target names PEFT can match (leaf names of nn.Linear modules)
+
+    def num_experts(self, config: dict) -> int | None:
+        return next((config[k] for k in self.expert_count_keys if isinstance(config.get(k), int)), None)
+
+    def unknown_targets(self, targets: list[str]) -> list[str]:
+        """Names that match no linear module of this family (PEFT matches a name exactly or as a suffix)."""
+        return [t for t in targets if t.rsplit(".", 1)[-1] not in self.linear_names]
+
+
+FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
+    FamilyFacts("kimi_linear", ("num_experts", "num_local_experts"),
+                _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj")),
+    FamilyFacts("qwen3_moe", ("num_experts", "num_local_experts"), ("q_proj", "k_proj", "v_proj", "o_proj") + _MLP),
+    FamilyFacts("qwen3_next", ("num_experts",),
+                ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj",
+                 "shared_expert_gate") + _MLP),
+    FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP),
+)}

@@ -1,0 +1,143 @@
+"""Two real processes on loopback gloo, and the plain single-process transformers + PEFT reference."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+from api.models import JobCreate
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0}
+
+
+def spec(ep: int, zero: int, train_experts: bool = False, world: int = 2, steps: int = 1, micro: int = 2,
+         lr: float = 1e-2, targets="all-linear") -> JobCreate:
+    return JobCreate(model="file:///unused", training_file="file:///unused",
+                     lora={**LORA, "train_experts": train_experts, "target_modules": targets},
+                     training={"max_steps": steps, "global_batch_size": micro * world, "micro_batch_size": micro,
+                               "learning_rate": lr, "warmup_ratio": 0.0, "lr_scheduler": "constant"},
+                     parallelism={"num_workers": world, "expert_parallel_size": ep, "zero_stage": zero})
+
+
+def plain_model(family, seed: int = 0, skew_to_first_half: bool = False):
+    """The family's tiny random model with a spread-out router (a zero router routes uniformly).
+
+    `skew_to_first_half` routes every token to the first half of the experts through the router's score
+    correction bias (kimi_linear, deepseek_v3): with EP=2, rank 1's experts get no token at all.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family.tiny_config(), dtype=torch.float32)
+    with torch.no_grad():
+        for _, block in family.moe_blocks(model):
+            router = getattr(block, family.router)
+            router.weight.normal_(0.0, 0.5)
+            if skew_to_first_half:
+                half = router.e_score_correction_bias.numel() // 2
+                router.e_score_correction_bias[:half] = 100.0
+    return model
+
+
+def batch(rank: int, step: int, micro: int = 2, seq: int = 12, vocab: int = 256) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, vocab, (micro, seq), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, world: int, *args) -> None:
+    """Runs fn(rank, world, *args) in `world` fresh processes; raises if any fails."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if root not in sys.path:  # spawned children start from this sys.path and import `tests.ep.harness`
+        sys.path.append(root)
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
+
+
+def expert_bytes(model) -> int:
+    """Bytes of routed-expert base weights this rank stores (its ZeRO-3 partition where partitioned)."""
+    from workers.expert_parallel import ExpertParallelExperts
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, ExpertParallelExperts):
+            for p in (module.gate_up_proj, module.down_proj):
+                stored = getattr(p, "ds_tensor", p)
+                total += stored.numel() * stored.element_size()
+    return total
+
+
+def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
+    """The moetune engine on this rank: per-step loss, first-step full LoRA gradients, expert bytes."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from workers.engine import build_engine
+    from workers.families import family
+    from workers.lora import trainable_model
+
+    job = JobCreate.model_validate_json(spec_json)
+    fam = family(family_name)
+    model = plain_model(fam, skew_to_first_half=skew)
+    torch.manual_seed(1)
+    engine, _ = build_engine(trainable_model(model, job), job, world, job.training.max_steps, bf16=False)
+    losses, grads = [], {}
+    for step in range(job.training.max_steps):
+        loss = engine(**batch(rank, step)).loss
+        engine.backward(loss)
+        if step == 0:
+            grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+        engine.step()
+        losses.append(loss.item())
+    routed = sum(m.tokens_per_expert for m in engine.module.modules() if hasattr(m, "tokens_per_expert"))
+    torch.save({"losses": losses, "grads": grads, "expert_bytes": expert_bytes(engine.module), "routed": routed},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def reference(family_name: str, job: JobCreate, world: int, skew: bool = False) -> dict:
+    """Plain transformers + PEFT in one process: the same batches, DeepSpeed's rank-mean loss, AdamW, clipping."""
+    from workers.families import family
+    from workers.lora import apply_lora
+
+    fam = family(family_name)
+    model = plain_model(fam, skew_to_first_half=skew)
+    torch.manual_seed(1)
+    peft_model = apply_lora(model, job.lora)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=job.training.learning_rate, weight_decay=0.0)
+    losses, grads = [], {}
+    for step in range(job.training.max_steps):
+        loss = sum(peft_model(**batch(r, step)).loss for r in range(world)) / world
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    full_expert_bytes = sum(p.numel() * p.element_size() for _, block in fam.moe_blocks(model)
+                            for p in getattr(block, fam.experts).parameters())
+    return {"losses": losses, "grads": grads, "expert_bytes": full_expert_bytes}

@@ -1,0 +1,50 @@
+"""The routed-expert compute: one call over all of a rank's local experts (a grouped GEMM).
+
+Kept behind one function so that a fused kernel (e.g. a Triton grouped GEMM with LoRA) can replace the
+pure-PyTorch path without touching the dispatch around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ExpertLoraFactors:
+    """Per-expert low-rank factors (local experts only): y = xWᵀ + scaling·(xAᵀ)Bᵀ."""
+
+    gate_up_a: object  # (experts, r, hidden)
+    gate_up_b: object  # (experts, 2·intermediate, r)
+    down_a: object  # (experts, r, intermediate)
+    down_b: object  # (experts, hidden, r)
+    scaling: float
+
+
+def _project(x, weight, a, b, scaling):
+    """x @ weightᵀ, plus the low-rank path computed from the factors (W + ΔW is never formed)."""
+    y = x @ weight.transpose(0, 1)
+    if a is not None:
+        y = y + scaling * ((x @ a.transpose(0, 1)) @ b.transpose(0, 1))
+    return y
+
+
+def _expert_factors(lora: ExpertLoraFactors | None, e: int) -> tuple:
+    if lora is None:
+        return None, None, None, None, 0.0
+    return lora.gate_up_a[e], lora.gate_up_b[e], lora.down_a[e], lora.down_b[e], lora.scaling
+
+
+def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, act_fn,
+                           lora: ExpertLoraFactors | None = None):
+    """Expert MLP over tokens sorted by local expert; `counts[e]` tokens belong to local expert e.
+
+    Every local expert runs, also with zero tokens, so every weight is part of every step's graph.
+    """
+    import torch
+
+    outputs = []
+    for e, xs in enumerate(torch.split(x_sorted, counts)):
+        gu_a, gu_b, d_a, d_b, scaling = _expert_factors(lora, e)
+        gate, up = _project(xs, w_gate_up[e], gu_a, gu_b, scaling).chunk(2, dim=-1)
+        outputs.append(_project(act_fn(gate) * up, w_down[e], d_a, d_b, scaling))
+    return torch.cat(outputs)

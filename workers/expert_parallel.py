@@ -1,0 +1,162 @@
+"""Expert parallelism: each rank keeps 1/EP of the routed experts and trades tokens by all-to-all.
+
+`swap_experts` replaces every MoE block's `experts` module with an `ExpertParallelExperts` holding only
+this rank's experts as fused 3D tensors (plus, with `train_experts`, their per-expert LoRA factors).
+The family's router is left untouched. Expert parameters carry DeepSpeed's expert-parallel tags so ZeRO
+neither averages different experts' gradients nor partitions them over the wrong group.
+
+EP groups are DeepSpeed's: consecutive ranks form an EP group ([0,1],[2,3] for EP=2 of 4); the ranks that
+hold the same experts ([0,2],[1,3]) form the replica ("expert data parallel") group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from workers.expert_compute import ExpertLoraFactors, grouped_expert_forward
+
+EXPERT_PLACEMENT = "autoep_expert"  # DeepSpeed 0.19.8's ZeRO-3 placement family for expert-parallel tensors
+
+
+@dataclass(frozen=True)
+class EPGroup:
+    name: str  # DeepSpeed's group name, "ep_size_<N>"
+    size: int
+    rank: int
+    group: object  # the EP process group (None when size == 1: nothing to exchange)
+    replica_group: object  # ranks holding the same experts
+
+
+def ep_group(size: int) -> EPGroup:
+    """Creates (once) DeepSpeed's expert and expert-data-parallel groups of `size` and returns this rank's."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    name = f"ep_size_{size}"
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(size)
+    return EPGroup(name=name, size=size, rank=groups._get_expert_parallel_rank(name),
+                   group=groups._get_expert_parallel_group(name) if size > 1 else None,
+                   replica_group=groups._get_expert_data_parallel_group(name))
+
+
+def tag_expert_param(param: nn.Parameter, ep: EPGroup) -> None:
+    """The attributes DeepSpeed reads to treat `param` as expert-parallel (lost on load_state_dict(assign=True))."""
+    param.allreduce = False
+    param.group_name = ep.name
+    param.ds_zero_placement_family = EXPERT_PLACEMENT
+    param.ds_zero_partition_group_name = ep.name
+    # ZeRO-3 partitions a tensor over this group: only across ranks that hold the same experts.
+    param.ds_zero_partition_process_group = ep.replica_group
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single whose backward sends the gradients back the way the tokens came."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(x, out_splits, in_splits, ep: EPGroup):
+    return x if ep.size == 1 else _AllToAll.apply(x, out_splits, in_splits, ep.group)
+
+
+class ExpertParallelExperts(nn.Module):
+    """Drop-in for a family's `*Experts` module: same call, only this rank's experts stored."""
+
+    def __init__(self, experts: nn.Module, ep: EPGroup, lora_rank: int = 0, lora_alpha: float = 1.0):
+        super().__init__()
+        self.num_experts = experts.num_experts
+        if self.num_experts % ep.size:
+            raise ValueError(f"{self.num_experts} experts cannot be split over expert_parallel_size={ep.size}")
+        self.num_local_experts = self.num_experts // ep.size
+        self.ep = ep
+        self.act_fn = experts.act_fn
+        first = ep.rank * self.num_local_experts
+        local = slice(first, first + self.num_local_experts)
+        # clone: the full tensors must not stay alive through a view
+        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[local].clone(), requires_grad=False)
+        self.down_proj = nn.Parameter(experts.down_proj.detach()[local].clone(), requires_grad=False)
+        self.lora_rank, self.lora_scaling = lora_rank, lora_alpha / max(lora_rank, 1)
+        if lora_rank:
+            self._init_lora(local)
+        for param in self.parameters():
+            tag_expert_param(param, ep)
+        # Routed-token counts per global expert from this rank's last forward (for load metrics).
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+
+    def _init_lora(self, local: slice) -> None:
+        """A like PEFT's kaiming-uniform init, B = 0. All experts' A are drawn on every rank (same seed gives
+        the same adapter wherever an expert lives), then sliced."""
+        n, r = self.num_experts, self.lora_rank
+        two_i, hidden = self.gate_up_proj.shape[1:]
+        inter = self.down_proj.shape[2]
+        dtype = self.gate_up_proj.dtype
+
+        def uniform_a(fan_in):
+            bound = 1.0 / math.sqrt(fan_in)
+            return nn.Parameter(torch.empty(n, r, fan_in, dtype=dtype).uniform_(-bound, bound)[local].clone())
+
+        self.lora_gate_up_a = uniform_a(hidden)
+        self.lora_down_a = uniform_a(inter)
+        self.lora_gate_up_b = nn.Parameter(torch.zeros(self.num_local_experts, two_i, r, dtype=dtype))
+        self.lora_down_b = nn.Parameter(torch.zeros(self.num_local_experts, hidden, r, dtype=dtype))
+
+    def lora_factors(self) -> ExpertLoraFactors | None:
+        if not self.lora_rank:
+            return None
+        return ExpertLoraFactors(self.lora_gate_up_a, self.lora_gate_up_b, self.lora_down_a, self.lora_down_b,
+                                 self.lora_scaling)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        ep, n_local = self.ep, self.num_local_experts
+        top_k = top_k_index.shape[-1]
+        flat_experts = top_k_index.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)  # (token, slot) pairs grouped by global expert
+        token_of = order // top_k
+        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        self.tokens_per_expert.copy_(counts)
+
+        # Every rank joins both exchanges, also when it sends or receives no token.
+        send = counts.view(ep.size, n_local)
+        recv = send.clone() if ep.size == 1 else torch.empty_like(send)
+        if ep.size > 1:
+            dist.all_to_all_single(recv, send, group=ep.group)
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        received = _exchange(hidden_states[token_of], out_splits, in_splits, ep)  # by (source rank, local expert)
+
+        local_expert = torch.arange(n_local, device=recv.device).repeat(ep.size).repeat_interleave(recv.flatten())
+        by_expert = torch.argsort(local_expert, stable=True)
+        y = grouped_expert_forward(received[by_expert], recv.sum(0).tolist(), self.gate_up_proj, self.down_proj,
+                                   self.act_fn, self.lora_factors())
+        y = y[torch.argsort(by_expert)]  # back to (source rank, local expert) order
+        returned = _exchange(y, in_splits, out_splits, ep)
+
+        weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
+        out = torch.zeros_like(hidden_states)
+        return out.index_add(0, token_of, (returned * weights).to(out.dtype))
+
+
+def swap_experts(model: nn.Module, family, ep: EPGroup, lora_rank: int = 0, lora_alpha: float = 1.0) -> int:
+    """Replaces the routed experts of every MoE block; returns how many blocks were swapped."""
+    blocks = list(family.moe_blocks(model))
+    for _, block in blocks:
+        experts = getattr(block, family.experts)
+        setattr(block, family.experts, ExpertParallelExperts(experts, ep, lora_rank, lora_alpha))
+        del experts
+    return len(blocks)
