@@ -11,11 +11,12 @@ from kernels.moe.torch_impl import moe_lora_grouped_torch
 def moe_lora_grouped(x_sorted, counts, w, lora_a, lora_b, scale: float, backend: str | None = None) -> torch.Tensor:
     """x_sorted [N, Din]: the routed token copies grouped by local expert (counts[e] rows for expert e, in expert
     order; zero is fine); w [E, Din, Dout] (frozen; a transposed view of a [E, Dout, Din] weight works as is);
-    lora_a [E, Din, r]; lora_b [E, r, Dout]. Returns [N, Dout]; gradients flow to x_sorted, lora_a and lora_b.
-    backend: None (by device), "triton" or "torch"."""
-    if counts.numel() != w.shape[0] or lora_a.shape[0] != w.shape[0] or lora_b.shape[0] != w.shape[0]:
-        raise ValueError(f"counts, w, lora_a and lora_b must agree on the number of experts "
-                         f"({counts.numel()}, {w.shape[0]}, {lora_a.shape[0]}, {lora_b.shape[0]})")
+    lora_a [E, Din, r]; lora_b [E, r, Dout] (both None: no adapter). Returns [N, Dout]; gradients flow to x_sorted,
+    lora_a and lora_b. backend: None (by device), "triton" or "torch"."""
+    experts = [t.shape[0] for t in (w, lora_a, lora_b) if t is not None]
+    if counts.numel() != w.shape[0] or len(set(experts)) != 1 or (lora_a is None) != (lora_b is None):
+        raise ValueError(f"counts ({counts.numel()}), w, lora_a and lora_b must agree on the number of experts "
+                         f"({experts}) and lora_a/lora_b come together")
     if backend is None:
         backend = "triton" if x_sorted.device.type == "cuda" else "torch"
     if backend == "torch":

@@ -12,6 +12,9 @@ def moe_lora_reference(x_sorted, counts, w, lora_a, lora_b, scale: float) -> tor
     start = 0
     for e, n in enumerate(counts.tolist()):
         x_e = x_sorted[start:start + n].float()
-        out.append(x_e @ w[e].detach().float() + scale * (x_e @ lora_a[e].float()) @ lora_b[e].float())
+        y_e = x_e @ w[e].detach().float()
+        if lora_a is not None:
+            y_e = y_e + scale * (x_e @ lora_a[e].float()) @ lora_b[e].float()
+        out.append(y_e)
         start += n
     return torch.cat(out).to(x_sorted.dtype)

@@ -20,8 +20,10 @@ def moe_lora_grouped_torch(x_sorted, counts, w, lora_a, lora_b, scale: float) ->
     if not (_aligned(d_in, x_sorted.dtype) and _aligned(d_out, x_sorted.dtype)):
         return moe_lora_reference(x_sorted, counts, w, lora_a, lora_b, scale)  # odd widths: the per-expert loop
     offs = counts.cumsum(0).to(torch.int32)
+    base = F.grouped_mm(x_sorted, w.detach(), offs=offs)
+    if lora_a is None:
+        return base
     pad = -lora_a.shape[2] % (_ALIGN_BYTES // x_sorted.dtype.itemsize)  # zero rank columns change nothing
     a = F.pad(lora_a, (0, pad))
     b = F.pad(lora_b, (0, 0, 0, pad))
-    base = F.grouped_mm(x_sorted, w.detach(), offs=offs)
     return base + scale * F.grouped_mm(F.grouped_mm(x_sorted, a, offs=offs), b, offs=offs)

@@ -152,6 +152,8 @@ class MoeLoraFn(torch.autograd.Function):
         x, w, a, b, *tiles = ctx.saved_tensors
         dy = dy.contiguous()
         s = ctx.scale
+        if a is None:
+            return grouped_lora_mm(dy, w.transpose(1, 2), None, None, s, tiles), None, None, None, None, None
         dx = grouped_lora_mm(dy, w.transpose(1, 2), b.transpose(1, 2), a.transpose(1, 2), s, tiles)
         dy_bt = grouped_lora_mm(dy, b.transpose(1, 2), None, None, 1.0, tiles)  # dY B^T  [N, r]
         xa = grouped_lora_mm(x, a, None, None, 1.0, tiles)  # X A  [N, r]

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors through the interpreter
 
-from kernels.moe import moe_lora_grouped  # noqa: E402
+from kernels.moe import moe_lora_grouped, moe_lora_mlp  # noqa: E402
 from kernels.moe.reference import moe_lora_reference  # noqa: E402
 from kernels.testing import compile_in_subprocess, rmse_ratio  # noqa: E402
 
@@ -79,3 +79,39 @@ def test_kernels_compile_for_sm90():
         f"[importlib.import_module('kernels.moe.triton_impl').compile_sm90(*s) for s in {shapes}]")
     for per_kernel in shared:
         assert all(0 < v <= 228 * 1024 for v in per_kernel.values()), shared
+
+
+def _expert_mlp_loop(x, counts, w_gate_up, w_down, factors, scaling):
+    """The expert MLP written per expert in transformers' F.linear layout, LoRA as PEFT computes it."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        xs = x[start:start + n]
+        start += n
+        gu = xs @ w_gate_up[e].T
+        if factors:
+            gu = gu + scaling * (xs @ factors[0][e].T) @ factors[1][e].T
+        h = torch.nn.functional.silu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1]
+        y = h @ w_down[e].T
+        if factors:
+            y = y + scaling * (h @ factors[2][e].T) @ factors[3][e].T
+        out.append(y)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("with_lora", [True, False])
+def test_expert_mlp_matches_the_per_expert_loop(backend, with_lora):
+    gen = torch.Generator().manual_seed(3)
+    counts, hidden, inter, rank = [3, 0, 20, 9], 32, 24, 4
+    x = torch.randn(sum(counts), hidden, generator=gen).requires_grad_()
+    w_gate_up = torch.randn(4, 2 * inter, hidden, generator=gen) * 0.2
+    w_down = torch.randn(4, hidden, inter, generator=gen) * 0.2
+    factors = [(torch.randn(*shape, generator=gen) * 0.3).requires_grad_() for shape in
+               ((4, rank, hidden), (4, 2 * inter, rank), (4, rank, inter), (4, hidden, rank))] if with_lora else []
+    grad = torch.randn(sum(counts), hidden, generator=gen)
+    expected = _expert_mlp_loop(x, counts, w_gate_up, w_down, factors, 0.5)
+    exp_grads = torch.autograd.grad(expected, [x, *factors], grad)
+    out = moe_lora_mlp(x, counts, w_gate_up, w_down, torch.nn.functional.silu, *factors, scaling=0.5, backend=backend)
+    grads = torch.autograd.grad(out, [x, *factors], grad)
+    for got, want in zip((out, *grads), (expected, *exp_grads)):
+        assert rmse_ratio(got, want) <= 0.005

@@ -1,0 +1,22 @@
+"""A whole expert MLP (gate/up projection, GLU, down projection) over tokens sorted by local expert, each projection
+a grouped GEMM with fused LoRA. Weights in transformers' fused-expert layout, LoRA factors in PEFT's layout."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.moe.function import moe_lora_grouped
+
+
+def _t(x):
+    return None if x is None else x.transpose(1, 2)
+
+
+def moe_lora_mlp(x_sorted, counts, w_gate_up, w_down, act_fn, gate_up_a=None, gate_up_b=None, down_a=None,
+                 down_b=None, scaling: float = 1.0, backend: str | None = None) -> torch.Tensor:
+    """x_sorted [N, H]; counts [E] (tensor or list); w_gate_up [E, 2I, H]; w_down [E, H, I]; act_fn(gate) * up is
+    the GLU; LoRA factors A [E, r, in] and B [E, out, r] (or None). Returns [N, H]."""
+    counts = torch.as_tensor(counts, device=x_sorted.device)
+    gate_up = moe_lora_grouped(x_sorted, counts, _t(w_gate_up), _t(gate_up_a), _t(gate_up_b), scaling, backend)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return moe_lora_grouped(act_fn(gate) * up, counts, _t(w_down), _t(down_a), _t(down_b), scaling, backend)

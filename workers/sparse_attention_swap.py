@@ -1,0 +1,56 @@
+"""glm5_next's indexed (DSA) attention on kernels/sparse_attention instead of a dense T×S mask.
+
+transformers turns each layer's top-k indices into a dense boolean/additive mask and runs full attention under it.
+The swap keeps the model's own projections, indexer and cross-layer index sharing, and changes two things on each
+indexed-attention module: the indices are handed through unchanged instead of becoming a mask, and the attention
+call resolves to `moetune_sparse`, which attends over the selected keys only.
+"""
+
+from __future__ import annotations
+
+ATTN_IMPLEMENTATION = "moetune_sparse"
+
+
+def _sparse_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **_):
+    """transformers attention-interface signature: query/key/value [B, H, T|S, D]; `attention_mask` carries the
+    int top-k indices [B, T, K] (-1 = none) from the patched mask builder. Returns ([B, T, H, Dv], None)."""
+    import torch
+
+    from kernels.sparse_attention import sparse_attention
+
+    if attention_mask is None or attention_mask.is_floating_point() or attention_mask.dtype == torch.bool:
+        raise TypeError(f"{ATTN_IMPLEMENTATION} attention needs top-k indices; only swapped indexed-attention "
+                        "modules can use it")
+    if dropout:
+        raise ValueError(f"{ATTN_IMPLEMENTATION} attention has no attention dropout (got {dropout})")
+    out = sparse_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask,
+                           scale=scaling, backend=module.sparse_attention_backend)
+    return out, None
+
+
+def _indices_as_mask(topk_indices, query_states, kv_length):
+    return topk_indices
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _sparse_attention_forward)
+
+
+def swap_glm5_next_sparse_attention(model, backend: str | None = None) -> int:
+    """Route every glm5_next indexed-attention module of `model` through the sparse kernel; returns how many.
+    backend: None picks by device (Triton on CUDA), or "triton" / "torch".
+
+    Only the text config's attention implementation changes (the vision tower keeps its own)."""
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
+
+    modules = [m for m in model.modules() if isinstance(m, Glm5NextTextAttention)]
+    if not modules:
+        return 0
+    _register()
+    for module in modules:
+        module.build_attention_mask_from_topk = _indices_as_mask
+        module.sparse_attention_backend = backend
+        module.config._attn_implementation = ATTN_IMPLEMENTATION
+    return len(modules)
