@@ -1,0 +1,94 @@
+"""The chunked PyTorch KDA and the dispatch, against the token-by-token oracle: output, final state and every
+gradient (q, k, v, g, β, initial state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.kda import chunk_kda, chunk_kda_torch, l2norm, naive_recurrent_kda
+from tests.kernels.kda_cases import NAMES, as_fp32, make_inputs, rmse_ratio, run_with_grads
+
+FP32_TOL = 0.005  # fla's bar for fp32
+BF16_TOL = 0.01  # bf16 inputs and outputs, fp32 inside: rounding of the stored results only
+
+KEYS = ("o", "final", *(f"d{n}" for n in NAMES))
+
+
+def assert_close(ours, ref, tol):
+    errors = {key: rmse_ratio(ours[key], ref[key]) for key in KEYS}
+    assert all(torch.isfinite(ours[key]).all() for key in KEYS)
+    assert max(errors.values()) <= tol, errors
+
+
+@pytest.mark.parametrize("seq_len,chunk_size", [(77, 64), (50, 32), (16, 16)])
+def test_chunked_matches_oracle_fp32(seq_len, chunk_size):
+    inputs = make_inputs(2, seq_len, 3, 32, 48)
+    ref = run_with_grads(naive_recurrent_kda, inputs)
+    ours = run_with_grads(lambda *a, **kw: chunk_kda_torch(*a, chunk_size=chunk_size, **kw), inputs)
+    assert_close(ours, ref, FP32_TOL)
+
+
+def test_strong_gates_stay_finite():
+    # log-decays down to -30 per token: exp(Γ_r)·exp(−Γ_i) over a chunk would overflow fp32 many times over.
+    inputs = make_inputs(1, 70, 2, 16, 16, gate_scale=30.0)
+    assert_close(run_with_grads(chunk_kda_torch, inputs), run_with_grads(naive_recurrent_kda, inputs), FP32_TOL)
+
+
+def test_chunked_matches_oracle_bf16():
+    inputs = make_inputs(2, 77, 2, 32, 32, dtype=torch.bfloat16)
+    ours = run_with_grads(chunk_kda_torch, inputs)
+    assert ours["o"].dtype == torch.bfloat16 and ours["dq"].dtype == torch.bfloat16
+    assert_close(ours, run_with_grads(naive_recurrent_kda, as_fp32(inputs)), BF16_TOL)
+
+
+def test_packed_sequences_with_empty_segments():
+    cu_seqlens = torch.tensor([0, 0, 37, 37, 100, 130])  # two zero-length segments, lengths off the chunk grid
+    inputs = make_inputs(1, 130, 2, 16, 24, n_states=5)
+    ref = run_with_grads(naive_recurrent_kda, inputs, cu_seqlens)
+    ours = run_with_grads(chunk_kda_torch, inputs, cu_seqlens)
+    assert_close(ours, ref, FP32_TOL)
+    # An empty segment passes its state through, and the gradient of its final state lands on its h0.
+    for empty in (0, 2):
+        torch.testing.assert_close(ours["final"][empty], inputs["h0"][empty].detach())
+        assert ours["dh0"][empty].abs().sum() > 0
+
+
+def test_packing_equals_separate_calls():
+    inputs = make_inputs(1, 90, 2, 16, 16, n_states=2)
+    packed, _ = chunk_kda_torch(*(inputs[n] for n in NAMES[:5]), initial_state=inputs["h0"],
+                                cu_seqlens=torch.tensor([0, 40, 90]))
+    for n, (bos, eos) in enumerate([(0, 40), (40, 90)]):
+        alone, _ = chunk_kda_torch(*(inputs[x][:, bos:eos] for x in NAMES[:5]), initial_state=inputs["h0"][n : n + 1])
+        torch.testing.assert_close(packed[:, bos:eos], alone)
+
+
+def test_segments_chain_through_the_state():
+    """A long sequence processed in two calls, the first's final state seeding the second, equals one call."""
+    inputs = make_inputs(1, 100, 2, 16, 16)
+    args = [inputs[n] for n in NAMES[:5]]
+    whole, whole_final = chunk_kda_torch(*args, initial_state=inputs["h0"], output_final_state=True)
+    first, mid = chunk_kda_torch(*(x[:, :45] for x in args), initial_state=inputs["h0"], output_final_state=True)
+    second, final = chunk_kda_torch(*(x[:, 45:] for x in args), initial_state=mid, output_final_state=True)
+    torch.testing.assert_close(torch.cat([first, second], dim=1), whole)
+    torch.testing.assert_close(final, whole_final)
+
+
+def test_dispatch_normalises_and_matches_transformers_reference():
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    inputs = make_inputs(2, 40, 2, 16, 16)
+    q, k = (inputs[n].detach() * 3.0 for n in ("q", "k"))  # not unit norm: the kernel normalises
+    args = (q, k, inputs["v"].detach(), inputs["g"].detach(), inputs["beta"].detach())
+    ours, ours_final = chunk_kda(*args, initial_state=inputs["h0"].detach(), output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True)
+    ref, ref_final = chunk_kimi_delta_attention(*args, initial_state=inputs["h0"].detach(), output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+    assert rmse_ratio(ours, ref) <= FP32_TOL and rmse_ratio(ours_final, ref_final) <= FP32_TOL
+    torch.testing.assert_close(l2norm(q).norm(dim=-1), torch.ones(2, 40, 2), atol=1e-5, rtol=0)
+
+
+def test_packing_rejects_a_batch():
+    inputs = make_inputs(2, 8, 1, 16, 16)
+    with pytest.raises(ValueError, match="batch size 1"):
+        chunk_kda(*(inputs[n] for n in NAMES[:5]), cu_seqlens=torch.tensor([0, 4, 8]))
