@@ -57,7 +57,7 @@ app.kubernetes.io/component: control-plane
 {{- if .Values.ray.enabled }}
 {{- printf "http://%s-head-svc.%s.svc:%v" (include "moetune.rayClusterName" .) .Release.Namespace .Values.ray.dashboardPort }}
 {{- else }}
-{{- required "ray.externalAddress is required when ray.enabled=false (the Jobs API URL of your Ray cluster)" .Values.ray.externalAddress }}
+{{- .Values.ray.externalAddress }}
 {{- end }}
 {{- end }}
 
@@ -111,6 +111,9 @@ app.kubernetes.io/component: control-plane
 {{- end }}
 {{- if and .Values.s3.accessKeyId (not .Values.s3.secretAccessKey) }}
 {{- fail "s3: s3.accessKeyId needs s3.secretAccessKey" }}
+{{- end }}
+{{- if and (not .Values.ray.enabled) (not .Values.ray.externalAddress) }}
+{{- fail "ray.externalAddress is required when ray.enabled=false (the Jobs API URL of your Ray cluster)" }}
 {{- end }}
 {{- if and (not .Values.ray.enabled) .Values.ray.auth.enabled (not (or .Values.ray.auth.token .Values.ray.auth.existingSecret)) }}
 {{- fail "ray.auth: with an external Ray cluster, give its token (ray.auth.token or ray.auth.existingSecret)" }}

@@ -1,0 +1,215 @@
+"""Every rendered object is valid for Kubernetes and for KubeRay, and the objects point at each other correctly."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+
+KUBE_VERSION = "1.30"
+CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PodMonitor"}
+
+
+def k8s_validate(obj: dict) -> None:
+    """Strict: an unknown field is an error, as with `kubectl apply` (server-side field validation)."""
+    kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def ray_pod_templates(cluster: dict) -> list[dict]:
+    spec = cluster["spec"]
+    return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+
+
+def test_chart_lints_clean_for_every_value_set(chart_dir, value_set):
+    report = helm.lint(chart_dir, value_set, strict=True, kube_version=f"v{KUBE_VERSION}.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
+
+
+def test_every_builtin_object_validates_against_kubernetes(rendered):
+    builtin = [o for o in rendered.objects if o["kind"] not in CUSTOM_KINDS]
+    assert {"Deployment", "Service", "ConfigMap"} <= {o["kind"] for o in builtin}
+    for obj in builtin:
+        k8s_validate(obj)
+
+
+def test_raycluster_validates_against_kuberay_schema_and_its_pods_against_kubernetes(rendered, raycluster_schema):
+    clusters = rendered.find("RayCluster")
+    if rendered.values.get("ray", {}).get("enabled", True) is False:
+        assert not clusters
+        return
+    (cluster,) = clusters
+    jsonschema.validate(cluster, raycluster_schema, cls=jsonschema.Draft202012Validator)
+    for template in ray_pod_templates(cluster):
+        k8s_validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "ray-pod"},
+                      "template": template})
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda d: d["spec"]["template"]["spec"]["containers"][0].update({"envv": []}),
+    lambda d: d["spec"].update({"replicas": "1"}),
+], ids=["misspelt-field", "string-replicas"])
+def test_kubernetes_validation_rejects_a_broken_deployment(render, break_it):
+    deployment = copy.deepcopy(render({}).one("Deployment"))
+    break_it(deployment)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        k8s_validate(deployment)
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda c: c["spec"]["headGroupSpec"]["rayStartParams"].update({"num-cpus": 4}),
+    lambda c: c["spec"]["workerGroupSpecs"][0].pop("groupName"),
+    lambda c: c["spec"]["workerGroupSpecs"][0].update({"replicas": "2"}),
+    lambda c: c["spec"].update({"workerGroupSpec": []}),
+], ids=["number-in-rayStartParams", "no-groupName", "string-replicas", "misspelt-field"])
+def test_kuberay_schema_rejects_what_the_operator_would(render, raycluster_schema, break_it):
+    cluster = copy.deepcopy(render({}).one("RayCluster"))
+    break_it(cluster)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(cluster, raycluster_schema, cls=jsonschema.Draft202012Validator)
+
+
+def test_control_plane_talks_to_the_ray_head_jobs_api_and_workers_call_back_to_its_service(rendered):
+    env = rendered.resolve_env(rendered.control_plane)
+    service = rendered.one("Service", rendered.one("Deployment")["metadata"]["name"])
+    port = service["spec"]["ports"][0]["port"]
+    assert env["MOETUNE_CALLBACK_URL"] == f"http://{service['metadata']['name']}.{rendered.namespace}.svc:{port}"
+    ray = rendered.values.get("ray", {})
+    if ray.get("enabled", True) is False:
+        assert env["MOETUNE_RAY_ADDRESS"] == ray["externalAddress"]
+        return
+    cluster = rendered.one("RayCluster")
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    dashboard = next(p["containerPort"] for p in head["ports"] if p["name"] == "dashboard")
+    # KubeRay names the head Service "<RayCluster name>-head-svc".
+    assert env["MOETUNE_RAY_ADDRESS"] == (
+        f"http://{cluster['metadata']['name']}-head-svc.{rendered.namespace}.svc:{dashboard}")
+    assert dashboard == 8265
+    assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+
+
+def test_every_ray_container_and_the_control_plane_share_the_ray_auth_token(rendered):
+    def auth_refs(container):
+        env = {v["name"]: v for v in container.get("env", [])}
+        if "RAY_AUTH_TOKEN" not in env:
+            return None
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        return json.dumps(env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"], sort_keys=True)
+
+    refs = {auth_refs(rendered.control_plane)}
+    for cluster in rendered.find("RayCluster"):
+        refs |= {auth_refs(c) for t in ray_pod_templates(cluster) for c in t["spec"]["containers"]}
+    enabled = rendered.values.get("ray", {}).get("auth", {}).get("enabled", True)
+    assert len(refs) == 1 and (None not in refs) == enabled, refs
+
+
+def test_ray_pods_get_a_memory_backed_dev_shm_of_the_configured_size(rendered):
+    for cluster in rendered.find("RayCluster"):
+        groups = [rendered.values.get("ray", {}).get("head", {})] + \
+            rendered.values.get("ray", {}).get("workerGroups", [{}])
+        for template, group in zip(ray_pod_templates(cluster), groups):
+            (shm,) = [v for v in template["spec"]["volumes"] if v["name"] == "shm"]
+            assert shm["emptyDir"]["medium"] == "Memory"
+            if "shmSize" in group:
+                assert shm["emptyDir"]["sizeLimit"] == group["shmSize"]
+            for container in template["spec"]["containers"]:
+                assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def test_worker_groups_carry_their_gpus_replicas_and_scheduling(render):
+    cluster = render({}).one("RayCluster")  # the defaults in values.yaml
+    (gpu,) = cluster["spec"]["workerGroupSpecs"]
+    container = gpu["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert gpu["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+
+
+def test_every_secret_and_configmap_the_control_plane_reads_is_rendered_or_named_by_the_user(rendered):
+    user_secrets = {rendered.values.get(section, {}).get("existingSecret")
+                    for section in ("auth", "s3", "database")} | \
+        {rendered.values.get("ray", {}).get("auth", {}).get("existingSecret")}
+    rendered_secrets = {s["metadata"]["name"]: s["stringData"] for s in rendered.find("Secret")}
+    container = rendered.control_plane
+    for var in container["env"]:
+        ref = var.get("valueFrom", {}).get("secretKeyRef")
+        if ref and ref["name"] not in user_secrets:
+            assert ref["key"] in rendered_secrets.get(ref["name"], {}), var
+    for source in container["envFrom"]:
+        assert rendered.find("ConfigMap", source["configMapRef"]["name"])
+
+
+def test_service_monitor_scrapes_the_control_plane_metrics_port(render):
+    rendered = render({"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}})
+    monitor = rendered.one("ServiceMonitor")
+    service = rendered.one("Service", rendered.one("Deployment")["metadata"]["name"])
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [rendered.namespace]
+    assert not render({}).find("ServiceMonitor")  # needs prometheus-operator: off unless asked for
+
+
+def test_ray_pod_monitor_hook_selects_this_release_ray_pods_on_their_metrics_port(render):
+    rendered = render({"monitoring": {"rayPodMonitor": {"enabled": True}}})
+    monitor = rendered.one("PodMonitor")
+    cluster = rendered.one("RayCluster")
+    assert monitor["spec"]["selector"]["matchLabels"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    for template in ray_pod_templates(cluster):
+        ports = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
+        assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
+
+
+def test_dashboards_ship_as_sidecar_configmaps_one_per_json_file(render, chart_dir):
+    files = sorted(p.name for p in (chart_dir / "dashboards").glob("*.json"))
+    assert "job-overview.json" in files
+    maps = [m for m in render({}).find("ConfigMap") if m["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    shipped = sorted(name for m in maps for name in m["data"])
+    assert shipped == files
+    for m in maps:
+        for name, text in m["data"].items():
+            assert json.loads(text) == json.loads((chart_dir / "dashboards" / name).read_text())
+    assert not render({"monitoring": {"grafanaDashboards": {"enabled": False}}}).find("ConfigMap", maps[0]["metadata"]["name"])
+
+
+def test_generated_secrets_are_random_and_given_ones_are_used(render):
+    first, second = render({}), render({})
+    name = next(s["metadata"]["name"] for s in first.find("Secret") if s["metadata"]["name"].endswith("-api-tokens"))
+    token = first.secret_value(name, "api-tokens")
+    assert token.endswith(":default") and len(token.split(":")[0]) >= 32
+    assert token != second.secret_value(name, "api-tokens")
+    given = render({"auth": {"apiTokens": "t1:team-a,t2:team-b"}})
+    assert given.resolve_env(given.control_plane)["MOETUNE_API_TOKENS"] == "t1:team-a,t2:team-b"
+
+
+def test_bundled_postgres_url_uses_the_generated_password_and_the_database_service(render):
+    rendered = render({})
+    env = rendered.resolve_env(rendered.control_plane)
+    (statefulset,) = rendered.find("StatefulSet")
+    name = statefulset["metadata"]["name"]
+    password = rendered.secret_value(name, "password")
+    assert env["MOETUNE_DATABASE_URL"] == f"postgresql+psycopg://moetune:{password}@{name}:5432/moetune"
+    service = rendered.one("Service", name)
+    assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+    external = render({"database": {"url": "postgresql+psycopg://u:p@db:5432/m", "bundled": {"enabled": False}}})
+    assert not external.find("StatefulSet")
+    assert external.resolve_env(external.control_plane)["MOETUNE_DATABASE_URL"] == "postgresql+psycopg://u:p@db:5432/m"
+
+
+def test_images_default_to_the_app_version_cpu_for_the_control_plane_cuda_for_ray(render, chart):
+    rendered = render({})
+    version = chart.metadata["appVersion"]
+    assert rendered.control_plane["image"] == f"moetune:{version}"
+    for template in ray_pod_templates(rendered.one("RayCluster")):
+        assert template["spec"]["containers"][0]["image"] == f"moetune:{version}-cuda"
+
+
+def test_notes_tell_how_to_reach_the_api_and_read_the_token(rendered):
+    assert "MOETUNE_URL" in rendered.notes and "MOETUNE_TOKEN" in rendered.notes
