@@ -1,0 +1,55 @@
+"""deploy/Dockerfile (no container engine here): hadolint, and the facts the chart and the README rely on."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+REPO_FILES = ("deploy/Dockerfile", "deploy/Dockerfile.dockerignore", "pyproject.toml", "README.md")
+
+
+@pytest.fixture(scope="module")
+def repo(chart_dir):
+    root = chart_dir.parents[1]
+    return {name: (root / name).read_text() for name in REPO_FILES}
+
+
+def _instruction(dockerfile: str, name: str) -> str:
+    """The argument of the last `name` instruction."""
+    return re.findall(rf"^{name}\s+(.+)$", dockerfile, re.MULTILINE)[-1].strip()
+
+
+def test_hadolint_finds_nothing(chart_dir):
+    hadolint = os.path.join(os.path.dirname(sys.executable), "hadolint")
+    result = subprocess.run([hadolint, "--no-color", str(chart_dir.parents[1] / "deploy" / "Dockerfile")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_image_starts_the_control_plane_like_the_readme_and_the_chart(repo, render):
+    cmd = json.loads(_instruction(repo["deploy/Dockerfile"], "CMD"))
+    assert cmd[:2] == ["moetune", "server"] and "moetune server" in repo["README.md"]
+    container = render({}).control_plane
+    assert container["command"] + container["args"] == cmd
+
+
+def test_image_runs_as_a_numeric_non_root_user_matching_the_pod_security_context(repo, render):
+    dockerfile = repo["deploy/Dockerfile"]
+    user = _instruction(dockerfile, "USER")
+    uid = re.search(r"^ARG UID=(\d+)$", dockerfile, re.MULTILINE).group(1) if user == "${UID}" else user
+    assert uid.isdigit() and int(uid) != 0
+    security = render({}).one("Deployment")["spec"]["template"]["spec"]["securityContext"]
+    assert security["runAsNonRoot"] and security["runAsUser"] == int(uid)
+
+
+def test_build_context_carries_every_package_pyproject_installs(repo):
+    pyproject = tomllib.loads(repo["pyproject.toml"])
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    allowed = {line[1:] for line in repo["deploy/Dockerfile.dockerignore"].splitlines() if line.startswith("!")}
+    assert packages | {"pyproject.toml", pyproject["project"]["readme"]} <= allowed
