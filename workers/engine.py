@@ -21,14 +21,24 @@ def deepspeed_config(spec: JobCreate, world_size: int, bf16: bool) -> dict:
     }
 
 
+def _param_groups(model) -> list[dict]:
+    """Trainable parameters; expert-parallel ones (expert LoRA) in their own groups, which DeepSpeed reduces
+    only across the ranks holding the same experts."""
+    from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+    group = {"params": [p for p in model.parameters() if p.requires_grad], "name": "lora"}
+    if not any(is_moe_param(p) for p in group["params"]):
+        return [group]
+    return [g for g in split_params_into_different_moe_groups_for_optimizer(group) if g["params"]]
+
+
 def build_engine(model, spec: JobCreate, world_size: int, total_steps: int, bf16: bool):
     """Returns (engine, lr_scheduler); DeepSpeed steps the scheduler at every optimizer step."""
     import deepspeed
     import torch
 
     t = spec.training
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(_param_groups(model), lr=t.learning_rate, weight_decay=0.0)
     scheduler = lr_scheduler(optimizer, total_steps, t.warmup_ratio, t.lr_scheduler)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

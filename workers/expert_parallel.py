@@ -56,6 +56,17 @@ def tag_expert_param(param: nn.Parameter, ep: EPGroup) -> None:
     param.ds_zero_partition_process_group = ep.replica_group
 
 
+def init_expert_lora_a(num_experts: int, rank: int, hidden: int, intermediate: int, dtype):
+    """LoRA A of every expert of one block (gate_up, then down), drawn from the global RNG like PEFT's
+    kaiming_uniform(a=√5): U(-1/√fan_in, 1/√fan_in)."""
+
+    def uniform(fan_in):
+        bound = 1.0 / math.sqrt(fan_in)
+        return torch.empty(num_experts, rank, fan_in, dtype=dtype).uniform_(-bound, bound)
+
+    return uniform(hidden), uniform(intermediate)
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single whose backward sends the gradients back the way the tokens came."""
 
@@ -80,12 +91,12 @@ class ExpertParallelExperts(nn.Module):
     """Drop-in for a family's `*Experts` module: same call, only this rank's experts stored."""
 
     def __init__(self, experts: nn.Module, ep: EPGroup, lora_rank: int = 0, lora_alpha: float = 1.0):
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): the trainable subclass must skip AutoEPMoELayer's own __init__
         self.num_experts = experts.num_experts
         if self.num_experts % ep.size:
             raise ValueError(f"{self.num_experts} experts cannot be split over expert_parallel_size={ep.size}")
         self.num_local_experts = self.num_experts // ep.size
-        self.ep = ep
+        self.ep, self.ep_group_name = ep, ep.name
         self.act_fn = experts.act_fn
         first = ep.rank * self.num_local_experts
         local = slice(first, first + self.num_local_experts)
@@ -103,19 +114,14 @@ class ExpertParallelExperts(nn.Module):
     def _init_lora(self, local: slice) -> None:
         """A like PEFT's kaiming-uniform init, B = 0. All experts' A are drawn on every rank (same seed gives
         the same adapter wherever an expert lives), then sliced."""
-        n, r = self.num_experts, self.lora_rank
+        r = self.lora_rank
         two_i, hidden = self.gate_up_proj.shape[1:]
-        inter = self.down_proj.shape[2]
-        dtype = self.gate_up_proj.dtype
-
-        def uniform_a(fan_in):
-            bound = 1.0 / math.sqrt(fan_in)
-            return nn.Parameter(torch.empty(n, r, fan_in, dtype=dtype).uniform_(-bound, bound)[local].clone())
-
-        self.lora_gate_up_a = uniform_a(hidden)
-        self.lora_down_a = uniform_a(inter)
-        self.lora_gate_up_b = nn.Parameter(torch.zeros(self.num_local_experts, two_i, r, dtype=dtype))
-        self.lora_down_b = nn.Parameter(torch.zeros(self.num_local_experts, hidden, r, dtype=dtype))
+        a_gate_up, a_down = init_expert_lora_a(self.num_experts, r, hidden, self.down_proj.shape[2],
+                                               self.gate_up_proj.dtype)
+        self.lora_gate_up_a = nn.Parameter(a_gate_up[local].clone())
+        self.lora_down_a = nn.Parameter(a_down[local].clone())
+        self.lora_gate_up_b = nn.Parameter(torch.zeros(self.num_local_experts, two_i, r, dtype=self.gate_up_proj.dtype))
+        self.lora_down_b = nn.Parameter(torch.zeros(self.num_local_experts, hidden, r, dtype=self.gate_up_proj.dtype))
 
     def lora_factors(self) -> ExpertLoraFactors | None:
         if not self.lora_rank:
@@ -152,11 +158,25 @@ class ExpertParallelExperts(nn.Module):
         return out.index_add(0, token_of, (returned * weights).to(out.dtype))
 
 
+def _trainable_class():
+    """The class for experts with LoRA: DeepSpeed 0.19.8 only turns on its expert-parallel gradient handling
+    (`has_moe_layers`: separate optimizer groups reduced within the replica group) for AutoEPMoELayer modules.
+    Frozen experts must not be one: ZeRO-1/2 then asserts that no optimizer group is an MoE group."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    class TrainableExpertParallelExperts(ExpertParallelExperts, AutoEPMoELayer):
+        def set_deepspeed_parallelism(self, *args, **kwargs):
+            pass  # the groups were made by ep_group() before the swap
+
+    return TrainableExpertParallelExperts
+
+
 def swap_experts(model: nn.Module, family, ep: EPGroup, lora_rank: int = 0, lora_alpha: float = 1.0) -> int:
     """Replaces the routed experts of every MoE block; returns how many blocks were swapped."""
+    cls = _trainable_class() if lora_rank else ExpertParallelExperts
     blocks = list(family.moe_blocks(model))
     for _, block in blocks:
         experts = getattr(block, family.experts)
-        setattr(block, family.experts, ExpertParallelExperts(experts, ep, lora_rank, lora_alpha))
+        setattr(block, family.experts, cls(experts, ep, lora_rank, lora_alpha))
         del experts
     return len(blocks)

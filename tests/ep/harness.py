@@ -117,6 +117,47 @@ def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir:
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
+    """The same adapter as PEFT sees it: linear LoRA plus `target_parameters` LoRA on the fused experts, with the
+    expert A drawn exactly as the engine draws them (B = 0)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    from workers.ep_adapter import TARGET_PARAMETERS, peft_expert_state
+    from workers.expert_parallel import init_expert_lora_a
+    from workers.lora import _no_v4_target_conversion
+
+    state = get_peft_model_state_dict(peft_model)
+    r = job.lora.rank
+    for name, block in fam.moe_blocks(peft_model.base_model.model):
+        experts = getattr(block, fam.experts)
+        e, two_i, hidden = experts.gate_up_proj.shape
+        a_gate_up, a_down = init_expert_lora_a(e, r, hidden, two_i // 2, experts.gate_up_proj.dtype)
+        factors = {"lora_gate_up_a": a_gate_up, "lora_down_a": a_down,
+                   "lora_gate_up_b": torch.zeros(e, two_i, r), "lora_down_b": torch.zeros(e, hidden, r)}
+        state.update(peft_expert_state(f"base_model.model.{name}.{fam.experts}", factors))
+    old = peft_model.peft_config["default"]
+    config = LoraConfig(r=r, lora_alpha=old.lora_alpha, lora_dropout=0.0, target_modules=old.target_modules,
+                        target_parameters=TARGET_PARAMETERS)
+    model = plain_model(fam, skew_to_first_half=skew)
+    with _no_v4_target_conversion(model):
+        reference_model = get_peft_model(model, config)
+    assert not set_peft_model_state_dict(reference_model, state).unexpected_keys
+    return reference_model
+
+
+def expert_grads_in_engine_layout(peft_model, fam) -> dict:
+    """Reference gradients of the PEFT expert LoRA, as full (E, ...) stacks under the engine's parameter names."""
+    from workers.ep_adapter import factors_from_peft
+
+    grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
+    out = {}
+    for name, block in fam.moe_blocks(peft_model.base_model.model):
+        key = f"base_model.model.{name}.{fam.experts}"
+        num_experts = getattr(block, fam.experts).num_experts
+        out.update({f"{key}.{k}": v for k, v in factors_from_peft(key, grads, num_experts).items()})
+    return out
+
+
 def reference(family_name: str, job: JobCreate, world: int, skew: bool = False) -> dict:
     """Plain transformers + PEFT in one process: the same batches, DeepSpeed's rank-mean loss, AdamW, clipping."""
     from workers.families import family
@@ -126,6 +167,8 @@ def reference(family_name: str, job: JobCreate, world: int, skew: bool = False) 
     model = plain_model(fam, skew_to_first_half=skew)
     torch.manual_seed(1)
     peft_model = apply_lora(model, job.lora)
+    if job.lora.train_experts:
+        peft_model = _with_expert_lora(peft_model, fam, job, skew)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=job.training.learning_rate, weight_decay=0.0)
     losses, grads = [], {}
@@ -133,7 +176,9 @@ def reference(family_name: str, job: JobCreate, world: int, skew: bool = False) 
         loss = sum(peft_model(**batch(r, step)).loss for r in range(world)) / world
         loss.backward()
         if step == 0:
-            grads = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+            grads = {n: p.grad.clone() for n, p in peft_model.named_parameters()
+                     if p.requires_grad and ".experts." not in n}
+            grads.update(expert_grads_in_engine_layout(peft_model, fam))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad()

@@ -1,0 +1,49 @@
+"""Expert LoRA in PEFT's layout: `target_parameters` on the fused expert tensors (gate_up_proj, down_proj).
+
+PEFT nests one ParamWrapper per targeted tensor on the `experts` module; with targets listed as
+[gate_up_proj, down_proj] the inner wrapper (`experts.base_layer`) adapts gate_up_proj and the outer one
+(`experts`) adapts down_proj. For E experts and rank r, PEFT stores lora_A as (E·r, in), expert-major, and
+lora_B as (out, r·E), expert-minor; ΔW_e = scaling · B_e A_e, the same low-rank update the engine applies.
+"""
+
+from __future__ import annotations
+
+TARGET_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+# (our factor names, PEFT key infix under the experts module)
+_LAYOUT = (("lora_gate_up_a", "lora_gate_up_b", "base_layer."), ("lora_down_a", "lora_down_b", ""))
+
+
+def a_to_peft(a):
+    """(E, r, in) -> (E·r, in)."""
+    return a.reshape(-1, a.shape[-1])
+
+
+def b_to_peft(b):
+    """(E, out, r) -> (out, r·E)."""
+    return b.permute(1, 2, 0).reshape(b.shape[1], -1)
+
+
+def a_from_peft(weight, num_experts: int):
+    return weight.reshape(num_experts, -1, weight.shape[-1])
+
+
+def b_from_peft(weight, num_experts: int):
+    return weight.reshape(weight.shape[0], -1, num_experts).permute(2, 0, 1)
+
+
+def peft_expert_state(experts_key: str, factors: dict) -> dict:
+    """PEFT adapter entries for one MoE block from its full (all-expert) factors keyed by our names."""
+    state = {}
+    for a_name, b_name, infix in _LAYOUT:
+        state[f"{experts_key}.{infix}lora_A.weight"] = a_to_peft(factors[a_name]).contiguous()
+        state[f"{experts_key}.{infix}lora_B.weight"] = b_to_peft(factors[b_name]).contiguous()
+    return state
+
+
+def factors_from_peft(experts_key: str, state: dict, num_experts: int) -> dict:
+    """Inverse of peft_expert_state: our (E, ...) factors from PEFT adapter entries."""
+    factors = {}
+    for a_name, b_name, infix in _LAYOUT:
+        factors[a_name] = a_from_peft(state[f"{experts_key}.{infix}lora_A.weight"], num_experts)
+        factors[b_name] = b_from_peft(state[f"{experts_key}.{infix}lora_B.weight"], num_experts)
+    return factors
