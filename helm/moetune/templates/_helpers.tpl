@@ -159,3 +159,55 @@ app.kubernetes.io/component: control-plane
 {{ toYaml . }}
 {{- end }}
 {{- end }}
+
+{{/* Pod template of a Ray head or worker group: the moetune CUDA image, a memory-backed /dev/shm, Ray's token. */}}
+{{- define "moetune.rayPodTemplate" -}}
+{{- $root := .root }}
+{{- $ray := $root.Values.ray }}
+metadata:
+  labels:
+    {{- include "moetune.selectorLabels" $root | nindent 4 }}
+    app.kubernetes.io/component: ray-{{ .role }}
+  {{- with .group.podAnnotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml $ray.podSecurityContext | nindent 4 }}
+  containers:
+    - name: ray-{{ .role }}
+      image: {{ include "moetune.rayImage" $root }}
+      imagePullPolicy: {{ default $root.Values.image.pullPolicy $ray.image.pullPolicy }}
+      ports:
+        {{- toYaml .ports | nindent 8 }}
+      {{- with include "moetune.rayEnv" $root }}
+      env: {{- . | trim | nindent 8 }}
+      {{- end }}
+      resources:
+        {{- toYaml .group.resources | nindent 8 }}
+      volumeMounts:
+        - name: shm
+          mountPath: /dev/shm
+  volumes:
+    - name: shm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ .group.shmSize }}
+  {{- with .group.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .group.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .group.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
