@@ -213,3 +213,21 @@ def test_images_default_to_the_app_version_cpu_for_the_control_plane_cuda_for_ra
 
 def test_notes_tell_how_to_reach_the_api_and_read_the_token(rendered):
     assert "MOETUNE_URL" in rendered.notes and "MOETUNE_TOKEN" in rendered.notes
+
+
+def test_control_plane_env_is_settings_the_service_reads_and_accepts(chart, rendered, monkeypatch):
+    from service.settings import Settings
+
+    env = rendered.resolve_env(rendered.control_plane)
+    known = {f"MOETUNE_{name.upper()}" for name in Settings.model_fields}
+    assert {name for name in env if name.startswith("MOETUNE_")} <= known
+    for name in known:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    control_plane = chart.merge_values(rendered.values)["controlPlane"]
+    assert settings.ray_address == env["MOETUNE_RAY_ADDRESS"]
+    assert settings.worker_env_passthrough == control_plane["workerEnvPassthrough"]
+    assert settings.max_running_jobs == control_plane["maxRunningJobs"]
+    assert settings.default_output_uri == control_plane["defaultOutputUri"]

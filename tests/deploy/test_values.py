@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import helm_python as helm
+import kubernetes_validate
 import pytest
 
 
@@ -53,3 +56,21 @@ def test_schema_rejects_bad_values_naming_the_key(chart, values, where):
 def test_impossible_combinations_fail_the_render_with_a_clear_message(chart, values, message):
     with pytest.raises(helm.HelmRenderError, match=message):
         chart.render(values, name="mt", namespace="ml")
+
+
+def test_the_readme_install_command_renders_valid_objects(chart, chart_dir, render):
+    readme = (chart_dir.parents[1] / "README.md").read_text()
+    command = re.search(r"helm install moetune \./helm/moetune.*?(?<!\\)\n", readme, re.DOTALL).group(0)
+    values = helm.parse_set_string(",".join(re.findall(r"--set (\S+)", command)))
+    assert values["database"]["bundled"]["enabled"] is False and values["monitoring"]["serviceMonitor"]["enabled"]
+    chart.validate_schema(chart.merge_values(values))
+    rendered = render(values)
+    for obj in rendered.objects:
+        if obj["kind"] not in {"RayCluster", "ServiceMonitor", "PodMonitor"}:
+            kubernetes_validate.validate(obj, "1.30", strict=True)
+    # The secrets the README creates by hand are the ones the Deployment reads, under the same keys.
+    created = {(name, key) for name, literals in re.findall(r"create secret generic (\S+)(.*)", readme)
+               for key in re.findall(r"--from-literal=([\w-]+)=", literals)}
+    refs = {(v["valueFrom"]["secretKeyRef"]["name"], v["valueFrom"]["secretKeyRef"]["key"])
+            for v in rendered.control_plane["env"] if "secretKeyRef" in v.get("valueFrom", {})}
+    assert len(created) == 4 and created <= refs, created - refs
