@@ -31,8 +31,8 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     beta = chunks(beta.unsqueeze(-1))
     gamma = g.cumsum(-2)
     strict = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril(-1)
-    kk = _decayed_products(k, k, gamma).masked_fill(~strict, 0.0)
-    qk = _decayed_products(q, k, gamma)
+    kk, qk = _decayed_products((k, q), k, gamma)
+    kk = kk.masked_fill(~strict, 0.0)
     # (I + Diag(β) KKᵀ_decayed) [W U] = Diag(β) [K ⊙ e^Γ, V]
     eye = torch.eye(chunk_size, device=q.device)
     rhs = beta * torch.cat([k * gamma.exp(), v], dim=-1)
@@ -79,21 +79,28 @@ def _packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     return o[valid].unsqueeze(0), final
 
 
-def _decayed_products(x, y, gamma, sub=16):
-    """P[r, i] = Σ_d x_r[d] y_i[d] exp(Γ_r[d] − Γ_i[d]) for i <= r, else 0; inputs (..., C, D), C a multiple of sub."""
-    *lead, size, dim = x.shape
+def _decayed_products(xs, y, gamma, sub=16):
+    """For each x in xs: P[r, i] = Σ_d x_r[d] y_i[d] exp(Γ_r[d] − Γ_i[d]) for i <= r, else 0.
+
+    Inputs (..., C, D) with C a multiple of `sub`; the decays are computed once and shared by all xs."""
+    *lead, size, dim = y.shape
     n_sub = size // sub
-    xs, ys, gs = (t.reshape(*lead, n_sub, sub, dim) for t in (x, y, gamma))
-    # Diagonal blocks, pairwise: decay[a, r, i, d] with the upper triangle set to -inf before exp.
-    causal = torch.ones(sub, sub, dtype=torch.bool, device=x.device).tril()
+    ys, gs = (t.reshape(*lead, n_sub, sub, dim) for t in (y, gamma))
+    xs = torch.stack([x.reshape(*lead, n_sub, sub, dim) for x in xs], dim=-1)  # (..., S, c, D, n_x)
+    # Diagonal blocks, pairwise: decay[a, r, i, d], the upper triangle set to -inf before exp.
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=y.device).tril()
     diff = (gs.unsqueeze(-2) - gs.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
-    diag = (xs.unsqueeze(-2) * ys.unsqueeze(-3) * diff.exp()).sum(-1)  # (..., S, c, c)
+    diag = (ys.unsqueeze(-3) * diff.exp()) @ xs  # (..., S, c_r, c_i, n_x)
     # Blocks a > b: x_a e^{Γ_a − ref_b} @ (y_b e^{ref_b − Γ_b})ᵀ with ref_b = Γ at the end of sub-chunk b.
     ref = gs[..., -1, :]  # (..., S, D)
-    later = torch.ones(n_sub, n_sub, dtype=torch.bool, device=x.device).tril(-1)
+    later = torch.ones(n_sub, n_sub, dtype=torch.bool, device=y.device).tril(-1)
     to_ref = (gs.unsqueeze(-3) - ref[..., None, :, None, :]).masked_fill(~later[..., None, None], float("-inf"))
-    x_scaled = xs.unsqueeze(-3) * to_ref.exp()  # (..., S_a, S_b, c, D)
     y_scaled = ys * (ref.unsqueeze(-2) - gs).exp()  # (..., S_b, c, D)
-    blocks = x_scaled @ y_scaled.unsqueeze(-4).transpose(-1, -2)  # (..., S_a, S_b, c, c)
-    blocks = blocks + diag.unsqueeze(-3) * torch.eye(n_sub, device=x.device)[..., None, None]
-    return blocks.transpose(-3, -2).reshape(*lead, size, size)
+    decay_to_ref = to_ref.exp()  # (..., S_a, S_b, c, D)
+    eye = torch.eye(n_sub, device=y.device)[..., None, None]
+    products = []
+    for n in range(xs.shape[-1]):
+        blocks = (xs[..., n].unsqueeze(-3) * decay_to_ref) @ y_scaled.unsqueeze(-4).transpose(-1, -2)
+        blocks = blocks + diag[..., n].unsqueeze(-3) * eye  # (..., S_a, S_b, c, c)
+        products.append(blocks.transpose(-3, -2).reshape(*lead, size, size))
+    return products
