@@ -48,6 +48,7 @@ VALUE_SETS: dict[str, dict] = {
                  "resources": {"limits": {"nvidia.com/gpu": 4}}, "shmSize": "32Gi"},
             ],
             "enableInTreeAutoscaling": True,
+            "serviceAccountName": "ray-s3-reader",
         },
         "monitoring": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},

@@ -125,6 +125,7 @@ def test_ray_groups_get_their_resources_replicas_scheduling_and_a_memory_backed_
             assert container["resources"] == group["resources"]
             assert pod.get("nodeSelector", {}) == group.get("nodeSelector", {})
             assert pod.get("tolerations", []) == group.get("tolerations", [])
+            assert pod.get("serviceAccountName", "") == ray["serviceAccountName"]
 
 
 def test_default_cluster_puts_gpus_on_workers_and_none_on_the_head(render):

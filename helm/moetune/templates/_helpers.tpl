@@ -173,6 +173,9 @@ metadata:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 spec:
+  {{- with $ray.serviceAccountName }}
+  serviceAccountName: {{ . }}
+  {{- end }}
   {{- with $root.Values.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
