@@ -3,25 +3,68 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+
+from workers.ep_checkpoints import gather_expert_adapter, restore_expert_shards, save_expert_shards
 
 
 def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
     """Writes the PEFT adapter (adapter_config.json + adapter_model.safetensors) from `is_writer`.
 
-    Every rank must call this: under ZeRO-3 gathering the LoRA weights is a collective.
+    Expert LoRA goes in as `target_parameters` on the fused expert tensors, so PeftModel.from_pretrained on
+    the plain transformers model loads it. Every rank must call this: gathering is a collective.
     """
+    import copy
+
     import deepspeed
     from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from workers.ep_adapter import TARGET_PARAMETERS
 
     peft_model = engine.module
+    expert_state = gather_expert_adapter(engine)
     lora_params = [p for p in peft_model.parameters() if p.requires_grad]
     with deepspeed.zero.GatheredParameters(lora_params, modifier_rank=None):
-        if is_writer:
-            state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
-            peft_model.save_pretrained(local_dir, state_dict=state, safe_serialization=True)
+        if not is_writer:
+            return
+        # PEFT picks every key containing "lora_", the expert factors included: those go in PEFT's layout instead.
+        state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(peft_model).items()
+                 if ".experts.lora_" not in k}
+    config = copy.deepcopy(peft_model.peft_config["default"])
+    if expert_state:
+        config.target_parameters = TARGET_PARAMETERS
+    os.makedirs(local_dir, exist_ok=True)
+    config.save_pretrained(local_dir)
+    save_file({**state, **expert_state}, os.path.join(local_dir, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+
+
+@contextmanager
+def _without_deepspeed_moe_checkpointing(engine):
+    """DeepSpeed's MoE checkpoint path expects its own AutoEP layer layout (experts.w1/w2/w3) and would write
+    rank 0's experts for everyone. Our frozen experts are not saved at all (they come from the model), ZeRO's
+    per-rank optimizer files already hold each rank's own expert LoRA, and we add per-rank expert shards."""
+    has_moe = engine.has_moe_layers
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = has_moe
 
 
 def save_checkpoint(engine, local_dir: str, is_writer: bool) -> None:
-    """DeepSpeed resume state (trainable weights + optimizer, per rank) and the adapter beside it."""
-    engine.save_checkpoint(os.path.join(local_dir, "deepspeed"), exclude_frozen_parameters=True)
+    """DeepSpeed resume state (trainable weights + optimizer, per rank), expert-LoRA shards, and the adapter."""
+    with _without_deepspeed_moe_checkpointing(engine):
+        engine.save_checkpoint(os.path.join(local_dir, "deepspeed"), exclude_frozen_parameters=True)
+    save_expert_shards(engine, local_dir)
     save_adapter(engine, os.path.join(local_dir, "adapter"), is_writer)
+
+
+def load_checkpoint(engine, local_dir: str) -> None:
+    """Restores what save_checkpoint wrote (weights, optimizer, LR schedule); every rank calls it."""
+    with _without_deepspeed_moe_checkpointing(engine):
+        path, _ = engine.load_checkpoint(os.path.join(local_dir, "deepspeed"), load_module_strict=False)
+    if path is None:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint under {local_dir}")
+    restore_expert_shards(engine, local_dir)

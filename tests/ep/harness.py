@@ -14,6 +14,7 @@ from api.models import JobCreate
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0}
+SAVE_AFTER, STEPS = 2, 4  # checkpoint tests: save after step 2 of 4
 
 
 def spec(ep: int, zero: int, train_experts: bool = False, world: int = 2, steps: int = 1, micro: int = 2,
@@ -91,19 +92,31 @@ def expert_bytes(model) -> int:
     return total
 
 
-def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
-    """The moetune engine on this rank: per-step loss, first-step full LoRA gradients, expert bytes."""
-    from deepspeed.utils import safe_get_full_grad
-
+def make_engine(rank: int, world: int, family_name: str, job: JobCreate, skew: bool = False):
+    """The moetune engine of this rank, built exactly as a job builds it (same seeds on every rank)."""
     from workers.engine import build_engine
     from workers.families import family
     from workers.lora import trainable_model
 
-    job = JobCreate.model_validate_json(spec_json)
-    fam = family(family_name)
-    model = plain_model(fam, skew_to_first_half=skew)
+    model = plain_model(family(family_name), skew_to_first_half=skew)
     torch.manual_seed(1)
     engine, _ = build_engine(trainable_model(model, job), job, world, job.training.max_steps, bf16=False)
+    return engine
+
+
+def train_step(engine, rank: int, step: int) -> float:
+    loss = engine(**batch(rank, step)).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
+    """The moetune engine on this rank: per-step loss, first-step full LoRA gradients, expert bytes."""
+    from deepspeed.utils import safe_get_full_grad
+
+    job = JobCreate.model_validate_json(spec_json)
+    engine = make_engine(rank, world, family_name, job, skew)
     losses, grads = [], {}
     for step in range(job.training.max_steps):
         loss = engine(**batch(rank, step)).loss
@@ -115,6 +128,30 @@ def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir:
     routed = sum(m.tokens_per_expert for m in engine.module.modules() if hasattr(m, "tokens_per_expert"))
     torch.save({"losses": losses, "grads": grads, "expert_bytes": expert_bytes(engine.module), "routed": routed},
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_dir: str) -> None:
+    """Trains STEPS steps with a checkpoint after SAVE_AFTER, exports the adapter, then resumes a fresh engine
+    from the checkpoint and trains the remaining steps again."""
+    from workers.checkpoints import load_checkpoint, save_adapter, save_checkpoint
+
+    job = JobCreate.model_validate_json(spec_json)
+    ckpt, adapter = os.path.join(out_dir, "ckpt"), os.path.join(out_dir, "adapter")
+    engine = make_engine(rank, world, family_name, job)
+    losses = []
+    for step in range(STEPS):
+        losses.append(train_step(engine, rank, step))
+        if step + 1 == SAVE_AFTER:
+            save_checkpoint(engine, ckpt, is_writer=rank == 0)
+    save_adapter(engine, adapter, is_writer=rank == 0)
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(**batch(rank, step=99)).logits
+
+    resumed_engine = make_engine(rank, world, family_name, job)
+    load_checkpoint(resumed_engine, ckpt)
+    resumed = [train_step(resumed_engine, rank, step) for step in range(SAVE_AFTER, STEPS)]
+    torch.save({"losses": losses, "resumed": resumed, "logits": logits}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
