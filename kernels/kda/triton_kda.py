@@ -69,15 +69,41 @@ def _load_chunk(ptr, t, valid, width, cols, col_mask, H, i_h):
 
 
 @triton.jit
+def _chunk_forward(q, k, v, g, beta, state, t, valid, rows, rk, rv, mk, mv, scale, H, i_h,
+                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Loads one chunk and runs it forward from `state` (shared by the forward and the backward's recompute)."""
+    q_c = _load_chunk(q, t, valid, K, rk, mk, H, i_h) * scale
+    k_c = _load_chunk(k, t, valid, K, rk, mk, H, i_h)
+    g_c = _load_chunk(g, t, valid, K, rk, mk, H, i_h)
+    v_c = _load_chunk(v, t, valid, V, rv, mv, H, i_h)
+    b_c = tl.load(beta + t * H + i_h, mask=valid, other=0.0).to(tl.float32)
+    gam = tl.cumsum(g_c, axis=0)
+    g_last = _row(gam, rows, BT - 1)
+    akk, aqk = _chunk_pairs(q_c, k_c, gam, rows, BT, BK)
+    inv = _unit_lower_inverse(akk * b_c[:, None], rows, BT)
+    t_mat = inv * b_c[None, :]
+    w = tl.dot(t_mat, k_c * tl.exp(gam))
+    v_new = tl.dot(t_mat, v_c) - tl.dot(w, state)
+    k_to_end = k_c * tl.exp(g_last[None, :] - gam)
+    return q_c, k_c, v_c, b_c, gam, g_last, akk, aqk, inv, t_mat, w, v_new, k_to_end
+
+
+@triton.jit
+def _sequence(cu_seqlens, chunk_offsets, i_nh, H):
+    """(sequence, head, first token, end token, index of its first chunk) of program row i_nh."""
+    i_n = i_nh // H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return i_n, i_nh % H, bos, eos, tl.load(chunk_offsets + i_n).to(tl.int64)
+
+
+@triton.jit
 def kda_fwd_kernel(q, k, v, g, beta, h0, o, ht, states, cu_seqlens, chunk_offsets, scale,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_STATES: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
+    i_v = tl.program_id(0)
+    i_n, i_h, bos, eos, first_chunk = _sequence(cu_seqlens, chunk_offsets, tl.program_id(1), H)
     rows = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
@@ -92,21 +118,11 @@ def kda_fwd_kernel(q, k, v, g, beta, h0, o, ht, states, cu_seqlens, chunk_offset
             tl.store(states + ((first_chunk + c) * H + i_h) * K * V + state_offs, state, mask=state_mask)
         t = bos + c * BT + rows
         valid = t < eos
-        q_c = _load_chunk(q, t, valid, K, rk, mk, H, i_h) * scale
-        k_c = _load_chunk(k, t, valid, K, rk, mk, H, i_h)
-        g_c = _load_chunk(g, t, valid, K, rk, mk, H, i_h)
-        v_c = _load_chunk(v, t, valid, V, rv, mv, H, i_h)
-        b_c = tl.load(beta + t * H + i_h, mask=valid, other=0.0).to(tl.float32)
-        gam = tl.cumsum(g_c, axis=0)
-        g_last = _row(gam, rows, BT - 1)
-        akk, aqk = _chunk_pairs(q_c, k_c, gam, rows, BT, BK)
-        t_mat = _unit_lower_inverse(akk * b_c[:, None], rows, BT) * b_c[None, :]
-        w = tl.dot(t_mat, k_c * tl.exp(gam))
-        v_new = tl.dot(t_mat, v_c) - tl.dot(w, state)
+        q_c, _, _, _, gam, g_last, _, aqk, _, _, _, v_new, k_to_end = _chunk_forward(
+            q, k, v, g, beta, state, t, valid, rows, rk, rv, mk, mv, scale, H, i_h, K, V, BT, BK)
         o_c = tl.dot(q_c * tl.exp(gam), state) + tl.dot(aqk, v_new)
         tl.store(o + (t[:, None] * H + i_h) * V + rv[None, :], o_c.to(o.dtype.element_ty),
                  mask=valid[:, None] & mv[None, :])
-        k_to_end = k_c * tl.exp(g_last[None, :] - gam)
         state = state * tl.exp(g_last)[:, None] + tl.dot(tl.trans(k_to_end), v_new)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h) * K * V + state_offs, state, mask=state_mask)
@@ -116,11 +132,7 @@ def kda_fwd_kernel(q, k, v, g, beta, h0, o, ht, states, cu_seqlens, chunk_offset
 def kda_bwd_kernel(q, k, v, g, beta, states, dht, do, dq, dk, dv, dg, dbeta, dh0, cu_seqlens, chunk_offsets, scale,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr):
-    i_nh = tl.program_id(0)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
+    i_n, i_h, bos, eos, first_chunk = _sequence(cu_seqlens, chunk_offsets, tl.program_id(0), H)
     rows = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     rv = tl.arange(0, BV)
@@ -136,24 +148,12 @@ def kda_bwd_kernel(q, k, v, g, beta, states, dht, do, dq, dk, dv, dg, dbeta, dh0
         state = tl.load(states + ((first_chunk + c) * H + i_h) * K * V + state_offs, mask=state_mask, other=0.0)
         t = bos + c * BT + rows
         valid = t < eos
-        q_c = _load_chunk(q, t, valid, K, rk, mk, H, i_h) * scale
-        k_c = _load_chunk(k, t, valid, K, rk, mk, H, i_h)
-        g_c = _load_chunk(g, t, valid, K, rk, mk, H, i_h)
-        v_c = _load_chunk(v, t, valid, V, rv, mv, H, i_h)
         do_c = _load_chunk(do, t, valid, V, rv, mv, H, i_h)
-        b_c = tl.load(beta + t * H + i_h, mask=valid, other=0.0).to(tl.float32)
-        # Recompute the chunk's forward.
-        gam = tl.cumsum(g_c, axis=0)
-        g_last = _row(gam, rows, BT - 1)
+        q_c, k_c, v_c, b_c, gam, g_last, akk, aqk, inv, t_mat, w, v_new, k_to_end = _chunk_forward(
+            q, k, v, g, beta, state, t, valid, rows, rk, rv, mk, mv, scale, H, i_h, K, V, BT, BK)
         e_gam = tl.exp(gam)
-        akk, aqk = _chunk_pairs(q_c, k_c, gam, rows, BT, BK)
-        inv = _unit_lower_inverse(akk * b_c[:, None], rows, BT)
-        t_mat = inv * b_c[None, :]
         k_gam = k_c * e_gam
         q_gam = q_c * e_gam
-        w = tl.dot(t_mat, k_gam)
-        v_new = tl.dot(t_mat, v_c) - tl.dot(w, state)
-        k_to_end = k_c * tl.exp(g_last[None, :] - gam)
         # Output and state update.
         dv_new = tl.dot(tl.trans(aqk), do_c) + tl.dot(k_to_end, dstate)
         daqk = tl.where(rows[:, None] >= rows[None, :], tl.dot(do_c, tl.trans(v_new)), 0.0)
