@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.kda import chunk_kda
+from workers.sparse_attention_swap import apply_sparse_attention_kernels
 
 # Linear-attention layers whose core is transformers' `chunk_kimi_delta_attention` (a module-level function of
 # the layer's modeling module, looked up at call time).
@@ -73,8 +74,8 @@ def apply_kda_kernels(model: torch.nn.Module) -> int:
 # model_type -> swaps, in the order they are applied.
 FAMILY_SWAPS: dict[str, tuple[Callable[[torch.nn.Module], int], ...]] = {
     "kimi_linear": (apply_kda_kernels,),
-    "glm5_next": (apply_kda_kernels,),
-    "glm5_next_text": (apply_kda_kernels,),
+    "glm5_next": (apply_kda_kernels, apply_sparse_attention_kernels),
+    "glm5_next_text": (apply_kda_kernels, apply_sparse_attention_kernels),
 }
 
 

@@ -38,14 +38,17 @@ def _register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _sparse_attention_forward)
 
 
-def swap_glm5_next_sparse_attention(model, backend: str | None = None) -> int:
-    """Route every glm5_next indexed-attention module of `model` through the sparse kernel; returns how many.
+def apply_sparse_attention_kernels(model, backend: str | None = None) -> int:
+    """Route every glm5_next indexed-attention module of `model` through the sparse kernel; returns how many
+    changed (0 on a second call).
     backend: None picks by device (Triton on CUDA), or "triton" / "torch".
 
-    Only the text config's attention implementation changes (the vision tower keeps its own)."""
+    The text config's attention implementation becomes `moetune_sparse` (the vision tower has its own config); a
+    model passed in part would leave unswapped layers on that config, which then fail with a clear TypeError."""
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
 
-    modules = [m for m in model.modules() if isinstance(m, Glm5NextTextAttention)]
+    modules = [m for m in model.modules() if isinstance(m, Glm5NextTextAttention)
+               and m.__dict__.get("build_attention_mask_from_topk") is not _indices_as_mask]  # idempotent
     if not modules:
         return 0
     _register()

@@ -13,7 +13,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors through the interpreter
 
-from workers.sparse_attention_swap import swap_glm5_next_sparse_attention  # noqa: E402
+from workers.kernel_swaps import apply_kernel_swaps  # noqa: E402
+from workers.sparse_attention_swap import apply_sparse_attention_kernels  # noqa: E402
 
 TEXT = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -59,10 +60,17 @@ def _graph_names(node, seen=None):
     return names
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_swapped_model_matches_transformers(lora_model, backend):
+@pytest.mark.parametrize("how", ["registry", "triton"])
+def test_swapped_model_matches_transformers(lora_model, how):
+    """registry: every glm5_next swap as a job gets them (KDA and sparse attention, PyTorch paths on CPU);
+    triton: the sparse-attention Triton kernels (interpreted on CPU) alone."""
     swapped = copy.deepcopy(lora_model)
-    assert swap_glm5_next_sparse_attention(swapped, backend=backend) == 2
+    if how == "registry":
+        assert apply_kernel_swaps(swapped.base_model.model) == {"apply_kda_kernels": 2,
+                                                                 "apply_sparse_attention_kernels": 2}
+    else:
+        assert apply_sparse_attention_kernels(swapped, backend="triton") == 2
+        assert apply_sparse_attention_kernels(swapped) == 0  # already swapped
     assert lora_model.base_model.model.config.text_config._attn_implementation != "moetune_sparse"
     input_ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     ref_logits, ref_grads, _ = _logits_and_lora_grads(copy.deepcopy(lora_model), input_ids)
@@ -77,4 +85,4 @@ def test_swapped_model_matches_transformers(lora_model, backend):
 
 
 def test_a_model_without_indexed_attention_is_left_alone():
-    assert swap_glm5_next_sparse_attention(torch.nn.Linear(2, 2)) == 0
+    assert apply_sparse_attention_kernels(torch.nn.Linear(2, 2)) == 0
