@@ -45,28 +45,28 @@ def _route_core(modeling) -> None:
     setattr(modeling, _CORE, routed)
 
 
-def _in_scope(forward: Callable) -> Callable:
-    @functools.wraps(forward)
-    def scoped(*args, **kwargs):
-        token = _in_swapped_layer.set(True)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            _in_swapped_layer.reset(token)
+def _enter_swapped(module, args):
+    _in_swapped_layer.set(True)
 
-    scoped._moetune_swapped = True
-    return scoped
+
+def _leave_swapped(module, args, output):
+    _in_swapped_layer.set(False)
 
 
 def apply_kda_kernels(model: torch.nn.Module) -> int:
     """KDA layers of kimi_linear and glm5_next: their chunked core runs `kernels.kda` (Triton on CUDA, the chunked
-    PyTorch path on CPU). Single-token decoding keeps transformers' recurrent step. Returns the layers swapped."""
+    PyTorch path on CPU). Single-token decoding keeps transformers' recurrent step. Returns the layers swapped.
+
+    The layer is marked by hooks around its forward (they travel with deepcopy and gradient-checkpoint recompute;
+    the closing one also runs when the forward raises)."""
     swapped = 0
     for module in model.modules():
-        if type(module).__name__ not in KDA_LAYERS or getattr(module.forward, "_moetune_swapped", False):
+        if type(module).__name__ not in KDA_LAYERS or getattr(module, "_moetune_kda", False):
             continue
         _route_core(sys.modules[type(module).__module__])
-        module.forward = _in_scope(module.forward)
+        module.register_forward_pre_hook(_enter_swapped)
+        module.register_forward_hook(_leave_swapped, always_call=True)
+        module._moetune_kda = True
         swapped += 1
     return swapped
 

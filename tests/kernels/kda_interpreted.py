@@ -23,8 +23,8 @@ def fp32_case():
     return compare(run_with_grads(chunk_kda_triton, inputs), run_with_grads(naive_recurrent_kda, inputs))
 
 
-def fp16_case():
-    inputs = make_inputs(1, 40, 2, 16, 16, dtype=torch.float16)
+def low_precision_case(dtype):
+    inputs = make_inputs(1, 40, 2, 16, 16, dtype=dtype)
     ours = run_with_grads(chunk_kda_triton, inputs)
     result = compare(ours, run_with_grads(naive_recurrent_kda, as_fp32(inputs)))
     result["dtypes"] = sorted({str(ours[key].dtype) for key in ("o", "dq", "dk", "dv", "dg", "dbeta")})
@@ -52,7 +52,8 @@ def stateless_case():
 
 def main():
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    cases = {"fp32": fp32_case, "fp16": fp16_case, "packed": packed_case, "stateless": stateless_case}
+    cases = {"fp32": fp32_case, "fp16": lambda: low_precision_case(torch.float16),
+             "bf16": lambda: low_precision_case(torch.bfloat16), "packed": packed_case, "stateless": stateless_case}
     print(json.dumps({name: case() for name, case in cases.items()}))
 
 

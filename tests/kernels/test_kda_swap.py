@@ -68,6 +68,11 @@ def test_swapped_model_matches_stock(stock_model, kernel_calls):
     worst = max(rmse_ratio(grads[name], ref_grads[name]) for name in grads)
     assert worst <= 0.005, worst
 
+    # The swap travels with a copy of the model (the hooks are part of the modules).
+    with torch.no_grad():
+        copy.deepcopy(swapped)(input_ids=input_ids[:, :10])
+    assert len(kernel_calls) == 6
+
 
 def test_family_without_swaps_is_untouched():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
