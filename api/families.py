@@ -37,3 +37,34 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
                  "shared_expert_gate") + _MLP),
     FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP),
 )}
+
+
+def needs_model_config(spec) -> bool:
+    """Whether check_model_spec has anything to check for this resolved JobCreate."""
+    return (spec.parallelism.expert_parallel_size > 1 or spec.lora.train_experts
+            or isinstance(spec.lora.target_modules, list))
+
+
+def check_model_spec(config: dict, spec) -> None:
+    """Rules that need the model's config.json; raises api.models.SpecError naming the field.
+
+    `spec` is a resolved JobCreate. Used at submission (422) and again by the driver before workers start.
+    """
+    from api.models import SpecError
+
+    par, lora = spec.parallelism, spec.lora
+    facts = FAMILIES.get(config.get("model_type"))
+    if facts is None:
+        if par.expert_parallel_size > 1 or lora.train_experts:
+            field = "parallelism.expert_parallel_size" if par.expert_parallel_size > 1 else "lora.train_experts"
+            raise SpecError(field, f"model_type {config.get('model_type')!r} has no expert-parallel support; "
+                                   f"supported: {', '.join(sorted(FAMILIES))}")
+        return
+    experts = facts.num_experts(config)
+    if experts is not None and experts % par.expert_parallel_size:
+        raise SpecError("parallelism.expert_parallel_size",
+                        f"must divide the model's {experts} routed experts (got {par.expert_parallel_size})")
+    if isinstance(lora.target_modules, list) and (unknown := facts.unknown_targets(lora.target_modules)):
+        raise SpecError("lora.target_modules",
+                        f"no linear module named {', '.join(map(repr, unknown))} in a {facts.model_type} model; "
+                        f"known names: {', '.join(sorted(set(facts.linear_names)))}")

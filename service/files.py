@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import fsspec
 
 from api.models import ErrorInfo, JobCreate
 
 
-def _filesystem(uri: str, s3_endpoint_url: str | None):
+def _filesystem(uri: str, s3_endpoint_url: str | None, quick: bool = False):
     options = {}
     if uri.startswith("s3://"):
         # No listing cache: an object uploaded after a first failed check must be seen on the next one.
         options = {"use_listings_cache": False}
+        if quick:  # inside a request: give up fast rather than hold the client through retries
+            options["config_kwargs"] = {"connect_timeout": 2, "read_timeout": 5, "retries": {"max_attempts": 1}}
         if s3_endpoint_url:
             options["client_kwargs"] = {"endpoint_url": s3_endpoint_url}
     return fsspec.core.url_to_fs(uri, **options)
@@ -44,3 +48,16 @@ def missing_input(spec: JobCreate, s3_endpoint_url: str | None) -> ErrorInfo | N
             return ErrorInfo(code="file_not_found", param=param,
                              message=f"{param}: {uri} does not exist (expected {expected})")
     return None
+
+
+def read_model_config(spec: JobCreate, s3_endpoint_url: str | None) -> dict | None:
+    """The model's config.json, or None when it cannot be read now (missing, unreachable, not JSON): then the
+    file check before queueing and the driver's own check report it instead."""
+    uri = f"{spec.model.rstrip('/')}/config.json"
+    try:
+        fs, path = _filesystem(uri, s3_endpoint_url, quick=True)
+        with fs.open(path, "rb") as f:
+            config = json.loads(f.read(1_000_000))
+    except Exception:  # noqa: BLE001 - any storage trouble defers the check, it never fails the submission
+        return None
+    return config if isinstance(config, dict) else None

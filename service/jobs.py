@@ -6,8 +6,10 @@ import hashlib
 import json
 import secrets
 
+from api.families import check_model_spec, needs_model_config
 from api.models import JobCreate, JobStatus, SpecError, resolve_spec
 from service.errors import APIException, invalid_request
+from service.files import read_model_config
 from service.settings import Settings
 from service.store import IdempotencyKeyTaken, JobRow, Store
 
@@ -39,6 +41,9 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
         return _replay(existing, digest)
     try:
         spec = resolve_spec(request)
+        # Rules that need the model's config.json; when storage cannot answer now, the driver checks them.
+        if needs_model_config(spec) and (config := read_model_config(spec, settings.s3_endpoint_url)) is not None:
+            check_model_spec(config, spec)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
     job_id = new_job_id()

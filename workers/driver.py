@@ -31,8 +31,9 @@ FORWARDED_ENV = (ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_S3_ENDPOINT_URL, "AWS_ACCE
 def validate(run: JobRunSpec) -> int:
     """Fails fast, before any worker starts: returns the number of training rows."""
     spec = run.spec
-    check_supported(spec)
-    check_targets_on_config(read_remote_config(spec.model), spec.lora)
+    config = read_remote_config(spec.model)
+    check_supported(spec, config)
+    check_targets_on_config(config, spec.lora)
     rows = len(load_rows(spec.training_file, "training_file"))
     if spec.validation_file:
         load_rows(spec.validation_file, "validation_file")
@@ -109,7 +110,8 @@ def run_job(run: JobRunSpec, reporter: Reporter) -> bool:
         if not ray.is_initialized():
             ray.init(logging_level=logging.WARNING)
         par = run.spec.parallelism
-        reporter.event(f"Starting {par.num_workers} workers (ZeRO-{par.zero_stage})")
+        ep = f", expert parallel {par.expert_parallel_size}" if par.expert_parallel_size > 1 else ""
+        reporter.event(f"Starting {par.num_workers} workers (ZeRO-{par.zero_stage}{ep})")
         build_trainer(run).fit()
         summary = json.loads(storage.read_text(storage.join(run.output_uri, SUMMARY_FILE)))
     except Exception as e:  # noqa: BLE001 - every failure becomes one ResultReport

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import json
 
-from api.models import JobCreate
+from api.families import check_model_spec
+from api.models import JobCreate, SpecError
 from workers import storage
 from workers.errors import JobError
 
 
-def check_supported(spec: JobCreate) -> None:
-    """Rejects features this engine does not provide yet, naming the field."""
-    if spec.lora.train_experts:
-        raise JobError("unsupported_feature",
-                       "lora.train_experts needs the expert-parallel engine (not available yet)", "lora.train_experts")
-    if spec.parallelism.expert_parallel_size > 1:
-        raise JobError("unsupported_feature",
-                       "parallelism.expert_parallel_size > 1 needs the expert-parallel engine (not available yet)",
-                       "parallelism.expert_parallel_size")
+def check_supported(spec: JobCreate, config: dict) -> None:
+    """The submission-time rules that need config.json, again here: the control plane skips them when it
+    cannot read storage at submission."""
+    try:
+        check_model_spec(config, spec)
+    except SpecError as e:
+        raise JobError("invalid_request", e.message, e.param) from None
 
 
 def read_remote_config(model_uri: str) -> dict:

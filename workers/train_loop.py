@@ -18,7 +18,7 @@ from workers.checkpoints import save_adapter, save_checkpoint
 from workers.data import collate, eval_micro_batches, load_rows, step_micro_batches, tokenize_rows
 from workers.engine import build_engine
 from workers.errors import DatasetError
-from workers.lora import apply_lora
+from workers.lora import trainable_model
 from workers.model import load_model, load_tokenizer
 from workers.reporter import Reporter
 from workers.schedule import total_steps
@@ -76,7 +76,8 @@ class _Worker:
             storage.download_dir(self.spec.model, model_dir)
         self.barrier()
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = apply_lora(load_model(model_dir, self.device), self.spec.lora)
+        # Experts beyond this rank's share are dropped right after loading (expert parallelism).
+        self.model = trainable_model(load_model(model_dir, self.device), self.spec)
         total = sum(p.numel() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.event(f"Model loaded: {total:,} parameters, {trainable:,} trainable (LoRA)",

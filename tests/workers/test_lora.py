@@ -6,7 +6,6 @@ import pytest
 from api.models import JobCreate, LoraSpec
 from workers.errors import JobError
 from workers.lora import apply_lora, check_targets_on_config
-from workers.model import check_supported
 
 
 def test_all_linear_lora_leaves_router_and_experts_frozen(tiny_checkpoint):
@@ -27,14 +26,3 @@ def test_unknown_target_modules_list_what_exists(tiny_checkpoint):
         check_targets_on_config(config, LoraSpec(target_modules=["q_proj", "wq"]))
     assert err.value.param == "lora.target_modules"
     assert "'wq'" in err.value.message and "o_proj" in err.value.message
-
-
-@pytest.mark.parametrize("override, param", [
-    ({"lora": {"train_experts": True}}, "lora.train_experts"),
-    ({"parallelism": {"num_workers": 2, "expert_parallel_size": 2}}, "parallelism.expert_parallel_size"),
-])
-def test_expert_parallel_features_are_rejected_clearly(override, param):
-    spec = JobCreate(model="s3://b/m", training_file="s3://b/t.jsonl", **override)
-    with pytest.raises(JobError) as err:
-        check_supported(spec)
-    assert err.value.param == param and "expert-parallel engine" in err.value.message

@@ -1,0 +1,91 @@
+"""Job specs that the model's config makes invalid: 422 at submission (control plane reads config.json from
+S3), the same rule in the driver's fail-fast check, and the family facts checked against the real models."""
+
+import json
+import uuid
+
+import boto3
+import httpx
+import pytest
+import torch
+
+from api.families import FAMILIES
+from api.models import JobCreate
+from workers.errors import JobError
+from workers.families import family
+from workers.model import check_supported
+
+JOBS = "/v1/fine_tuning/jobs"
+
+
+@pytest.fixture(scope="module")
+def control_plane(s3_endpoint, tmp_path_factory):
+    """A real control plane that reads model configs from the session's S3 server; a bucket with the seed
+    family's tiny config.json (8 routed experts) and one of a non-MoE model."""
+    from service.settings import Settings
+    from tests.service.conftest import API_TOKENS, run_service
+
+    bucket = f"t-{uuid.uuid4().hex[:12]}"
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket=bucket)
+    s3.put_object(Bucket=bucket, Key="kimi/config.json", Body=family("kimi_linear").tiny_config().to_json_string())
+    s3.put_object(Bucket=bucket, Key="llama/config.json", Body=json.dumps({"model_type": "llama"}))
+    tmp = tmp_path_factory.mktemp("ep-service")
+    settings = Settings(database_url=f"sqlite:///{tmp}/moetune.db", api_tokens=API_TOKENS, scheduler_enabled=False,
+                        default_output_uri=f"s3://{bucket}/out", s3_endpoint_url=s3_endpoint)
+    with run_service(settings) as running:
+        yield running, bucket
+
+
+def _post(control_plane, model: str, **fields) -> httpx.Response:
+    running, bucket = control_plane
+    body = {"model": f"s3://{bucket}/{model}", "training_file": f"s3://{bucket}/train.jsonl", **fields}
+    return httpx.post(running.url + JOBS, json=body, headers={"Authorization": "Bearer tok-a"}, timeout=30)
+
+
+EP3_OF_6 = {"parallelism": {"num_workers": 6, "expert_parallel_size": 3}, "training": {"global_batch_size": 6}}
+
+
+@pytest.mark.parametrize("model, fields, param, words", [
+    ("kimi", EP3_OF_6, "parallelism.expert_parallel_size", "8 routed experts"),
+    ("kimi", {"lora": {"target_modules": ["q_proj", "wq"]}}, "lora.target_modules", "'wq'"),
+    ("llama", {"parallelism": {"num_workers": 2, "expert_parallel_size": 2}, "training": {"global_batch_size": 2}},
+     "parallelism.expert_parallel_size", "'llama'"),
+    ("llama", {"lora": {"train_experts": True}}, "lora.train_experts", "no expert-parallel support"),
+])
+def test_config_dependent_rules_are_422_at_submission(control_plane, model, fields, param, words):
+    response = _post(control_plane, model, **fields)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
+
+
+def test_valid_expert_parallel_job_is_accepted(control_plane):
+    response = _post(control_plane, "kimi", lora={"train_experts": True, "target_modules": ["q_proj", "o_proj"]},
+                     parallelism={"num_workers": 4, "expert_parallel_size": 4}, training={"global_batch_size": 4})
+    assert response.status_code == 200, response.text
+
+
+def test_unreadable_config_defers_to_the_driver(control_plane):
+    """No config.json there at submission: the job is accepted; the driver applies the same rule later."""
+    assert _post(control_plane, "not-uploaded-yet", **EP3_OF_6).status_code == 200
+    spec = JobCreate(model="s3://b/m", training_file="s3://b/t.jsonl", **EP3_OF_6)
+    with pytest.raises(JobError) as err:
+        check_supported(spec, family("kimi_linear").tiny_config().to_dict())
+    assert err.value.param == "parallelism.expert_parallel_size" and "8 routed experts" in err.value.message
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_facts_match_the_transformers_models(name):
+    """The control plane's pure-data facts agree with the real model classes (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    fam = family(name)
+    config = fam.tiny_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linear - {"lm_head"} <= set(fam.facts.linear_names)
+    blocks = list(fam.moe_blocks(model))
+    assert blocks and all(getattr(b, fam.experts).num_experts == fam.facts.num_experts(config.to_dict())
+                          for _, b in blocks)
