@@ -63,7 +63,7 @@ def run_cpu() -> dict:
             "kda_cpu_speedup": round(naive / chunked, 1)}
 
 
-def kda_flops(seq_len, heads, dk, dv, chunk=64):
+def kda_flops(seq_len, heads, dk, dv, chunk):
     """Matmul FLOPs of the chunked forward per the formulas in kernels/kda/triton_kda.py: per token, the pairwise
     A_kk and A_qk rows (2·C·K each), W and U (2·C·(K+V)), W·S, Q·S and the state update (2·K·V each) and
     A_qk·V' (2·C·V). The backward is counted as 2x the forward, as for attention."""
@@ -100,6 +100,8 @@ def check_on_gpu() -> float:
 
 
 def run_gpu() -> dict:
+    from kernels.kda.triton_kda import CHUNK
+
     out = {"kda_gpu_device": torch.cuda.get_device_name(), "kda_gpu_check_rmse_ratio": check_on_gpu()}
     for seq_len in GPU_LENGTHS:
         tag = f"{seq_len // 1024}k"
@@ -118,7 +120,7 @@ def run_gpu() -> dict:
             sdpa_f = cuda_seconds(sdpa_fwd)
         kda_fb = cuda_seconds(lambda: fwd_bwd(chunk_kda, inputs))
         sdpa_fb = cuda_seconds(sdpa_fwd_bwd)
-        flops_kda = kda_flops(seq_len, GPU_HEADS, GPU_HEAD_DIM, GPU_HEAD_DIM)
+        flops_kda = kda_flops(seq_len, GPU_HEADS, GPU_HEAD_DIM, GPU_HEAD_DIM, CHUNK)
         flops_sdpa = sdpa_flops(seq_len, GPU_HEADS, GPU_HEAD_DIM)
         out.update({
             f"kda_fwd_ms_{tag}": round(kda_f * 1e3, 3), f"sdpa_fwd_ms_{tag}": round(sdpa_f * 1e3, 3),

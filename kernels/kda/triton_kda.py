@@ -248,12 +248,12 @@ def kda_bwd(q, k, v, g, beta, scale, states, dht, do, cu_seqlens):
 
 class KDATriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, keep_states):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         if initial_state is not None:
             initial_state = initial_state.float().contiguous()
         o, ht, states = kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                keep_states=any(ctx.needs_input_grad[:6]))
+                                keep_states)
         ctx.save_for_backward(q, k, v, g, beta, states, cu_seqlens)
         ctx.scale = scale
         ctx.has_initial_state = initial_state is not None
@@ -265,7 +265,7 @@ class KDATriton(torch.autograd.Function):
         dht = None if dht is None else dht.float().contiguous()
         grads = kda_bwd(q, k, v, g, beta, ctx.scale, states, dht, do.contiguous(), cu_seqlens)
         dq, dk, dv, dg, dbeta, dh0 = (grad.to(x.dtype) for grad, x in zip(grads, (q, k, v, g, beta, states)))
-        return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_initial_state else None), None, None, None
+        return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_initial_state else None), None, None, None, None
 
 
 def chunk_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
@@ -278,5 +278,9 @@ def chunk_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_fi
     if not packed:
         cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, device=q.device)
         q, k, v, g, beta = (x.reshape(1, batch * seq_len, *x.shape[2:]) for x in (q, k, v, g, beta))
-    o, ht = KDATriton.apply(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens.to(torch.int32))
+    # the per-chunk states are kept for the backward only when one can follow
+    keep_states = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+    o, ht = KDATriton.apply(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens.to(torch.int32),
+                            keep_states)
     return (o if packed else o.reshape(batch, seq_len, *o.shape[2:])), ht

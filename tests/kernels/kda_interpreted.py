@@ -46,7 +46,9 @@ def stateless_case():
     o, final = chunk_kda_triton(*args)
     ref, _ = naive_recurrent_kda(*args)
     o.sum().backward()
-    return {"final_is_none": final is None, "o": rmse_ratio(o, ref),
+    with torch.no_grad():  # inference: no per-chunk states kept
+        o_inference, _ = chunk_kda_triton(*args)
+    return {"final_is_none": final is None, "o": rmse_ratio(o, ref), "o_inference": rmse_ratio(o_inference, ref),
             "all_grads": all(inputs[n].grad is not None for n in NAMES[:5])}
 
 
