@@ -36,7 +36,9 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     # (I + Diag(β) KKᵀ_decayed) [W U] = Diag(β) [K ⊙ e^Γ, V]
     eye = torch.eye(chunk_size, device=q.device)
     rhs = beta * torch.cat([k * gamma.exp(), v], dim=-1)
-    wu = torch.linalg.solve_triangular(eye + beta * kk, rhs, upper=False, unitriangular=True)
+    # the inverse then one matmul: cheaper on a CPU than a triangular solve against the (K + V)-wide right side
+    inverse = torch.linalg.solve_triangular(eye + beta * kk, eye.expand_as(kk), upper=False, unitriangular=True)
+    wu = inverse @ rhs
     w, u = wu.split([dk, dv], dim=-1)
     q_decayed = q * gamma.exp()
     last = gamma[..., -1:, :]
