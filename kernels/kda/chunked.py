@@ -13,7 +13,10 @@ import torch.nn.functional as F
 
 def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                     chunk_size=64):
-    """Same contract as `naive_recurrent_kda`; computes in fp32, returns o in q's dtype and an fp32 state."""
+    """Same contract as `naive_recurrent_kda`; computes in fp32, returns o in q's dtype and an fp32 state.
+    `chunk_size` must be a multiple of 16 (the sub-chunk of `_decayed_products`)."""
+    if chunk_size % 16:
+        raise ValueError(f"chunk_size must be a multiple of 16, got {chunk_size}")
     if cu_seqlens is not None:
         return _packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
     out_dtype = q.dtype
