@@ -111,11 +111,18 @@ def train_step(engine, rank: int, step: int) -> float:
     return loss.item()
 
 
+def run_engines(rank: int, world: int, cases: list[tuple[str, str, str, bool]], out_dir: str) -> None:
+    """Several (case id, family, spec JSON, skew) runs one after another in the same two processes (one start)."""
+    for case_id, family_name, spec_json, skew in cases:
+        run_engine(rank, world, family_name, spec_json, os.path.join(out_dir, case_id), skew)
+
+
 def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
     """The moetune engine on this rank: per-step loss, first-step full LoRA gradients, expert bytes."""
     from deepspeed.utils import safe_get_full_grad
 
     job = JobCreate.model_validate_json(spec_json)
+    os.makedirs(out_dir, exist_ok=True)
     engine = make_engine(rank, world, family_name, job, skew)
     losses, grads = [], {}
     for step in range(job.training.max_steps):
@@ -215,7 +222,8 @@ def reference(family_name: str, job: JobCreate, world: int, skew: bool = False) 
         if step == 0:
             grads = {n: p.grad.clone() for n, p in peft_model.named_parameters()
                      if p.requires_grad and ".experts." not in n}
-            grads.update(expert_grads_in_engine_layout(peft_model, fam))
+            if job.lora.train_experts:
+                grads.update(expert_grads_in_engine_layout(peft_model, fam))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad()
