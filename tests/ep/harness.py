@@ -126,7 +126,7 @@ def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir:
     engine = make_engine(rank, world, family_name, job, skew)
     losses, grads = [], {}
     for step in range(job.training.max_steps):
-        loss = engine(**batch(rank, step)).loss
+        loss = engine(**batch(rank, step, job.training.micro_batch_size)).loss
         engine.backward(loss)
         if step == 0:
             grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
@@ -202,7 +202,7 @@ def expert_grads_in_engine_layout(peft_model, fam) -> dict:
     return out
 
 
-def reference(family_name: str, job: JobCreate, world: int, skew: bool = False) -> dict:
+def reference(family_name: str, job: JobCreate, world: int, skew: bool = False, micro: int = 2) -> dict:
     """Plain transformers + PEFT in one process: the same batches, DeepSpeed's rank-mean loss, AdamW, clipping."""
     from workers.families import family
     from workers.lora import apply_lora
@@ -217,7 +217,7 @@ def reference(family_name: str, job: JobCreate, world: int, skew: bool = False) 
     optimizer = torch.optim.AdamW(params, lr=job.training.learning_rate, weight_decay=0.0)
     losses, grads = [], {}
     for step in range(job.training.max_steps):
-        loss = sum(peft_model(**batch(r, step)).loss for r in range(world)) / world
+        loss = sum(peft_model(**batch(r, step, micro)).loss for r in range(world)) / world
         loss.backward()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in peft_model.named_parameters()

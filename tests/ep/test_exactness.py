@@ -17,7 +17,7 @@ CASES = {
     "kimi_linear-ep1-zero2": ("kimi_linear", spec(ep=1, zero=2, steps=3), False),
     "kimi_linear-ep2-zero3-one-rank-gets-all": ("kimi_linear", spec(ep=2, zero=3, steps=2), True),
     **{f"qwen3_moe-experts-ep2-zero{zero}": ("qwen3_moe", spec(ep=2, zero=zero, steps=4, train_experts=True), False)
-       for zero in (2, 3)},
+       for zero in (1, 2, 3)},
     "kimi_linear-experts-ep1-zero2": ("kimi_linear", spec(ep=1, zero=2, steps=3, train_experts=True), False),
 }
 
@@ -28,6 +28,21 @@ def engine_runs(tmp_path_factory):
     launch(run_engines, 2, [(case, fam, job.model_dump_json(), skew) for case, (fam, job, skew) in CASES.items()],
            str(out))
     return lambda case: [torch.load(out / case / f"rank{r}.pt") for r in range(2)]
+
+
+def test_ep2_of_4_ranks_replicates_experts(tmp_path):
+    """EP=2 on 4 ranks: ranks 0,2 and 1,3 hold the same experts; their expert-LoRA gradients are reduced only
+    within that replica pair and every rank still matches the reference. Under ZeRO-3 the pair also
+    partitions its experts' frozen weights between them (1/4 of the bytes each)."""
+    jobs = {zero: spec(ep=2, zero=zero, steps=3, train_experts=True, world=4, micro=1) for zero in (2, 3)}
+    launch(run_engines, 4, [(f"zero{z}", "qwen3_moe", job.model_dump_json(), False) for z, job in jobs.items()],
+           str(tmp_path))
+    for zero, job in jobs.items():
+        ranks = [torch.load(tmp_path / f"zero{zero}" / f"rank{r}.pt") for r in range(4)]
+        ref = reference("qwen3_moe", job, world=4, micro=1)
+        _assert_matches(ranks, ref, ep=2)
+        share = 2 if zero == 2 else 4
+        assert [r["expert_bytes"] for r in ranks] == [ref["expert_bytes"] // share] * 4
 
 
 def _assert_matches(ranks, ref, ep):
