@@ -94,14 +94,15 @@ def _decayed_products(xs, y, gamma, sub=16):
     xs = torch.stack([x.reshape(*lead, n_sub, sub, dim) for x in xs], dim=-1)  # (..., S, c, D, n_x)
     # Diagonal blocks, pairwise: decay[a, r, i, d], the upper triangle set to -inf before exp.
     causal = torch.ones(sub, sub, dtype=torch.bool, device=y.device).tril()
-    diff = (gs.unsqueeze(-2) - gs.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
-    diag = (ys.unsqueeze(-3) * diff.exp()) @ xs  # (..., S, c_r, c_i, n_x)
+    # (in place where autograd allows: these are the largest tensors of the whole computation)
+    decay = (gs.unsqueeze(-2) - gs.unsqueeze(-3)).masked_fill_(~causal[..., None], float("-inf")).exp_()
+    diag = (ys.unsqueeze(-3) * decay) @ xs  # (..., S, c_r, c_i, n_x)
     # Blocks a > b: x_a e^{Γ_a − ref_b} @ (y_b e^{ref_b − Γ_b})ᵀ with ref_b = Γ at the end of sub-chunk b.
     ref = gs[..., -1, :]  # (..., S, D)
     later = torch.ones(n_sub, n_sub, dtype=torch.bool, device=y.device).tril(-1)
-    to_ref = (gs.unsqueeze(-3) - ref[..., None, :, None, :]).masked_fill(~later[..., None, None], float("-inf"))
+    decay_to_ref = (gs.unsqueeze(-3) - ref[..., None, :, None, :]).masked_fill_(
+        ~later[..., None, None], float("-inf")).exp_()  # (..., S_a, S_b, c, D)
     y_scaled = ys * (ref.unsqueeze(-2) - gs).exp()  # (..., S_b, c, D)
-    decay_to_ref = to_ref.exp()  # (..., S_a, S_b, c, D)
     eye = torch.eye(n_sub, device=y.device)[..., None, None]
     products = []
     for n in range(xs.shape[-1]):
