@@ -32,6 +32,27 @@ def _load_q_group(ptr, q_off, stride_h, hk, GROUP: tl.constexpr, BLOCK_G: tl.con
 
 
 @triton.jit
+def _selection(row_ptr, start, n_sel, BLOCK_S: tl.constexpr):
+    """The next BLOCK_S selected key ids of one query (int64; -1 past the end)."""
+    s_off = start + tl.arange(0, BLOCK_S)
+    return tl.load(row_ptr + s_off, mask=s_off < n_sel, other=-1).to(tl.int64)
+
+
+@triton.jit
+def _gather(base, idx, valid, stride, D: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr,
+            DOT_FP32: tl.constexpr):
+    """Rows idx of a [S, D] matrix as [BLOCK_S, BLOCK_D] (or transposed); invalid rows and padding read 0."""
+    d = tl.arange(0, BLOCK_D)
+    if TRANSPOSED:
+        x = tl.load(base + idx[None, :] * stride + d[:, None], mask=valid[None, :] & (d[:, None] < D), other=0.0)
+    else:
+        x = tl.load(base + idx[:, None] * stride + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
+    if DOT_FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _sparse_attn_fwd(
     Q, K, V, IDX, O, LSE,
     sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, si_b, si_t, so_b, so_t, so_h,
@@ -43,7 +64,6 @@ def _sparse_attn_fwd(
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
-    dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
     q = _load_q_group(Q, b * sq_b + t * sq_t, sq_h, hk, GROUP, BLOCK_G, DK, BLOCK_DK)
     if DOT_FP32:
@@ -54,14 +74,10 @@ def _sparse_attn_fwd(
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
     for start in range(0, n_sel, BLOCK_S):
-        s_off = start + tl.arange(0, BLOCK_S)
-        idx = tl.load(IDX + b * si_b + t * si_t + s_off, mask=s_off < n_sel, other=-1).to(tl.int64)
+        idx = _selection(IDX + b * si_b + t * si_t, start, n_sel, BLOCK_S)
         valid = idx >= 0
-        kt = tl.load(k_base + idx[None, :] * sk_s + dk[:, None], mask=valid[None, :] & (dk[:, None] < DK), other=0.0)
-        vb = tl.load(v_base + idx[:, None] * sv_s + dv[None, :], mask=valid[:, None] & (dv[None, :] < DV), other=0.0)
-        if DOT_FP32:
-            kt = kt.to(tl.float32)
-            vb = vb.to(tl.float32)
+        kt = _gather(k_base, idx, valid, sk_s, DK, BLOCK_DK, True, DOT_FP32)
+        vb = _gather(v_base, idx, valid, sv_s, DV, BLOCK_DV, False, DOT_FP32)
         s = tl.dot(q, kt) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -113,16 +129,10 @@ def _sparse_attn_bwd(
     dk_base = DK + b * sdk_b + hk * sdk_h
     dv_base = DV + b * sdv_b + hk * sdv_h
     for start in range(0, n_sel, BLOCK_S):
-        s_off = start + tl.arange(0, BLOCK_S)
-        idx = tl.load(IDX + b * si_b + t * si_t + s_off, mask=s_off < n_sel, other=-1).to(tl.int64)
+        idx = _selection(IDX + b * si_b + t * si_t, start, n_sel, BLOCK_S)
         valid = idx >= 0
-        kt = tl.load(k_base + idx[None, :] * sk_s + dk[:, None], mask=valid[None, :] & (dk[:, None] < HEAD_DK),
-                     other=0.0)
-        vt = tl.load(v_base + idx[None, :] * sv_s + dv[:, None], mask=valid[None, :] & (dv[:, None] < HEAD_DV),
-                     other=0.0)
-        if DOT_FP32:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
+        kt = _gather(k_base, idx, valid, sk_s, HEAD_DK, BLOCK_DK, True, DOT_FP32)
+        vt = _gather(v_base, idx, valid, sv_s, HEAD_DV, BLOCK_DV, True, DOT_FP32)
         s = tl.dot(q, kt) * (scale * LOG2E_CONST)
         p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, vt) - delta[:, None])
