@@ -52,6 +52,13 @@ def _gather(base, idx, valid, stride, D: tl.constexpr, BLOCK_D: tl.constexpr, TR
     return x
 
 
+def _forward_configs():
+    if interpreting():  # the interpreter cannot autotune over several configs
+        return [triton.Config({"BLOCK_S": 64}, num_warps=4, num_stages=2)]
+    return [triton.Config({"BLOCK_S": s}, num_warps=w, num_stages=2) for s in (32, 64) for w in (4, 8)]
+
+
+@triton.autotune(configs=_forward_configs(), key=["GROUP", "DK", "DV"])
 @triton.jit
 def _sparse_attn_fwd(
     Q, K, V, IDX, O, LSE,
@@ -150,7 +157,7 @@ def _sparse_attn_bwd(
 def _meta(q, k, v, indices) -> dict:
     group = q.shape[2] // k.shape[2]
     return dict(
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=64,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_DK=max(16, triton.next_power_of_2(k.shape[3])), BLOCK_DV=max(16, triton.next_power_of_2(v.shape[3])),
         # the interpreter multiplies bf16 bit patterns in tl.dot: compute in fp32 there
         DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
@@ -176,10 +183,9 @@ def forward(q, k, v, indices, scale):
     batch, q_len, heads, _ = q.shape
     out = q.new_empty(batch, q_len, heads, v.shape[3])
     lse = torch.empty(batch, q_len, heads, dtype=torch.float32, device=q.device)
-    meta = _meta(q, k, v, indices)
     _sparse_attn_fwd[(q_len, k.shape[2], batch)](
         q, k, v, indices, out, lse, *_strides(q, k, v, indices, out), indices.shape[2], scale * LOG2E,
-        DK=k.shape[3], DV=v.shape[3], num_warps=4, num_stages=2, **meta)
+        DK=k.shape[3], DV=v.shape[3], **_meta(q, k, v, indices))
     return out, lse
 
 
@@ -194,7 +200,7 @@ def backward(q, k, v, indices, scale, out, lse, grad_out):
     _sparse_attn_bwd[(q.shape[1], k.shape[2], q.shape[0])](
         q, k, v, indices, grad_out, lse, delta, dq, dk, dv, *_strides(q, k, v, indices, grad_out),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        indices.shape[2], scale, HEAD_DK=k.shape[3], HEAD_DV=v.shape[3], num_warps=4, num_stages=1,
+        indices.shape[2], scale, HEAD_DK=k.shape[3], HEAD_DV=v.shape[3], BLOCK_S=64, num_warps=4, num_stages=1,
         **_meta(q, k, v, indices))
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
@@ -208,7 +214,7 @@ def compile_sm90(group: int, head_dk: int, head_dv: int) -> dict:
     blocks = dict(GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=64, DOT_FP32=False,
                   BLOCK_DK=max(16, triton.next_power_of_2(head_dk)), BLOCK_DV=max(16, triton.next_power_of_2(head_dv)))
     shared = {}
-    for name, kernel, dims in (("fwd", _sparse_attn_fwd, dict(DK=head_dk, DV=head_dv)),
+    for name, kernel, dims in (("fwd", _sparse_attn_fwd.fn, dict(DK=head_dk, DV=head_dv)),
                                ("bwd", _sparse_attn_bwd, dict(HEAD_DK=head_dk, HEAD_DV=head_dv))):
         types = {arg: pointers.get(arg, "fp32" if arg.startswith("scale") else "i32") for arg in kernel.arg_names}
         shared[name] = compile_for_sm90(kernel, types, {**blocks, **dims}).metadata.shared
