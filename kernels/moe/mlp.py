@@ -12,11 +12,11 @@ def _t(x):
     return None if x is None else x.transpose(1, 2)
 
 
-def moe_lora_mlp(x_sorted, counts, w_gate_up, w_down, act_fn, gate_up_a=None, gate_up_b=None, down_a=None,
+def moe_lora_mlp(x_sorted, counts, w_gate_up, w_down, activation, gate_up_a=None, gate_up_b=None, down_a=None,
                  down_b=None, scaling: float = 1.0, backend: str | None = None) -> torch.Tensor:
-    """x_sorted [N, H]; counts [E] (tensor or list); w_gate_up [E, 2I, H]; w_down [E, H, I]; act_fn(gate) * up is
-    the GLU; LoRA factors A [E, r, in] and B [E, out, r] (or None). Returns [N, H]."""
+    """x_sorted [N, H]; counts [E] (tensor or list); w_gate_up [E, 2I, H]; w_down [E, H, I]; activation maps the
+    gate/up projection [N, 2I] to [N, I] (the family's GLU, e.g. silu(gate) * up, clamped or not); LoRA factors
+    A [E, r, in] and B [E, out, r] (or None). Returns [N, H]."""
     counts = torch.as_tensor(counts, device=x_sorted.device)
     gate_up = moe_lora_grouped(x_sorted, counts, _t(w_gate_up), _t(gate_up_a), _t(gate_up_b), scaling, backend)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return moe_lora_grouped(act_fn(gate) * up, counts, _t(w_down), _t(down_a), _t(down_b), scaling, backend)
+    return moe_lora_grouped(activation(gate_up), counts, _t(w_down), _t(down_a), _t(down_b), scaling, backend)
