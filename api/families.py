@@ -19,8 +19,10 @@ class FamilyFacts:
     model_type: str
     expert_count_keys: tuple[str, ...]  # config.json keys holding the routed expert count, first present wins
     linear_names: tuple[str, ...]  # LoRA target names PEFT can match (leaf names of nn.Linear modules)
+    text_config_key: str | None = None  # multimodal checkpoints: the text model's config lives under this key
 
     def num_experts(self, config: dict) -> int | None:
+        config = config.get(self.text_config_key) or {} if self.text_config_key else config
         return next((config[k] for k in self.expert_count_keys if isinstance(config.get(k), int)), None)
 
     def unknown_targets(self, targets: list[str]) -> list[str]:
@@ -36,6 +38,10 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
                 ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj",
                  "shared_expert_gate") + _MLP),
     FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP),
+    # Text path only: KDA + DSA sparse MLA (with its indexer's wq_b / wk / weights_proj); the vision tower is not adapted.
+    FamilyFacts("glm5_next", ("n_routed_experts",),
+                _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
+                               "wq_b", "wk", "weights_proj"), text_config_key="text_config"),
 )}
 
 

@@ -34,7 +34,20 @@ def _expert_factors(lora: ExpertLoraFactors | None, e: int) -> tuple:
     return lora.gate_up_a[e], lora.gate_up_b[e], lora.down_a[e], lora.down_b[e], lora.scaling
 
 
-def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, act_fn,
+class GatedActivation:
+    """gate_up -> act(gate) · up, with the optional clamping some families apply (GLM: `swiglu_limit`)."""
+
+    def __init__(self, act_fn, limit: float | None = None):
+        self.act_fn, self.limit = act_fn, limit
+
+    def __call__(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return self.act_fn(gate) * up
+
+
+def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activation: GatedActivation,
                            lora: ExpertLoraFactors | None = None):
     """Expert MLP over tokens sorted by local expert; `counts[e]` tokens belong to local expert e.
 
@@ -45,6 +58,6 @@ def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, act_f
     outputs = []
     for e, xs in enumerate(torch.split(x_sorted, counts)):
         gu_a, gu_b, d_a, d_b, scaling = _expert_factors(lora, e)
-        gate, up = _project(xs, w_gate_up[e], gu_a, gu_b, scaling).chunk(2, dim=-1)
-        outputs.append(_project(act_fn(gate) * up, w_down[e], d_a, d_b, scaling))
+        hidden = activation(_project(xs, w_gate_up[e], gu_a, gu_b, scaling))
+        outputs.append(_project(hidden, w_down[e], d_a, d_b, scaling))
     return torch.cat(outputs)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.expert_compute import ExpertLoraFactors, grouped_expert_forward
+from workers.expert_compute import ExpertLoraFactors, GatedActivation, grouped_expert_forward
 
 EXPERT_PLACEMENT = "autoep_expert"  # DeepSpeed 0.19.8's ZeRO-3 placement family for expert-parallel tensors
 
@@ -97,7 +97,9 @@ class ExpertParallelExperts(nn.Module):
             raise ValueError(f"{self.num_experts} experts cannot be split over expert_parallel_size={ep.size}")
         self.num_local_experts = self.num_experts // ep.size
         self.ep, self.ep_group_name = ep, ep.name
-        self.act_fn = experts.act_fn
+        # Families without an act_fn attribute (GLM) hard-code SiLU; swiglu_limit is GLM's clamp.
+        self.activation = GatedActivation(getattr(experts, "act_fn", nn.functional.silu),
+                                          getattr(experts, "swiglu_limit", None))
         first = ep.rank * self.num_local_experts
         local = slice(first, first + self.num_local_experts)
         # clone: the full tensors must not stay alive through a view
@@ -149,7 +151,7 @@ class ExpertParallelExperts(nn.Module):
         local_expert = torch.arange(n_local, device=recv.device).repeat(ep.size).repeat_interleave(recv.flatten())
         by_expert = torch.argsort(local_expert, stable=True)
         y = grouped_expert_forward(received[by_expert], recv.sum(0).tolist(), self.gate_up_proj, self.down_proj,
-                                   self.act_fn, self.lora_factors())
+                                   self.activation, self.lora_factors())
         y = y[torch.argsort(by_expert)]  # back to (source rank, local expert) order
         returned = _exchange(y, in_splits, out_splits, ep)
 

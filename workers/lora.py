@@ -9,11 +9,34 @@ from api.models import JobCreate, LoraSpec
 from workers.errors import JobError
 
 
-def _check_targets(model, targets: list[str]) -> None:
-    """Every requested name must match a linear module the way PEFT matches it (exact or suffix)."""
+def _linear_names(model) -> list[str]:
+    """Names of the linears LoRA may adapt: all of them, or the text model's for a multimodal family."""
     import torch
 
-    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    from workers.families import known_family
+
+    fam = known_family(model.config)
+    scope = fam.lora_scope if fam else None
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and (scope is None or scope in f".{name}")]
+
+
+def _scoped_targets(model, targets):
+    """PEFT targets restricted to the family's LoRA scope, as full module names ("all-linear" minus lm_head)."""
+    from workers.families import known_family
+
+    fam = known_family(model.config)
+    if fam is None or fam.lora_scope is None:
+        return targets
+    linear = [n for n in _linear_names(model) if not n.endswith("lm_head")]
+    if targets == "all-linear":
+        return linear
+    return [n for n in linear if any(n == t or n.endswith("." + t) for t in targets)]
+
+
+def _check_targets(model, targets: list[str]) -> None:
+    """Every requested name must match a linear module the way PEFT matches it (exact or suffix)."""
+    linear = _linear_names(model)
     unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
     if unknown:
         available = sorted({name.rsplit(".", 1)[-1] for name in linear})
@@ -28,11 +51,13 @@ def _check_targets(model, targets: list[str]) -> None:
 def check_targets_on_config(config: dict, spec: LoraSpec) -> None:
     """The target check without weights: the model is built on the meta device (no memory, no I/O)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from workers.families import auto_model_class
 
     if isinstance(spec.target_modules, list):
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+            model = auto_model_class(config).from_config(AutoConfig.for_model(**config))
         _check_targets(model, spec.target_modules)
 
 
@@ -64,7 +89,8 @@ def apply_lora(model, spec: LoraSpec):
         r=spec.rank,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
-        target_modules=spec.target_modules,  # "all-linear" leaves out lm_head; the router is no nn.Linear
+        # "all-linear" leaves out lm_head; the router is no nn.Linear
+        target_modules=_scoped_targets(model, spec.target_modules),
         bias="none",
     )
     with _no_v4_target_conversion(model):

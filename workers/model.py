@@ -51,8 +51,10 @@ def load_tokenizer(local_dir: str):
 def load_model(local_dir: str, device):
     """The plain transformers model: bf16 on GPUs, fp32 on CPU (where bf16 matmuls are slow)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from workers.families import auto_model_class
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
+    model = auto_model_class(AutoConfig.from_pretrained(local_dir)).from_pretrained(local_dir, dtype=dtype)
     return model.to(device)

@@ -32,10 +32,11 @@ def plain_model(family, seed: int = 0, skew_to_first_half: bool = False):
     `skew_to_first_half` routes every token to the first half of the experts through the router's score
     correction bias (kimi_linear, deepseek_v3): with EP=2, rank 1's experts get no token at all.
     """
-    from transformers import AutoModelForCausalLM
+    from workers.families import auto_model_class
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family.tiny_config(), dtype=torch.float32)
+    config = family.tiny_config()
+    model = auto_model_class(config).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for _, block in family.moe_blocks(model):
             router = getattr(block, family.router)
@@ -220,8 +221,9 @@ def reference(family_name: str, job: JobCreate, world: int, skew: bool = False, 
         loss = sum(peft_model(**batch(r, step, micro)).loss for r in range(world)) / world
         loss.backward()
         if step == 0:
-            grads = {n: p.grad.clone() for n, p in peft_model.named_parameters()
-                     if p.requires_grad and ".experts." not in n}
+            # no gradient reaches LoRA on glm5_next's DSA indexer (it only picks top-k positions): zeros in DeepSpeed
+            grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                     for n, p in peft_model.named_parameters() if p.requires_grad and ".experts." not in n}
             if job.lora.train_experts:
                 grads.update(expert_grads_in_engine_layout(peft_model, fam))
         torch.nn.utils.clip_grad_norm_(params, 1.0)

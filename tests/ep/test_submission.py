@@ -78,13 +78,14 @@ def test_unreadable_config_defers_to_the_driver(control_plane):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_facts_match_the_transformers_models(name):
     """The control plane's pure-data facts agree with the real model classes (built on the meta device)."""
-    from transformers import AutoModelForCausalLM
+    from workers.families import auto_model_class
 
     fam = family(name)
     config = fam.tiny_config()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        model = auto_model_class(config).from_config(config)
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and (fam.lora_scope is None or fam.lora_scope in f".{n}")}
     assert linear - {"lm_head"} <= set(fam.facts.linear_names)
     blocks = list(fam.moe_blocks(model))
     assert blocks and all(getattr(b, fam.experts).num_experts == fam.facts.num_experts(config.to_dict())

@@ -25,6 +25,8 @@ class Family:
     tiny_config: Callable[..., object]  # a tiny random config of this family (tests, benchmarks)
     router: str = "gate"
     experts: str = "experts"
+    auto_class: str = "AutoModelForCausalLM"  # the transformers auto class that builds the trainable model
+    lora_scope: str | None = None  # only linears whose name contains this get LoRA (text path of a multimodal model)
 
     def moe_blocks(self, model) -> Iterator[tuple[str, object]]:
         for name, module in model.named_modules():
@@ -33,7 +35,7 @@ class Family:
 
 
 _MODULES = {"kimi_linear": "kimi_linear", "qwen3_moe": "qwen3_moe", "qwen3_next": "qwen3_next",
-            "deepseek_v3": "deepseek_v3"}
+            "deepseek_v3": "deepseek_v3", "glm5_next": "glm5_next"}
 
 
 def family(model_type: str) -> Family:
@@ -46,6 +48,19 @@ def family(model_type: str) -> Family:
 def family_for(config) -> Family:
     model_type = config["model_type"] if isinstance(config, dict) else config.model_type
     return family(model_type)
+
+
+def known_family(config) -> Family | None:
+    """The family adapter, or None for a model type without one (plain dense or unsupported models)."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    return family(model_type) if model_type in _MODULES else None
+
+
+def auto_model_class(config):
+    import transformers
+
+    fam = known_family(config)
+    return getattr(transformers, fam.auto_class if fam else "AutoModelForCausalLM")
 
 
 assert set(_MODULES) == set(FAMILIES), "every family needs both its facts and its adapter"
