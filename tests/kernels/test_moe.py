@@ -120,3 +120,25 @@ def test_expert_mlp_matches_the_per_expert_loop(backend, with_lora):
     grads = torch.autograd.grad(out, [x, *factors], grad)
     for got, want in zip((out, *grads), (expected, *exp_grads)):
         assert rmse_ratio(got, want) <= 0.005
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_expert_mlp_is_a_drop_in_for_the_expert_parallel_compute(backend):
+    """Same arguments, layouts, results and LoRA gradients as workers.expert_compute.grouped_expert_forward (the EP
+    engine's per-expert path), so that function can hand its work to this one."""
+    from workers.expert_compute import ExpertLoraFactors, GatedActivation, grouped_expert_forward
+
+    gen = torch.Generator().manual_seed(4)
+    counts, hidden, inter, rank = [7, 0, 12], 32, 16, 4
+    x = torch.randn(sum(counts), hidden, generator=gen).requires_grad_()
+    w_gate_up, w_down = torch.randn(3, 2 * inter, hidden, generator=gen), torch.randn(3, hidden, inter, generator=gen)
+    factors = [torch.randn(*s, generator=gen).requires_grad_() for s in
+               ((3, rank, hidden), (3, 2 * inter, rank), (3, rank, inter), (3, hidden, rank))]
+    activation = GatedActivation(torch.nn.functional.silu, limit=7.0)  # GLM's swiglu_limit clamp
+    grad = torch.randn(sum(counts), hidden, generator=gen)
+    expected = grouped_expert_forward(x, counts, w_gate_up, w_down, activation, ExpertLoraFactors(*factors, 0.5))
+    exp_grads = torch.autograd.grad(expected, [x, *factors], grad)
+    out = moe_lora_mlp(x, counts, w_gate_up, w_down, activation, *factors, scaling=0.5, backend=backend)
+    grads = torch.autograd.grad(out, [x, *factors], grad)
+    for got, want in zip((out, *grads), (expected, *exp_grads)):
+        assert rmse_ratio(got, want) <= 1e-5
