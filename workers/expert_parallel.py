@@ -11,6 +11,7 @@ hold the same experts ([0,2],[1,3]) form the replica ("expert data parallel") gr
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -122,8 +123,9 @@ class ExpertParallelExperts(nn.Module):
                                                self.gate_up_proj.dtype)
         self.lora_gate_up_a = nn.Parameter(a_gate_up[local].clone())
         self.lora_down_a = nn.Parameter(a_down[local].clone())
-        self.lora_gate_up_b = nn.Parameter(torch.zeros(self.num_local_experts, two_i, r, dtype=self.gate_up_proj.dtype))
-        self.lora_down_b = nn.Parameter(torch.zeros(self.num_local_experts, hidden, r, dtype=self.gate_up_proj.dtype))
+        dtype = self.gate_up_proj.dtype
+        self.lora_gate_up_b = nn.Parameter(torch.zeros(self.num_local_experts, two_i, r, dtype=dtype))
+        self.lora_down_b = nn.Parameter(torch.zeros(self.num_local_experts, hidden, r, dtype=dtype))
 
     def lora_factors(self) -> ExpertLoraFactors | None:
         if not self.lora_rank:
@@ -141,9 +143,9 @@ class ExpertParallelExperts(nn.Module):
         self.tokens_per_expert.copy_(counts)
 
         # Every rank joins both exchanges, also when it sends or receives no token.
-        send = counts.view(ep.size, n_local)
-        recv = send.clone() if ep.size == 1 else torch.empty_like(send)
+        send = recv = counts.view(ep.size, n_local)  # [destination EP rank, its local expert]
         if ep.size > 1:
+            recv = torch.empty_like(send)  # [source EP rank, my local expert]
             dist.all_to_all_single(recv, send, group=ep.group)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         received = _exchange(hidden_states[token_of], out_splits, in_splits, ep)  # by (source rank, local expert)
@@ -160,6 +162,7 @@ class ExpertParallelExperts(nn.Module):
         return out.index_add(0, token_of, (returned * weights).to(out.dtype))
 
 
+@functools.cache
 def _trainable_class():
     """The class for experts with LoRA: DeepSpeed 0.19.8 only turns on its expert-parallel gradient handling
     (`has_moe_layers`: separate optimizer groups reduced within the replica group) for AutoEPMoELayer modules.
@@ -178,7 +181,5 @@ def swap_experts(model: nn.Module, family, ep: EPGroup, lora_rank: int = 0, lora
     cls = _trainable_class() if lora_rank else ExpertParallelExperts
     blocks = list(family.moe_blocks(model))
     for _, block in blocks:
-        experts = getattr(block, family.experts)
-        setattr(block, family.experts, cls(experts, ep, lora_rank, lora_alpha))
-        del experts
+        setattr(block, family.experts, cls(getattr(block, family.experts), ep, lora_rank, lora_alpha))
     return len(blocks)

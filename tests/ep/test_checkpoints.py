@@ -7,6 +7,7 @@ import torch
 
 from tests.ep.harness import SAVE_AFTER, STEPS, batch, launch, plain_model, run_and_resume, spec
 
+
 @pytest.mark.parametrize("zero", [2, 3])
 def test_resume_is_exact_and_adapter_loads_into_peft(tmp_path, zero):
     from peft import PeftModel

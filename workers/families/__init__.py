@@ -10,8 +10,8 @@ family's own router (top-k, scoring, bias correction, scaling) runs unchanged.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from api.families import FAMILIES, FamilyFacts
 from workers.errors import JobError

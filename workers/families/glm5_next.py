@@ -8,13 +8,14 @@ from workers.families import Family
 def tiny_config(**overrides):
     from transformers import Glm5NextConfig
 
-    text = dict(vocab_size=272, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_attention_heads=4,
-                num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16,
-                head_dim=16, index_topk=16, index_kpool=4, index_head_dim=16, index_n_heads=2, linear_head_dim=16,
-                linear_num_heads=4, hc_mult=2, pad_token_id=0, max_position_embeddings=512)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    text = {"vocab_size": 272, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "num_hidden_layers": 4, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+            "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 0,
+            "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 16, "index_topk": 16, "index_kpool": 4,
+            "index_head_dim": 16, "index_n_heads": 2, "linear_head_dim": 16, "linear_num_heads": 4, "hc_mult": 2,
+            "pad_token_id": 0, "max_position_embeddings": 512}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
     return Glm5NextConfig(text_config={**text, **overrides}, vision_config=vision)
 
 
