@@ -94,6 +94,11 @@ def _block(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
 
+def _rank_block(rank: int) -> int:
+    """The whole LoRA rank sits in one tile (xA is accumulated across the K loop), so it is never capped."""
+    return max(16, triton.next_power_of_2(rank))
+
+
 def tile_map(counts: torch.Tensor, n_rows: int):
     """(expert per tile or -1, first row per tile, end offset per expert) for BLOCK_M row tiles, built on-device."""
     counts = counts.to(torch.int64)
@@ -122,7 +127,7 @@ def grouped_lora_mm(x, w, a, b, scale: float, tiles, out_dtype=None):
         x, w, a_, b_, y, expert, first_row, offs, w.shape[1], d_out, rank, scale,
         x.stride(0), x.stride(1), *w.stride(), *a_.stride(), *b_.stride(), y.stride(0), y.stride(1),
         HAS_LORA=has_lora, DOT_FP32=interpreting() and x.dtype == torch.bfloat16, BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n, BLOCK_K=_block(w.shape[1], 64), BLOCK_R=_block(max(rank, 1), 128), num_warps=4, num_stages=3)
+        BLOCK_N=block_n, BLOCK_K=_block(w.shape[1], 64), BLOCK_R=_rank_block(rank), num_warps=4, num_stages=3)
     return y
 
 
@@ -171,7 +176,7 @@ def compile_sm90(d_in: int, d_out: int, rank: int) -> dict:
     mm_types.update(TILE_EXPERT="*i32", TILE_ROW="*i64", OFFS="*i64", scale="fp32")
     mm_types.update({n: "i32" for n in _grouped_lora_mm.arg_names if n not in mm_types})
     mm_meta = dict(HAS_LORA=True, DOT_FP32=False, BLOCK_M=BLOCK_M, BLOCK_N=_block(d_out, 128),
-                   BLOCK_K=_block(d_in, 64), BLOCK_R=_block(rank, 128))
+                   BLOCK_K=_block(d_in, 64), BLOCK_R=_rank_block(rank))
     outer_types = {"L": "*bf16", "R": "*bf16", "OUT": "*bf16", "OFFS": "*i64", "scale": "fp32"}
     outer_types.update({n: "i32" for n in _grouped_outer.arg_names if n not in outer_types})
     outer_meta = dict(DOT_FP32=False, BLOCK_T=64, BLOCK_P=_block(d_in, 64), BLOCK_Q=_block(rank, 64))

@@ -56,8 +56,18 @@ def test_triton_kernels_match_the_loop(dtype, tol):
     _check("triton", dtype, tol)
 
 
-def test_triton_kernels_with_rank_wider_than_a_block_and_all_rows_on_one_expert():
-    _check("triton", torch.float32, 0.005, d_in=33, d_out=130, rank=24, counts=(0, 0, 131, 0, 0))
+def test_triton_kernels_with_a_large_rank_and_all_rows_on_one_expert():
+    _check("triton", torch.float32, 0.005, d_in=33, d_out=130, rank=200, counts=(0, 0, 131, 0, 0))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_tokens_at_all(backend):
+    """A rank whose experts got no token this step still gives (zero) LoRA gradients for every expert."""
+    x, counts, w, a, b, grad = _inputs(torch.float32, counts=(0, 0, 0, 0, 0))
+    out = moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend)
+    assert out.shape == (0, w.shape[2])
+    da, db = torch.autograd.grad(out, (a, b), grad)
+    assert da.shape == a.shape and db.shape == b.shape and da.abs().max() == 0 and db.abs().max() == 0
 
 
 def test_frozen_weight_gets_no_gradient_and_bad_arguments_are_named():
