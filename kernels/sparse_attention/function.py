@@ -1,5 +1,5 @@
-"""Autograd wrapper and backend choice: compiled Triton on CUDA tensors (or under TRITON_INTERPRET=1 when asked),
-the gathered PyTorch path everywhere else. Both save only (q, k, v, indices, out, lse)."""
+"""Autograd wrapper and backend choice: the Triton kernels on CUDA tensors (and, when asked, on CPU tensors under
+TRITON_INTERPRET=1), the PyTorch path (torch_impl) everywhere else. Both save only (q, k, v, indices, out, lse)."""
 
 from __future__ import annotations
 
