@@ -25,7 +25,8 @@ def test_sdk_covers_the_job_lifecycle(service):
 
     page = client.jobs.events(job.id, limit=2)
     assert [e.message for e in page.data] == ["Job created", "Validating files"] and page.has_more
-    assert [e.message for e in client.jobs.events(job.id, after=page.last_id).data] == ["Job queued", "Job started"]
+    assert [e.message for e in client.jobs.events(job.id, after=page.last_id).data] == [
+        "Job queued", "Job started", "Checkpoint saved at step 4: s3://o/c4"]
 
     assert client.jobs.cancel(job.id).status == JobStatus.cancelled
     with pytest.raises(APIError) as err:
