@@ -68,6 +68,8 @@ class TrainingSpec(_Strict):
     seq_len: int = Field(512, ge=8, le=1_048_576)
     eval_every: int | None = Field(None, ge=1)
     checkpoint_every: int | None = Field(None, ge=1)
+    # moetune's kernels (kernels/) replace the family's attention cores; False keeps transformers' own code.
+    custom_kernels: bool = True
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):

@@ -18,6 +18,7 @@ from workers.checkpoints import save_adapter, save_checkpoint
 from workers.data import collate, eval_micro_batches, load_rows, step_micro_batches, tokenize_rows
 from workers.engine import build_engine
 from workers.errors import DatasetError
+from workers.kernel_swaps import apply_kernel_swaps
 from workers.lora import trainable_model
 from workers.model import load_model, load_tokenizer
 from workers.reporter import Reporter
@@ -76,8 +77,13 @@ class _Worker:
             storage.download_dir(self.spec.model, model_dir)
         self.barrier()
         self.tokenizer = load_tokenizer(model_dir)
+        model = load_model(model_dir, self.device)
+        if self.t.custom_kernels:
+            swapped = {name: n for name, n in apply_kernel_swaps(model).items() if n}
+            if swapped:
+                self.event("Custom kernels swapped in: " + ", ".join(f"{k} ({n} modules)" for k, n in swapped.items()))
         # Experts beyond this rank's share are dropped right after loading (expert parallelism).
-        self.model = trainable_model(load_model(model_dir, self.device), self.spec)
+        self.model = trainable_model(model, self.spec)
         total = sum(p.numel() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.event(f"Model loaded: {total:,} parameters, {trainable:,} trainable (LoRA)",

@@ -62,6 +62,7 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, tiny
     job = client_a.jobs.retrieve(job.id)
     assert job.status == JobStatus.succeeded, (job.error, [e.message for e in events][-10:])
 
+    assert any(e.message.startswith("Custom kernels swapped in: apply_kda_kernels") for e in events)
     metrics = [e.data for e in events if e.type == "metrics" and e.data and e.data.get("train_loss") is not None]
     assert [m["step"] for m in metrics] == list(range(1, 13))
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
