@@ -40,3 +40,4 @@ def compile_in_subprocess(call: str) -> object:
     if done.returncode:
         raise RuntimeError(done.stderr[-4000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
+

@@ -4,17 +4,14 @@ the interpreter on CPU), plus an sm_90 compile of the kernels."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors through the interpreter
+from kernels.moe import moe_lora_grouped, moe_lora_mlp
+from kernels.moe.reference import moe_lora_reference
+from kernels.testing import compile_in_subprocess, rmse_ratio
+from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
 
-from kernels.moe import moe_lora_grouped, moe_lora_mlp  # noqa: E402
-from kernels.moe.reference import moe_lora_reference  # noqa: E402
-from kernels.testing import compile_in_subprocess, rmse_ratio  # noqa: E402
 
 
 def _inputs(dtype, d_in=40, d_out=72, rank=4, counts=(5, 0, 70, 3, 0), seed=0):
@@ -51,16 +48,18 @@ def test_grouped_mm_path_falls_back_to_the_loop_for_unaligned_widths():
     _check("torch", torch.bfloat16, 0.01, d_in=20, d_out=36)
 
 
+@on_triton
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 0.005), (torch.float16, 0.005), (torch.bfloat16, 0.01)])
 def test_triton_kernels_match_the_loop(dtype, tol):
     _check("triton", dtype, tol)
 
 
+@on_triton
 def test_triton_kernels_with_a_large_rank_and_all_rows_on_one_expert():
     _check("triton", torch.float32, 0.005, d_in=33, d_out=130, rank=200, counts=(0, 0, 131, 0, 0))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=on_triton)])
 def test_no_tokens_at_all(backend):
     """A rank whose experts got no token this step still gives (zero) LoRA gradients for every expert."""
     x, counts, w, a, b, grad = _inputs(torch.float32, counts=(0, 0, 0, 0, 0))
@@ -70,13 +69,12 @@ def test_no_tokens_at_all(backend):
     assert da.shape == a.shape and db.shape == b.shape and da.abs().max() == 0 and db.abs().max() == 0
 
 
-def test_frozen_weight_gets_no_gradient_and_bad_arguments_are_named():
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=on_triton)])
+def test_frozen_weight_gets_no_gradient_and_bad_arguments_are_named(backend):
     x, counts, w, a, b, grad = _inputs(torch.float32)
     w.requires_grad_()
-    for backend in ("torch", "triton"):
-        out = moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend)
-        out.backward(grad)
-        assert w.grad is None
+    moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend).backward(grad)
+    assert w.grad is None and a.grad is not None
     with pytest.raises(ValueError, match="number of experts"):
         moe_lora_grouped(x, counts[:-1], w, a, b, 2.0)
     with pytest.raises(ValueError, match="backend"):
@@ -113,7 +111,7 @@ def _expert_mlp_loop(x, counts, w_gate_up, w_down, factors, scaling):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=on_triton)])
 @pytest.mark.parametrize("with_lora", [True, False])
 def test_expert_mlp_matches_the_per_expert_loop(backend, with_lora):
     gen = torch.Generator().manual_seed(3)
@@ -132,7 +130,7 @@ def test_expert_mlp_matches_the_per_expert_loop(backend, with_lora):
         assert rmse_ratio(got, want) <= 0.005
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=on_triton)])
 def test_expert_mlp_is_a_drop_in_for_the_expert_parallel_compute(backend):
     """Same arguments, layouts, results and LoRA gradients as workers.expert_compute.grouped_expert_forward (the EP
     engine's per-expert path), so that function can hand its work to this one."""

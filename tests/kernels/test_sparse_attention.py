@@ -3,18 +3,15 @@ on CPU), forward and every gradient, plus the indexer's causal top-k and an sm_9
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors through the interpreter
-
-from kernels.sparse_attention import select_topk, sparse_attention  # noqa: E402
-from kernels.sparse_attention.reference import (  # noqa: E402
+from kernels.sparse_attention import select_topk, sparse_attention
+from kernels.sparse_attention.reference import (
     indexer_scores_reference, sparse_attention_reference, topk_mask)
-from kernels.testing import compile_in_subprocess, rmse_ratio  # noqa: E402
+from kernels.testing import compile_in_subprocess, rmse_ratio
+from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
+
 
 
 def _inputs(batch=2, q_len=37, heads=4, kv_heads=2, dk=24, dv=20, topk=16, dtype=torch.float32, seed=0):
@@ -87,6 +84,7 @@ def test_torch_path_over_several_query_blocks():
     _check_against_oracle("torch", torch.float32, 0.005, q_len=q_len)
 
 
+@on_triton
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 0.005), (torch.float16, 0.005), (torch.bfloat16, 0.01)])
 def test_triton_kernels_match_the_oracle(dtype, tol):
     _check_against_oracle("triton", dtype, tol)
