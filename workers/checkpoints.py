@@ -11,16 +11,14 @@ from workers.ep_checkpoints import gather_expert_adapter, restore_expert_shards,
 def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
     """Writes the PEFT adapter (adapter_config.json + adapter_model.safetensors) from `is_writer`.
 
-    Expert LoRA goes in as `target_parameters` on the fused expert tensors, so PeftModel.from_pretrained on
-    the plain transformers model loads it. Every rank must call this: gathering is a collective.
+    Expert LoRA goes in as `target_parameters` on the fused expert tensors, and the config is one that
+    PeftModel.from_pretrained on the plain transformers model loads unchanged (see loadable_adapter_config). Every rank must call this: gathering is a collective.
     """
-    import copy
-
     import deepspeed
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from workers.ep_adapter import TARGET_PARAMETERS
+    from workers.ep_adapter import loadable_adapter_config
 
     peft_model = engine.module
     expert_state = gather_expert_adapter(engine)
@@ -31,9 +29,8 @@ def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
         # PEFT picks every key containing "lora_", the expert factors included: those go in PEFT's layout instead.
         state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(peft_model).items()
                  if ".experts.lora_" not in k}
-    config = copy.deepcopy(peft_model.peft_config["default"])
-    if expert_state:
-        config.target_parameters = TARGET_PARAMETERS
+    config = loadable_adapter_config(peft_model.peft_config["default"], peft_model.config.model_type,
+                                     has_expert_lora=bool(expert_state))
     os.makedirs(local_dir, exist_ok=True)
     config.save_pretrained(local_dir)
     save_file({**state, **expert_state}, os.path.join(local_dir, "adapter_model.safetensors"),

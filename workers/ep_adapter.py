@@ -9,6 +9,8 @@ lora_B as (out, r·E), expert-minor; ΔW_e = scaling · B_e A_e, the same low-ra
 from __future__ import annotations
 
 TARGET_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+# The `weight` tensor of a linear targeted through `target_parameters`: same keys and the same update as module LoRA.
+_LINEAR_WEIGHT = "weight"
 # (our factor names, PEFT key infix under the experts module)
 _LAYOUT = (("lora_gate_up_a", "lora_gate_up_b", "base_layer."), ("lora_down_a", "lora_down_b", ""))
 
@@ -47,3 +49,34 @@ def factors_from_peft(experts_key: str, state: dict, num_experts: int) -> dict:
         factors[a_name] = a_from_peft(state[f"{experts_key}.{infix}lora_A.weight"], num_experts)
         factors[b_name] = b_from_peft(state[f"{experts_key}.{infix}lora_B.weight"], num_experts)
     return factors
+
+
+def _v4_converted_names(model_type: str | None) -> set[str]:
+    """Target names that PEFT 0.21 rewrites at load time for this model type (its transformers v4 -> v5 MoE
+    conversion turns e.g. `gate_proj` into LoRA on the fused routed experts)."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    pattern = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+    return set(conversion._MOE_TARGET_MODULE_MAPPING.get(pattern, {}))
+
+
+def loadable_adapter_config(config, model_type: str | None, has_expert_lora: bool):
+    """A copy of the trained LoRA config that `PeftModel.from_pretrained` loads onto the plain model as trained.
+
+    Linears whose names PEFT would rewrite (shared experts, dense MLPs of qwen3_next / deepseek_v3) are listed
+    as `target_parameters` on their weight instead: PEFT converts only `target_modules`, and parameter LoRA on a
+    2D weight has the same keys and the same update. Parameter LoRA rejects dropout, which only acts in training,
+    so the exported config has none once it uses `target_parameters`.
+    """
+    import copy
+
+    config = copy.deepcopy(config)
+    converted = _v4_converted_names(model_type)
+    targets = set(config.target_modules or ())  # PEFT resolved "all-linear" into names when it wrapped the model
+    moved = sorted(t for t in targets if t.rsplit(".", 1)[-1] in converted)
+    parameters = [f"{t}.{_LINEAR_WEIGHT}" for t in moved] + (TARGET_PARAMETERS if has_expert_lora else [])
+    if parameters:
+        config.target_modules = sorted(targets - set(moved)) or None
+        config.target_parameters = parameters
+        config.lora_dropout = 0.0
+    return config

@@ -112,10 +112,12 @@ def train_step(engine, rank: int, step: int) -> float:
     return loss.item()
 
 
-def run_engines(rank: int, world: int, cases: list[tuple[str, str, str, bool]], out_dir: str) -> None:
-    """Several (case id, family, spec JSON, skew) runs one after another in the same two processes (one start)."""
-    for case_id, family_name, spec_json, skew in cases:
-        run_engine(rank, world, family_name, spec_json, os.path.join(out_dir, case_id), skew)
+def run_cases(rank: int, world: int, cases: list[tuple[str, str, str, str, bool]], out_dir: str) -> None:
+    """Several (case id, runner name, family, spec JSON, skew) runs one after another in the same processes
+    (one start for all); the runner is `run_engine` or `run_and_resume`."""
+    runners = {"train": run_engine, "resume": run_and_resume}
+    for case_id, runner, family_name, spec_json, skew in cases:
+        runners[runner](rank, world, family_name, spec_json, os.path.join(out_dir, case_id), skew)
 
 
 def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
@@ -138,14 +140,14 @@ def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir:
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_dir: str) -> None:
+def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
     """Trains STEPS steps with a checkpoint after SAVE_AFTER, exports the adapter, then resumes a fresh engine
     from the checkpoint and trains the remaining steps again."""
     from workers.checkpoints import load_checkpoint, save_adapter, save_checkpoint
 
     job = JobCreate.model_validate_json(spec_json)
     ckpt, adapter = os.path.join(out_dir, "ckpt"), os.path.join(out_dir, "adapter")
-    engine = make_engine(rank, world, family_name, job)
+    engine = make_engine(rank, world, family_name, job, skew)
     losses = []
     for step in range(STEPS):
         losses.append(train_step(engine, rank, step))
@@ -156,7 +158,7 @@ def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_
     with torch.no_grad():
         logits = engine(**batch(rank, step=99)).logits
 
-    resumed_engine = make_engine(rank, world, family_name, job)
+    resumed_engine = make_engine(rank, world, family_name, job, skew)
     load_checkpoint(resumed_engine, ckpt)
     resumed = [train_step(resumed_engine, rank, step) for step in range(SAVE_AFTER, STEPS)]
     torch.save({"losses": losses, "resumed": resumed, "logits": logits}, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -1,28 +1,30 @@
-"""Per-rank checkpoints with exact resume, and the exported adapter on the plain transformers model."""
+"""Per-rank checkpoints with exact resume, and the exported adapter on the plain transformers model, per family."""
 
 import os
 
 import pytest
 import torch
 
-from tests.ep.harness import SAVE_AFTER, STEPS, batch, launch, plain_model, run_and_resume, spec
+from tests.ep.cases import RESUME_CASES
+from tests.ep.harness import SAVE_AFTER, batch, plain_model
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_resume_is_exact_and_adapter_loads_into_peft(tmp_path, zero):
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_is_exact_and_adapter_loads_into_peft(ep_runs, case):
     from peft import PeftModel
 
     from workers.families import family
 
-    job = spec(ep=2, zero=zero, steps=STEPS, train_experts=True, lr=3e-2)
-    launch(run_and_resume, 2, "qwen3_moe", job.model_dump_json(), str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    fam = family(RESUME_CASES[case][0])
+    out, ranks = ep_runs(case)
     for r in ranks:
         assert r["resumed"] == r["losses"][SAVE_AFTER:]  # bit-exact
-    assert sorted(os.listdir(tmp_path / "ckpt" / "expert_lora")) == ["ep-0-of-2.safetensors", "ep-1-of-2.safetensors"]
+    assert sorted(os.listdir(out / "ckpt" / "expert_lora")) == ["ep-0-of-2.safetensors", "ep-1-of-2.safetensors"]
 
-    model = PeftModel.from_pretrained(plain_model(family("qwen3_moe")), str(tmp_path / "adapter")).eval()
+    model = PeftModel.from_pretrained(plain_model(fam), str(out / "adapter")).eval()
     assert any(".experts.base_layer.lora_B" in n for n, _ in model.named_parameters())
+    if fam.shared_experts:  # PEFT kept the shared experts' LoRA where the engine trained it
+        assert any(f".{fam.shared_experts}." in n and "lora_B" in n for n, _ in model.named_parameters())
     with torch.no_grad():
         for rank, r in enumerate(ranks):
             torch.testing.assert_close(model(**batch(rank, step=99)).logits, r["logits"], rtol=1e-4, atol=1e-5)

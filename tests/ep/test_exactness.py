@@ -1,33 +1,14 @@
 """EP engine vs the plain single-process transformers + PEFT reference on the same batches (fp32, gloo).
 
-All engine runs share one start of two processes (module fixture); each test checks one case against the
-reference computed here. Tolerances: first loss 1e-5 and later losses 1e-4 absolute, gradients 1e-4 relative.
+All two-rank engine runs share one start of two processes (conftest.ep_runs); each test checks one case
+against the reference computed here. Tolerances: first loss 1e-5 and later losses 1e-4 absolute, gradients 1e-4 relative.
 """
 
 import pytest
 import torch
 
-from tests.ep.harness import launch, reference, run_engines, spec
-
-# case id -> (family, job, skew routing to the first half of the experts)
-CASES = {
-    **{f"{family}-ep2-zero{zero}": (family, spec(ep=2, zero=zero, steps=3), False)
-       for family in ("kimi_linear", "qwen3_moe", "deepseek_v3", "qwen3_next", "glm5_next") for zero in (2, 3)},
-    "kimi_linear-ep2-zero2-20-steps": ("kimi_linear", spec(ep=2, zero=2, steps=20), False),
-    "kimi_linear-ep1-zero2": ("kimi_linear", spec(ep=1, zero=2, steps=3), False),
-    "kimi_linear-ep2-zero3-one-rank-gets-all": ("kimi_linear", spec(ep=2, zero=3, steps=2), True),
-    **{f"qwen3_moe-experts-ep2-zero{zero}": ("qwen3_moe", spec(ep=2, zero=zero, steps=4, train_experts=True), False)
-       for zero in (1, 2, 3)},
-    "kimi_linear-experts-ep1-zero2": ("kimi_linear", spec(ep=1, zero=2, steps=3, train_experts=True), False),
-}
-
-
-@pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep-runs")
-    launch(run_engines, 2, [(case, fam, job.model_dump_json(), skew) for case, (fam, job, skew) in CASES.items()],
-           str(out))
-    return lambda case: [torch.load(out / case / f"rank{r}.pt") for r in range(2)]
+from tests.ep.cases import TRAIN_CASES
+from tests.ep.harness import launch, reference, run_cases, spec
 
 
 def test_ep2_of_4_ranks_replicates_experts(tmp_path):
@@ -35,7 +16,7 @@ def test_ep2_of_4_ranks_replicates_experts(tmp_path):
     within that replica pair and every rank still matches the reference. Under ZeRO-3 the pair also
     partitions its experts' frozen weights between them (1/4 of the bytes each)."""
     jobs = {zero: spec(ep=2, zero=zero, steps=3, train_experts=True, world=4, micro=1) for zero in (2, 3)}
-    launch(run_engines, 4, [(f"zero{z}", "qwen3_moe", job.model_dump_json(), False) for z, job in jobs.items()],
+    launch(run_cases, 4, [(f"zero{z}", "train", "qwen3_moe", job.model_dump_json(), False) for z, job in jobs.items()],
            str(tmp_path))
     for zero, job in jobs.items():
         ranks = [torch.load(tmp_path / f"zero{zero}" / f"rank{r}.pt") for r in range(4)]
@@ -64,10 +45,10 @@ def _assert_matches(ranks, ref, ep):
             torch.testing.assert_close(r["grads"][name], expected_here, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_engine_matches_plain_transformers_peft(engine_runs, case):
-    family, job, skew = CASES[case]
-    ranks, ep = engine_runs(case), job.parallelism.expert_parallel_size
+@pytest.mark.parametrize("case", list(TRAIN_CASES))
+def test_engine_matches_plain_transformers_peft(ep_runs, case):
+    family, job, skew = TRAIN_CASES[case]
+    (_, ranks), ep = ep_runs(case), job.parallelism.expert_parallel_size
     ref = reference(family, job, world=2, skew=skew)
     _assert_matches(ranks, ref, ep)
     if job.lora.train_experts:

@@ -1,0 +1,26 @@
+"""The two-rank runs every EP test module checks, all made in one start of two processes (conftest.ep_runs)."""
+
+from tests.ep.harness import STEPS, spec
+
+FAMILIES = ("kimi_linear", "qwen3_moe", "deepseek_v3", "qwen3_next", "glm5_next")
+CURVE_STEPS = 20
+
+# case id -> (family, job, skew routing to the first half of the experts); checked against the reference
+TRAIN_CASES = {
+    **{f"{family}-ep2-zero2-{CURVE_STEPS}-steps": (family, spec(ep=2, zero=2, steps=CURVE_STEPS), False)
+       for family in FAMILIES},
+    **{f"{family}-ep2-zero3": (family, spec(ep=2, zero=3, steps=3), False) for family in FAMILIES},
+    "kimi_linear-ep1-zero2": ("kimi_linear", spec(ep=1, zero=2, steps=3), False),
+    "kimi_linear-ep2-zero3-one-rank-gets-all": ("kimi_linear", spec(ep=2, zero=3, steps=2), True),
+    **{f"qwen3_moe-experts-ep2-zero{zero}": ("qwen3_moe", spec(ep=2, zero=zero, steps=4, train_experts=True), False)
+       for zero in (1, 2, 3)},
+    "kimi_linear-experts-ep1-zero2": ("kimi_linear", spec(ep=1, zero=2, steps=3, train_experts=True), False),
+}
+
+# case id -> (family, job): checkpoint after step SAVE_AFTER, resume, and the exported adapter (expert LoRA on)
+RESUME_CASES = {
+    **{f"{family}-zero2": (family, spec(ep=2, zero=2, steps=STEPS, train_experts=True, lr=3e-2))
+       for family in FAMILIES},
+    **{f"{family}-zero3": (family, spec(ep=2, zero=3, steps=STEPS, train_experts=True, lr=3e-2))
+       for family in ("kimi_linear", "qwen3_moe")},
+}

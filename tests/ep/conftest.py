@@ -1,0 +1,16 @@
+import pytest
+import torch
+
+from tests.ep.cases import RESUME_CASES, TRAIN_CASES
+from tests.ep.harness import launch, run_cases
+
+
+@pytest.fixture(scope="session")
+def ep_runs(tmp_path_factory):
+    """Runs every case of tests.ep.cases in one start of two processes; returns case id -> (out dir, per-rank
+    results)."""
+    out = tmp_path_factory.mktemp("ep-runs")
+    cases = [(case, "train", fam, job.model_dump_json(), skew) for case, (fam, job, skew) in TRAIN_CASES.items()]
+    cases += [(case, "resume", fam, job.model_dump_json(), False) for case, (fam, job) in RESUME_CASES.items()]
+    launch(run_cases, 2, cases, str(out))
+    return lambda case: (out / case, [torch.load(out / case / f"rank{r}.pt") for r in range(2)])
