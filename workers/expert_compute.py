@@ -1,7 +1,8 @@
-"""The routed-expert compute: one call over all of a rank's local experts (a grouped GEMM).
+"""The routed-expert compute: one call over all of a rank's local experts.
 
-Kept behind one function so that a fused kernel (e.g. a Triton grouped GEMM with LoRA) can replace the
-pure-PyTorch path without touching the dispatch around it.
+Two interchangeable functions with one contract: `fused_expert_forward` (kernels.moe: grouped GEMMs with fused
+LoRA, Triton on CUDA, torch's grouped_mm elsewhere; what jobs run with `training.custom_kernels`) and
+`grouped_expert_forward` (a per-expert PyTorch loop: kernels off, and the oracle the kernels are tested against).
 """
 
 from __future__ import annotations
@@ -61,3 +62,14 @@ def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activ
         hidden = activation(_project(xs, w_gate_up[e], gu_a, gu_b, scaling))
         outputs.append(_project(hidden, w_down[e], d_a, d_b, scaling))
     return torch.cat(outputs)
+
+
+def fused_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activation: GatedActivation,
+                         lora: ExpertLoraFactors | None = None):
+    """grouped_expert_forward's contract, computed by kernels.moe (W frozen, W + ΔW never formed)."""
+    from kernels.moe import moe_lora_mlp
+
+    if lora is None:
+        return moe_lora_mlp(x_sorted, counts, w_gate_up, w_down, activation)
+    return moe_lora_mlp(x_sorted, counts, w_gate_up, w_down, activation, lora.gate_up_a, lora.gate_up_b,
+                        lora.down_a, lora.down_b, scaling=lora.scaling)

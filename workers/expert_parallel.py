@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.expert_compute import ExpertLoraFactors, GatedActivation, grouped_expert_forward
+from workers.expert_compute import ExpertLoraFactors, GatedActivation, fused_expert_forward, grouped_expert_forward
 
 EXPERT_PLACEMENT = "autoep_expert"  # DeepSpeed 0.19.8's ZeRO-3 placement family for expert-parallel tensors
 
@@ -91,8 +91,10 @@ def _exchange(x, out_splits, in_splits, ep: EPGroup):
 class ExpertParallelExperts(nn.Module):
     """Drop-in for a family's `*Experts` module: same call, only this rank's experts stored."""
 
-    def __init__(self, experts: nn.Module, ep: EPGroup, lora_rank: int = 0, lora_alpha: float = 1.0):
+    def __init__(self, experts: nn.Module, ep: EPGroup, lora_rank: int = 0, lora_alpha: float = 1.0,
+                 fused_kernel: bool = True):
         nn.Module.__init__(self)  # not super(): the trainable subclass must skip AutoEPMoELayer's own __init__
+        self.compute = fused_expert_forward if fused_kernel else grouped_expert_forward
         self.num_experts = experts.num_experts
         if self.num_experts % ep.size:
             raise ValueError(f"{self.num_experts} experts cannot be split over expert_parallel_size={ep.size}")
@@ -152,8 +154,8 @@ class ExpertParallelExperts(nn.Module):
 
         local_expert = torch.arange(n_local, device=recv.device).repeat(ep.size).repeat_interleave(recv.flatten())
         by_expert = torch.argsort(local_expert, stable=True)
-        y = grouped_expert_forward(received[by_expert], recv.sum(0).tolist(), self.gate_up_proj, self.down_proj,
-                                   self.activation, self.lora_factors())
+        y = self.compute(received[by_expert], recv.sum(0).tolist(), self.gate_up_proj, self.down_proj,
+                         self.activation, self.lora_factors())
         y = y[torch.argsort(by_expert)]  # back to (source rank, local expert) order
         returned = _exchange(y, in_splits, out_splits, ep)
 
@@ -176,10 +178,12 @@ def _trainable_class():
     return TrainableExpertParallelExperts
 
 
-def swap_experts(model: nn.Module, family, ep: EPGroup, lora_rank: int = 0, lora_alpha: float = 1.0) -> int:
-    """Replaces the routed experts of every MoE block; returns how many blocks were swapped."""
+def swap_experts(model: nn.Module, family, ep: EPGroup, lora_rank: int = 0, lora_alpha: float = 1.0,
+                 fused_kernel: bool = True) -> int:
+    """Replaces the routed experts of every MoE block; returns how many blocks were swapped. `fused_kernel`:
+    the local experts run kernels.moe's grouped GEMMs, else a per-expert loop (see workers.expert_compute)."""
     cls = _trainable_class() if lora_rank else ExpertParallelExperts
     blocks = list(family.moe_blocks(model))
     for _, block in blocks:
-        setattr(block, family.experts, cls(getattr(block, family.experts), ep, lora_rank, lora_alpha))
+        setattr(block, family.experts, cls(getattr(block, family.experts), ep, lora_rank, lora_alpha, fused_kernel))
     return len(blocks)

@@ -109,5 +109,6 @@ def trainable_model(model, spec: JobCreate):
     ep_size, train_experts = spec.parallelism.expert_parallel_size, spec.lora.train_experts
     if ep_size > 1 or train_experts:
         swap_experts(peft_model, family_for(model.config), ep_group(ep_size),
-                     lora_rank=spec.lora.rank if train_experts else 0, lora_alpha=spec.lora.alpha)
+                     lora_rank=spec.lora.rank if train_experts else 0, lora_alpha=spec.lora.alpha,
+                     fused_kernel=spec.training.custom_kernels)
     return peft_model

@@ -15,6 +15,9 @@ TRAIN_CASES = {
     **{f"qwen3_moe-experts-ep2-zero{zero}": ("qwen3_moe", spec(ep=2, zero=zero, steps=4, train_experts=True), False)
        for zero in (1, 2, 3)},
     "kimi_linear-experts-ep1-zero2": ("kimi_linear", spec(ep=1, zero=2, steps=3, train_experts=True), False),
+    # custom_kernels off: the local experts run the per-expert loop instead of kernels.moe's grouped GEMMs
+    "kimi_linear-experts-ep2-zero2-expert-loop": (
+        "kimi_linear", spec(ep=2, zero=2, steps=3, train_experts=True, kernels=False), False),
 }
 
 # case id -> (family, job): checkpoint after step SAVE_AFTER, resume, and the exported adapter (expert LoRA on)

@@ -18,11 +18,12 @@ SAVE_AFTER, STEPS = 2, 4  # checkpoint tests: save after step 2 of 4
 
 
 def spec(ep: int, zero: int, train_experts: bool = False, world: int = 2, steps: int = 1, micro: int = 2,
-         lr: float = 1e-2, targets="all-linear") -> JobCreate:
+         lr: float = 1e-2, targets="all-linear", kernels: bool = True) -> JobCreate:
     return JobCreate(model="file:///unused", training_file="file:///unused",
                      lora={**LORA, "train_experts": train_experts, "target_modules": targets},
                      training={"max_steps": steps, "global_batch_size": micro * world, "micro_batch_size": micro,
-                               "learning_rate": lr, "warmup_ratio": 0.0, "lr_scheduler": "constant"},
+                               "learning_rate": lr, "warmup_ratio": 0.0, "lr_scheduler": "constant",
+                               "custom_kernels": kernels},
                      parallelism={"num_workers": world, "expert_parallel_size": ep, "zero_stage": zero})
 
 
