@@ -12,7 +12,8 @@ def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
     """Writes the PEFT adapter (adapter_config.json + adapter_model.safetensors) from `is_writer`.
 
     Expert LoRA goes in as `target_parameters` on the fused expert tensors, and the config is one that
-    PeftModel.from_pretrained on the plain transformers model loads unchanged (see loadable_adapter_config). Every rank must call this: gathering is a collective.
+    PeftModel.from_pretrained on the plain transformers model loads as trained (see loadable_adapter_config).
+    Every rank must call this: gathering is a collective.
     """
     import deepspeed
     from peft import get_peft_model_state_dict

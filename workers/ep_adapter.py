@@ -9,8 +9,6 @@ lora_B as (out, r·E), expert-minor; ΔW_e = scaling · B_e A_e, the same low-ra
 from __future__ import annotations
 
 TARGET_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
-# The `weight` tensor of a linear targeted through `target_parameters`: same keys and the same update as module LoRA.
-_LINEAR_WEIGHT = "weight"
 # (our factor names, PEFT key infix under the experts module)
 _LAYOUT = (("lora_gate_up_a", "lora_gate_up_b", "base_layer."), ("lora_down_a", "lora_down_b", ""))
 
@@ -74,7 +72,7 @@ def loadable_adapter_config(config, model_type: str | None, has_expert_lora: boo
     converted = _v4_converted_names(model_type)
     targets = set(config.target_modules or ())  # PEFT resolved "all-linear" into names when it wrapped the model
     moved = sorted(t for t in targets if t.rsplit(".", 1)[-1] in converted)
-    parameters = [f"{t}.{_LINEAR_WEIGHT}" for t in moved] + (TARGET_PARAMETERS if has_expert_lora else [])
+    parameters = [f"{t}.weight" for t in moved] + (TARGET_PARAMETERS if has_expert_lora else [])
     if parameters:
         config.target_modules = sorted(targets - set(moved)) or None
         config.target_parameters = parameters
