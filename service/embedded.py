@@ -107,7 +107,7 @@ def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
     `num_cpus` is logical: tiny CPU jobs may oversubscribe the machine's cores. The processes
     inherit `env` (e.g. the S3 endpoint), so Ray jobs and their workers see it too.
     """
-    gcs_port, dash_port = free_port(), free_port()
+    gcs_port, dash_port, agent_port, client_port = free_port(), free_port(), free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="moetune-ray-")
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
     log_path = os.path.join(temp_dir, "ray-start.log")
@@ -115,6 +115,9 @@ def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
         ray_bin, "start", "--head", "--block",
         f"--port={gcs_port}", f"--num-cpus={num_cpus}",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+        # Fixed defaults (agent 52365, client 10001) would collide with any other Ray on this machine;
+        # a head whose agent cannot bind accepts no job ("No available agent to submit job").
+        f"--dashboard-agent-listen-port={agent_port}", f"--ray-client-server-port={client_port}",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
     ]
     # Jobs run `python -m workers.driver`: put this interpreter's bin first so they find our packages.

@@ -62,7 +62,9 @@ class RayJobs:
             self._call("submit_job", entrypoint=entrypoint, submission_id=submission_id,
                        runtime_env={"env_vars": env_vars})
         except RuntimeError as e:
-            if "No available agent" in str(e):  # the head is up but its job agent is not ready yet
+            if "No available agent" in str(e):  # the head is up but its job agent is not (yet) serving
+                log.warning("Ray at %s has no job agent to take %s yet; retrying next tick", self.address,
+                            submission_id)
                 raise RayUnavailable(str(e)) from e
             if "already exists" not in str(e):
                 raise
