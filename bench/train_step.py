@@ -160,13 +160,15 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     world = 2
     out_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moetune-bench-train-step-{os.getpid()}.pt")
+    load_before = os.getloadavg()[0]
     launch(_worker, world, args, out_file)
     ranks = torch.load(out_file)
     os.remove(out_file)
 
     tokens = world * args.micro * args.seq
     print(f"{FAMILY} tiny model, {world} workers (gloo, 1 thread each), {tokens} tokens per step, "
-          f"{args.steps} timed steps after {args.warmup} warm-up")
+          f"{args.steps} timed steps after {args.warmup} warm-up; 1-min load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs (other work on the machine skews both runs)")
     print(f"{'':10s} {'tok/s':>9s} {'step ms':>9s} " + " ".join(f"{p:>10s}" for p in PARTS))
     tok_s = {}
     for name in ("baseline", "moetune"):
