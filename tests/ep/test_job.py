@@ -14,16 +14,6 @@ from workers.reporter import Reporter
 from workers.tiny import write_tiny_checkpoint, write_tiny_dataset
 
 
-@pytest.fixture
-def receiver():
-    from tests.workers.conftest import ReportReceiver
-
-    r = ReportReceiver()
-    yield r
-    r.server.shutdown()
-    r.server.server_close()
-
-
 def _plain_first_loss(run: JobRunSpec, checkpoint: str) -> float:
     """Step 1's loss on the plain model: expert LoRA starts with B = 0, so it must not change it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
