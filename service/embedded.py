@@ -139,7 +139,8 @@ def control_plane_in_thread(app, port: int):
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, name="moetune-control-plane", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

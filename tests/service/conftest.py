@@ -7,8 +7,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -16,14 +14,13 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from api.client import Client
 from api.models import REPORT_PATH, JobStatus
 from service.app import create_app
 from service.auth import hash_token, new_job_token
-from service.embedded import free_port
+from service.embedded import control_plane_in_thread, free_port
 from service.settings import Settings
 from service.store import Store
 
@@ -69,22 +66,9 @@ class RunningService:
 
 @contextmanager
 def run_service(settings: Settings) -> Iterator[RunningService]:
-    port = free_port()
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the control plane did not start")
-        time.sleep(0.02)
-    try:
-        yield RunningService(url=f"http://127.0.0.1:{port}", app=app)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with control_plane_in_thread(app, free_port()) as url:
+        yield RunningService(url=url, app=app)
 
 
 def settings_for(tmp_dir, **overrides) -> Settings:
