@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import torch
 import torch.multiprocessing as mp
 
 from api.models import JobCreate
+from service.embedded import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,12 +52,6 @@ def batch(rank: int, step: int, micro: int = 2, seq: int = 12, vocab: int = 256)
     g = torch.Generator().manual_seed(1000 * step + rank)
     ids = torch.randint(0, vocab, (micro, seq), generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn, args):

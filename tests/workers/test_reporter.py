@@ -1,5 +1,4 @@
-import socket
-
+from service.embedded import free_port
 from workers.reporter import Reporter
 
 
@@ -24,9 +23,7 @@ def test_retries_server_errors(receiver):
 
 
 def test_never_raises_when_the_control_plane_is_down():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    port = free_port()  # nothing listens there once the probe socket is closed
     r = Reporter("j", callback_url=f"http://127.0.0.1:{port}", token="t", attempts=2, backoff_s=0.01)
     assert r.event("hi") is False
 
