@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from api.models import JobCreate, LoraSpec
+from api.models import LoraSpec
 from workers.errors import JobError
 from workers.lora import apply_lora, check_targets_on_config
 
