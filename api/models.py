@@ -20,6 +20,10 @@ class JobStatus(StrEnum):
     validating_files = "validating_files"
     queued = "queued"
     running = "running"
+    # pause: a running job is `pausing` until its workers checkpoint and stop, then `paused` (not terminal:
+    # resume puts it back in the queue and it continues from that checkpoint).
+    pausing = "pausing"
+    paused = "paused"
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
@@ -291,7 +295,8 @@ class ResultReport(BaseModel):
     """The driver's final word. `fine_tuned_model` is the adapter URI on success."""
 
     kind: Literal["result"] = "result"
-    status: Literal["succeeded", "failed"]
+    # "paused": the workers checkpointed and stopped because the control plane asked them to (ReportAck).
+    status: Literal["succeeded", "failed", "paused"]
     fine_tuned_model: str | None = None
     result_files: list[str] = Field(default_factory=list)
     trained_tokens: int | None = None
@@ -300,6 +305,12 @@ class ResultReport(BaseModel):
 
 class WorkerReport(BaseModel):
     report: EventReport | CheckpointReport | ResultReport = Field(discriminator="kind")
+
+
+class ReportAck(BaseModel):
+    """The control plane's answer to every accepted report: `control="pause"` asks the workers to pause."""
+
+    control: Literal["pause"] | None = None
 
 
 # Environment a Ray job's driver reads (set by the control plane's scheduler).
