@@ -319,3 +319,6 @@ ENV_CALLBACK_URL = "MOETUNE_CALLBACK_URL"  # control plane base URL for reports
 ENV_JOB_TOKEN = "MOETUNE_JOB_TOKEN"  # per-job bearer token for the report endpoint
 ENV_S3_ENDPOINT_URL = "MOETUNE_S3_ENDPOINT_URL"  # S3-compatible endpoint (MinIO, Ceph, R2, local); unset = AWS
 REPORT_PATH = "/internal/v1/jobs/{job_id}/reports"
+# What a finished job leaves under JobRunSpec.output_uri; the control plane reads the summary when the
+# driver's result report was lost (it was down when the job ended).
+ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE = "adapter", "metrics.jsonl", "summary.json"

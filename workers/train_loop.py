@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 
-from api.models import JobRunSpec
+from api.models import ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE, JobRunSpec
 from workers import storage
 from workers.checkpoints import save_adapter, save_checkpoint
 from workers.data import collate, eval_micro_batches, load_rows, step_micro_batches, tokenize_rows
@@ -23,8 +23,6 @@ from workers.lora import trainable_model
 from workers.model import load_model, load_tokenizer
 from workers.reporter import Reporter
 from workers.schedule import total_steps
-
-ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE = "adapter", "metrics.jsonl", "summary.json"
 
 
 class _Worker:
