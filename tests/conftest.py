@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import boto3
 import pytest
 
-from api.models import WorkerReport
+from api.models import ReportAck, WorkerReport
 from service.embedded import local_ray_head, local_s3_server, s3_env
 
 
@@ -47,26 +47,32 @@ def ray_head(s3_endpoint):
 
 
 class ReportReceiver:
-    """Records WorkerReports posted to it; answers 503 to the first `fail_first` posts."""
+    """Records WorkerReports posted to it; answers 503 to the first `fail_first` posts, and every other post
+    with a ReportAck whose control is `control_for(report)` (None unless a test replaces it)."""
 
     def __init__(self):
         self.reports: list[WorkerReport] = []
         self.requests: list[tuple[str, str | None]] = []  # (path, Authorization header)
         self.fail_first = 0
+        self.control_for = lambda report: None
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.requests.append((self.path, self.headers.get("Authorization")))
+                answer = b""
                 if receiver.fail_first > 0:
                     receiver.fail_first -= 1
                     self.send_response(503)
                 else:
-                    receiver.reports.append(WorkerReport.model_validate(json.loads(body)))
+                    report = WorkerReport.model_validate(json.loads(body))
+                    receiver.reports.append(report)
+                    answer = ReportAck(control=receiver.control_for(report)).model_dump_json().encode()
                     self.send_response(200)
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
+                self.wfile.write(answer)
 
             def log_message(self, *args):
                 pass

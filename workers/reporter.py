@@ -20,6 +20,7 @@ from api.models import (
     CheckpointReport,
     ErrorInfo,
     EventReport,
+    ReportAck,
     ResultReport,
     WorkerReport,
 )
@@ -35,9 +36,10 @@ class Reporter:
         token = token if token is not None else os.environ.get(ENV_JOB_TOKEN)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.attempts, self.backoff_s = attempts, backoff_s
+        self.control: str | None = None  # the control plane's request in its last answer ("pause"), see ReportAck
 
     def send(self, report) -> bool:
-        """Posts one report; True when the control plane accepted it."""
+        """Posts one report; True when the control plane accepted it (its answer is kept in `control`)."""
         body = WorkerReport(report=report).model_dump(mode="json")
         if self.url is None:
             log.info("report (no callback URL): %s", body["report"])
@@ -47,6 +49,7 @@ class Reporter:
                 response = httpx.post(self.url, json=body, headers=self.headers, timeout=10)
                 if response.status_code < 500:
                     if response.is_success:
+                        self.control = _ack(response).control
                         return True
                     # A 4xx will not get better by retrying (bad token, job gone).
                     log.warning("report rejected with HTTP %s: %s", response.status_code, response.text[:200])
@@ -73,5 +76,16 @@ class Reporter:
         return self.send(ResultReport(status="succeeded", fine_tuned_model=fine_tuned_model,
                                       result_files=result_files, trained_tokens=trained_tokens))
 
+    def paused(self):
+        return self.send(ResultReport(status="paused"))
+
     def failed(self, code: str, message: str, param: str | None = None):
         return self.send(ResultReport(status="failed", error=ErrorInfo(code=code, message=message, param=param)))
+
+
+def _ack(response: httpx.Response) -> ReportAck:
+    """The acknowledgement in an accepted report's answer; an empty or unreadable one asks for nothing."""
+    try:
+        return ReportAck.model_validate_json(response.content)
+    except ValueError:
+        return ReportAck()
