@@ -86,6 +86,14 @@ class Jobs:
     def cancel(self, job_id: str) -> Job:
         return self._request("POST", f"{JOBS_PATH}/{job_id}/cancel", Job)
 
+    def pause(self, job_id: str) -> Job:
+        """A running job turns `pausing`, then `paused` once its workers checkpointed and stopped."""
+        return self._request("POST", f"{JOBS_PATH}/{job_id}/pause", Job)
+
+    def resume(self, job_id: str) -> Job:
+        """A paused job is queued again and continues from its last checkpoint."""
+        return self._request("POST", f"{JOBS_PATH}/{job_id}/resume", Job)
+
     def events(self, job_id: str, after: str | None = None, limit: int = 20) -> ListPage[JobEvent]:
         """Oldest first; pass the page's `last_id` as `after` for the next page."""
         return self._request("GET", f"{JOBS_PATH}/{job_id}/events", ListPage[JobEvent],

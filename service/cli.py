@@ -129,7 +129,26 @@ def jobs_get(ctx: click.Context, job_id: str) -> None:
 @click.argument("job_id")
 @click.pass_context
 def jobs_cancel(ctx: click.Context, job_id: str) -> None:
-    job = _client(ctx.parent).jobs.cancel(job_id)
+    _print_status(_client(ctx.parent).jobs.cancel(job_id))
+
+
+@jobs.command("pause")
+@click.argument("job_id")
+@click.pass_context
+def jobs_pause(ctx: click.Context, job_id: str) -> None:
+    """Checkpoint a running job and release its workers (status pausing, then paused)."""
+    _print_status(_client(ctx.parent).jobs.pause(job_id))
+
+
+@jobs.command("resume")
+@click.argument("job_id")
+@click.pass_context
+def jobs_resume(ctx: click.Context, job_id: str) -> None:
+    """Queue a paused job again; it continues from its last checkpoint."""
+    _print_status(_client(ctx.parent).jobs.resume(job_id))
+
+
+def _print_status(job) -> None:
     console.print(f"{job.id}: {job.status}")
 
 

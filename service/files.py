@@ -50,14 +50,18 @@ def missing_input(spec: JobCreate, s3_endpoint_url: str | None) -> ErrorInfo | N
     return None
 
 
-def read_model_config(spec: JobCreate, s3_endpoint_url: str | None) -> dict | None:
-    """The model's config.json, or None when it cannot be read now (missing, unreachable, not JSON): then the
-    file check before queueing and the driver's own check report it instead."""
-    uri = f"{spec.model.rstrip('/')}/config.json"
+def read_json(uri: str, s3_endpoint_url: str | None) -> dict | None:
+    """A small JSON object from storage, or None when it cannot be read now (missing, unreachable, not JSON)."""
     try:
         fs, path = _filesystem(uri, s3_endpoint_url, quick=True)
         with fs.open(path, "rb") as f:
-            config = json.loads(f.read(1_000_000))
-    except Exception:  # noqa: BLE001 - any storage trouble defers the check, it never fails the submission
+            value = json.loads(f.read(1_000_000))
+    except Exception:  # noqa: BLE001 - callers treat any storage trouble as "not there (yet)"
         return None
-    return config if isinstance(config, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def read_model_config(spec: JobCreate, s3_endpoint_url: str | None) -> dict | None:
+    """The model's config.json, or None when it cannot be read now: then the file check before queueing and
+    the driver's own check report it instead (it never fails the submission)."""
+    return read_json(f"{spec.model.rstrip('/')}/config.json", s3_endpoint_url)

@@ -11,17 +11,17 @@ from pydantic import ValidationError
 from api.models import (
     REPORT_PATH,
     CheckpointReport,
-    ErrorInfo,
     EventReport,
     JobStatus,
     Progress,
-    ResultReport,
+    ReportAck,
     WorkerReport,
 )
 from service.auth import bearer_token, job_token_matches, unauthorized
-from service.errors import invalid_request
 from service.deps import StoreDep
-from service.store import ACTIVE_STATUSES, JobRow, Store
+from service.errors import invalid_request
+from service.lifecycle import finish_job
+from service.store import JobRow
 
 router = APIRouter(tags=["internal"], include_in_schema=False)
 
@@ -62,23 +62,10 @@ def _progress_updater(data: dict):
     return update
 
 
-def _finish(store: Store, job: JobRow, result: ResultReport) -> None:
-    if result.status == "succeeded":
-        fields = {"fine_tuned_model": result.fine_tuned_model, "result_files": result.result_files,
-                  "estimated_finish": None}
-        if result.trained_tokens is not None:
-            fields["trained_tokens"] = result.trained_tokens
-        store.transition(job.id, ACTIVE_STATUSES, JobStatus.succeeded, "Job succeeded", **fields)
-        return
-    error = result.error or ErrorInfo(code="training_failed", message="the training run failed without a reason")
-    store.transition(job.id, ACTIVE_STATUSES, JobStatus.failed, f"Job failed: {error.message}", level="error",
-                     error=error.model_dump(), estimated_finish=None)
-
-
 @router.post(REPORT_PATH)
 def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated[WorkerReport, Body()],
-                store: StoreDep) -> dict:
-    """Accepts a report; the reply tells the driver the job's status (e.g. `cancelled` means: stop)."""
+                store: StoreDep) -> ReportAck:
+    """Accepts a report; the reply says "pause" while the user's pause waits for the workers."""
     report = body.report
     if isinstance(report, EventReport):
         updater = _progress_updater(report.data) if report.type == "metrics" and report.data else None
@@ -88,5 +75,5 @@ def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated
         store.add_event(job.id, f"Checkpoint saved at step {report.step_number}: {report.uri}",
                         data={"step": report.step_number, "uri": report.uri})
     else:
-        _finish(store, job, report)  # a no-op for a job that already ended (e.g. cancelled)
-    return {"job_status": store.get_job(job.id).status}
+        finish_job(store, job, report)
+    return ReportAck(control="pause" if store.get_job(job.id).status == JobStatus.pausing else None)

@@ -7,11 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
-from api.models import Checkpoint, Job, JobCreate, JobEvent, JobStatus, ListPage
+from api.models import Checkpoint, Job, JobCreate, JobEvent, ListPage
 from service import jobs as job_service
+from service import lifecycle
 from service.deps import StoreDep, Tenant
-from service.errors import APIException, invalid_request, job_not_found
-from service.store import ACTIVE_STATUSES, JobRow, Store
+from service.errors import invalid_request, job_not_found
+from service.store import JobRow, Store
 from service.streaming import job_event_stream
 from service.views import (
     CHECKPOINT_ID_PREFIX,
@@ -69,11 +70,21 @@ def retrieve_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
 
 @router.post("/{job_id}/cancel", response_model=Job)
 def cancel_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
-    job = _own_job(store, tenant, job_id)
-    # A running job's Ray submission is stopped by the scheduler (cancel_requested).
-    if not store.transition(job.id, ACTIVE_STATUSES, JobStatus.cancelled, "Job cancelled", cancel_requested=True):
-        job = _own_job(store, tenant, job_id)
-        raise APIException(409, "job_not_cancellable", f"Job {job.id} has already finished with status {job.status}.")
+    lifecycle.cancel(store, _own_job(store, tenant, job_id))
+    return job_view(_own_job(store, tenant, job_id))
+
+
+@router.post("/{job_id}/pause", response_model=Job)
+def pause_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
+    """A running job becomes `pausing` until its workers have checkpointed and stopped, then `paused`."""
+    lifecycle.pause(store, _own_job(store, tenant, job_id))
+    return job_view(_own_job(store, tenant, job_id))
+
+
+@router.post("/{job_id}/resume", response_model=Job)
+def resume_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
+    """A paused job is queued again and continues from its last checkpoint."""
+    lifecycle.resume(store, _own_job(store, tenant, job_id))
     return job_view(_own_job(store, tenant, job_id))
 
 

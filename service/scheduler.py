@@ -11,17 +11,22 @@ import re
 import threading
 
 from api.models import (
+    ADAPTER_DIR,
     ENV_CALLBACK_URL,
     ENV_JOB_TOKEN,
     ENV_RUN_SPEC,
     ENV_S3_ENDPOINT_URL,
+    METRICS_FILE,
+    SUMMARY_FILE,
     ErrorInfo,
     JobCreate,
     JobRunSpec,
     JobStatus,
+    ResultReport,
 )
 from service.auth import hash_token, new_job_token
-from service.files import missing_input
+from service.files import missing_input, read_json
+from service.lifecycle import SLOT_STATUSES, finish_job
 from service.ray_jobs import RayJobs, RayUnavailable
 from service.settings import Settings
 from service.store import JobRow, Store
@@ -31,8 +36,9 @@ log = logging.getLogger(__name__)
 _MAX_CAUSE_CHARS = 300
 
 
-def submission_id(job_id: str) -> str:
-    return f"moetune-{job_id}"
+def submission_id(job_id: str, attempt: int) -> str:
+    """Deterministic per attempt: a control plane restarted mid-submission finds its own submission again."""
+    return f"moetune-{job_id}-{attempt}"
 
 
 def short_cause(ray_message: str | None) -> str:
@@ -86,14 +92,14 @@ class Scheduler:
     # ------------------------------------------------------------ steps
 
     def stop_cancelled(self) -> None:
-        for job in self.store.cancelled_with_ray_job():
+        for job in self.store.jobs_to_stop():
             self.ray.stop(job.ray_submission_id)
             self.store.update_job(job.id, cancel_requested=False)
-            log.info("stopped Ray job %s of cancelled job %s", job.ray_submission_id, job.id)
+            log.info("stopped Ray job %s of %s job %s", job.ray_submission_id, job.status, job.id)
 
     def follow_running(self) -> None:
-        """Fails jobs whose Ray job ended without the driver's ResultReport (which would have ended the job)."""
-        for job in self.store.jobs_with_status(JobStatus.running):
+        """Ends jobs whose Ray job ended without the driver's ResultReport reaching us (e.g. while we were down)."""
+        for job in self.store.jobs_with_status(*SLOT_STATUSES):
             state = self.ray.state(job.ray_submission_id)
             if state is None:
                 self._fail(job, "ray_job_lost", f"Ray no longer knows job {job.ray_submission_id} "
@@ -101,7 +107,19 @@ class Scheduler:
             elif state.status in ("FAILED", "STOPPED"):
                 self._fail(job, "driver_failed", short_cause(state.message))
             elif state.status == "SUCCEEDED":
-                self._fail(job, "driver_failed", "driver exited without reporting a result")
+                self._recover_result(job)
+
+    def _recover_result(self, job: JobRow) -> None:
+        """The driver exited 0 but its result report never arrived: the outputs in storage tell what happened."""
+        summary = read_json(f"{job.output_uri}/{SUMMARY_FILE}", self.settings.s3_endpoint_url)
+        if summary is not None:
+            finish_job(self.store, job, ResultReport(
+                status="succeeded", fine_tuned_model=f"{job.output_uri}/{ADAPTER_DIR}",
+                result_files=[f"{job.output_uri}/{METRICS_FILE}"], trained_tokens=summary.get("trained_tokens")))
+        elif job.status == JobStatus.pausing:  # a paused driver exits 0 without a summary
+            finish_job(self.store, job, ResultReport(status="paused"))
+        else:
+            self._fail(job, "driver_failed", "driver exited without reporting a result")
 
     def validate_files(self) -> None:
         for job in self.store.jobs_with_status(JobStatus.validating_files):
@@ -113,8 +131,8 @@ class Scheduler:
                                       f"Job failed: {error.message}", level="error", error=error.model_dump())
 
     def submit_queued(self) -> None:
-        """Starts queued jobs, highest priority then oldest first, while running jobs < max_running_jobs."""
-        free = self.settings.max_running_jobs - len(self.store.jobs_with_status(JobStatus.running))
+        """Starts queued jobs, highest priority then oldest first, while jobs holding a slot < max_running_jobs."""
+        free = self.settings.max_running_jobs - len(self.store.jobs_with_status(*SLOT_STATUSES))
         if free > 0:
             for job in self.store.next_queued(free):
                 self._submit(job)
@@ -122,16 +140,20 @@ class Scheduler:
     # ------------------------------------------------------------ helpers
 
     def _submit(self, job: JobRow) -> None:
-        token = new_job_token()
-        # The hash is stored before Ray gets the token, so the driver's first report is already accepted.
-        if not self.store.update_job(job.id, only_if_status=[JobStatus.queued], job_token_hash=hash_token(token)):
-            return  # cancelled meanwhile
-        sid = submission_id(job.id)
-        self.ray.submit(sid, self.settings.driver_entrypoint, self.job_env(job, token))
+        sid = submission_id(job.id, job.attempt)
+        # Ray may already run this attempt: submitted just before a control plane restart. Its token (hash
+        # stored before submission) stays valid; a new token would lock its driver out.
+        if self.ray.state(sid) is None:
+            token = new_job_token()
+            # The hash is stored before Ray gets the token, so the driver's first report is already accepted.
+            if not self.store.update_job(job.id, only_if_status=[JobStatus.queued],
+                                         job_token_hash=hash_token(token)):
+                return  # cancelled or paused meanwhile
+            self.ray.submit(sid, self.settings.driver_entrypoint, self.job_env(job, token))
         if not self.store.transition(job.id, [JobStatus.queued], JobStatus.running, "Job started",
                                      ray_submission_id=sid):
-            # Cancelled while submitting: record the submission so stop_cancelled ends it.
-            self.store.update_job(job.id, ray_submission_id=sid)
+            # Cancelled or paused while submitting: record the submission so stop_cancelled ends it.
+            self.store.update_job(job.id, ray_submission_id=sid, cancel_requested=True)
         log.info("submitted %s as Ray job %s", job.id, sid)
 
     def job_env(self, job: JobRow, token: str) -> dict[str, str]:
@@ -149,6 +171,6 @@ class Scheduler:
 
     def _fail(self, job: JobRow, code: str, message: str) -> None:
         error = ErrorInfo(code=code, message=message)
-        if self.store.transition(job.id, [JobStatus.running], JobStatus.failed, f"Job failed: {message}",
+        if self.store.transition(job.id, SLOT_STATUSES, JobStatus.failed, f"Job failed: {message}",
                                  level="error", error=error.model_dump(), estimated_finish=None):
             log.info("job %s failed: %s", job.id, message)

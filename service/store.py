@@ -77,8 +77,10 @@ class JobRow(Base):
     job_token_hash: Mapped[str | None] = mapped_column(String(64))
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64))
-    # Set by a cancel; cleared once the job's Ray submission (if it had one) was told to stop.
+    # Set by a cancel (or a pause that raced a submission); cleared once the job's Ray submission was told to stop.
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Numbers the job's Ray submissions: a resume starts the next attempt under a new submission id.
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
 
 
 class EventRow(Base):
@@ -206,14 +208,15 @@ class Store:
         with self._sessions() as s:
             return list(s.scalars(query))
 
-    def jobs_with_status(self, status: JobStatus) -> list[JobRow]:
+    def jobs_with_status(self, *statuses: JobStatus) -> list[JobRow]:
+        query = select(JobRow).where(JobRow.status.in_([str(s) for s in statuses])).order_by(JobRow.created_at)
         with self._sessions() as s:
-            return list(s.scalars(select(JobRow).where(JobRow.status == status).order_by(JobRow.created_at)))
+            return list(s.scalars(query))
 
-    def cancelled_with_ray_job(self) -> list[JobRow]:
-        """Cancelled jobs whose Ray submission has not been confirmed stopped yet."""
-        query = select(JobRow).where(JobRow.status == JobStatus.cancelled, JobRow.cancel_requested.is_(True),
-                                     JobRow.ray_submission_id.is_not(None))
+    def jobs_to_stop(self) -> list[JobRow]:
+        """Cancelled (or paused) jobs whose Ray submission has not been confirmed stopped yet."""
+        query = select(JobRow).where(JobRow.status.in_([JobStatus.cancelled, JobStatus.paused]),
+                                     JobRow.cancel_requested.is_(True), JobRow.ray_submission_id.is_not(None))
         with self._sessions() as s:
             return list(s.scalars(query))
 

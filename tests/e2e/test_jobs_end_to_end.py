@@ -100,7 +100,7 @@ def test_cancel_stops_the_running_ray_job(client_a, tiny_assets, ray_head):
     assert cancelled.status == JobStatus.cancelled
 
     ray_jobs = JobSubmissionClient(ray_head.dashboard_url)
-    _wait_for(lambda: ray_jobs.get_job_status(f"moetune-{job.id}") == RayJobStatus.STOPPED, 90,
+    _wait_for(lambda: ray_jobs.get_job_status(f"moetune-{job.id}-1") == RayJobStatus.STOPPED, 90,
               "Ray to stop the job")
     time.sleep(2)  # late reports from dying workers must not resurrect the job
     assert client_a.jobs.retrieve(job.id).status == JobStatus.cancelled

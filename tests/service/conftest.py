@@ -56,7 +56,7 @@ class RunningService:
         assert self.store.transition(job_id, [JobStatus.validating_files], JobStatus.queued, "Job queued")
         assert self.store.update_job(job_id, job_token_hash=hash_token(token))
         assert self.store.transition(job_id, [JobStatus.queued], JobStatus.running, "Job started",
-                                     ray_submission_id=f"moetune-{job_id}")
+                                     ray_submission_id=f"moetune-{job_id}-1")
         return token
 
     def report(self, job_id: str, token: str, report: dict) -> httpx.Response:

@@ -18,7 +18,7 @@ def test_metrics_count_jobs_and_time_requests(service):
     families = scrape(service)
     jobs = {s.labels["status"]: s.value for s in families["moetune_jobs"]}
     assert jobs["cancelled"] >= 1 and jobs["validating_files"] >= 1 and set(jobs) == {
-        "validating_files", "queued", "running", "succeeded", "failed", "cancelled"}
+        "validating_files", "queued", "running", "pausing", "paused", "succeeded", "failed", "cancelled"}
     assert families["moetune_queue_depth"][0].value == jobs["queued"]
 
     latency = {(s.labels["method"], s.labels["route"], s.labels["status_code"])

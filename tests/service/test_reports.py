@@ -31,7 +31,7 @@ def test_metrics_events_update_progress_and_eta(service, running):
     job_id, token = running
     data = {"step": 5, "total_steps": 20, "train_loss": 2.5, "tokens_per_second": 900.0, "trained_tokens": 4096}
     reply = service.report(job_id, token, {"kind": "event", "type": "metrics", "message": "Step 5", "data": data})
-    assert reply.json() == {"job_status": "running"}
+    assert reply.json() == {"control": None}
     service.report(job_id, token, {"kind": "event", "type": "metrics", "message": "eval",
                                    "data": {"step": 5, "valid_loss": 2.7}})
 
@@ -72,7 +72,7 @@ def test_a_success_result_finishes_the_job(service, running):
     job_id, token = running
     result = {"kind": "result", "status": "succeeded", "fine_tuned_model": "s3://o/adapter",
               "result_files": ["s3://o/metrics.jsonl"], "trained_tokens": 12345}
-    assert service.report(job_id, token, result).json() == {"job_status": "succeeded"}
+    assert service.report(job_id, token, result).json() == {"control": None}
 
     job = service.http().get(f"{JOBS}/{job_id}").json()
     assert job["status"] == "succeeded" and job["fine_tuned_model"] == "s3://o/adapter"
@@ -96,7 +96,7 @@ def test_reports_after_cancel_are_accepted_but_do_not_revive_the_job(service, ru
     assert service.http().post(f"{JOBS}/{job_id}/cancel").json()["status"] == "cancelled"
 
     late = {"kind": "event", "type": "metrics", "message": "Step 9", "data": {"step": 9}}
-    assert service.report(job_id, token, late).json() == {"job_status": "cancelled"}
+    assert service.report(job_id, token, late).json() == {"control": None}
     done = {"kind": "result", "status": "succeeded", "fine_tuned_model": "s3://o/adapter"}
     assert service.report(job_id, token, done).status_code == 200
 
