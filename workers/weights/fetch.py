@@ -1,0 +1,186 @@
+"""Concurrent range reads straight into their destination tensors, with a bound on bytes in flight.
+
+Merged ranges are cut into chunks; at most `max_inflight_bytes // chunk_bytes` chunks are read at once, and
+a chunk's bytes are copied into the pieces it overlaps and dropped. A piece whose dtype matches and whose
+destination is contiguous on the CPU receives bytes in place; others go through a staging buffer of that
+one piece (dtype conversion, devices). A piece with a manifest checksum is verified once its last byte has
+arrived; a mismatch is read again from storage once, then is an error naming the shard and tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from workers.weights.errors import WeightsError, tensor_list
+from workers.weights.plan import Piece, merge_ranges
+
+MiB = 1024 * 1024
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}[name]
+
+
+@dataclass
+class FetchStats:
+    bytes_from_storage: int = 0
+    bytes_from_cache: int = 0
+    bytes_needed: int = 0
+    requests: int = 0
+    retries: int = 0
+    verified_pieces: int = 0
+    seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for key, n in counts.items():
+                setattr(self, key, getattr(self, key) + n)
+
+
+@dataclass
+class Source:
+    """One shard: its path in the filesystem and the ETag that keys its cached bytes."""
+    path: str
+    etag: str | None
+
+
+class _Sink:
+    """Where one piece's bytes go, and how many are still missing."""
+
+    def __init__(self, piece: Piece, dest):
+        import torch
+
+        self.piece, self.dest, self.missing = piece, dest, piece.nbytes
+        direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == torch_dtype(piece.dtype)
+        self.direct = direct
+        self.buffer = dest.view(-1).view(torch.uint8) if direct else None
+
+    def bytes_view(self):
+        import torch
+
+        if self.buffer is None:  # staging, allocated when the first bytes arrive
+            self.buffer = torch.empty(self.piece.nbytes, dtype=torch.uint8)
+        return self.buffer.numpy()
+
+    def finish(self) -> None:
+        if not self.direct:
+            src = self.buffer.view(torch_dtype(self.piece.dtype)).view(self.piece.shape)
+            self.dest.copy_(src)  # converts dtype / moves to the device
+        self.buffer = None
+
+
+class RangeFetcher:
+    def __init__(self, fs, sources: dict[str, Source], cache=None, chunk_bytes: int = 16 * MiB,
+                 max_inflight_bytes: int = 256 * MiB, merge_gap: int = 32 * 1024, attempts: int = 5,
+                 backoff_s: float = 0.2):
+        self.fs, self.sources, self.cache = fs, sources, cache
+        self.chunk_bytes, self.merge_gap = chunk_bytes, merge_gap
+        self.workers = max(1, max_inflight_bytes // chunk_bytes)
+        self.attempts, self.backoff_s = attempts, backoff_s
+        self.stats = FetchStats()
+
+    # -------------------------------------------------------------- reading
+
+    def _read(self, shard: str, start: int, end: int, about: list[Piece], use_cache: bool = True) -> bytes:
+        """Bytes [start, end) of `shard`, from the cache or storage; transient failures are retried."""
+        src = self.sources[shard]
+        if use_cache and self.cache and src.etag:
+            data = self.cache.get_range(src.path, src.etag, start, end)
+            if data is not None:
+                self.stats.add(bytes_from_cache=len(data))
+                return data
+        problem = ""
+        for attempt in range(self.attempts):
+            if attempt:
+                self.stats.add(retries=1)
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                data = self.fs.cat_file(src.path, start=start, end=end)
+            except (FileNotFoundError, PermissionError) as e:
+                raise WeightsError(f"shard {shard}: cannot be read ({e})") from None
+            except Exception as e:  # noqa: BLE001 - 5xx, throttling, resets: storage clients raise many kinds
+                problem = f"{type(e).__name__}: {e}"
+                continue
+            self.stats.add(requests=1, bytes_from_storage=len(data))
+            if len(data) == end - start:
+                if self.cache and src.etag:
+                    self.cache.put_range(src.path, src.etag, start, end, data)
+                return data
+            problem = f"truncated read: {len(data)} of {end - start} bytes"
+        raise WeightsError(f"shard {shard}: bytes {start}-{end} (tensors {tensor_list(p.tensor for p in about)}) "
+                           f"failed after {self.attempts} attempts: {problem}")
+
+    # -------------------------------------------------------------- delivering
+
+    def _deliver(self, sinks: list[_Sink], shard: str, start: int, data: bytes) -> None:
+        import numpy as np
+
+        end = start + len(data)
+        for sink in sinks:
+            p = sink.piece
+            lo, hi = max(start, p.start), min(end, p.end)
+            if lo >= hi:
+                continue
+            sink.bytes_view()[lo - p.start:hi - p.start] = np.frombuffer(data, np.uint8, hi - lo, lo - start)
+            with self.stats.lock:
+                sink.missing -= hi - lo
+                done = sink.missing == 0
+            if done:
+                self._complete(sink)
+
+    def _complete(self, sink: _Sink) -> None:
+        import numpy as np
+
+        p = sink.piece
+        if p.sha256 is not None:
+            if hashlib.sha256(sink.bytes_view()).hexdigest() != p.sha256:
+                src = self.sources[p.shard]
+                if self.cache and src.etag:
+                    self.cache.drop_overlapping(src.path, src.etag, p.start, p.end)
+                fresh = self._read(p.shard, p.start, p.end, [p], use_cache=False)
+                sink.bytes_view()[:] = np.frombuffer(fresh, np.uint8)
+                if hashlib.sha256(sink.bytes_view()).hexdigest() != p.sha256:
+                    raise WeightsError(f"shard {p.shard}: tensor {p.tensor} does not match its manifest checksum "
+                                       "(corrupted in storage or in transit)")
+            self.stats.add(verified_pieces=1)
+        sink.finish()
+
+    def load(self, pieces: list[Piece], params: dict) -> FetchStats:
+        """Reads every piece into `params[piece.param]` (tensors already allocated with their final shape)."""
+        started = time.perf_counter()
+        by_shard: dict[str, list[_Sink]] = {}
+        for p in sorted(pieces, key=lambda p: (p.shard, p.start)):
+            by_shard.setdefault(p.shard, []).append(_Sink(p, p.destination(params[p.param])))
+        starts = {shard: [s.piece.start for s in sinks] for shard, sinks in by_shard.items()}
+        self.stats.bytes_needed = sum(p.nbytes for p in pieces)
+
+        def run(shard: str, a: int, b: int) -> None:
+            sinks = by_shard[shard]
+            # the pieces overlapping [a, b): pieces do not overlap each other, so they are sorted by end too
+            first = max(0, bisect.bisect_right(starts[shard], a) - 1)
+            last = bisect.bisect_left(starts[shard], b)
+            near = sinks[first:last]
+            self._deliver(near, shard, a, self._read(shard, a, b, [s.piece for s in near]))
+
+        chunks = [(shard, a, min(a + self.chunk_bytes, end))
+                  for shard, start, end in merge_ranges(pieces, self.merge_gap)
+                  for a in range(start, end, self.chunk_bytes)]
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="moetune-fetch") as pool:
+            futures = [pool.submit(run, *chunk) for chunk in chunks]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in pending:
+                f.cancel()
+            for f in done:
+                f.result()
+        self.stats.seconds = time.perf_counter() - started
+        return self.stats

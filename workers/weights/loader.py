@@ -1,0 +1,186 @@
+"""Builds a transformers model holding exactly this rank's weights, streamed from a checkpoint URI.
+
+The model is created with its parameters on the meta device (buffers, e.g. rotary tables, are computed as
+usual), then each parameter is allocated empty at its final shape, expert tensors at this rank's share
+only, and filled in place by the range fetcher. No rank ever holds the full model or a full shard.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from workers import storage
+from workers.weights import manifest as manifest_file
+from workers.weights.cache import RangeCache, default_cache_dir
+from workers.weights.errors import WeightsError
+from workers.weights.fetch import FetchStats, RangeFetcher, Source
+from workers.weights.header import TensorInfo, read_header
+from workers.weights.mapping import NameMapper
+from workers.weights.plan import ExpertShare, Plan, plan_rank
+
+INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
+WEIGHT_FILES = (INDEX_FILE, ".safetensors", manifest_file.MANIFEST_FILE)
+
+
+def is_weight_file(name: str) -> bool:
+    return name.endswith(WEIGHT_FILES)
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint URI holds, read without any tensor data: config, shard headers, manifest."""
+    uri: str
+    fs: object
+    config: dict
+    sources: dict[str, Source]
+    tensors: dict[str, dict[str, TensorInfo]]  # shard -> tensors
+    manifest: dict | None
+
+
+@dataclass
+class StreamedModel:
+    model: object
+    plan: Plan
+    stats: FetchStats
+    verified: bool  # every piece checked against the manifest
+    seconds: float
+
+
+def _read_json(fs, path: str, what: str) -> dict:
+    try:
+        return json.loads(fs.cat_file(path))
+    except FileNotFoundError:
+        raise WeightsError(f"{what} not found") from None
+    except ValueError as e:
+        raise WeightsError(f"{what}: not JSON ({e})") from None
+
+
+def open_checkpoint(uri: str, cache: RangeCache | None = None, progress=None) -> Checkpoint:
+    """config.json, the shard list and every shard's header (two small range reads each, cached by ETag)."""
+    fs, root = storage.filesystem(uri)
+    root = root.rstrip("/")
+    config = _read_json(fs, f"{root}/config.json", f"{uri}: config.json")
+    if fs.exists(f"{root}/{INDEX_FILE}"):
+        shards = sorted(set(_read_json(fs, f"{root}/{INDEX_FILE}", f"{uri}: {INDEX_FILE}")["weight_map"].values()))
+    elif fs.exists(f"{root}/{SINGLE_FILE}"):
+        shards = [SINGLE_FILE]
+    else:
+        raise WeightsError(f"{uri}: no {INDEX_FILE} and no {SINGLE_FILE}")
+    has_manifest = fs.exists(f"{root}/{manifest_file.MANIFEST_FILE}")
+    manifest = manifest_file.parse(fs.cat_file(f"{root}/{manifest_file.MANIFEST_FILE}"), uri) if has_manifest else None
+    sources, tensors = {}, {}
+    for shard in shards:
+        path = f"{root}/{shard}"
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            raise WeightsError(f"{uri}: shard {shard} is listed in the index but missing") from None
+        etag = info.get("ETag") or info.get("etag") or f"{info.get('mtime')}-{info['size']}"
+        sources[shard] = Source(path, str(etag).strip('"'))
+        tensors[shard] = read_header(fs, path, shard, info["size"], cache, sources[shard].etag)
+        if manifest and manifest["files"].get(shard, {}).get("size") not in (None, info["size"]):
+            raise WeightsError(f"{uri}: shard {shard} is {info['size']} bytes, the manifest says "
+                               f"{manifest['files'][shard]['size']}")
+        if progress:
+            progress(shard)
+    return Checkpoint(uri, fs, config, sources, tensors, manifest)
+
+
+def empty_model(config: dict, dtype):
+    """The model with parameters on the meta device and real buffers."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    from workers.families import auto_model_class
+
+    hf_config = AutoConfig.for_model(**config)
+    with init_empty_weights(include_buffers=False):
+        return auto_model_class(hf_config).from_config(hf_config, dtype=dtype)
+
+
+def expert_shares(model, ep_rank: int, ep_size: int) -> dict[str, ExpertShare]:
+    """Fused routed-expert parameters -> this rank's share (consecutive experts, like the EP swap's)."""
+    from workers.families import known_family
+
+    fam = known_family(model.config)
+    if fam is None or ep_size == 1:
+        return {}
+    shares = {}
+    for block_name, block in fam.moe_blocks(model):
+        experts = getattr(block, fam.experts)
+        total = experts.num_experts
+        if total % ep_size:
+            raise WeightsError(f"{total} experts cannot be split over expert_parallel_size={ep_size}")
+        count = total // ep_size
+        for name, param in experts.named_parameters(recurse=False):
+            if param.shape[:1] == (total,):
+                shares[f"{block_name}.{fam.experts}.{name}"] = ExpertShare(ep_rank * count, count, total)
+    return shares
+
+
+def allocated_shapes(model, shares: dict[str, ExpertShare]) -> dict[str, tuple[int, ...]]:
+    return {name: ((shares[name].count, *p.shape[1:]) if name in shares else tuple(p.shape))
+            for name, p in model.named_parameters()}
+
+
+def plan_for(ckpt: Checkpoint, model, ep_rank: int = 0, ep_size: int = 1) -> Plan:
+    shares = expert_shares(model, ep_rank, ep_size)
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    aliases = {name: next(n for n, p in params.items() if p is t)
+               for name, t in model.named_parameters(remove_duplicate=False) if name not in params}
+    shapes = allocated_shapes(model, shares)
+    persistent = model.state_dict(keep_vars=True)
+    shapes.update({name: tuple(b.shape) for name, b in model.named_buffers() if name in persistent})
+    digests = ckpt.manifest["tensors"] if ckpt.manifest else None
+    return plan_rank(ckpt.tensors, NameMapper(model), shapes, set(params), shares, aliases, digests)
+
+
+def _allocate(model, shapes_of: dict[str, tuple], device) -> dict:
+    """Replaces every meta parameter by an empty one of its allocated shape, keeping its attributes (tied
+    parameters stay tied); returns the tensors to fill by name."""
+    import torch
+
+    fresh, targets = {}, {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
+        for attr, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in fresh:
+                name = names[id(param)]
+                new = torch.nn.Parameter(torch.empty(shapes_of[name], dtype=param.dtype, device=device),
+                                         requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)  # attributes loading would drop (e.g. hf init flags)
+                fresh[id(param)] = new
+                targets[name] = new.detach()
+            module._parameters[attr] = fresh[id(param)]
+    for name, buf in model.named_buffers():
+        targets[name] = buf
+    return targets
+
+
+def stream_model(uri: str, device, dtype, ep_rank: int = 0, ep_size: int = 1, cache_dir: str | None = None,
+                 **fetch_options) -> StreamedModel:
+    """This rank's model from the checkpoint at `uri`: non-expert tensors in full, experts of its EP share."""
+    started = time.perf_counter()
+    cache_dir = default_cache_dir() if cache_dir is None else cache_dir
+    cache = RangeCache(cache_dir) if cache_dir else None
+    ckpt = open_checkpoint(uri, cache)
+    model = empty_model(ckpt.config, dtype)
+    plan = plan_for(ckpt, model, ep_rank, ep_size)
+    shares = expert_shares(model, ep_rank, ep_size)
+    targets = _allocate(model, allocated_shapes(model, shares), device)
+    stats = RangeFetcher(ckpt.fs, ckpt.sources, cache, **fetch_options).load(plan.pieces, targets)
+    model.to(device)  # the buffers; parameters are there already
+    _mark_local_experts(model, shares)
+    model.eval()  # as from_pretrained returns it
+    return StreamedModel(model, plan, stats, ckpt.manifest is not None, time.perf_counter() - started)
+
+
+def _mark_local_experts(model, shares: dict[str, ExpertShare]) -> None:
+    """Tells the expert-parallel swap that these modules already hold only this rank's experts."""
+    for name, share in shares.items():
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        module.loaded_experts = slice(share.first, share.first + share.count)
