@@ -105,9 +105,14 @@ class ExpertParallelExperts(nn.Module):
                                           getattr(experts, "swiglu_limit", None))
         first = ep.rank * self.num_local_experts
         local = slice(first, first + self.num_local_experts)
-        # clone: the full tensors must not stay alive through a view
-        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[local].clone(), requires_grad=False)
-        self.down_proj = nn.Parameter(experts.down_proj.detach()[local].clone(), requires_grad=False)
+        # The streaming loader allocates only this rank's experts (`loaded_experts`); a full module is sliced,
+        # and cloned: the full tensors must not stay alive through a view.
+        held = getattr(experts, "loaded_experts", None)
+        if held is not None and held != local:
+            raise ValueError(f"experts module holds experts {held}, expert-parallel rank {ep.rank} needs {local}")
+        own = (lambda t: t.detach()) if held is not None else (lambda t: t.detach()[local].clone())
+        self.gate_up_proj = nn.Parameter(own(experts.gate_up_proj), requires_grad=False)
+        self.down_proj = nn.Parameter(own(experts.down_proj), requires_grad=False)
         self.lora_rank, self.lora_scaling = lora_rank, lora_alpha / max(lora_rank, 1)
         if lora_rank:
             self._init_lora(local)

@@ -48,13 +48,41 @@ def load_tokenizer(local_dir: str):
     return tokenizer
 
 
-def load_model(local_dir: str, device):
-    """The plain transformers model: bf16 on GPUs, fp32 on CPU (where bf16 matmuls are slow)."""
+def load_dtype(device):
+    """bf16 on GPUs, fp32 on CPU (where bf16 matmuls are slow)."""
     import torch
-    from transformers import AutoConfig
 
-    from workers.families import auto_model_class
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = auto_model_class(AutoConfig.from_pretrained(local_dir)).from_pretrained(local_dir, dtype=dtype)
-    return model.to(device)
+
+def stream_base_model(model_uri: str, device, ep_rank: int = 0, ep_size: int = 1):
+    """The transformers model with this rank's weights streamed from `model_uri` (see workers.weights):
+    non-expert tensors in full, routed experts of its expert-parallel share only."""
+    from workers.weights.loader import stream_model
+
+    return stream_model(model_uri, device, load_dtype(device), ep_rank, ep_size)
+
+
+def expert_parallel_rank(ep_size: int) -> int:
+    """This rank's index in its expert-parallel group (creates DeepSpeed's groups; torch.distributed is up)."""
+    if ep_size == 1:
+        return 0
+    from workers.expert_parallel import ep_group
+
+    return ep_group(ep_size).rank
+
+
+def load_summary(streamed, ep_size: int) -> tuple[str, dict]:
+    """The job event of a streamed load: time, bytes and throughput, and whether the bytes were verified."""
+    s = streamed.stats
+    read = s.bytes_from_storage + s.bytes_from_cache
+    data = {"load_seconds": round(streamed.seconds, 3), "bytes_needed": s.bytes_needed,
+            "bytes_from_storage": s.bytes_from_storage, "bytes_from_cache": s.bytes_from_cache,
+            "throughput_mib_s": round(read / 2**20 / max(streamed.seconds, 1e-9), 1), "requests": s.requests,
+            "retries": s.retries, "integrity": "verified" if streamed.verified else "unverified",
+            "expert_parallel_size": ep_size}
+    message = (f"Weights streamed: {read / 2**20:.1f} MiB in {streamed.seconds:.2f}s "
+               f"({data['throughput_mib_s']} MiB/s; {s.bytes_from_cache / 2**20:.1f} MiB from the local cache)")
+    if not streamed.verified:
+        message += "; integrity unverified: the checkpoint has no moetune-manifest.json (push it with `moetune models push`)"
+    return message, data

@@ -51,11 +51,12 @@ def exists(uri: str) -> bool:
     return fs.exists(path)
 
 
-def download_dir(uri: str, local_dir: str) -> str:
-    """Copies every file under `uri` into `local_dir` (kept relative layout); returns local_dir."""
+def download_dir(uri: str, local_dir: str, skip=None) -> str:
+    """Copies every file under `uri` into `local_dir` (kept relative layout); returns local_dir.
+    `skip(relative path)` true leaves a file out (e.g. the weights, which are streamed instead)."""
     fs, root = filesystem(uri)
     root = root.rstrip("/")
-    files = [p for p in fs.find(root) if p != root]
+    files = [p for p in fs.find(root) if p != root and not (skip and skip(os.path.relpath(p, root)))]
     if not files:
         raise FileNotFoundError(f"{uri} holds no files")
     for remote in files:

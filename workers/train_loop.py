@@ -20,9 +20,15 @@ from workers.engine import build_engine
 from workers.errors import DatasetError
 from workers.kernel_swaps import apply_kernel_swaps
 from workers.lora import trainable_model
-from workers.model import load_model, load_tokenizer
+from workers.model import (
+    expert_parallel_rank,
+    load_summary,
+    load_tokenizer,
+    stream_base_model,
+)
 from workers.reporter import Reporter
 from workers.schedule import total_steps
+from workers.weights.loader import is_weight_file
 
 
 class _Worker:
@@ -72,10 +78,16 @@ class _Worker:
         self.event("Loading model", data={"model": self.spec.model})
         if self.node_leader:
             shutil.rmtree(self.node_dir, ignore_errors=True)
-            storage.download_dir(self.spec.model, model_dir)
+            storage.download_dir(self.spec.model, model_dir, skip=is_weight_file)  # tokenizer + config only
         self.barrier()
         self.tokenizer = load_tokenizer(model_dir)
-        model = load_model(model_dir, self.device)
+        # Each rank streams its own share of the weights (workers.weights): non-expert tensors, its experts.
+        ep_size = self.spec.parallelism.expert_parallel_size
+        streamed = stream_base_model(self.spec.model, self.device, expert_parallel_rank(ep_size), ep_size)
+        message, data = load_summary(streamed, ep_size)
+        data["bytes_from_storage_all_ranks"] = int(self.all_sum(streamed.stats.bytes_from_storage)[0])
+        self.event(message, data=data)
+        model = streamed.model
         if self.t.custom_kernels:
             swapped = {name: n for name, n in apply_kernel_swaps(model).items() if n}
             if swapped:
