@@ -1,8 +1,10 @@
 """Chunkwise gated delta rule in plain PyTorch: all intra-chunk work batched, one short loop over chunks.
 
-Backward comes from autograd. Decays inside a chunk are never formed as exp(Γ_r)·exp(−Γ_i) over the whole chunk
-(that overflows for strong gates): blocks between 16-token sub-chunks factor through the end of the earlier
-sub-chunk, where both factors are decays (<= 1), and only the 16×16 diagonal blocks take exp(Γ_r − Γ_i) pairwise.
+The loop over chunks (the state recurrence, two small matmuls a chunk) is an autograd.Function with its own backward
+loop; the batched work around it is left to autograd. Decays inside a chunk are never formed as
+exp(Γ_r)·exp(−Γ_i) (that overflows for strong gates) nor as a (C, C, K) tensor of pairwise exp(Γ_r − Γ_i) (the
+largest cost on a CPU): `_decayed_products` splits the chunk in halves recursively and factors every
+later-half × earlier-half block through the boundary between them, where both factors are decays (<= 1).
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import torch.nn.functional as F
 def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                     chunk_size=64):
     """Same contract as `naive_recurrent_kda`; computes in fp32, returns o in q's dtype and an fp32 state.
-    `chunk_size` must be a multiple of 16 (the sub-chunk of `_decayed_products`)."""
-    if chunk_size % 16:
-        raise ValueError(f"chunk_size must be a multiple of 16, got {chunk_size}")
+    `chunk_size` must be a power of two (`_decayed_products` halves the chunk down to single tokens)."""
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     if cu_seqlens is not None:
         return _packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
     out_dtype = q.dtype
@@ -47,20 +49,51 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     last = gamma[..., -1:, :]
     k_to_end = k * (last - gamma).exp()
     state_decay = last.squeeze(-2).exp().unsqueeze(-1)
-
     if initial_state is None:
-        state = q.new_zeros(batch, n_heads, dk, dv)
-    else:
-        state = initial_state.float()
-    outs = []
-    # unbind once: indexing chunk n inside the loop would make autograd allocate a full-size zero grad per chunk
-    per_chunk = zip(*(x.unbind(2) for x in (u, w, q_decayed, qk, state_decay, k_to_end.transpose(-1, -2))))
-    for u_n, w_n, q_n, qk_n, decay_n, k_t_n in per_chunk:
-        v_new = u_n - w_n @ state
-        outs.append(q_n @ state + qk_n @ v_new)
-        state = decay_n * state + k_t_n @ v_new
-    o = torch.stack(outs, dim=2).reshape(batch, n_heads, n_chunks * chunk_size, dv)[:, :, :seq_len]
-    return o.transpose(1, 2).to(out_dtype), (state if output_final_state else None)
+        initial_state = q.new_zeros(batch, n_heads, dk, dv)
+    v_new, states = _ChunkScan.apply(u, w, k_to_end, state_decay, initial_state.float())
+    # everything that reads the states but does not feed them runs batched over the chunks
+    o = q_decayed @ states[:, :, :-1] + qk @ v_new
+    o = o.reshape(batch, n_heads, n_chunks * chunk_size, dv)[:, :, :seq_len]
+    return o.transpose(1, 2).to(out_dtype), (states[:, :, -1] if output_final_state else None)
+
+
+class _ChunkScan(torch.autograd.Function):
+    """The state recurrence over chunks n (tensors (B, H, N, ...); S_0 the initial state):
+        V'_n = U_n − W_n S_n;   S_{n+1} = Diag(decay_n) S_n + K̃_nᵀ V'_n   (K̃ = K ⊙ e^{Γ_C − Γ})
+    returns V' (B, H, N, C, V) and S_0..S_N (B, H, N + 1, K, V). The backward loop carries only dS; the gradients
+    of U, W, K̃ and the decays are then batched matmuls over all chunks at once."""
+
+    @staticmethod
+    def forward(ctx, u, w, k_to_end, decay, initial_state):
+        n_chunks = u.shape[2]
+        states = u.new_empty(*initial_state.shape[:2], n_chunks + 1, *initial_state.shape[2:])
+        v_new = torch.empty_like(u)
+        states[:, :, 0] = initial_state
+        k_t = k_to_end.transpose(-1, -2)
+        for n in range(n_chunks):
+            torch.sub(u[:, :, n], w[:, :, n] @ states[:, :, n], out=v_new[:, :, n])
+            torch.addcmul(k_t[:, :, n] @ v_new[:, :, n], decay[:, :, n], states[:, :, n], out=states[:, :, n + 1])
+        ctx.save_for_backward(w, k_to_end, decay, v_new, states)
+        return v_new, states
+
+    @staticmethod
+    def backward(ctx, d_v_new, d_states):
+        w, k_to_end, decay, v_new, states = ctx.saved_tensors
+        n_chunks = w.shape[2]
+        d_v = d_v_new.clone()  # becomes the total gradient of V'_n
+        d_next = torch.empty_like(states[:, :, 1:])  # gradient reaching S_{n+1} through the recurrence
+        d_state = d_states[:, :, -1]
+        w_t = w.transpose(-1, -2)
+        for n in reversed(range(n_chunks)):
+            d_next[:, :, n] = d_state
+            d_v[:, :, n] += k_to_end[:, :, n] @ d_state
+            d_state = decay[:, :, n] * d_state - w_t[:, :, n] @ d_v[:, :, n] + d_states[:, :, n]
+        s = states[:, :, :-1]
+        d_w = -(d_v @ s.transpose(-1, -2))
+        d_k_to_end = v_new @ d_next.transpose(-1, -2)
+        d_decay = (d_next * s).sum(-1, keepdim=True)
+        return d_v, d_w, d_k_to_end, d_decay, d_state
 
 
 def _packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
@@ -84,29 +117,25 @@ def _packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     return o[valid].unsqueeze(0), final
 
 
-def _decayed_products(xs, y, gamma, sub=16):
-    """For each x in xs: P[r, i] = Σ_d x_r[d] y_i[d] exp(Γ_r[d] − Γ_i[d]) for i <= r, else 0.
-
-    Inputs (..., C, D) with C a multiple of `sub`; the decays are computed once and shared by all xs."""
+def _decayed_products(xs, y, gamma):
     *lead, size, dim = y.shape
-    n_sub = size // sub
-    ys, gs = (t.reshape(*lead, n_sub, sub, dim) for t in (y, gamma))
-    xs = torch.stack([x.reshape(*lead, n_sub, sub, dim) for x in xs], dim=-1)  # (..., S, c, D, n_x)
-    # Diagonal blocks, pairwise: decay[a, r, i, d], the upper triangle set to -inf before exp.
-    causal = torch.ones(sub, sub, dtype=torch.bool, device=y.device).tril()
-    # (in place where autograd allows: these are the largest tensors of the whole computation)
-    decay = (gs.unsqueeze(-2) - gs.unsqueeze(-3)).masked_fill_(~causal[..., None], float("-inf")).exp_()
-    diag = (ys.unsqueeze(-3) * decay) @ xs  # (..., S, c_r, c_i, n_x)
-    # Blocks a > b: x_a e^{Γ_a − ref_b} @ (y_b e^{ref_b − Γ_b})ᵀ with ref_b = Γ at the end of sub-chunk b.
-    ref = gs[..., -1, :]  # (..., S, D)
-    later = torch.ones(n_sub, n_sub, dtype=torch.bool, device=y.device).tril(-1)
-    decay_to_ref = (gs.unsqueeze(-3) - ref[..., None, :, None, :]).masked_fill_(
-        ~later[..., None, None], float("-inf")).exp_()  # (..., S_a, S_b, c, D)
-    y_scaled = ys * (ref.unsqueeze(-2) - gs).exp()  # (..., S_b, c, D)
-    eye = torch.eye(n_sub, device=y.device)[..., None, None]
-    products = []
-    for n in range(xs.shape[-1]):
-        blocks = (xs[..., n].unsqueeze(-3) * decay_to_ref) @ y_scaled.unsqueeze(-4).transpose(-1, -2)
-        blocks = blocks + diag[..., n].unsqueeze(-3) * eye  # (..., S_a, S_b, c, c)
-        products.append(blocks.transpose(-3, -2).reshape(*lead, size, size))
-    return products
+    blocks = [(x * y).sum(-1)[..., None, None] for x in xs]  # (..., C, 1, 1): the diagonal, decay 1
+    span = 1
+    while span < size:
+        pairs = size // (2 * span)
+        gs = gamma.reshape(*lead, pairs, 2, span, dim)
+        ref = gs[..., 0, -1:, :]
+        y_early = y.reshape(*lead, pairs, 2, span, dim)[..., 0, :, :] * (ref - gs[..., 0, :, :]).exp()
+        to_late = (gs[..., 1, :, :] - ref).exp()
+        y_early_t = y_early.transpose(-1, -2)
+        new = []
+        for x, p in zip(xs, blocks):
+            x_late = x.reshape(*lead, pairs, 2, span, dim)[..., 1, :, :] * to_late
+            cross = x_late @ y_early_t
+            p = p.reshape(*lead, pairs, 2, span, span)
+            top = F.pad(p[..., 0, :, :], (0, span))
+            bottom = torch.cat([cross, p[..., 1, :, :]], dim=-1)
+            new.append(torch.cat([top, bottom], dim=-2))
+        blocks = new
+        span *= 2
+    return [p.reshape(*lead, size, size) for p in blocks]
