@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
+from api.models import ErrorResponse
 from service import internal, routes
 from service.auth import TenantResolver
 from service.errors import error_response, install_error_handlers
@@ -53,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["ops"])
+    @app.get("/readyz", tags=["ops"], responses={503: {"model": ErrorResponse, "description": "Database down"}})
     def readyz(request: Request):
         if not request.app.state.store.ping():
             return error_response(503, "not_ready", "The database is not reachable.")

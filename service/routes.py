@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
-from api.models import Checkpoint, Job, JobCreate, JobEvent, ListPage
+from api.models import Checkpoint, ErrorResponse, Job, JobCreate, JobEvent, ListPage
 from service import jobs as job_service
 from service import lifecycle
 from service.deps import StoreDep, Tenant
@@ -23,7 +23,15 @@ from service.views import (
     parse_sequence_id,
 )
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+# Every error body is an ErrorResponse (the schema says so, replacing FastAPI's own 422 shape).
+_ERRORS = {code: {"model": ErrorResponse, "description": what} for code, what in (
+    (400, "The request body could not be parsed"),
+    (401, "Missing or invalid API token"),
+    (404, "No such job for this tenant"),
+    (409, "The job's status does not allow this change, or the Idempotency-Key was used for another request"),
+    (422, "Invalid request; `error.param` names the field"),
+)}
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], responses=_ERRORS)
 
 Limit = Annotated[int, Query(ge=1, le=100)]
 
