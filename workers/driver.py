@@ -2,7 +2,7 @@
 and sends the control plane the final result.
 
 Reads the JobRunSpec from MOETUNE_RUN_SPEC; reports go to MOETUNE_CALLBACK_URL with
-MOETUNE_JOB_TOKEN. Exit code 0 when the job succeeded, 1 when it failed.
+MOETUNE_JOB_TOKEN. Exit code 0 when the job succeeded or paused, 1 when it failed.
 """
 
 from __future__ import annotations
@@ -11,21 +11,24 @@ import json
 import logging
 import os
 import sys
+import uuid
 
 from api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL, JobRunSpec
 from workers import storage
 from workers.data import load_rows
 from workers.errors import JobError
 from workers.lora import check_targets_on_config
+from workers.metrics import METRICS_ENV
 from workers.model import check_supported, read_remote_config
 from workers.reporter import Reporter
+from workers.resume import DEFAULT_MAX_WORKER_FAILURES, ENV_MAX_WORKER_FAILURES, paused_step
 from workers.train_loop import ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE
 
 log = logging.getLogger("moetune.driver")
 
 # What every worker needs from the driver's environment, whatever the cluster's own environment holds.
 FORWARDED_ENV = (ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_S3_ENDPOINT_URL, "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                 "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION", "HF_HUB_OFFLINE")
+                 "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION", "HF_HUB_OFFLINE", *METRICS_ENV)
 
 
 def validate(run: JobRunSpec) -> int:
@@ -53,11 +56,17 @@ def _storage_for_ray(uri: str):
     return uri, None
 
 
-def build_trainer(run: JobRunSpec):
+def max_worker_failures() -> int:
+    """How many times Ray Train may restart a worker group that lost a worker (operator setting)."""
+    return int(os.environ.get(ENV_MAX_WORKER_FAILURES, DEFAULT_MAX_WORKER_FAILURES))
+
+
+def build_trainer(run: JobRunSpec, attempt: str, reporter: Reporter):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from workers.train_loop import train_loop_per_worker
+    from workers.worker_failures import ReportWorkerFailures
 
     par = run.spec.parallelism
     use_gpu = par.gpus_per_worker > 0
@@ -69,39 +78,51 @@ def build_trainer(run: JobRunSpec):
             "run_spec": run.model_dump_json(),
             "threads": int(resources["CPU"]),  # torch threads = the worker's CPU share
             "worker_env": {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ},
+            "attempt": attempt,
         },
         scaling_config=ScalingConfig(num_workers=par.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=run.job_id,
             storage_path=storage_path,
             storage_filesystem=storage_fs,
-            failure_config=FailureConfig(max_failures=0),
+            # A restarted group resumes from the newest complete checkpoint (workers.resume).
+            failure_config=FailureConfig(max_failures=max_worker_failures()),
+            callbacks=[ReportWorkerFailures(reporter, max_worker_failures())],
         ),
     )
 
 
-def root_cause(error: BaseException) -> JobError:
-    """The first JobError behind a Ray Train failure, or the innermost error in one line."""
-    seen = set()
-    pending = [error]
-    innermost = error
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and every error behind it (Ray Train's worker and controller failures, causes), outermost first."""
+    seen, chain, pending = set(), [], [error]
     while pending:
         e = pending.pop(0)
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, JobError):
-            return e
-        innermost = e
+        chain.append(e)
         pending += list(getattr(e, "worker_failures", {}).values())
         pending += [c for c in (getattr(e, "controller_failure", None), e.__cause__, e.__context__) if c]
+    return chain
+
+
+def job_error(error: BaseException) -> JobError | None:
+    """The first JobError (a problem the user must fix) behind `error`, if any."""
+    return next((e for e in _chain(error) if isinstance(e, JobError)), None)
+
+
+def root_cause(error: BaseException) -> JobError:
+    """The first JobError behind a Ray Train failure, or the innermost error in one line."""
+    if found := job_error(error):
+        return found
+    innermost = _chain(error)[-1]
     text = str(innermost).strip().splitlines()
     message = f"{type(innermost).__name__}: {text[-1] if text else ''}".strip()
     return JobError("training_failed", message[:500])
 
 
 def run_job(run: JobRunSpec, reporter: Reporter) -> bool:
-    """Runs the whole job and sends its ResultReport; True on success."""
+    """Runs the whole job and sends its ResultReport; True on success or pause."""
     try:
         rows = validate(run)
         reporter.event(f"Files validated: {rows} training rows")
@@ -112,7 +133,12 @@ def run_job(run: JobRunSpec, reporter: Reporter) -> bool:
         par = run.spec.parallelism
         ep = f", expert parallel {par.expert_parallel_size}" if par.expert_parallel_size > 1 else ""
         reporter.event(f"Starting {par.num_workers} workers (ZeRO-{par.zero_stage}{ep})")
-        build_trainer(run).fit()
+        attempt = uuid.uuid4().hex
+        build_trainer(run, attempt, reporter).fit()
+        if (step := paused_step(run.output_uri, attempt)) is not None:
+            log.info("job %s paused at step %d", run.job_id, step)
+            reporter.paused()
+            return True
         summary = json.loads(storage.read_text(storage.join(run.output_uri, SUMMARY_FILE)))
     except Exception as e:  # noqa: BLE001 - every failure becomes one ResultReport
         cause = root_cause(e)

@@ -14,12 +14,14 @@ import time
 
 from api.models import ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE, JobRunSpec
 from workers import storage
-from workers.checkpoints import save_adapter, save_checkpoint
-from workers.data import collate, eval_micro_batches, load_rows, step_micro_batches, tokenize_rows
+from workers.checkpoints import load_checkpoint, save_adapter, save_checkpoint
+from workers.data import collate, eval_micro_batches, load_rows, tokenize_rows
 from workers.engine import build_engine
 from workers.errors import DatasetError
 from workers.kernel_swaps import apply_kernel_swaps
 from workers.lora import trainable_model
+from workers.metrics import WorkerMetrics
+from workers.microbatch_tuner import MicroBatchLoop
 from workers.model import (
     expert_parallel_rank,
     load_summary,
@@ -27,6 +29,14 @@ from workers.model import (
     stream_base_model,
 )
 from workers.reporter import Reporter
+from workers.resume import (
+    checkpoint_uri,
+    latest_checkpoint,
+    mark_group_started,
+    resume_reason,
+    save_trainer_state,
+    write_manifest,
+)
 from workers.schedule import total_steps
 from workers.weights.loader import is_weight_file
 
@@ -47,7 +57,9 @@ class _Worker:
         self.chief, self.node_leader = self.rank == 0, self.local_rank == 0
         self.device = ray.train.torch.get_device()
         self.reporter = Reporter(self.run.job_id) if self.chief else None
+        self.metrics = WorkerMetrics(self.run.job_id, self.rank, self.local_rank, self.device, self.event)
         self.node_dir = os.path.join(tempfile.gettempdir(), "moetune", self.run.job_id)
+        self.attempt = config["attempt"]  # this driver run's id (see workers.resume)
 
     # -------------------------------------------------------------- helpers
 
@@ -121,7 +133,7 @@ class _Worker:
         loss_sum = count = 0.0
         self.engine.eval()
         with torch.no_grad():
-            for indices in eval_micro_batches(len(self.valid_set), self.t.micro_batch_size, self.rank, self.world):
+            for indices in eval_micro_batches(len(self.valid_set), self.micro_batch_size, self.rank, self.world):
                 real = [self.valid_set[i] for i in indices if i is not None]
                 # A rank whose share ran out still runs a forward: under ZeRO-3 it is a collective.
                 batch = self.to_device(collate(real or self.valid_set[:1], self.tokenizer.pad_token_id))
@@ -135,41 +147,72 @@ class _Worker:
         loss_sum, count = self.all_sum(loss_sum, count)
         return loss_sum / count
 
-    def checkpoint(self, step: int, record: dict) -> None:
+    def checkpoint(self, step: int, record: dict, paused: bool = False) -> None:
         local = os.path.join(self.node_dir, "checkpoints", f"step-{step}")
         save_checkpoint(self.engine, local, is_writer=self.chief)
+        if self.chief:
+            save_trainer_state(local, step=step, trained_tokens=record["trained_tokens"], history=self.history,
+                               attempt=self.attempt, paused=paused)
         self.barrier()
-        uri = storage.join(self.run.output_uri, "checkpoints", f"step-{step}")
+        uri = checkpoint_uri(self.run.output_uri, step)
         if self.node_leader:
             storage.upload_dir(local, uri)
             shutil.rmtree(local)
-        self.barrier()
+        self.barrier()  # every node's files are up: only now may the manifest say the checkpoint is complete
         if self.chief:
+            write_manifest(uri, step)
             self.reporter.checkpoint(step, uri, train_loss=record["train_loss"], valid_loss=record.get("valid_loss"))
 
-    def train(self) -> None:
+    def resume(self) -> tuple[int, int]:
+        """Loads the newest complete checkpoint into the engine, if any: (its step, trained tokens so far).
+
+        The chief picks it and every rank follows, so a checkpoint completing meanwhile cannot split the group.
+        """
+        point = latest_checkpoint(self.run.output_uri) if self.chief else None
+        restarted = self.chief and mark_group_started(self.run.output_uri, self.attempt)
+        (step,) = self.all_sum(point.step if point else 0)
+        if not step:
+            if restarted:
+                self.event("Restarted from step 1 after a worker failure (no complete checkpoint yet)", level="warn")
+            return 0, 0
+        step, local = int(step), os.path.join(self.node_dir, "resume")
+        if self.node_leader:
+            storage.download_dir(checkpoint_uri(self.run.output_uri, step), local)
+        self.barrier()
+        load_checkpoint(self.engine, local)
+        self.barrier()
+        if self.node_leader:
+            shutil.rmtree(local)
+        if not self.chief:
+            return step, 0  # only the chief reports token counts and keeps the metrics history
+        self.history = point.state["history"]
+        self.event(f"Resumed from checkpoint step-{step} after {resume_reason(point, restarted)}",
+                   level="warn" if restarted else "info", data={"step": step, "checkpoint": point.uri})
+        return step, point.state["trained_tokens"]
+
+    def pause_requested(self) -> bool:
+        """Whether the control plane asked to pause in its answer to the chief's last report (all ranks agree)."""
+        (asked,) = self.all_sum(float(self.chief and self.reporter.control == "pause"))
+        return asked > 0
+
+    def train(self) -> bool:
+        """Runs the steps left after the newest complete checkpoint; False when it stopped for a pause."""
         t = self.t
         steps = total_steps(len(self.train_set), t.global_batch_size, t.max_steps, t.n_epochs)
         self.engine, scheduler = build_engine(self.model, self.spec, self.world, steps,
                                               bf16=self.device.type == "cuda")
-        self.event(f"Training started: {steps} steps on {self.world} workers",
+        micro_batches = MicroBatchLoop(self, self.engine)  # the tuner's current sizes, exported as metrics:
+        self.micro_batch_size, self.grad_accum_steps = micro_batches.micro_batch_size, micro_batches.grad_accum_steps
+        self.event(f"Training started: {steps} steps on {self.world} workers, {micro_batches.describe()}",
                    data={"total_steps": steps, "train_examples": len(self.train_set), "workers": self.world})
-        self.history, trained_tokens = [], 0
-        for step in range(1, steps + 1):
+        self.history = []
+        done, trained_tokens = self.resume()
+        for step in range(done + 1, steps + 1):
             started, learning_rate = time.perf_counter(), scheduler.get_last_lr()[0]
-            loss_sum = tokens = 0.0
-            micro_batches = step_micro_batches(len(self.train_set), step - 1, t.global_batch_size, t.micro_batch_size,
-                                               self.rank, self.world, self.run.seed)
-            for indices in micro_batches:
-                batch = self.to_device(collate([self.train_set[i] for i in indices], self.tokenizer.pad_token_id))
-                loss = self.engine(**batch).loss
-                self.engine.backward(loss)
-                self.engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
-                loss_sum += loss.item()
-                tokens += batch["attention_mask"].sum().item()
-            loss_sum, n_micro, tokens = self.all_sum(loss_sum, len(micro_batches), tokens)
+            loss_sum, loss_tokens, tokens = micro_batches.run_step(step)
+            self.micro_batch_size, self.grad_accum_steps = micro_batches.micro_batch_size, micro_batches.grad_accum_steps
             trained_tokens += int(tokens)
-            record = {"step": step, "total_steps": steps, "train_loss": loss_sum / n_micro,
+            record = {"step": step, "total_steps": steps, "train_loss": loss_sum / loss_tokens,
                       "learning_rate": learning_rate,
                       "tokens_per_second": tokens / (time.perf_counter() - started),
                       "trained_tokens": trained_tokens}
@@ -178,8 +221,14 @@ class _Worker:
             if self.chief:
                 self.reporter.metrics(**record)
                 self.history.append(record)
-            if t.checkpoint_every and step % t.checkpoint_every == 0:
-                self.checkpoint(step, record)
+            self.metrics.step_end(self, record, time.perf_counter() - started)
+            pause = step < steps and self.pause_requested()
+            if pause or (t.checkpoint_every and step % t.checkpoint_every == 0):
+                self.checkpoint(step, record, paused=pause)
+            if pause:
+                self.event(f"Paused at step {step}: checkpoint step-{step} written, workers stopping")
+                return False
+        return True
 
     def finish(self) -> None:
         local = os.path.join(self.node_dir, ADAPTER_DIR)
@@ -201,7 +250,11 @@ class _Worker:
 def train_loop_per_worker(config: dict) -> None:
     """Entry point for ray.train.torch.TorchTrainer; `config` comes from workers.driver."""
     worker = _Worker(config)
-    worker.load()
-    worker.load_data()
-    worker.train()
-    worker.finish()
+    try:
+        worker.load()
+        worker.metrics.training_started(worker.model)
+        worker.load_data()
+        if worker.train():
+            worker.finish()
+    finally:
+        worker.metrics.close()

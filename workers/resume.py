@@ -1,0 +1,109 @@
+"""Where a worker group starts: the newest COMPLETE checkpoint under `<output_uri>/checkpoints/`, and why.
+
+A checkpoint `step-<N>/` is complete once its manifest `checkpoint.json` exists. The manifest is written last,
+after every rank's files are uploaded, so a group killed mid-upload leaves a step directory without one, and
+readers (resume here, the control plane's checkpoint list, downloads) ignore it.
+
+Why a group resumes, for the job's events: a marker per driver run (`attempts/<id>`) tells a restart after a
+lost worker (the same driver run already started a group) from a resume after pause or a resubmitted job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+from dataclasses import dataclass
+
+from workers import storage
+
+MANIFEST = "checkpoint.json"
+TRAINER_STATE = "trainer_state.json"  # step, trained tokens, metrics history, attempt, paused
+ENV_MAX_WORKER_FAILURES = "MOETUNE_MAX_WORKER_FAILURES"  # worker-group restarts Ray Train may make per run
+DEFAULT_MAX_WORKER_FAILURES = 3
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def checkpoint_uri(output_uri: str, step: int) -> str:
+    return storage.join(output_uri, "checkpoints", f"step-{step}")
+
+
+def _files(uri: str) -> dict[str, int]:
+    """Relative path -> size of every object under `uri` (fresh listing, not fsspec's cache)."""
+    fs, root = storage.filesystem(uri)
+    root = root.rstrip("/")
+    fs.invalidate_cache(root)
+    return {posixpath.relpath(p, root): info["size"] for p, info in fs.find(root, detail=True).items()}
+
+
+def write_manifest(uri: str, step: int) -> None:
+    """Marks the checkpoint at `uri` complete; call once, after every rank's files are uploaded."""
+    files = [{"path": p, "size": size} for p, size in sorted(_files(uri).items()) if p != MANIFEST]
+    storage.write_bytes(storage.join(uri, MANIFEST), json.dumps({"step": step, "files": files}).encode())
+
+
+def save_trainer_state(local_dir: str, **state) -> None:
+    """What resuming needs besides DeepSpeed's files; the chief writes it into the checkpoint before upload."""
+    os.makedirs(local_dir, exist_ok=True)
+    with open(os.path.join(local_dir, TRAINER_STATE), "w") as f:
+        json.dump(state, f)
+
+
+def _is_intact(uri: str, manifest: dict) -> bool:
+    present = _files(uri)
+    return all(present.get(f["path"]) == f["size"] for f in manifest["files"])
+
+
+@dataclass
+class ResumePoint:
+    step: int
+    uri: str
+    state: dict  # TRAINER_STATE of that checkpoint
+
+
+def latest_checkpoint(output_uri: str) -> ResumePoint | None:
+    """The newest complete checkpoint whose listed files are all there, or None."""
+    fs, root = storage.filesystem(storage.join(output_uri, "checkpoints"))
+    root = root.rstrip("/")
+    fs.invalidate_cache(root)
+    steps = []
+    for path in fs.glob(f"{root}/step-*/{MANIFEST}"):
+        match = _STEP_DIR.fullmatch(posixpath.basename(posixpath.dirname(path)))
+        if match:
+            steps.append(int(match.group(1)))
+    for step in sorted(steps, reverse=True):
+        uri = checkpoint_uri(output_uri, step)
+        manifest = json.loads(storage.read_text(storage.join(uri, MANIFEST)))
+        if manifest.get("step") == step and _is_intact(uri, manifest):
+            return ResumePoint(step, uri, json.loads(storage.read_text(storage.join(uri, TRAINER_STATE))))
+    return None
+
+
+def _attempt_marker(output_uri: str, attempt: str) -> str:
+    return storage.join(output_uri, "attempts", attempt)
+
+
+def mark_group_started(output_uri: str, attempt: str) -> bool:
+    """Records that this driver run started a worker group; True when one had started before (a restart)."""
+    marker = _attempt_marker(output_uri, attempt)
+    restarted = storage.exists(marker)
+    if not restarted:
+        storage.write_bytes(marker, b"")
+    return restarted
+
+
+def resume_reason(point: ResumePoint, restarted: bool) -> str:
+    if restarted:
+        return "a worker failure"
+    if point.state.get("paused"):
+        return "pause"
+    return "a restart of the job"
+
+
+def paused_step(output_uri: str, attempt: str) -> int | None:
+    """The step this driver run's worker group paused at, or None when it did not pause."""
+    point = latest_checkpoint(output_uri)
+    if point and point.state.get("paused") and point.state.get("attempt") == attempt:
+        return point.step
+    return None
