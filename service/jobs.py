@@ -12,6 +12,7 @@ from service.errors import APIException, invalid_request
 from service.files import read_model_config
 from service.settings import Settings
 from service.store import IdempotencyKeyTaken, JobRow, Store
+from service.uri_policy import check_job_uris
 
 MAX_SEED = 2**31 - 1
 
@@ -36,6 +37,7 @@ def _replay(existing: JobRow, digest: str) -> JobRow:
 def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate,
                idempotency_key: str | None = None) -> JobRow:
     """The new job, or the one an earlier identical request with the same Idempotency-Key created."""
+    check_job_uris(request, tenant, settings)
     digest = request_hash(request)
     if idempotency_key is not None and (existing := store.find_by_idempotency_key(tenant, idempotency_key)):
         return _replay(existing, digest)

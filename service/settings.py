@@ -8,6 +8,8 @@ from typing import Annotated
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from api.models import URI_SCHEMES
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MOETUNE_", frozen=True)
@@ -31,6 +33,11 @@ class Settings(BaseSettings):
         "HF_HUB_OFFLINE",
     ]
     driver_entrypoint: str = "python -m workers.driver"
+    # Storage a tenant's jobs may use: JSON {"tenant": ["s3://bucket/", "s3://shared/models/"], "*": [...]}
+    # ("*" applies to every tenant). Empty: any bucket. See service/uri_policy.py.
+    uri_allow_list: dict[str, list[str]] = {}
+    # file:// lets a job read and write the workers' disks: only for single-user setups (the demo turns it on).
+    allow_file_uris: bool = False
 
     @field_validator("worker_env_passthrough", mode="before")
     @classmethod
@@ -44,6 +51,16 @@ class Settings(BaseSettings):
     @classmethod
     def _well_formed_tokens(cls, value: str) -> str:
         parse_api_tokens(value)
+        return value
+
+    @field_validator("uri_allow_list")
+    @classmethod
+    def _uri_prefixes(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for tenant, prefixes in value.items():
+            for prefix in prefixes:
+                if not prefix.startswith(URI_SCHEMES) or not prefix.split("://", 1)[1].strip("/"):
+                    raise ValueError(f"uri_allow_list[{tenant!r}]: {prefix!r} must be a URI with a bucket or "
+                                     f"folder, starting with one of {', '.join(URI_SCHEMES)}")
         return value
 
     @field_validator("max_running_jobs")

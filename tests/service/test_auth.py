@@ -20,12 +20,15 @@ def test_tenants_are_isolated(service):
                                    "metrics": {"step": 1}})
     a, b = service.http("tenant-a"), service.http("tenant-b")
 
-    for method, path in [("GET", f"{JOBS}/{job_id}"), ("GET", f"{JOBS}/{job_id}/events"),
-                         ("GET", f"{JOBS}/{job_id}/checkpoints"), ("POST", f"{JOBS}/{job_id}/cancel"),
-                         ("GET", f"{JOBS}/{job_id}/events?stream=true")]:
-        response = b.request(method, path)
+    for method, path in [("GET", "{}"), ("GET", "{}/events"), ("GET", "{}/checkpoints"), ("POST", "{}/cancel"),
+                         ("POST", "{}/pause"), ("POST", "{}/resume"), ("GET", "{}/events?stream=true")]:
+        response = b.request(method, f"{JOBS}/" + path.format(job_id))
         assert response.status_code == 404, path
-        assert response.json()["error"]["code"] == "job_not_found"
+        # Exactly what an unknown id gets: the answer does not tell whether the id exists.
+        unknown = b.request(method, f"{JOBS}/" + path.format("ftjob-000000000000000000000000")).json()
+        assert response.json() == {"error": {**unknown["error"], "message": unknown["error"]["message"].replace(
+            "ftjob-000000000000000000000000", job_id)}}, path
+    assert b.get(JOBS, params={"after": job_id}).status_code == 404  # nor may a cursor name A's job
     assert job_id not in [j["id"] for j in b.get(JOBS, params={"limit": 100}).json()["data"]]
     assert job_id in [j["id"] for j in a.get(JOBS, params={"limit": 100}).json()["data"]]
     assert a.get(f"{JOBS}/{job_id}/checkpoints").json()["data"][0]["step_number"] == 1

@@ -64,14 +64,3 @@ def test_invalid_transitions_are_409_with_the_reason(service):
     assert error_of(sdk.jobs.resume).code == "job_not_resumable"
     assert error_of(sdk.jobs.cancel).code == "job_not_cancellable"
 
-
-def test_another_tenant_cannot_pause_or_resume(service):
-    job_id = service.create_job(tenant="tenant-a")["id"]
-    other = service.http("tenant-b")
-    for action in ("pause", "resume", "cancel"):
-        reply = other.post(f"{JOBS}/{job_id}/{action}")
-        assert reply.status_code == 404 and reply.json()["error"]["code"] == "job_not_found"
-        unknown = other.post(f"{JOBS}/ftjob-doesnotexist/{action}")
-        assert unknown.json()["error"]["message"].replace("ftjob-doesnotexist", job_id) == reply.json()["error"][
-            "message"]
-    assert _status(service, job_id) == "validating_files"
