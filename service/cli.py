@@ -15,6 +15,7 @@ from rich.table import Column, Table
 
 from api.client import APIError, Client
 from api.models import JobCreate, JobStatus
+from service.models_cli import models
 
 console = Console()
 
@@ -57,13 +58,15 @@ def main(ctx: click.Context, url: str, token: str) -> None:
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
-def server(host: str, port: int) -> None:
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]), help="'warning' drops the access log.")
+def server(host: str, port: int, log_level: str) -> None:
     """Run the control plane (settings from MOETUNE_* environment variables)."""
     import uvicorn
 
     from service.app import create_app
 
-    uvicorn.run(create_app(), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(), host=host, port=port, log_level=log_level)
 
 
 @main.command()
@@ -178,3 +181,6 @@ def demo(timeout: float) -> None:
     from service.demo import run_demo
 
     sys.exit(run_demo(timeout=timeout))
+
+
+main.add_command(models)
