@@ -41,12 +41,8 @@ def tiny_assets(s3_endpoint, tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="session")
-def control_plane(s3_endpoint, ray_head, tmp_path_factory):
-    """Base URL of a `moetune server` process; its stderr goes to a log file shown on failure."""
-    port = free_port()
-    work = tmp_path_factory.mktemp("control-plane")
-    env = {
+def control_plane_env(s3_endpoint: str, ray_head, work: Path, port: int) -> dict[str, str]:
+    return {
         **os.environ,
         **s3_env(s3_endpoint),
         "MOETUNE_DATABASE_URL": f"sqlite:///{work / 'moetune.db'}",
@@ -56,17 +52,28 @@ def control_plane(s3_endpoint, ray_head, tmp_path_factory):
         "MOETUNE_DEFAULT_OUTPUT_URI": f"s3://{ASSETS_BUCKET}/outputs",
         "MOETUNE_SCHEDULER_INTERVAL_S": "0.5",
     }
-    log = open(work / "server.log", "w")
+
+
+def spawn_control_plane(env: dict[str, str], port: int, log_path: Path) -> subprocess.Popen:
+    """A `moetune server` process (own process group), ready to serve; its output is appended to `log_path`."""
     moetune = Path(sys.executable).with_name("moetune")
-    proc = subprocess.Popen([str(moetune), "server", "--port", str(port)], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen([str(moetune), "server", "--port", str(port)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    wait_http(f"http://127.0.0.1:{port}/readyz", 60, proc, str(log_path))
+    return proc
+
+
+@pytest.fixture(scope="session")
+def control_plane(s3_endpoint, ray_head, tmp_path_factory):
+    """Base URL of a `moetune server` process; its output goes to a log file shown on failure."""
+    port = free_port()
+    work = tmp_path_factory.mktemp("control-plane")
+    proc = spawn_control_plane(control_plane_env(s3_endpoint, ray_head, work, port), port, work / "server.log")
     try:
-        wait_http(f"{url}/readyz", 60, proc)
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop_process(proc)
-        log.close()
 
 
 @pytest.fixture
