@@ -4,7 +4,8 @@ Merged ranges are cut into chunks; at most `max_inflight_bytes // chunk_bytes` c
 a chunk's bytes are copied into the pieces it overlaps and dropped. A piece whose dtype matches and whose
 destination is contiguous on the CPU receives bytes in place; others go through a staging buffer of that
 one piece (dtype conversion, devices). A piece with a manifest checksum is verified once its last byte has
-arrived; a mismatch is read again from storage once, then is an error naming the shard and tensor.
+arrived; a mismatch is read again from storage (up to `attempts` reads), then is an error naming the shard
+and tensor.
 """
 
 from __future__ import annotations
@@ -143,15 +144,17 @@ class RangeFetcher:
 
         p = sink.piece
         if p.sha256 is not None:
-            if hashlib.sha256(sink.bytes_view()).hexdigest() != p.sha256:
+            for _ in range(self.attempts - 1):
+                if hashlib.sha256(sink.bytes_view()).hexdigest() == p.sha256:
+                    break
                 src = self.sources[p.shard]
                 if self.cache and src.etag:
                     self.cache.drop_overlapping(src.path, src.etag, p.start, p.end)
-                fresh = self._read(p.shard, p.start, p.end, [p], use_cache=False)
-                sink.bytes_view()[:] = np.frombuffer(fresh, np.uint8)
-                if hashlib.sha256(sink.bytes_view()).hexdigest() != p.sha256:
-                    raise WeightsError(f"shard {p.shard}: tensor {p.tensor} does not match its manifest checksum "
-                                       "(corrupted in storage or in transit)")
+                sink.bytes_view()[:] = np.frombuffer(self._read(p.shard, p.start, p.end, [p], use_cache=False),
+                                                     np.uint8)
+            if hashlib.sha256(sink.bytes_view()).hexdigest() != p.sha256:
+                raise WeightsError(f"shard {p.shard}: tensor {p.tensor} does not match its manifest checksum "
+                                   "(corrupted in storage or in transit)")
             self.stats.add(verified_pieces=1)
         sink.finish()
 

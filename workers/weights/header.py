@@ -8,7 +8,7 @@ import math
 import struct
 from dataclasses import dataclass
 
-from workers.weights.errors import WeightsError
+from workers.weights.errors import WeightsError, tensor_list
 
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -46,7 +46,7 @@ def parse_header(shard: str, raw: bytes, data_start: int, file_size: int | None)
         tensors[name] = info
     if bad:
         raise WeightsError(f"shard {shard}: header entries inconsistent with dtype/shape or file size: "
-                           f"{', '.join(sorted(bad))}")
+                           f"{tensor_list(bad)}")
     return tensors
 
 

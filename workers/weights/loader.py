@@ -100,23 +100,30 @@ def empty_model(config: dict, dtype):
         return auto_model_class(hf_config).from_config(hf_config, dtype=dtype)
 
 
-def expert_shares(model, ep_rank: int, ep_size: int) -> dict[str, ExpertShare]:
-    """Fused routed-expert parameters -> this rank's share (consecutive experts, like the EP swap's)."""
+def fused_expert_params(model) -> dict[str, int]:
+    """Fused routed-expert parameters [E, ...] of the model's family -> E."""
     from workers.families import known_family
 
     fam = known_family(model.config)
-    if fam is None or ep_size == 1:
+    found = {}
+    for block_name, block in fam.moe_blocks(model) if fam else ():
+        experts = getattr(block, fam.experts)
+        for name, param in experts.named_parameters(recurse=False):
+            if param.shape[:1] == (experts.num_experts,):
+                found[f"{block_name}.{fam.experts}.{name}"] = experts.num_experts
+    return found
+
+
+def expert_shares(model, ep_rank: int, ep_size: int) -> dict[str, ExpertShare]:
+    """This rank's share of every fused expert parameter: consecutive experts, like the EP swap's."""
+    if ep_size == 1:
         return {}
     shares = {}
-    for block_name, block in fam.moe_blocks(model):
-        experts = getattr(block, fam.experts)
-        total = experts.num_experts
+    for name, total in fused_expert_params(model).items():
         if total % ep_size:
             raise WeightsError(f"{total} experts cannot be split over expert_parallel_size={ep_size}")
         count = total // ep_size
-        for name, param in experts.named_parameters(recurse=False):
-            if param.shape[:1] == (total,):
-                shares[f"{block_name}.{fam.experts}.{name}"] = ExpertShare(ep_rank * count, count, total)
+        shares[name] = ExpertShare(ep_rank * count, count, total)
     return shares
 
 

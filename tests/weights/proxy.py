@@ -1,0 +1,100 @@
+"""A small HTTP proxy in front of the real S3 server: counts the body bytes it relays and injects faults
+into ranged GETs (HTTP 500, cut connection, truncated body, flipped byte)."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
+
+
+class FaultProxy:
+    def __init__(self, upstream: str):
+        target = urlparse(upstream)
+        self.bytes_relayed = 0
+        self.ranged_gets = 0
+        self.fault: str | None = None  # "500" | "cut" | "truncate" | "flip"
+        self.fault_count = 0  # how many ranged GETs still get the fault (-1: all)
+        self.fault_min_bytes = 0  # only ranged GETs at least this long get faults (e.g. weights, not headers)
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _relay(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+                ranged = self.command == "GET" and "Range" in self.headers
+                fault = proxy._take_fault() if ranged and len(data) >= proxy.fault_min_bytes else None
+                if fault == "500":
+                    self._send(500, {"Content-Type": "application/xml"}, b"<Error><Code>InternalError</Code></Error>")
+                    return
+                if fault == "cut":
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                headers_out = {k: v for k, v in response.getheaders()
+                               if k.lower() not in ("transfer-encoding", "connection", "content-length")}
+                if self.command == "HEAD":  # no body: keep the object's own length
+                    data = b"\0" * int(response.getheader("Content-Length") or 0)
+                if fault == "flip" and data:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
+                if fault == "truncate":
+                    headers_out["Content-Length"] = str(len(data))
+                    self.send_response(response.status)
+                    for k, v in headers_out.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.close_connection = True
+                    self.connection.shutdown(1)
+                    return
+                with proxy.lock:
+                    proxy.bytes_relayed += len(data) if self.command == "GET" else 0
+                self._send(response.status, headers_out, data)
+
+            def _send(self, status, headers, data):
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _relay
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _take_fault(self) -> str | None:
+        with self.lock:
+            self.ranged_gets += 1
+            if self.fault is None or self.fault_count == 0:
+                return None
+            if self.fault_count > 0:
+                self.fault_count -= 1
+            return self.fault
+
+    def inject(self, fault: str | None, count: int = -1) -> None:
+        with self.lock:
+            self.fault, self.fault_count = fault, count
+
+    def reset_counts(self) -> None:
+        with self.lock:
+            self.bytes_relayed = self.ranged_gets = 0
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
