@@ -36,7 +36,7 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     beta = chunks(beta.unsqueeze(-1))
     gamma = g.cumsum(-2)
     strict = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril(-1)
-    kk, qk = _decayed_products((k, q), k, gamma)
+    kk, qk = _DecayedProducts.apply(torch.stack([k, q]), k, gamma)
     kk = kk.masked_fill(~strict, 0.0)
     # (I + Diag(β) KKᵀ_decayed) [W U] = Diag(β) [K ⊙ e^Γ, V]
     eye = torch.eye(chunk_size, device=q.device)
@@ -117,25 +117,74 @@ def _packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     return o[valid].unsqueeze(0), final
 
 
-def _decayed_products(xs, y, gamma):
-    *lead, size, dim = y.shape
-    blocks = [(x * y).sum(-1)[..., None, None] for x in xs]  # (..., C, 1, 1): the diagonal, decay 1
+class _DecayedProducts(torch.autograd.Function):
+    """xs (n, ..., C, D), y and Γ (..., C, D) -> P (n, ..., C, C): P[r, i] = Σ_d x_r[d] y_i[d] e^{Γ_r[d] − Γ_i[d]} for
+    i <= r, else 0; C a power of two.
+
+    Level by level (span 1, 2, 4, ...), the chunk is cut into pairs of adjacent spans; the block of rows in the later
+    span and columns in the earlier one is (x ⊙ e^{Γ − ref}) (y ⊙ e^{ref − Γ})ᵀ, ref = Γ at the end of the earlier
+    span: both factors are <= 1, so nothing overflows, and each level touches every token once (O(C·D) decays per
+    level instead of O(C²·D) pairwise). The diagonal has decay 1. The backward recomputes the decays."""
+
+    @staticmethod
+    def forward(ctx, xs, y, gamma):
+        size = y.shape[-2]
+        out = xs.new_zeros(*xs.shape[:-1], size)
+        out.diagonal(dim1=-2, dim2=-1).copy_((xs * y).sum(-1))
+        for span in _spans(size):
+            early, late = _boundary_decays(gamma, span)
+            y_early = _half(y, span, 0) * early
+            _cross_block(out, span).copy_((_half(xs, span, 1) * late) @ y_early.transpose(-1, -2))
+        ctx.save_for_backward(xs, y, gamma)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        xs, y, gamma = ctx.saved_tensors
+        d_out = d_out.contiguous()
+        d_diag = d_out.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+        d_xs = d_diag * y
+        d_y = (d_diag * xs).sum(0)
+        d_gamma = torch.zeros_like(gamma)
+        for span in _spans(y.shape[-2]):
+            early, late = _boundary_decays(gamma, span)
+            y_early = _half(y, span, 0) * early
+            x_late = _half(xs, span, 1) * late
+            d_cross = _cross_block(d_out, span)
+            d_x_late = d_cross @ y_early
+            d_y_early = (d_cross.transpose(-1, -2) @ x_late).sum(0)
+            _half(d_xs, span, 1).addcmul_(d_x_late, late)
+            _half(d_y, span, 0).addcmul_(d_y_early, early)
+            # gradients of the exponents Γ_late − ref and ref − Γ_early; ref is Γ at the earlier span's last token
+            d_late = (d_x_late * x_late).sum(0)
+            d_early = d_y_early * y_early
+            _half(d_gamma, span, 1).add_(d_late)
+            d_gamma_early = _half(d_gamma, span, 0)
+            d_gamma_early.sub_(d_early)
+            d_gamma_early[..., -1, :] += d_early.sum(-2) - d_late.sum(-2)
+        return d_xs, d_y, d_gamma
+
+
+def _spans(size):
     span = 1
     while span < size:
-        pairs = size // (2 * span)
-        gs = gamma.reshape(*lead, pairs, 2, span, dim)
-        ref = gs[..., 0, -1:, :]
-        y_early = y.reshape(*lead, pairs, 2, span, dim)[..., 0, :, :] * (ref - gs[..., 0, :, :]).exp()
-        to_late = (gs[..., 1, :, :] - ref).exp()
-        y_early_t = y_early.transpose(-1, -2)
-        new = []
-        for x, p in zip(xs, blocks):
-            x_late = x.reshape(*lead, pairs, 2, span, dim)[..., 1, :, :] * to_late
-            cross = x_late @ y_early_t
-            p = p.reshape(*lead, pairs, 2, span, span)
-            top = F.pad(p[..., 0, :, :], (0, span))
-            bottom = torch.cat([cross, p[..., 1, :, :]], dim=-1)
-            new.append(torch.cat([top, bottom], dim=-2))
-        blocks = new
+        yield span
         span *= 2
-    return [p.reshape(*lead, size, size) for p in blocks]
+
+
+def _half(x, span, which):
+    """(..., C, D) -> (..., C / 2span, span, D): the earlier (0) or later (1) span of every pair, as a view."""
+    return x.unflatten(-2, (-1, 2, span))[..., which, :, :]
+
+
+def _boundary_decays(gamma, span):
+    """e^{ref − Γ} over the earlier spans and e^{Γ − ref} over the later ones, ref = Γ at the end of the earlier."""
+    ref = _half(gamma, span, 0)[..., -1:, :]
+    return (ref - _half(gamma, span, 0)).exp(), (_half(gamma, span, 1) - ref).exp()
+
+
+def _cross_block(p, span):
+    """(..., C, C) -> (..., C / 2span, span, span): rows in the later span, columns in the earlier, as a view."""
+    pairs = p.shape[-1] // (2 * span)
+    blocks = p.unflatten(-1, (pairs, 2 * span)).unflatten(-3, (pairs, 2 * span)).diagonal(dim1=-4, dim2=-2)
+    return blocks[..., span:, :span, :].movedim(-1, -3)
