@@ -19,12 +19,12 @@ import time
 # `python bench/kda.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the kernels package.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 from kernels.kda import chunk_kda, chunk_kda_torch, naive_recurrent_kda
 
-CPU_SHAPE = dict(batch=1, seq_len=2048, heads=4, dk=128, dv=128)
+CPU_SHAPE = {"batch": 1, "seq_len": 2048, "heads": 4, "dk": 128, "dv": 128}
 GPU_HEADS, GPU_HEAD_DIM, GPU_LENGTHS = 16, 128, (8192, 32768)
 
 
@@ -45,20 +45,20 @@ def fwd_bwd(fn, inputs):
     o.float().square().mean().backward()
 
 
-def best_seconds(step, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def _seconds(step):
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
 
 
-def run_cpu() -> dict:
+def run_cpu(rounds=3) -> dict:
+    """Best of `rounds` for each, the two alternating: on a shared machine a burst of load then hits both."""
     inputs = make_inputs(**CPU_SHAPE)
     fwd_bwd(chunk_kda_torch, inputs)  # warm-up
-    chunked = best_seconds(lambda: fwd_bwd(chunk_kda_torch, inputs), 3)
-    naive = best_seconds(lambda: fwd_bwd(naive_recurrent_kda, inputs), 2)
+    chunked = naive = float("inf")
+    for _ in range(rounds):
+        chunked = min(chunked, _seconds(lambda: fwd_bwd(chunk_kda_torch, inputs)))
+        naive = min(naive, _seconds(lambda: fwd_bwd(naive_recurrent_kda, inputs)))
     return {"kda_cpu_shape": CPU_SHAPE, "kda_cpu_naive_s": round(naive, 3), "kda_cpu_chunked_s": round(chunked, 3),
             "kda_cpu_speedup": round(naive / chunked, 1)}
 
@@ -100,38 +100,42 @@ def check_on_gpu() -> float:
 
 
 def run_gpu() -> dict:
-    from kernels.kda.triton_kda import CHUNK
-
     out = {"kda_gpu_device": torch.cuda.get_device_name(), "kda_gpu_check_rmse_ratio": check_on_gpu()}
     for seq_len in GPU_LENGTHS:
-        tag = f"{seq_len // 1024}k"
-        inputs = make_inputs(1, seq_len, GPU_HEADS, GPU_HEAD_DIM, GPU_HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        qkv = [torch.randn(1, GPU_HEADS, seq_len, GPU_HEAD_DIM, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True) for _ in range(3)]
-
-        def sdpa_fwd():
-            return F.scaled_dot_product_attention(*qkv, is_causal=True)
-
-        def sdpa_fwd_bwd():
-            sdpa_fwd().float().square().mean().backward()
-
-        with torch.no_grad():
-            kda_f = cuda_seconds(lambda: chunk_kda(*inputs))
-            sdpa_f = cuda_seconds(sdpa_fwd)
-        kda_fb = cuda_seconds(lambda: fwd_bwd(chunk_kda, inputs))
-        sdpa_fb = cuda_seconds(sdpa_fwd_bwd)
-        flops_kda = kda_flops(seq_len, GPU_HEADS, GPU_HEAD_DIM, GPU_HEAD_DIM, CHUNK)
-        flops_sdpa = sdpa_flops(seq_len, GPU_HEADS, GPU_HEAD_DIM)
-        out.update({
-            f"kda_fwd_ms_{tag}": round(kda_f * 1e3, 3), f"sdpa_fwd_ms_{tag}": round(sdpa_f * 1e3, 3),
-            f"kda_fwd_bwd_ms_{tag}": round(kda_fb * 1e3, 3), f"sdpa_fwd_bwd_ms_{tag}": round(sdpa_fb * 1e3, 3),
-            f"kda_fwd_tflops_{tag}": round(flops_kda / kda_f / 1e12, 2),
-            f"sdpa_fwd_tflops_{tag}": round(flops_sdpa / sdpa_f / 1e12, 2),
-            f"kda_fwd_bwd_tflops_{tag}": round(3 * flops_kda / kda_fb / 1e12, 2),
-            f"sdpa_fwd_bwd_tflops_{tag}": round(3.5 * flops_sdpa / sdpa_fb / 1e12, 2),
-            f"kda_vs_sdpa_fwd_{tag}": round(sdpa_f / kda_f, 2), f"kda_vs_sdpa_fwd_bwd_{tag}": round(sdpa_fb / kda_fb, 2),
-        })
+        out.update(_gpu_case(seq_len))
     return out
+
+
+def _gpu_case(seq_len) -> dict:
+    from kernels.kda.triton_kda import CHUNK
+
+    tag = f"{seq_len // 1024}k"
+    inputs = make_inputs(1, seq_len, GPU_HEADS, GPU_HEAD_DIM, GPU_HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    qkv = [torch.randn(1, GPU_HEADS, seq_len, GPU_HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3)]
+
+    def sdpa_fwd():
+        return F.scaled_dot_product_attention(*qkv, is_causal=True)
+
+    def sdpa_fwd_bwd():
+        sdpa_fwd().float().square().mean().backward()
+
+    with torch.no_grad():
+        kda_f = cuda_seconds(lambda: chunk_kda(*inputs))
+        sdpa_f = cuda_seconds(sdpa_fwd)
+    kda_fb = cuda_seconds(lambda: fwd_bwd(chunk_kda, inputs))
+    sdpa_fb = cuda_seconds(sdpa_fwd_bwd)
+    flops_kda = kda_flops(seq_len, GPU_HEADS, GPU_HEAD_DIM, GPU_HEAD_DIM, CHUNK)
+    flops_sdpa = sdpa_flops(seq_len, GPU_HEADS, GPU_HEAD_DIM)
+    return {
+        f"kda_fwd_ms_{tag}": round(kda_f * 1e3, 3), f"sdpa_fwd_ms_{tag}": round(sdpa_f * 1e3, 3),
+        f"kda_fwd_bwd_ms_{tag}": round(kda_fb * 1e3, 3), f"sdpa_fwd_bwd_ms_{tag}": round(sdpa_fb * 1e3, 3),
+        f"kda_fwd_tflops_{tag}": round(flops_kda / kda_f / 1e12, 2),
+        f"sdpa_fwd_tflops_{tag}": round(flops_sdpa / sdpa_f / 1e12, 2),
+        f"kda_fwd_bwd_tflops_{tag}": round(3 * flops_kda / kda_fb / 1e12, 2),
+        f"sdpa_fwd_bwd_tflops_{tag}": round(3.5 * flops_sdpa / sdpa_fb / 1e12, 2),
+        f"kda_vs_sdpa_fwd_{tag}": round(sdpa_f / kda_f, 2), f"kda_vs_sdpa_fwd_bwd_{tag}": round(sdpa_fb / kda_fb, 2),
+    }
 
 
 def run(gpu: bool) -> dict:

@@ -24,12 +24,12 @@ import time
 # `python bench/kernels.py` puts bench/ first on sys.path, where this file would shadow the kernels package.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from kernels.moe import moe_lora_grouped  # noqa: E402
-from kernels.sparse_attention import select_topk, sparse_attention  # noqa: E402
-from kernels.sparse_attention.reference import topk_mask  # noqa: E402
+from kernels.moe import moe_lora_grouped
+from kernels.sparse_attention import select_topk, sparse_attention
+from kernels.sparse_attention.reference import topk_mask
 
 
 def _kda_run(gpu: bool) -> dict:
@@ -102,37 +102,39 @@ def sparse_gpu(results: dict) -> None:
     """64 query heads (the seed model's count). One shared kv head is the MLA/DSA layout the kernel is built for:
     a query's gathered K/V rows serve all its heads. One kv head per query head (transformers' expanded glm5_next
     layout) gathers 64x the bytes per query, so it runs at 8K only, to keep the set within minutes."""
-    heads, dim, topk = 64, 128, 2048
-    for kv_heads, seq in ((1, 8192), (1, 32768), (heads, 8192)):
-        q, k, v, idx = _attention_inputs(1, seq, heads, kv_heads, dim, topk, torch.bfloat16, "cuda")
-        scale = dim ** -0.5
-        valid = (idx >= 0).sum().item()
-        flops_sparse = 4 * valid * heads * dim  # QK^T and PV over the selected keys
-        flops_dense = 4 * seq * (seq + 1) / 2 * heads * dim  # causal
+    for kv_heads, seq in ((1, 8192), (1, 32768), (64, 8192)):
+        _sparse_gpu_case(results, seq, kv_heads)
+        torch.cuda.empty_cache()  # the case's tensors are gone with its frame; the next case gets the memory back
 
-        # the dense baseline gets its kv heads expanded beforehand so it always runs the flash kernel
-        k_dense, v_dense = (x.detach().repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2).requires_grad_()
-                            for x in (k, v))
 
-        def dense():
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k_dense, v_dense, is_causal=True, scale=scale)
+def _sparse_gpu_case(results: dict, seq: int, kv_heads: int, heads=64, dim=128, topk=2048) -> None:
+    q, k, v, idx = _attention_inputs(1, seq, heads, kv_heads, dim, topk, torch.bfloat16, "cuda")
+    scale = dim ** -0.5
+    valid = (idx >= 0).sum().item()
+    flops_sparse = 4 * valid * heads * dim  # QK^T and PV over the selected keys
+    flops_dense = 4 * seq * (seq + 1) / 2 * heads * dim  # causal
 
-        def sparse():
-            return sparse_attention(q, k, v, idx, scale, backend="triton")
+    # the dense baseline gets its kv heads expanded beforehand so it always runs the flash kernel
+    k_dense, v_dense = (x.detach().repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2).requires_grad_()
+                        for x in (k, v))
 
-        for phase, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
-            run_dense = dense if phase == "fwd" else (lambda: _fwd_bwd(dense, q, k_dense, v_dense))
-            run_sparse = sparse if phase == "fwd" else (lambda: _fwd_bwd(sparse, q, k, v))
-            with torch.no_grad() if phase == "fwd" else torch.enable_grad():
-                t_dense, t_sparse = _time_gpu(run_dense), _time_gpu(run_sparse)
-            ratio = t_dense / t_sparse
-            print(f"sparse attention GPU {phase} T={seq} H={heads} Hkv={kv_heads} D={dim} top-{topk}: "
-                  f"dense SDPA {t_dense * 1e3:.2f} ms ({mult * flops_dense / t_dense / 1e12:.0f} TFLOP/s), "
-                  f"sparse {t_sparse * 1e3:.2f} ms ({mult * flops_sparse / t_sparse / 1e12:.0f} TFLOP/s), "
-                  f"speedup {ratio:.2f}x")
-            results[f"sparse_gpu_{phase.replace('+', '_')}_speedup_{seq // 1024}k_hkv{kv_heads}"] = round(ratio, 2)
-        del q, k, v, idx, k_dense, v_dense
-        torch.cuda.empty_cache()
+    def dense():
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k_dense, v_dense, is_causal=True, scale=scale)
+
+    def sparse():
+        return sparse_attention(q, k, v, idx, scale, backend="triton")
+
+    runs = {"fwd": (dense, sparse, 1.0),
+            "fwd+bwd": (lambda: _fwd_bwd(dense, q, k_dense, v_dense), lambda: _fwd_bwd(sparse, q, k, v), 3.5)}
+    for phase, (run_dense, run_sparse, mult) in runs.items():
+        with torch.no_grad() if phase == "fwd" else torch.enable_grad():
+            t_dense, t_sparse = _time_gpu(run_dense), _time_gpu(run_sparse)
+        ratio = t_dense / t_sparse
+        print(f"sparse attention GPU {phase} T={seq} H={heads} Hkv={kv_heads} D={dim} top-{topk}: "
+              f"dense SDPA {t_dense * 1e3:.2f} ms ({mult * flops_dense / t_dense / 1e12:.0f} TFLOP/s), "
+              f"sparse {t_sparse * 1e3:.2f} ms ({mult * flops_sparse / t_sparse / 1e12:.0f} TFLOP/s), "
+              f"speedup {ratio:.2f}x")
+        results[f"sparse_gpu_{phase.replace('+', '_')}_speedup_{seq // 1024}k_hkv{kv_heads}"] = round(ratio, 2)
 
 
 def moe_gpu(results: dict) -> None:
@@ -149,13 +151,15 @@ def moe_gpu(results: dict) -> None:
     def loop():
         return torch.cat([x_e @ w[e] + 2.0 * (x_e @ a[e]) @ b[e] for e, x_e in enumerate(x.split(splits))])
 
+    def grouped(backend):
+        return lambda: _fwd_bwd(lambda: moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend), x, a, b)
+
     flops = 2 * tokens * hidden * inter * 3  # fwd+bwd of the frozen GEMM (dX only) plus forward; LoRA is small
     timings = {}
-    for name, fn in (("loop", loop),
-                     ("grouped_mm", lambda: moe_lora_grouped(x, counts, w, a, b, 2.0, backend="torch")),
-                     ("triton", lambda: moe_lora_grouped(x, counts, w, a, b, 2.0, backend="triton"))):
+    for name, step in (("loop", lambda: _fwd_bwd(loop, x, a, b)), ("grouped_mm", grouped("torch")),
+                       ("triton", grouped("triton"))):
         try:
-            timings[name] = _time_gpu(lambda: _fwd_bwd(fn, x, a, b))
+            timings[name] = _time_gpu(step)
         except RuntimeError as e:  # torch's CUDA grouped_mm has device/alignment limits; the others must run
             if name != "grouped_mm":
                 raise
