@@ -68,12 +68,23 @@ class TrainingSpec(_Strict):
     warmup_ratio: float = Field(0.03, ge=0.0, le=1.0)
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     global_batch_size: int = Field(8, ge=1)
-    micro_batch_size: int = Field(1, ge=1)
+    # "auto": the online tuner picks it from measured memory headroom (workers/microbatch_tuner.py).
+    micro_batch_size: int | Literal["auto"] = 1
+    # Memory one worker may use, in MB (10^6 bytes), for micro_batch_size "auto". GPU: peak allocated device
+    # memory (default 90% of the device); CPU: activation bytes saved for backward (default: no limit).
+    memory_budget_mb: float | None = Field(None, gt=0)
     seq_len: int = Field(512, ge=8, le=1_048_576)
     eval_every: int | None = Field(None, ge=1)
     checkpoint_every: int | None = Field(None, ge=1)
     # moetune's kernels (kernels/) replace the family's attention cores; False keeps transformers' own code.
     custom_kernels: bool = True
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _positive_micro_batch(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("must be >= 1 or \"auto\"")
+        return v
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):
@@ -160,12 +171,16 @@ def resolve_spec(req: JobCreate) -> JobCreate:
         training.n_epochs = 1
 
     par = req.parallelism
-    per_step = training.micro_batch_size * par.num_workers
+    auto = training.micro_batch_size == "auto"
+    per_step = par.num_workers if auto else training.micro_batch_size * par.num_workers
     if training.global_batch_size % per_step:
         raise SpecError(
             "training.global_batch_size",
-            f"must be a multiple of micro_batch_size x num_workers = {per_step}",
+            f"must be a multiple of num_workers = {per_step}" if auto
+            else f"must be a multiple of micro_batch_size x num_workers = {per_step}",
         )
+    if training.memory_budget_mb is not None and not auto:
+        raise SpecError("training.memory_budget_mb", "only applies to micro_batch_size \"auto\"")
     if par.num_workers % par.expert_parallel_size:
         raise SpecError("parallelism.expert_parallel_size", "must divide parallelism.num_workers")
     return req.model_copy(update={"training": training})

@@ -92,6 +92,11 @@ class Example:
     def trained_tokens(self) -> int:
         return sum(label != IGNORE for label in self.labels)
 
+    @property
+    def loss_tokens(self) -> int:
+        """Positions that carry loss once labels are shifted by one, as a causal LM scores them."""
+        return sum(label != IGNORE for label in self.labels[1:])
+
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(
@@ -164,10 +169,8 @@ def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def step_micro_batches(
-    n_examples: int, step: int, global_batch_size: int, micro_batch_size: int, rank: int, world: int, seed: int
-) -> list[list[int]]:
-    """Example indices of this rank's micro-batches for optimizer step `step` (0-based).
+def step_examples(n_examples: int, step: int, global_batch_size: int, rank: int, world: int, seed: int) -> list[int]:
+    """Example indices this rank trains on in optimizer step `step` (0-based).
 
     The data is one endless stream of per-epoch shuffles; step s takes the next global batch
     from it and rank r takes the r-th equal slice, so ranks never share an example in a step.
@@ -181,7 +184,15 @@ def step_micro_batches(
         if epoch not in orders:
             orders[epoch] = _epoch_order(n_examples, seed, epoch)
         picked.append(orders[epoch][pos % n_examples])
-    return [picked[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
+    return picked
+
+
+def step_micro_batches(
+    n_examples: int, step: int, global_batch_size: int, micro_batch_size: int, rank: int, world: int, seed: int
+) -> list[list[int]]:
+    """This rank's examples of step `step` cut into micro-batches of `micro_batch_size`."""
+    picked = step_examples(n_examples, step, global_batch_size, rank, world, seed)
+    return [picked[i : i + micro_batch_size] for i in range(0, len(picked), micro_batch_size)]
 
 
 def eval_micro_batches(n_examples: int, micro_batch_size: int, rank: int, world: int) -> list[list[int]]:

@@ -8,10 +8,11 @@ from workers.schedule import lr_scheduler
 
 def deepspeed_config(spec: JobCreate, world_size: int, bf16: bool) -> dict:
     t = spec.training
+    micro_batch_size = 1 if t.micro_batch_size == "auto" else t.micro_batch_size  # the tuner starts at 1
     return {
         "train_batch_size": t.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * world_size),
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": t.global_batch_size // (micro_batch_size * world_size),
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": spec.parallelism.zero_stage},
         "bf16": {"enabled": bf16},
@@ -47,3 +48,10 @@ def build_engine(model, spec: JobCreate, world_size: int, total_steps: int, bf16
         config=deepspeed_config(spec, world_size, bf16),
     )
     return engine, scheduler
+
+
+def set_micro_batch_size(engine, micro_batch_size: int, global_batch_size: int) -> None:
+    """Keeps DeepSpeed's batch bookkeeping (samples counted, saved config) in step with a tuner decision;
+    the global batch stays the same, gradient accumulation absorbs the change."""
+    engine.set_train_micro_batch_size(micro_batch_size)
+    engine.set_train_batch_size(global_batch_size)
