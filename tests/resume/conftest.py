@@ -26,5 +26,6 @@ def job_files(tiny_model, s3_bucket, tmp_path) -> str:
     base = f"s3://{s3_bucket}"
     storage.upload_dir(tiny_model, f"{base}/models/tiny")
     for name, rows, seed in (("train.jsonl", 64, 0), ("valid.jsonl", 16, 1)):
-        storage.write_bytes(f"{base}/data/{name}", open(write_tiny_dataset(str(tmp_path / name), rows, seed), "rb").read())
+        write_tiny_dataset(str(tmp_path / name), rows, seed)
+        storage.write_bytes(f"{base}/data/{name}", (tmp_path / name).read_bytes())
     return base

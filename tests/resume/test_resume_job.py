@@ -1,0 +1,119 @@
+"""One EP=2 expert-LoRA job (ZeRO-2) on the local Ray head, interrupted twice for real:
+
+1. pause: the control plane answers a report with {"control": "pause"}; every rank checkpoints at that step and
+   stops; the driver reports `paused`;
+2. the next run resumes from the pause checkpoint, never from a newer step directory without a manifest;
+3. a Ray Train worker process is SIGKILLed mid-run; Ray Train restarts the group, which resumes from the newest
+   complete checkpoint (DeepSpeed state + expert-LoRA shards in S3), repeats at most one checkpoint interval
+   of steps with the same losses, and finishes with a PEFT-loadable adapter.
+"""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from api.models import JobCreate, JobRunSpec
+from tests.workers.test_driver import _adapter_valid_loss, _run_in_process
+from workers import storage
+
+STEPS, CHECKPOINT_EVERY, PAUSE_AT, KILL_AFTER = 10, 3, 2, 5
+
+
+def _asks_pause_at(step: int):
+    def control_for(report):
+        r = report.report
+        return "pause" if r.kind == "event" and r.type == "metrics" and r.data["step"] == step else None
+
+    return control_for
+
+
+def _kill_a_worker_after(receiver, step: int, ray_head, killed: list) -> None:
+    """Once the chief reported `step`, SIGKILLs one of the job's Ray Train worker processes."""
+    from ray.util.state import list_actors
+
+    while not any(m["step"] >= step for m in receiver.metrics()):
+        time.sleep(0.05)
+    workers = list_actors(address=ray_head.dashboard_url,
+                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    pid = max(w.pid for w in workers)
+    killed.append(max(m["step"] for m in receiver.metrics()))
+    os.kill(pid, signal.SIGKILL)
+
+
+def _messages(receiver) -> list:
+    return [e for e in receiver.of_kind("event") if e.type == "message"]
+
+
+def test_pause_resume_and_worker_loss(job_files, ray_head, receiver, tiny_model, tmp_path, monkeypatch):
+    spec = JobCreate(model=f"{job_files}/models/tiny", training_file=f"{job_files}/data/train.jsonl",
+                     validation_file=f"{job_files}/data/valid.jsonl",
+                     lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True},
+                     training={"max_steps": STEPS, "checkpoint_every": CHECKPOINT_EVERY, "learning_rate": 3e-3,
+                               "global_batch_size": 4, "micro_batch_size": 2, "seq_len": 64},
+                     parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2})
+    run = JobRunSpec(job_id="ftjob-interrupted", spec=spec, seed=5, output_uri=f"{job_files}/out/ftjob-interrupted")
+
+    # 1. pause
+    receiver.control_for = _asks_pause_at(PAUSE_AT)
+    assert _run_in_process(run, ray_head, receiver, monkeypatch)
+    (result,) = receiver.of_kind("result")
+    assert result.status == "paused" and result.fine_tuned_model is None
+    paused_run = receiver.metrics()
+    assert [m["step"] for m in paused_run] == list(range(1, PAUSE_AT + 1))
+    (checkpoint,) = receiver.of_kind("checkpoint")
+    assert checkpoint.step_number == PAUSE_AT
+    assert any(e.message.startswith(f"Paused at step {PAUSE_AT}") for e in _messages(receiver))
+    state = json.loads(storage.read_text(f"{checkpoint.uri}/trainer_state.json"))
+    assert state["paused"] and [r["step"] for r in state["history"]] == list(range(1, PAUSE_AT + 1))
+    assert not storage.exists(f"{run.output_uri}/adapter")
+
+    # A newer step directory whose manifest never came (its writer died mid-upload).
+    partial = f"{run.output_uri}/checkpoints/step-{CHECKPOINT_EVERY}"
+    storage.write_bytes(f"{partial}/deepspeed/latest", b"global_step999")
+    storage.write_bytes(f"{partial}/trainer_state.json", b"{}")
+
+    # 2. resume, and 3. lose a worker on the way
+    receiver.reports.clear()
+    receiver.control_for = lambda report: None
+    killed = []
+    threading.Thread(target=_kill_a_worker_after, args=(receiver, KILL_AFTER, ray_head, killed), daemon=True).start()
+    assert _run_in_process(run, ray_head, receiver, monkeypatch)
+    (result,) = receiver.of_kind("result")
+    assert result.status == "succeeded", result.error
+    (last_before_kill,) = killed
+
+    events = _messages(receiver)
+    (after_pause,) = [e for e in events if e.message.startswith("Resumed from checkpoint")
+                      and e.message.endswith("after pause")]
+    assert after_pause.message == f"Resumed from checkpoint step-{PAUSE_AT} after pause"
+    (failure,) = [e for e in events if e.message.startswith("Worker failure")]
+    assert failure.level == "warn" and failure.message.startswith("Worker failure 1 (rank ")
+    assert "restarting the worker group from the newest complete checkpoint" in failure.message
+    (after_failure,) = [e for e in events if e.message.endswith("after a worker failure")]
+    resumed = after_failure.data["step"]
+    assert after_failure.message == f"Resumed from checkpoint step-{resumed} after a worker failure"
+    assert events.index(after_pause) < events.index(failure) < events.index(after_failure)
+    assert resumed % CHECKPOINT_EVERY == 0 and 0 <= last_before_kill - resumed <= CHECKPOINT_EVERY
+
+    # Steps after the checkpoint ran twice: same batches and optimizer state, so the same losses.
+    metrics = receiver.metrics()
+    before_kill, after_kill = metrics[:last_before_kill - PAUSE_AT], metrics[last_before_kill - PAUSE_AT:]
+    assert [m["step"] for m in before_kill] == list(range(PAUSE_AT + 1, last_before_kill + 1))
+    assert [m["step"] for m in after_kill] == list(range(resumed + 1, STEPS + 1))
+    for first, again in zip([m for m in before_kill if m["step"] > resumed], after_kill):
+        assert again["train_loss"] == pytest.approx(first["train_loss"], abs=1e-5)
+    print(f"paused at {PAUSE_AT}; killed a worker after step {last_before_kill}; resumed from step-{resumed}")
+
+    # One history across both interruptions, and the final adapter loads into PEFT as trained.
+    history = [json.loads(line) for line in storage.read_text(f"{run.output_uri}/metrics.jsonl").splitlines()]
+    assert history == paused_run + [m for m in before_kill if m["step"] <= resumed] + after_kill
+    assert result.trained_tokens == history[-1]["trained_tokens"]
+    assert _adapter_valid_loss(run, tiny_model, tmp_path) == pytest.approx(history[-1]["valid_loss"], abs=1e-3)
+    for step in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY):
+        uri = f"{run.output_uri}/checkpoints/step-{step}"
+        assert storage.exists(f"{uri}/checkpoint.json")
+        assert all(storage.exists(f"{uri}/expert_lora/ep-{r}-of-2.safetensors") for r in range(2))
