@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from workers.expert_compute import ExpertLoraFactors, GatedActivation, fused_expert_forward, grouped_expert_forward
+from workers.metrics.alltoall import AllToAllStats
 
 EXPERT_PLACEMENT = "autoep_expert"  # DeepSpeed 0.19.8's ZeRO-3 placement family for expert-parallel tensors
 
@@ -72,20 +73,21 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single whose backward sends the gradients back the way the tokens came."""
 
     @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, stats: AllToAllStats):
+        ctx.splits, ctx.group, ctx.stats = (out_splits, in_splits), group, stats
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        with stats.timed(x, in_splits, dist.get_rank(group)):
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+        return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group, ctx.stats), None, None, None, None
 
 
-def _exchange(x, out_splits, in_splits, ep: EPGroup):
-    return x if ep.size == 1 else _AllToAll.apply(x, out_splits, in_splits, ep.group)
+def _exchange(x, out_splits, in_splits, ep: EPGroup, stats: AllToAllStats):
+    return x if ep.size == 1 else _AllToAll.apply(x, out_splits, in_splits, ep.group, stats)
 
 
 class ExpertParallelExperts(nn.Module):
@@ -120,6 +122,7 @@ class ExpertParallelExperts(nn.Module):
             tag_expert_param(param, ep)
         # Routed-token counts per global expert from this rank's last forward (for load metrics).
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+        self.comm = AllToAllStats()  # this layer's token exchanges (read by workers.metrics)
 
     def _init_lora(self, local: slice) -> None:
         """A like PEFT's kaiming-uniform init, B = 0. All experts' A are drawn on every rank (same seed gives
@@ -155,14 +158,15 @@ class ExpertParallelExperts(nn.Module):
             recv = torch.empty_like(send)  # [source EP rank, my local expert]
             dist.all_to_all_single(recv, send, group=ep.group)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = _exchange(hidden_states[token_of], out_splits, in_splits, ep)  # by (source rank, local expert)
+        # received rows are ordered by (source rank, local expert)
+        received = _exchange(hidden_states[token_of], out_splits, in_splits, ep, self.comm)
 
         local_expert = torch.arange(n_local, device=recv.device).repeat(ep.size).repeat_interleave(recv.flatten())
         by_expert = torch.argsort(local_expert, stable=True)
         y = self.compute(received[by_expert], recv.sum(0).tolist(), self.gate_up_proj, self.down_proj,
                          self.activation, self.lora_factors())
         y = y[torch.argsort(by_expert)]  # back to (source rank, local expert) order
-        returned = _exchange(y, in_splits, out_splits, ep)
+        returned = _exchange(y, in_splits, out_splits, ep, self.comm)
 
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
         out = torch.zeros_like(hidden_states)

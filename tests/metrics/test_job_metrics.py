@@ -1,0 +1,124 @@
+"""A real Prometheus scrapes the exporters of a real EP=2 job on the local Ray head; then every dashboard
+panel's PromQL must return data for that job, and the alert rules must load and name scraped metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, JobCreate, JobRunSpec
+from tests.metrics.conftest import REPO, SCRAPE_INTERVAL_S
+from workers import storage
+from workers.driver import run_job
+from workers.metrics.expert_load import HOT_EXPERTS, LOAD_RATIO_BUCKETS
+from workers.metrics.exporter import ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR
+from workers.reporter import Reporter
+from workers.tiny import write_tiny_checkpoint, write_tiny_dataset
+
+DASHBOARDS = sorted((REPO / "deploy" / "grafana").glob("*.json"))
+CUDA_ONLY = "(CUDA workers only)"  # panel title marker: no data from CPU workers
+STEPS = 8
+
+
+def _run_ep2_job(ray_address: str, bucket: str, tmp_path: Path) -> JobRunSpec:
+    import ray
+
+    base = f"s3://{bucket}"
+    storage.upload_dir(write_tiny_checkpoint(str(tmp_path / "model")), f"{base}/model")
+    for name, rows, seed in (("train.jsonl", 64, 0), ("valid.jsonl", 8, 1)):
+        write_tiny_dataset(str(tmp_path / name), rows, seed=seed)
+        storage.write_bytes(f"{base}/{name}", (tmp_path / name).read_bytes())
+    spec = JobCreate(model=f"{base}/model", training_file=f"{base}/train.jsonl",
+                     validation_file=f"{base}/valid.jsonl", lora={"rank": 4, "alpha": 8, "dropout": 0.0},
+                     training={"max_steps": STEPS, "eval_every": 4, "global_batch_size": 8, "micro_batch_size": 2,
+                               "seq_len": 64},
+                     parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2})
+    run = JobRunSpec(job_id="ftjob-metrics", spec=spec, seed=3, output_uri=f"{base}/out/ftjob-metrics")
+    ray.init(address=ray_address)
+    try:
+        assert run_job(run, Reporter(run.job_id))
+    finally:
+        ray.shutdown()
+    return run
+
+
+def _substitute(expr: str, job_id: str, layer: str) -> str:
+    """Grafana's variables as Grafana would expand them for this job (4 scrape intervals per rate window)."""
+    return (expr.replace("$__rate_interval", f"{4 * SCRAPE_INTERVAL_S}s").replace("$job_id", job_id)
+            .replace("$layer", layer))
+
+
+def _label_values(prometheus, definition: str, job_id: str, window: tuple[float, float]) -> list[str]:
+    metric, label = re.fullmatch(r"label_values\((.+), (\w+)\)", _substitute(definition, job_id, ".*")).groups()
+    series = prometheus.get("series", **{"match[]": metric}, start=window[0], end=window[1])
+    return sorted({s[label] for s in series if label in s})
+
+
+def test_every_dashboard_panel_has_data_from_a_real_ep2_job(prometheus, s3_bucket, ray_head, receiver, tmp_path,
+                                                           monkeypatch):
+    monkeypatch.setenv(ENV_CALLBACK_URL, receiver.url)  # the driver forwards these to its workers
+    monkeypatch.setenv(ENV_JOB_TOKEN, "tok")
+    monkeypatch.setenv(ENV_METRICS_PORT, "0")  # any free port: other jobs may run on this machine
+    monkeypatch.setenv(ENV_METRICS_TARGETS_DIR, str(prometheus.targets_dir))
+    started = time.time()
+    run = _run_ep2_job(ray_head.gcs_address, s3_bucket, tmp_path)
+    time.sleep(2 * SCRAPE_INTERVAL_S)  # let the last scrapes land
+    window = (started, time.time())
+    assert not list(prometheus.targets_dir.glob("*.json")), "workers must withdraw their file_sd targets"
+    job = run.job_id
+
+    # Labels: every worker series carries job_id, node and rank; both ranks were scraped.
+    ranks = _label_values(prometheus, f'label_values(moetune_process_resident_memory_bytes{{job_id="{job}"}}, rank)',
+                          job, window)
+    assert ranks == ["0", "1"]
+    layers = _label_values(prometheus, f'label_values(moetune_moe_load_cv{{job_id="{job}"}}, layer)', job, window)
+    assert layers, "no MoE layer reported expert load"
+
+    def last(expr: str) -> list[float]:
+        return [float(s["values"][-1][1]) for s in prometheus.query_range(expr, *window)]
+
+    # All-to-all really happened on both ranks, in both directions of every layer.
+    assert len(last(f'moetune_alltoall_sent_bytes_total{{job_id="{job}"}} > 0')) == 2 * len(layers)
+    assert len(last(f'moetune_alltoall_seconds_total{{job_id="{job}"}} > 0')) == 2 * len(layers)
+    # One histogram observation per expert per step; at most HOT_EXPERTS hot experts per layer at any time.
+    num_experts = json.loads((tmp_path / "model" / "config.json").read_text())["num_experts"]
+    counts = last(f'moetune_moe_expert_load_ratio_count{{job_id="{job}"}}')
+    assert len(counts) == len(layers) and all(c > 0 and c % num_experts == 0 for c in counts)
+    assert max(last(f'count by (layer) (moetune_moe_hot_expert_load_ratio{{job_id="{job}"}})')) == HOT_EXPERTS
+    # Bounded cardinality: the expert-load series do not grow with the number of experts.
+    per_layer = last(f'count by (layer) ({{job_id="{job}", __name__=~"moetune_moe_.*"}})')
+    assert max(per_layer) == len(LOAD_RATIO_BUCKETS) + 6 + HOT_EXPERTS
+    (steps,) = prometheus.query_range(f'moetune_train_step{{job_id="{job}"}}', *window)
+    seen = [float(v) for _, v in steps["values"]]
+    assert seen == sorted(seen) and len(set(seen)) >= 2 and seen[-1] <= STEPS  # the last steps may end unscraped
+    assert last(f'moetune_train_grad_accum_steps{{job_id="{job}"}}') == [2.0, 2.0]
+
+    # Every panel's every query returns data for this job (CUDA-only panels: none from CPU workers).
+    checked = 0
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        for variable in dashboard["templating"]["list"]:
+            if variable["type"] == "query":
+                assert _label_values(prometheus, variable["definition"], job, window), (path.name, variable["name"])
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                expr = _substitute(target["expr"], job, layers[0])
+                result = prometheus.query_range(expr, *window)
+                if CUDA_ONLY in panel["title"] and not torch.cuda.is_available():
+                    assert "moetune_gpu_" in expr and not result, (path.name, panel["title"])
+                else:
+                    assert result, f"{path.name}: panel {panel['title']!r} has no data for {expr}"
+                    checked += 1
+    assert checked >= 20
+
+    # The shipped alert rules loaded, evaluated without error, and only name metrics the workers export.
+    rules = [r for g in prometheus.get("rules")["groups"] for r in g["rules"]]
+    assert rules and all(r["health"] == "ok" for r in rules), rules
+    scraped = set(prometheus.get("label/__name__/values"))
+    for rule in rules:
+        for name in set(re.findall(r"moetune_[a-z_]+", rule["query"])):
+            assert name in scraped or name.startswith("moetune_gpu_"), (rule["name"], name)

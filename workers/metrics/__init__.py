@@ -1,0 +1,104 @@
+"""Per-worker Prometheus metrics: node resources, all-to-all traffic, expert load and training progress.
+
+Every series carries job_id, node and rank labels ("job" would clash with the scrape job label Prometheus
+adds itself). Node series (network, memory) come from the node's first worker only; global numbers
+(loss, learning rate, tokens, expert load) from rank 0 only; per-rank numbers from every worker.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
+
+from workers.metrics.exporter import METRICS_ENV, Exporter
+from workers.metrics.system import NodeCollector, ProcessCollector
+
+__all__ = ["METRICS_ENV", "WorkerMetrics"]
+
+PHASES = ("loading", "training")
+
+
+def _node_address() -> str:
+    import ray.util
+
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        return socket.gethostname()
+
+
+class WorkerMetrics:
+    def __init__(self, job_id: str, rank: int, local_rank: int, device, event):
+        """Starts serving at once (phase "loading"); `event(message, level=...)` reports exporter problems."""
+        self.chief = rank == 0
+        node = socket.gethostname()
+        self.labels = {"job_id": job_id, "node": node, "rank": str(rank)}
+        disable_created_metrics()  # no `_created` twin of every counter: half the series, nothing lost
+        self.registry = CollectorRegistry()
+        self.registry.register(ProcessCollector(self.labels, device))
+        if local_rank == 0:
+            self.registry.register(NodeCollector({"job_id": job_id, "node": node}))
+        self.phase = self._gauge("moetune_worker_phase", "1 for the phase the worker is in", "phase")
+        self.step_seconds = self._gauge("moetune_train_step_seconds", "Wall time of the last optimizer step")
+        self.micro_batch = self._gauge("moetune_train_micro_batch_size", "Sequences per micro-batch on this rank")
+        self.grad_accum = self._gauge("moetune_train_grad_accum_steps", "Micro-batches per optimizer step")
+        if self.chief:
+            self.step = self._gauge("moetune_train_step", "Last finished optimizer step")
+            self.total_steps = self._gauge("moetune_train_total_steps", "Optimizer steps the job will run")
+            self.loss = self._gauge("moetune_train_loss", "Training loss of the last step (mean over ranks)")
+            self.valid_loss = self._gauge("moetune_train_valid_loss", "Validation loss of the last evaluation")
+            self.learning_rate = self._gauge("moetune_train_learning_rate", "Learning rate of the last step")
+            self.tokens_per_second = self._gauge("moetune_train_tokens_per_second",
+                                                 "Trained tokens per second over all ranks in the last step")
+            self.tokens = self._counter("moetune_train_tokens", "Trained (non-padding) tokens over all ranks")
+            self.tokens_counted = 0
+        self.set_phase("loading")
+        self.exporter = Exporter(self.registry, local_rank, _node_address(), f"{job_id}-rank{rank}")
+        for warning in self.exporter.warnings:
+            event(f"Rank {rank}: {warning}", level="warn")
+        self.moe = None
+
+    def _gauge(self, name: str, doc: str, *extra: str) -> Gauge:
+        return Gauge(name, doc, [*self.labels, *extra], registry=self.registry)
+
+    def _counter(self, name: str, doc: str, *extra: str) -> Counter:
+        return Counter(name, doc, [*self.labels, *extra], registry=self.registry)
+
+    def set_phase(self, phase: str) -> None:
+        for p in PHASES:
+            self.phase.labels(*self.labels.values(), p).set(1 if p == phase else 0)
+
+    def training_started(self, model) -> None:
+        """Hooks the model's expert-parallel MoE layers (call before the first forward)."""
+        from workers.metrics.moe import MoEMetrics
+
+        self.moe = MoEMetrics(model, self.registry, self.labels, export_load=self.chief)
+        self.set_phase("training")
+
+    def step_end(self, worker, record: dict, seconds: float) -> None:
+        """After each optimizer step, on every rank (the expert-load sum is a collective). `worker` may carry
+        the tuner's `micro_batch_size` / `grad_accum_steps`; else the job spec's values apply."""
+        labels = self.labels.values()
+        t = worker.t
+        micro = getattr(worker, "micro_batch_size", t.micro_batch_size)
+        accum = getattr(worker, "grad_accum_steps", None) or t.global_batch_size // (micro * worker.world)
+        self.step_seconds.labels(*labels).set(seconds)
+        self.micro_batch.labels(*labels).set(micro)
+        self.grad_accum.labels(*labels).set(accum)
+        if self.moe:
+            self.moe.step_end()
+        if not self.chief:
+            return
+        self.step.labels(*labels).set(record["step"])
+        self.total_steps.labels(*labels).set(record["total_steps"])
+        self.loss.labels(*labels).set(record["train_loss"])
+        if "valid_loss" in record:
+            self.valid_loss.labels(*labels).set(record["valid_loss"])
+        self.learning_rate.labels(*labels).set(record["learning_rate"])
+        self.tokens_per_second.labels(*labels).set(record["tokens_per_second"])
+        self.tokens.labels(*labels).inc(record["trained_tokens"] - self.tokens_counted)
+        self.tokens_counted = record["trained_tokens"]
+
+    def close(self) -> None:
+        self.exporter.close()

@@ -1,0 +1,59 @@
+"""The HTTP endpoint Prometheus scrapes in each worker, and how Prometheus finds it.
+
+Each worker serves on MOETUNE_METRICS_PORT + its local rank (one fixed port per local rank, so a Kubernetes
+PodMonitor can name them). If that port is taken (two jobs' workers on one machine), the worker serves on a
+free port instead and says so in a job event. With MOETUNE_METRICS_TARGETS_DIR set, each worker also writes
+its address there as a Prometheus file_sd target file (removed when the worker ends), which is how a
+Prometheus outside Kubernetes finds workers on any port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR = "MOETUNE_METRICS_PORT", "MOETUNE_METRICS_TARGETS_DIR"
+METRICS_ENV = (ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR)  # forwarded from the driver to every worker
+DEFAULT_PORT = 9470
+
+
+class Exporter:
+    def __init__(self, registry: CollectorRegistry, local_rank: int, host: str, target_name: str):
+        self.server = self.target_file = None
+        self.warnings: list[str] = []
+        setting = os.environ.get(ENV_METRICS_PORT, str(DEFAULT_PORT)).strip()
+        if setting == "off":
+            return
+        try:
+            base = int(setting)
+        except ValueError:
+            self.warnings.append(f"{ENV_METRICS_PORT}={setting!r} is not a port number or 'off': metrics not served")
+            return
+        wanted = base + local_rank if base else 0  # 0: any free port (tests, several jobs on one machine)
+        try:
+            self.server, _ = start_http_server(wanted, registry=registry)
+        except OSError as e:
+            self.server, _ = start_http_server(0, registry=registry)
+            self.warnings.append(f"metrics port {wanted} unavailable ({e.strerror}); serving on "
+                                 f"{self.server.server_port}, which only file_sd discovery finds")
+        self.address = f"{host}:{self.server.server_port}"
+        targets_dir = os.environ.get(ENV_METRICS_TARGETS_DIR)
+        if targets_dir:
+            os.makedirs(targets_dir, exist_ok=True)
+            self.target_file = os.path.join(targets_dir, f"{target_name}.json")
+            staging = self.target_file + ".tmp"  # Prometheus must never read a half-written file
+            with open(staging, "w") as f:
+                json.dump([{"targets": [self.address]}], f)
+            os.replace(staging, self.target_file)
+
+    def close(self) -> None:
+        if self.target_file:
+            try:
+                os.remove(self.target_file)
+            except FileNotFoundError:
+                pass
+        if self.server:
+            self.server.shutdown()
+            self.server.server_close()

@@ -1,0 +1,62 @@
+"""MoE series of one worker: its all-to-all traffic per layer and (rank 0) the job's expert load per layer."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from workers.metrics.expert_load import HOT_EXPERTS, ExpertLoad, LoadRatioHistogram, layer_stats
+
+
+class MoEMetrics:
+    def __init__(self, model, registry: CollectorRegistry, labels: dict[str, str], export_load: bool):
+        self.load = ExpertLoad(model)
+        self.base, self.export_load = list(labels.values()), export_load
+        names = [*labels, "layer"]
+
+        def counter(name, doc):
+            return Counter(name, doc, names, registry=registry)
+
+        def gauge(name, doc, *extra):
+            return Gauge(name, doc, [*names, *extra], registry=registry)
+
+        self.a2a_bytes = counter("moetune_alltoall_sent_bytes",
+                                 "Token all-to-all bytes this rank sent to other ranks (forward and backward)")
+        self.a2a_seconds = counter("moetune_alltoall_seconds", "Time this rank spent in token all-to-all exchanges")
+        if not export_load:
+            return
+        self.histogram = LoadRatioHistogram(labels, self.load.layers)
+        registry.register(self.histogram)
+        self.routed = counter("moetune_moe_routed_tokens", "Token-to-expert assignments (a token counts once per "
+                                                           "chosen expert), all ranks")
+        self.imbalance = gauge("moetune_moe_load_imbalance_ratio", "Max over mean expert load in the last step")
+        self.cv = gauge("moetune_moe_load_cv", "Coefficient of variation of the expert loads in the last step")
+        self.aux_loss = gauge("moetune_moe_aux_loss", "Balance loss E*sum(f_i*P_i) of the last step (1 = balanced)")
+        self.hot = gauge("moetune_moe_hot_expert_load_ratio", "Load over mean load of the layer's most loaded "
+                                                              "experts in the last step", "expert")
+        self.hot_shown: dict[str, list[str]] = {}
+
+    def step_end(self) -> None:
+        """Every rank: its traffic, then the collective load sum; rank 0 exports the load."""
+        for layer, module in zip(self.load.layers, self.load.modules):
+            sent, seconds = module.comm.drain()
+            self.a2a_bytes.labels(*self.base, layer).inc(sent)
+            self.a2a_seconds.labels(*self.base, layer).inc(seconds)
+        if not self.load.layers:
+            return
+        counts, weights = self.load.step_totals()
+        if not self.export_load:
+            return
+        stats = layer_stats(counts, weights, self.load.top_k)
+        self.histogram.observe(stats["ratios"])
+        hottest = stats["ratios"].topk(min(HOT_EXPERTS, counts.shape[1]), dim=1)
+        for i, layer in enumerate(self.load.layers):
+            at = (*self.base, layer)
+            self.routed.labels(*at).inc(float(stats["assignments"][i]))
+            self.imbalance.labels(*at).set(float(stats["imbalance"][i]))
+            self.cv.labels(*at).set(float(stats["cv"][i]))
+            self.aux_loss.labels(*at).set(float(stats["aux_loss"][i]))
+            for expert in self.hot_shown.get(layer, []):  # last step's hottest may have cooled down
+                self.hot.remove(*at, expert)
+            self.hot_shown[layer] = [str(e) for e in hottest.indices[i].tolist()]
+            for expert, ratio in zip(self.hot_shown[layer], hottest.values[i].tolist()):
+                self.hot.labels(*at, expert).set(ratio)
