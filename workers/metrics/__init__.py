@@ -40,7 +40,8 @@ class WorkerMetrics:
         if local_rank == 0:
             self.registry.register(NodeCollector({"job_id": job_id, "node": node}))
         self.phase = self._gauge("moetune_worker_phase", "1 for the phase the worker is in", "phase")
-        self.step_seconds = self._gauge("moetune_train_step_seconds", "Wall time of the last optimizer step")
+        self.step_seconds = self._gauge("moetune_train_step_seconds",
+                                        "Wall time of the last step, with its evaluation if it had one")
         self.micro_batch = self._gauge("moetune_train_micro_batch_size", "Sequences per micro-batch on this rank")
         self.grad_accum = self._gauge("moetune_train_grad_accum_steps", "Micro-batches per optimizer step")
         if self.chief:
@@ -77,15 +78,12 @@ class WorkerMetrics:
         self.set_phase("training")
 
     def step_end(self, worker, record: dict, seconds: float) -> None:
-        """After each optimizer step, on every rank (the expert-load sum is a collective). `worker` may carry
-        the tuner's `micro_batch_size` / `grad_accum_steps`; else the job spec's values apply."""
+        """After each optimizer step, on every rank (the expert-load sum is a collective). The worker carries
+        the micro-batch tuner's current `micro_batch_size` and `grad_accum_steps`."""
         labels = self.labels.values()
-        t = worker.t
-        micro = getattr(worker, "micro_batch_size", t.micro_batch_size)
-        accum = getattr(worker, "grad_accum_steps", None) or t.global_batch_size // (micro * worker.world)
         self.step_seconds.labels(*labels).set(seconds)
-        self.micro_batch.labels(*labels).set(micro)
-        self.grad_accum.labels(*labels).set(accum)
+        self.micro_batch.labels(*labels).set(worker.micro_batch_size)
+        self.grad_accum.labels(*labels).set(worker.grad_accum_steps)
         if self.moe:
             self.moe.step_end()
         if not self.chief:
