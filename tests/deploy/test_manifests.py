@@ -168,9 +168,13 @@ def test_ray_pod_monitor_hook_selects_this_release_ray_pods_on_their_metrics_por
     monitor = rendered.one("PodMonitor")
     cluster = rendered.one("RayCluster")
     assert monitor["spec"]["selector"]["matchLabels"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    endpoints = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert {"metrics", "train-0", "train-7"} <= endpoints  # Ray's metrics + one per training worker of a pod
     for template in ray_pod_templates(cluster):
-        ports = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
-        assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
+        container = template["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert endpoints <= ports.keys() and ports["train-3"] == 9470 + 3
+        assert {"name": "MOETUNE_METRICS_PORT", "value": "9470"} in container["env"]
 
 
 def test_dashboards_ship_as_sidecar_configmaps_one_per_json_file(render, chart_dir):

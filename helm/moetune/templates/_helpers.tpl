@@ -152,9 +152,11 @@ app.kubernetes.io/component: control-plane
 {{- end }}
 {{- end }}
 
-{{/* Environment of every Ray container: token auth plus ray.env. */}}
+{{/* Environment of every Ray container: token auth, the training workers' metrics port, ray.env. */}}
 {{- define "moetune.rayEnv" -}}
 {{- include "moetune.rayAuthEnv" . }}
+- name: MOETUNE_METRICS_PORT
+  value: {{ .Values.monitoring.rayPodMonitor.trainingPort | quote }}
 {{- with .Values.ray.env }}
 {{ toYaml . }}
 {{- end }}
