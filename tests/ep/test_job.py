@@ -21,12 +21,12 @@ def _plain_first_loss(run: JobRunSpec, checkpoint: str) -> float:
     t, world = run.spec.training, run.spec.parallelism.num_workers
     tokenizer, model = AutoTokenizer.from_pretrained(checkpoint), AutoModelForCausalLM.from_pretrained(checkpoint)
     examples, _ = tokenize_rows(tokenizer, load_rows(run.spec.training_file, "training_file"), t.seq_len)
+    batches = [collate([examples[i] for i in indices], tokenizer.pad_token_id) for rank in range(world)
+               for indices in step_micro_batches(len(examples), 0, t.global_batch_size, t.micro_batch_size,
+                                                 rank, world, run.seed)]
+    counts = [(b["labels"][:, 1:] != -100).sum().item() for b in batches]  # the job's loss is a token mean
     with torch.no_grad():
-        losses = [model(**collate([examples[i] for i in indices], tokenizer.pad_token_id)).loss.item()
-                  for rank in range(world)
-                  for indices in step_micro_batches(len(examples), 0, t.global_batch_size, t.micro_batch_size,
-                                                    rank, world, run.seed)]
-    return sum(losses) / len(losses)
+        return sum(model(**b).loss.item() * n for b, n in zip(batches, counts)) / sum(counts)
 
 
 def test_ep2_expert_lora_job_on_ray(s3_bucket, ray_head, receiver, tmp_path, monkeypatch):

@@ -98,20 +98,22 @@ def test_worker_job_errors_keep_code_and_param():
 
 
 def _expected_first_loss(run: JobRunSpec, checkpoint: str) -> float:
-    """Step 1's train loss recomputed on the plain transformers model: mean over all ranks' micro-batches."""
+    """Step 1's train loss recomputed on the plain transformers model: token mean over the global batch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t, world = run.spec.training, run.spec.parallelism.num_workers
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     examples, _ = tokenize_rows(tokenizer, load_rows(run.spec.training_file, "training_file"), t.seq_len)
-    losses = []
+    losses, counts = [], []
     with torch.no_grad():
         for rank in range(world):
             for indices in step_micro_batches(len(examples), 0, t.global_batch_size, t.micro_batch_size,
                                               rank, world, run.seed):
-                losses.append(model(**collate([examples[i] for i in indices], tokenizer.pad_token_id)).loss.item())
-    return sum(losses) / len(losses)
+                batch = collate([examples[i] for i in indices], tokenizer.pad_token_id)
+                counts.append((batch["labels"][:, 1:] != -100).sum().item())
+                losses.append(model(**batch).loss.item() * counts[-1])
+    return sum(losses) / sum(counts)
 
 
 def _adapter_valid_loss(run: JobRunSpec, checkpoint: str, tmp_path) -> float:
