@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from kernels.kda import chunk_kda, chunk_kda_torch, l2norm, naive_recurrent_kda
-from tests.kernels.kda_cases import BF16_TOL, FP32_TOL, NAMES, as_fp32, make_inputs, rmse_ratio, run_with_grads
+from kernels.kda.chunked import _DecayedProducts
+from tests.kernels.kda_cases import (
+    BF16_TOL,
+    FP32_TOL,
+    NAMES,
+    as_fp32,
+    make_inputs,
+    rmse_ratio,
+    run_with_grads,
+)
 
 KEYS = ("o", "final", *(f"d{n}" for n in NAMES))
 
@@ -30,6 +39,28 @@ def test_strong_gates_stay_finite():
     # log-decays down to -30 per token: exp(Γ_r)·exp(−Γ_i) over a chunk would overflow fp32 many times over.
     inputs = make_inputs(1, 70, 2, 16, 16, gate_scale=30.0)
     assert_close(run_with_grads(chunk_kda_torch, inputs), run_with_grads(naive_recurrent_kda, inputs), FP32_TOL)
+
+
+@pytest.mark.parametrize("gate_scale", [1.0, 30.0])
+def test_decayed_products_own_backward(gate_scale):
+    """The intra-chunk products (recursive halving, hand-written backward) against their pairwise definition, and
+    their backward against finite differences; at gate 30 a factored exp(Γ_r)·exp(−Γ_i) would overflow."""
+    gen = torch.Generator().manual_seed(0)
+    size, dim = 16, 3
+    xs, y = (torch.randn(*lead, size, dim, generator=gen, dtype=torch.float64) for lead in ((2, 2), (2,)))
+    gamma = (-torch.rand(2, size, dim, generator=gen, dtype=torch.float64) * gate_scale).cumsum(-2)
+    pairwise = (gamma[..., :, None, :] - gamma[..., None, :, :]).masked_fill(
+        ~torch.ones(size, size, dtype=torch.bool).tril()[..., None], float("-inf")).exp()
+    expected = torch.einsum("nbrd,bid,brid->nbri", xs, y, pairwise)
+    torch.testing.assert_close(_DecayedProducts.apply(xs, y, gamma), expected, rtol=1e-12, atol=1e-12)
+    args = [t.requires_grad_() for t in (xs, y, gamma)]
+    assert torch.autograd.gradcheck(_DecayedProducts.apply, args)
+
+
+def test_chunk_size_must_be_a_power_of_two():
+    inputs = make_inputs(1, 8, 1, 16, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        chunk_kda_torch(*(inputs[n] for n in NAMES[:5]), chunk_size=48)
 
 
 def test_chunked_matches_oracle_bf16():
@@ -72,7 +103,9 @@ def test_segments_chain_through_the_state():
 
 
 def test_dispatch_normalises_and_matches_transformers_reference():
-    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+    from transformers.models.kimi_linear.modeling_kimi_linear import (
+        chunk_kimi_delta_attention,
+    )
 
     inputs = make_inputs(2, 40, 2, 16, 16)
     q, k = (inputs[n].detach() * 3.0 for n in ("q", "k"))  # not unit norm: the kernel normalises
