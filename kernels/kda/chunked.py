@@ -66,34 +66,40 @@ class _ChunkScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, w, k_to_end, decay, initial_state):
-        n_chunks = u.shape[2]
-        states = u.new_empty(*initial_state.shape[:2], n_chunks + 1, *initial_state.shape[2:])
-        v_new = torch.empty_like(u)
+        states = u.new_empty(*initial_state.shape[:2], u.shape[2] + 1, *initial_state.shape[2:])
+        v_new = torch.empty_like(u, memory_format=torch.contiguous_format)
         states[:, :, 0] = initial_state
-        k_t = k_to_end.transpose(-1, -2)
-        for n in range(n_chunks):
-            torch.sub(u[:, :, n], w[:, :, n] @ states[:, :, n], out=v_new[:, :, n])
-            torch.addcmul(k_t[:, :, n] @ v_new[:, :, n], decay[:, :, n], states[:, :, n], out=states[:, :, n + 1])
+        steps = zip(*(_per_chunk(x) for x in (u, w, k_to_end.transpose(-1, -2), decay, v_new, states[:, :, :-1],
+                                             states[:, :, 1:])))
+        for u_n, w_n, k_t_n, decay_n, v_n, s_n, s_next in steps:  # two fused ops a chunk
+            torch.baddbmm(u_n, w_n, s_n, alpha=-1, out=v_n)
+            torch.baddbmm(decay_n * s_n, k_t_n, v_n, out=s_next)
         ctx.save_for_backward(w, k_to_end, decay, v_new, states)
         return v_new, states
 
     @staticmethod
     def backward(ctx, d_v_new, d_states):
         w, k_to_end, decay, v_new, states = ctx.saved_tensors
-        n_chunks = w.shape[2]
-        d_v = d_v_new.clone()  # becomes the total gradient of V'_n
-        d_next = torch.empty_like(states[:, :, 1:])  # gradient reaching S_{n+1} through the recurrence
-        d_state = d_states[:, :, -1]
-        w_t = w.transpose(-1, -2)
-        for n in reversed(range(n_chunks)):
-            d_next[:, :, n] = d_state
-            d_v[:, :, n] += k_to_end[:, :, n] @ d_state
-            d_state = decay[:, :, n] * d_state - w_t[:, :, n] @ d_v[:, :, n] + d_states[:, :, n]
+        d_v = d_v_new.clone(memory_format=torch.contiguous_format)  # becomes the total gradient of V'_n
+        d_next = states.new_empty(states[:, :, 1:].shape)  # gradient reaching S_{n+1} through the recurrence
+        d_next[:, :, -1] = d_states[:, :, -1]
+        d_initial = torch.empty_like(d_next[:, :, 0])
+        steps = list(zip(*(_per_chunk(x) for x in (d_v, k_to_end, w.transpose(-1, -2), decay, d_states[:, :, :-1],
+                                                   d_next))))
+        targets = [d_initial.flatten(0, 1), *_per_chunk(d_next)[:-1]]  # where dS_n goes
+        for (d_v_n, k_n, w_t_n, decay_n, d_out_n, d_next_n), d_state_n in zip(reversed(steps), reversed(targets)):
+            d_v_n.baddbmm_(k_n, d_next_n)
+            torch.baddbmm(torch.addcmul(d_out_n, decay_n, d_next_n), w_t_n, d_v_n, alpha=-1, out=d_state_n)
         s = states[:, :, :-1]
         d_w = -(d_v @ s.transpose(-1, -2))
         d_k_to_end = v_new @ d_next.transpose(-1, -2)
         d_decay = (d_next * s).sum(-1, keepdim=True)
-        return d_v, d_w, d_k_to_end, d_decay, d_state
+        return d_v, d_w, d_k_to_end, d_decay, d_initial
+
+
+def _per_chunk(x):
+    """(B, H, N, ...) -> N tensors (B·H, ...), views where x allows (always for the buffers written in place)."""
+    return x.flatten(0, 1).unbind(1)
 
 
 def _packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
