@@ -19,9 +19,9 @@ is agreed on by all ranks before anyone starts the backward (one all-reduce per 
 left waiting in a collective: all halve the size, never grow back to the size that failed (a fragmented
 allocator fails there again), and redo the failed micro-batch and the rest of the step. The failed
 micro-batch has produced no gradient anywhere; the finished ones keep theirs, which is exactly what a
-restart of the step would recompute. Limit: an OOM inside a collective (expert-parallel all-to-all, a ZeRO-3
-gather, a ZeRO-2 reduce during backward) cannot be agreed on this way; the headroom prediction exists to
-keep the tuner away from that point.
+restart of the step would recompute. Limit: an OOM during a backward or inside a forward's collective
+(expert-parallel all-to-all, a ZeRO-3 gather) cannot be agreed on before the peers enter their next
+collective; it fails the rank like a lost worker. The headroom prediction exists to keep the tuner away from it.
 """
 
 from __future__ import annotations

@@ -192,13 +192,13 @@ def test_zero2_job_through_the_jobs_api(assets, ray_head, receiver, tiny_checkpo
     assert _adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
 
 
-def _run_in_process(run: JobRunSpec, ray_head, receiver, monkeypatch) -> bool:
-    """run_job from this process, connected to the session's Ray head."""
+def _run_in_process(run: JobRunSpec, ray_head, receiver, monkeypatch, worker_env: dict | None = None) -> bool:
+    """run_job from this process, connected to the session's Ray head; `worker_env` reaches every Ray worker."""
     import ray
 
     for name, value in _driver_env(run, receiver).items():  # the driver forwards these to its workers
         monkeypatch.setenv(name, value)
-    ray.init(address=ray_head.gcs_address)
+    ray.init(address=ray_head.gcs_address, runtime_env={"env_vars": worker_env or {}})
     try:
         return run_job(run, Reporter(run.job_id))
     finally:
