@@ -48,14 +48,14 @@ def _messages(receiver) -> list:
     return [e for e in receiver.of_kind("event") if e.type == "message"]
 
 
-def test_pause_resume_and_worker_loss(job_files, ray_head, receiver, tiny_model, tmp_path, monkeypatch):
-    spec = JobCreate(model=f"{job_files}/models/tiny", training_file=f"{job_files}/data/train.jsonl",
-                     validation_file=f"{job_files}/data/valid.jsonl",
+def test_pause_resume_and_worker_loss(assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
+    spec = JobCreate(model=f"{assets}/models/tiny", training_file=f"{assets}/data/train.jsonl",
+                     validation_file=f"{assets}/data/valid.jsonl",
                      lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True},
                      training={"max_steps": STEPS, "checkpoint_every": CHECKPOINT_EVERY, "learning_rate": 3e-3,
                                "global_batch_size": 4, "micro_batch_size": 2, "seq_len": 64},
                      parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2})
-    run = JobRunSpec(job_id="ftjob-interrupted", spec=spec, seed=5, output_uri=f"{job_files}/out/ftjob-interrupted")
+    run = JobRunSpec(job_id="ftjob-interrupted", spec=spec, seed=5, output_uri=f"{assets}/out/ftjob-interrupted")
 
     # 1. pause
     receiver.control_for = _asks_pause_at(PAUSE_AT)
@@ -112,7 +112,7 @@ def test_pause_resume_and_worker_loss(job_files, ray_head, receiver, tiny_model,
     history = [json.loads(line) for line in storage.read_text(f"{run.output_uri}/metrics.jsonl").splitlines()]
     assert history == paused_run + [m for m in before_kill if m["step"] <= resumed] + after_kill
     assert result.trained_tokens == history[-1]["trained_tokens"]
-    assert _adapter_valid_loss(run, tiny_model, tmp_path) == pytest.approx(history[-1]["valid_loss"], abs=1e-3)
+    assert _adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(history[-1]["valid_loss"], abs=1e-3)
     for step in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY):
         uri = f"{run.output_uri}/checkpoints/step-{step}"
         assert storage.exists(f"{uri}/checkpoint.json")
