@@ -40,12 +40,13 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     kk = kk.masked_fill(~strict, 0.0)
     # (I + Diag(β) KKᵀ_decayed) [W U] = Diag(β) [K ⊙ e^Γ, V]
     eye = torch.eye(chunk_size, device=q.device)
-    rhs = beta * torch.cat([k * gamma.exp(), v], dim=-1)
+    decay_in = gamma.exp()  # from the chunk start, <= 1
+    rhs = beta * torch.cat([k * decay_in, v], dim=-1)
     # the inverse then one matmul: cheaper on a CPU than a triangular solve against the (K + V)-wide right side
     inverse = torch.linalg.solve_triangular(eye + beta * kk, eye.expand_as(kk), upper=False, unitriangular=True)
     wu = inverse @ rhs
     w, u = wu.split([dk, dv], dim=-1)
-    q_decayed = q * gamma.exp()
+    q_decayed = q * decay_in
     last = gamma[..., -1:, :]
     k_to_end = k * (last - gamma).exp()
     state_decay = last.squeeze(-2).exp().unsqueeze(-1)
