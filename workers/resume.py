@@ -43,6 +43,13 @@ def write_manifest(uri: str, step: int) -> None:
     storage.write_bytes(storage.join(uri, MANIFEST), json.dumps({"step": step, "files": files}).encode())
 
 
+def retract_manifest(uri: str) -> None:
+    """A step directory about to be written again (its earlier checkpoint lost files) stops being complete first."""
+    fs, path = storage.filesystem(storage.join(uri, MANIFEST))
+    if fs.exists(path):
+        fs.rm_file(path)
+
+
 def save_trainer_state(local_dir: str, **state) -> None:
     """What resuming needs besides DeepSpeed's files; the chief writes it into the checkpoint before upload."""
     os.makedirs(local_dir, exist_ok=True)

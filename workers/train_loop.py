@@ -34,6 +34,7 @@ from workers.resume import (
     latest_checkpoint,
     mark_group_started,
     resume_reason,
+    retract_manifest,
     save_trainer_state,
     write_manifest,
 )
@@ -149,12 +150,13 @@ class _Worker:
 
     def checkpoint(self, step: int, record: dict, paused: bool = False) -> None:
         local = os.path.join(self.node_dir, "checkpoints", f"step-{step}")
+        uri = checkpoint_uri(self.run.output_uri, step)
         save_checkpoint(self.engine, local, is_writer=self.chief)
         if self.chief:
             save_trainer_state(local, step=step, trained_tokens=record["trained_tokens"], history=self.history,
                                attempt=self.attempt, paused=paused)
+            retract_manifest(uri)
         self.barrier()
-        uri = checkpoint_uri(self.run.output_uri, step)
         if self.node_leader:
             storage.upload_dir(local, uri)
             shutil.rmtree(local)

@@ -11,6 +11,7 @@ from workers.resume import (
     latest_checkpoint,
     mark_group_started,
     paused_step,
+    retract_manifest,
     write_manifest,
 )
 
@@ -46,6 +47,12 @@ def test_resume_takes_the_newest_complete_checkpoint(s3_bucket):
     # a file the manifest lists went missing (or was cut short): that checkpoint is not offered either
     storage.write_bytes(f"{uri8}/deepspeed/global_step8/mp_rank_00_model_states.pt", b"short")
     assert latest_checkpoint(out).step == 4
+    # and while step 8 is written again its old manifest no longer vouches for it
+    retract_manifest(uri8)
+    assert not storage.exists(f"{uri8}/{MANIFEST}")
+    retract_manifest(uri8)  # nothing to retract: no error
+    write_manifest(uri8, 8)
+    assert latest_checkpoint(out).step == 8
 
 
 def test_group_start_marker_tells_a_restart_from_a_first_start(s3_bucket):
