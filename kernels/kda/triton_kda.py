@@ -113,7 +113,7 @@ def kda_fwd_kernel(q, k, v, g, beta, h0, o, ht, states, cu_seqlens, chunk_offset
     state = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_H0:
         state = tl.load(h0 + (i_n * H + i_h) * K * V + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    for c in range(0, tl.cdiv(eos - bos, BT)):
+    for c in range(tl.cdiv(eos - bos, BT)):
         if STORE_STATES:
             tl.store(states + ((first_chunk + c) * H + i_h) * K * V + state_offs, state, mask=state_mask)
         t = bos + c * BT + rows
@@ -143,7 +143,7 @@ def kda_bwd_kernel(q, k, v, g, beta, states, dht, do, dq, dk, dv, dg, dbeta, dh0
     if HAS_DHT:
         dstate = tl.load(dht + (i_n * H + i_h) * K * V + state_offs, mask=state_mask, other=0.0).to(tl.float32)
     n_chunks = tl.cdiv(eos - bos, BT)
-    for cc in range(0, n_chunks):
+    for cc in range(n_chunks):
         c = n_chunks - 1 - cc
         state = tl.load(states + ((first_chunk + c) * H + i_h) * K * V + state_offs, mask=state_mask, other=0.0)
         t = bos + c * BT + rows

@@ -175,11 +175,11 @@ def compile_sm90(d_in: int, d_out: int, rank: int) -> dict:
     mm_types = {name: "*bf16" for name in ("X", "W", "A", "B", "Y")}
     mm_types.update(TILE_EXPERT="*i32", TILE_ROW="*i64", OFFS="*i64", scale="fp32")
     mm_types.update({n: "i32" for n in _grouped_lora_mm.arg_names if n not in mm_types})
-    mm_meta = dict(HAS_LORA=True, DOT_FP32=False, BLOCK_M=BLOCK_M, BLOCK_N=_block(d_out, 128),
-                   BLOCK_K=_block(d_in, 64), BLOCK_R=_rank_block(rank))
+    mm_meta = {"HAS_LORA": True, "DOT_FP32": False, "BLOCK_M": BLOCK_M, "BLOCK_N": _block(d_out, 128),
+               "BLOCK_K": _block(d_in, 64), "BLOCK_R": _rank_block(rank)}
     outer_types = {"L": "*bf16", "R": "*bf16", "OUT": "*bf16", "OFFS": "*i64", "scale": "fp32"}
     outer_types.update({n: "i32" for n in _grouped_outer.arg_names if n not in outer_types})
-    outer_meta = dict(DOT_FP32=False, BLOCK_T=64, BLOCK_P=_block(d_in, 64), BLOCK_Q=_block(rank, 64))
+    outer_meta = {"DOT_FP32": False, "BLOCK_T": 64, "BLOCK_P": _block(d_in, 64), "BLOCK_Q": _block(rank, 64)}
     return {
         "grouped_lora_mm": compile_for_sm90(_grouped_lora_mm, mm_types, mm_meta, num_stages=3).metadata.shared,
         "grouped_outer": compile_for_sm90(_grouped_outer, outer_types, outer_meta, num_stages=3).metadata.shared,

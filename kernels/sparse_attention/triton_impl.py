@@ -156,12 +156,13 @@ def _sparse_attn_bwd(
 
 def _meta(q, k, v, indices) -> dict:
     group = q.shape[2] // k.shape[2]
-    return dict(
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_DK=max(16, triton.next_power_of_2(k.shape[3])), BLOCK_DV=max(16, triton.next_power_of_2(v.shape[3])),
+    return {
+        "GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)),
+        "BLOCK_DK": max(16, triton.next_power_of_2(k.shape[3])),
+        "BLOCK_DV": max(16, triton.next_power_of_2(v.shape[3])),
         # the interpreter multiplies bf16 bit patterns in tl.dot: compute in fp32 there
-        DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
-    )
+        "DOT_FP32": interpreting() and q.dtype == torch.bfloat16,
+    }
 
 
 def _strides(q, k, v, indices, o):
@@ -211,11 +212,12 @@ def compile_sm90(group: int, head_dk: int, head_dv: int) -> dict:
 
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "O": "*bf16", "DO": "*bf16", "LSE": "*fp32",
                 "DELTA": "*fp32", "DQ": "*bf16", "DK": "*fp32", "DV": "*fp32"}
-    blocks = dict(GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=64, DOT_FP32=False,
-                  BLOCK_DK=max(16, triton.next_power_of_2(head_dk)), BLOCK_DV=max(16, triton.next_power_of_2(head_dv)))
+    blocks = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_S": 64, "DOT_FP32": False,
+              "BLOCK_DK": max(16, triton.next_power_of_2(head_dk)),
+              "BLOCK_DV": max(16, triton.next_power_of_2(head_dv))}
     shared = {}
-    for name, kernel, dims in (("fwd", _sparse_attn_fwd.fn, dict(DK=head_dk, DV=head_dv)),
-                               ("bwd", _sparse_attn_bwd, dict(HEAD_DK=head_dk, HEAD_DV=head_dv))):
+    for name, kernel, dims in (("fwd", _sparse_attn_fwd.fn, {"DK": head_dk, "DV": head_dv}),
+                               ("bwd", _sparse_attn_bwd, {"HEAD_DK": head_dk, "HEAD_DV": head_dv})):
         types = {arg: pointers.get(arg, "fp32" if arg.startswith("scale") else "i32") for arg in kernel.arg_names}
         shared[name] = compile_for_sm90(kernel, types, {**blocks, **dims}).metadata.shared
     return shared

@@ -10,7 +10,13 @@ import torch
 
 from kernels.kda import naive_recurrent_kda
 from kernels.kda.triton_kda import chunk_kda_triton
-from tests.kernels.kda_cases import NAMES, as_fp32, make_inputs, rmse_ratio, run_with_grads
+from tests.kernels.kda_cases import (
+    NAMES,
+    as_fp32,
+    make_inputs,
+    rmse_ratio,
+    run_with_grads,
+)
 
 
 def compare(ours, ref):

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-import workers.kernel_swaps as kernel_swaps
 from tests.kernels.kda_cases import rmse_ratio
+from workers import kernel_swaps
 from workers.tiny import tiny_config
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj", "o_proj"]

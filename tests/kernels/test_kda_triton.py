@@ -24,7 +24,7 @@ def interpreted():
     this process may already hold the compiled flavour."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-m", "tests.kernels.kda_interpreted"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -75,9 +75,10 @@ def compile_for_sm90(kernel, constants, num_warps):
 
 
 @pytest.mark.parametrize("kernel,constants,num_warps", [
-    (triton_kda.kda_fwd_kernel, dict(H=4, K=128, V=128, BT=triton_kda.CHUNK, BK=128, BV=64, HAS_H0=True,
-                                     STORE_HT=True, STORE_STATES=True), 4),
-    (triton_kda.kda_bwd_kernel, dict(H=4, K=128, V=128, BT=triton_kda.CHUNK, BK=128, BV=128, HAS_DHT=True), 8),
+    (triton_kda.kda_fwd_kernel, {"H": 4, "K": 128, "V": 128, "BT": triton_kda.CHUNK, "BK": 128, "BV": 64,
+                                 "HAS_H0": True, "STORE_HT": True, "STORE_STATES": True}, 4),
+    (triton_kda.kda_bwd_kernel, {"H": 4, "K": 128, "V": 128, "BT": triton_kda.CHUNK, "BK": 128, "BV": 128,
+                                 "HAS_DHT": True}, 8),
 ], ids=["forward", "backward"])
 def test_compiles_for_sm90(kernel, constants, num_warps):
     compiled = compile_for_sm90(kernel, constants, num_warps)

@@ -13,7 +13,6 @@ from kernels.testing import compile_in_subprocess, rmse_ratio
 from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
 
 
-
 def _inputs(dtype, d_in=40, d_out=72, rank=4, counts=(5, 0, 70, 3, 0), seed=0):
     gen = torch.Generator().manual_seed(seed)
     counts = torch.tensor(counts)
@@ -134,7 +133,11 @@ def test_expert_mlp_matches_the_per_expert_loop(backend, with_lora):
 def test_expert_mlp_is_a_drop_in_for_the_expert_parallel_compute(backend):
     """Same arguments, layouts, results and LoRA gradients as workers.expert_compute.grouped_expert_forward (the EP
     engine's per-expert path), so that function can hand its work to this one."""
-    from workers.expert_compute import ExpertLoraFactors, GatedActivation, grouped_expert_forward
+    from workers.expert_compute import (
+        ExpertLoraFactors,
+        GatedActivation,
+        grouped_expert_forward,
+    )
 
     gen = torch.Generator().manual_seed(4)
     counts, hidden, inter, rank = [7, 0, 12], 32, 16, 4

@@ -8,10 +8,12 @@ import torch
 
 from kernels.sparse_attention import select_topk, sparse_attention
 from kernels.sparse_attention.reference import (
-    indexer_scores_reference, sparse_attention_reference, topk_mask)
+    indexer_scores_reference,
+    sparse_attention_reference,
+    topk_mask,
+)
 from kernels.testing import compile_in_subprocess, rmse_ratio
 from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
-
 
 
 def _inputs(batch=2, q_len=37, heads=4, kv_heads=2, dk=24, dv=20, topk=16, dtype=torch.float32, seed=0):

@@ -13,16 +13,17 @@ from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: 
 from workers.kernel_swaps import apply_kernel_swaps
 from workers.sparse_attention_swap import apply_sparse_attention_kernels
 
-TEXT = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-    kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16,
+TEXT = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 0, "v_head_dim": 16,
     # top-8 of 2-token pools at 40 tokens: most queries attend to a strict subset of their prefix
-    index_topk=8, index_head_dim=16, index_n_heads=2, index_kpool=2,
-    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
-    indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-    linear_num_heads=2, linear_head_dim=16, hc_mult=2, pad_token_id=0, initializer_range=0.2,
-)
+    "index_topk": 8, "index_head_dim": 16, "index_n_heads": 2, "index_kpool": 2,
+    "layer_types": ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+    "indexer_types": ["full", "full", "shared", "full"], "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+    "linear_num_heads": 2, "linear_head_dim": 16, "hc_mult": 2, "pad_token_id": 0, "initializer_range": 0.2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def lora_model():
     from peft import LoraConfig, get_peft_model
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    config = Glm5NextConfig(text_config=TEXT, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
-                                                                 num_heads=2, out_hidden_size=64))
+    config = Glm5NextConfig(text_config=TEXT, vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                                                             "num_heads": 2, "out_hidden_size": 64})
     torch.manual_seed(0)
     model = Glm5NextForConditionalGeneration(config).eval()
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj", "o_proj"],
