@@ -28,5 +28,5 @@ def test_interpreter_run(request):
     """This module's Triton-backend tests through the interpreter; their results decide this test."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(request.path),
                            "-k", "triton"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, check=False)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-6000:] + done.stderr[-2000:]
