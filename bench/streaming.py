@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -38,7 +39,7 @@ from contextlib import ExitStack, contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.weights
 
-from service.embedded import free_port, local_s3_server, s3_env, stop_process, wait_http  # noqa: E402
+from service.embedded import free_port, local_s3_server, s3_env, stop_process, wait_http
 
 BUCKET = "models"
 S3RVER_KEY = "S3RVER"  # s3rver's built-in account
@@ -152,6 +153,12 @@ def raw_read(fs, ranges, workers: int) -> float:
     return time.perf_counter() - started
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far (all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure_throughput(uri: str, rounds: int) -> dict:
     import torch
 
@@ -160,19 +167,22 @@ def measure_throughput(uri: str, rounds: int) -> dict:
 
     ckpt = open_checkpoint(uri)
     fetcher = RangeFetcher(ckpt.fs, ckpt.sources)  # the loader's defaults: chunk size, merge gap, threads
-    raw_s, ours_s, fetch_s = [], [], []
+    times = {"raw": [], "moetune": [], "fetch": [], "raw_cpu": [], "moetune_cpu": []}
     for i in range(rounds):
+        cpu = cpu_seconds()
         out = stream_model(uri, torch.device("cpu"), torch.bfloat16, cache_dir="")
+        times["moetune_cpu"].append(cpu_seconds() - cpu)
         needed, verified, ranges = out.stats.bytes_needed, out.stats.verified_pieces, chunk_ranges(out.plan, fetcher)
-        ours_s.append(out.seconds)
-        fetch_s.append(out.stats.seconds)
+        times["moetune"].append(out.seconds)
+        times["fetch"].append(out.stats.seconds)
         del out  # the 1 GiB model, before the raw round
-        raw_s.append(raw_read(ckpt.fs, ranges, fetcher.workers))
-        say(f"  round {i + 1}/{rounds}: moetune {needed / ours_s[-1] / 1e9:.3f} GB/s "
-            f"(range reads only {needed / fetch_s[-1] / 1e9:.3f}), raw {needed / raw_s[-1] / 1e9:.3f} GB/s")
+        cpu = cpu_seconds()
+        times["raw"].append(raw_read(ckpt.fs, ranges, fetcher.workers))
+        times["raw_cpu"].append(cpu_seconds() - cpu)
+        say(f"  round {i + 1}/{rounds}: moetune {needed / times['moetune'][-1] / 1e9:.3f} GB/s "
+            f"(range reads only {needed / times['fetch'][-1] / 1e9:.3f}), raw {needed / times['raw'][-1] / 1e9:.3f} GB/s")
     return {"bytes": needed, "requests": len(ranges), "threads": fetcher.workers, "verified_pieces": verified,
-            "raw_s": statistics.median(raw_s), "moetune_s": statistics.median(ours_s),
-            "fetch_s": statistics.median(fetch_s)}
+            **{key: statistics.median(values) for key, values in times.items()}}
 
 
 # ------------------------------------------------------------------ EP=2 bytes and memory, one process per rank
@@ -183,7 +193,12 @@ def child(mode: str, uri: str, rank: int, ep: int) -> None:
     Prints one JSON line; maxrss is the process's peak RSS, read as its last action."""
     import torch
 
-    from workers.weights.loader import empty_model, open_checkpoint, plan_for, stream_model
+    from workers.weights.loader import (
+        empty_model,
+        open_checkpoint,
+        plan_for,
+        stream_model,
+    )
 
     if mode == "skeleton":
         ckpt = open_checkpoint(uri)
@@ -283,22 +298,25 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    raw_gbs, ours_gbs = tp["bytes"] / tp["raw_s"] / 1e9, tp["bytes"] / tp["moetune_s"] / 1e9
+    raw_gbs, ours_gbs = tp["bytes"] / tp["raw"] / 1e9, tp["bytes"] / tp["moetune"] / 1e9
+    gib = tp["bytes"] / GiB
     throughput_ratio = ours_gbs / raw_gbs
     bytes_ratio = max(r["relayed"] / r["bytes_needed"] for r in ranks)
     over_mib = max(r["over_share"] for r in ranks) / MiB
     rows = [("server", server, ""),
             ("EP=1 bytes", f"{tp['bytes'] / GiB:.3f} GiB", f"{tp['requests']} ranged GETs, {tp['threads']} threads"),
-            ("raw concurrent GETs", f"{raw_gbs:.3f} GB/s", "same ranges, bytes dropped"),
+            ("raw concurrent GETs", f"{raw_gbs:.3f} GB/s",
+             f"same ranges, bytes dropped; client CPU {tp['raw_cpu'] / gib:.2f} s/GiB"),
             ("moetune stream_model", f"{ours_gbs:.3f} GB/s",
-             f"range reads alone {tp['bytes'] / tp['fetch_s'] / 1e9:.3f} GB/s; {tp['verified_pieces']} pieces verified"),
+             (f"range reads alone {tp['bytes'] / tp['fetch'] / 1e9:.3f} GB/s; {tp['verified_pieces']} pieces verified; "
+             f"client CPU {tp['moetune_cpu'] / gib:.2f} s/GiB")),
             ("throughput_ratio", f"{throughput_ratio:.3f}", "goal >= 0.9")]
     for r in ranks:
         rows += [(f"rank {r['rank']}/{args.ep} bytes", f"{r['relayed'] / MiB:.1f} / {r['bytes_needed'] / MiB:.1f} MiB",
                   f"relayed / needed = {r['relayed'] / r['bytes_needed']:.4f}"),
                  (f"rank {r['rank']}/{args.ep} peak RSS", f"{r['maxrss'] / MiB:.0f} MiB",
-                  f"- skeleton {r['skeleton_rss'] / MiB:.0f} - share {r['bytes_needed'] / MiB:.0f} "
-                  f"= {r['over_share'] / MiB:.0f} MiB")]
+                  (f"- skeleton {r['skeleton_rss'] / MiB:.0f} - share {r['bytes_needed'] / MiB:.0f} "
+                  f"= {r['over_share'] / MiB:.0f} MiB"))]
     rows += [("bytes_ratio", f"{bytes_ratio:.4f}", "goal <= 1.05"),
              ("rss_over_share_mib", f"{over_mib:.0f}", "goal <= 256")]
     width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)

@@ -1,7 +1,9 @@
 """Concurrent range reads straight into their destination tensors, with a bound on bytes in flight.
 
-Merged ranges are cut into chunks; at most `max_inflight_bytes // chunk_bytes` chunks are read at once, and
-a chunk's bytes are copied into the pieces it overlaps and dropped. A piece whose dtype matches and whose
+Merged ranges are cut into chunks; at most `max_inflight_bytes // chunk_bytes` chunks are read at once. From
+S3 without a local cache, a chunk's response is handed to the pieces it overlaps in 1 MiB blocks as it arrives
+(memory in flight: a block per chunk; an interrupted response resumes where it stopped); otherwise the whole
+chunk is read, copied into the pieces and dropped. A piece whose dtype matches and whose
 destination is contiguous on the CPU receives bytes in place; others go through a staging buffer of that
 one piece (dtype conversion, devices). A piece with a manifest checksum is verified once its last byte has
 arrived; a mismatch is read again from storage (up to `attempts` reads), then is an error naming the shard
@@ -21,6 +23,30 @@ from workers.weights.errors import WeightsError, tensor_list
 from workers.weights.plan import Piece, merge_ranges
 
 MiB = 1024 * 1024
+STREAM_BLOCK = MiB  # bytes handed to the pieces at a time: small enough to stay in the CPU cache
+
+
+def _s3_blocks(fs, path: str, start: int, end: int, block: int):
+    """Bytes [start, end) of an s3fs object as blocks of about `block` bytes, read from the open response."""
+    from fsspec.asyn import sync
+
+    bucket, key, version = fs.split_path(path)
+    response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                    **({"VersionId": version} if version else {}))
+    body = response["Body"]
+    try:
+        while data := sync(fs.loop, _read_block, body, block):
+            yield data
+    finally:
+        body.close()
+
+
+async def _read_block(body, size: int) -> bytes:
+    parts, have = [], 0
+    while have < size and (part := await body.read(size - have)):
+        parts.append(part)
+        have += len(part)
+    return b"".join(parts)
 
 
 def torch_dtype(name: str):
@@ -91,6 +117,34 @@ class RangeFetcher:
         self.stats = FetchStats()
 
     # -------------------------------------------------------------- reading
+
+    def _stream_into(self, shard: str, start: int, end: int, sinks: list[_Sink]) -> None:
+        """Bytes [start, end) from S3 into `sinks` block by block as the response arrives (no range-sized
+        buffer, no copy of the whole range); an interrupted or truncated response is resumed at the first
+        byte not yet delivered, so every byte is delivered once."""
+        src, pos, problem = self.sources[shard], start, ""
+        for attempt in range(self.attempts):
+            if attempt:
+                self.stats.add(retries=1)
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                self.stats.add(requests=1)
+                for block in _s3_blocks(self.fs, src.path, pos, end, STREAM_BLOCK):
+                    self._deliver(sinks, shard, pos, block)
+                    pos += len(block)
+                    self.stats.add(bytes_from_storage=len(block))
+            except (FileNotFoundError, PermissionError) as e:
+                raise WeightsError(f"shard {shard}: cannot be read ({e})") from None
+            except WeightsError:
+                raise
+            except Exception as e:  # noqa: BLE001 - 5xx, throttling, resets: storage clients raise many kinds
+                problem = f"{type(e).__name__}: {e}"
+                continue
+            if pos == end:
+                return
+            problem = f"truncated read: {pos - start} of {end - start} bytes"
+        raise WeightsError(f"shard {shard}: bytes {start}-{end} (tensors {tensor_list(s.piece.tensor for s in sinks)}) "
+                           f"failed after {self.attempts} attempts: {problem}")
 
     def _read(self, shard: str, start: int, end: int, about: list[Piece], use_cache: bool = True) -> bytes:
         """Bytes [start, end) of `shard`, from the cache or storage; transient failures are retried."""
@@ -166,6 +220,8 @@ class RangeFetcher:
             by_shard.setdefault(p.shard, []).append(_Sink(p, p.destination(params[p.param])))
         starts = {shard: [s.piece.start for s in sinks] for shard, sinks in by_shard.items()}
         self.stats.bytes_needed = sum(p.nbytes for p in pieces)
+        # The cache stores whole ranges, so with a cache every range is read whole first.
+        streaming = self.cache is None and hasattr(self.fs, "_call_s3")
 
         def run(shard: str, a: int, b: int) -> None:
             sinks = by_shard[shard]
@@ -173,7 +229,10 @@ class RangeFetcher:
             first = max(0, bisect.bisect_right(starts[shard], a) - 1)
             last = bisect.bisect_left(starts[shard], b)
             near = sinks[first:last]
-            self._deliver(near, shard, a, self._read(shard, a, b, [s.piece for s in near]))
+            if streaming:
+                self._stream_into(shard, a, b, near)
+            else:
+                self._deliver(near, shard, a, self._read(shard, a, b, [s.piece for s in near]))
 
         chunks = [(shard, a, min(a + self.chunk_bytes, end))
                   for shard, start, end in merge_ranges(pieces, self.merge_gap)
