@@ -337,3 +337,6 @@ REPORT_PATH = "/internal/v1/jobs/{job_id}/reports"
 # What a finished job leaves under JobRunSpec.output_uri; the control plane reads the summary when the
 # driver's result report was lost (it was down when the job ended).
 ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE = "adapter", "metrics.jsonl", "summary.json"
+# Checkpoints land in <output_uri>/checkpoints/step-<N>/; one is complete (offered for resume and download)
+# only once its manifest, written last, is there.
+CHECKPOINTS_DIR, CHECKPOINT_MANIFEST = "checkpoints", "checkpoint.json"

@@ -9,6 +9,8 @@ from fastapi import APIRouter, Body, Depends, Request
 from pydantic import ValidationError
 
 from api.models import (
+    CHECKPOINT_MANIFEST,
+    CHECKPOINTS_DIR,
     REPORT_PATH,
     CheckpointReport,
     EventReport,
@@ -19,7 +21,8 @@ from api.models import (
 )
 from service.auth import bearer_token, job_token_matches, unauthorized
 from service.deps import StoreDep
-from service.errors import invalid_request
+from service.errors import APIException, invalid_request
+from service.files import read_json
 from service.lifecycle import finish_job
 from service.store import JobRow
 
@@ -62,15 +65,27 @@ def _progress_updater(data: dict):
     return update
 
 
+def _check_complete(job: JobRow, report: CheckpointReport, s3_endpoint_url: str | None) -> None:
+    """Only a complete checkpoint of this job is listed: its own step directory, manifest present."""
+    expected = f"{job.output_uri.rstrip('/')}/{CHECKPOINTS_DIR}/step-{report.step_number}"
+    if report.uri.rstrip("/") != expected:
+        raise invalid_request(f"checkpoint uri must be {expected}", "report.uri")
+    manifest = read_json(f"{expected}/{CHECKPOINT_MANIFEST}", s3_endpoint_url)
+    if manifest is None or manifest.get("step") != report.step_number:
+        raise APIException(409, "checkpoint_incomplete", f"checkpoint {expected} is not complete: no "
+                           f"{CHECKPOINT_MANIFEST} for step {report.step_number}", "report.uri")
+
+
 @router.post(REPORT_PATH)
 def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated[WorkerReport, Body()],
-                store: StoreDep) -> ReportAck:
+                store: StoreDep, request: Request) -> ReportAck:
     """Accepts a report; the reply says "pause" while the user's pause waits for the workers."""
     report = body.report
     if isinstance(report, EventReport):
         updater = _progress_updater(report.data) if report.type == "metrics" and report.data else None
         store.add_event(job.id, report.message, report.level, report.type, report.data, change_job=updater)
     elif isinstance(report, CheckpointReport):
+        _check_complete(job, report, request.app.state.settings.s3_endpoint_url)
         store.add_checkpoint(job.id, report.step_number, report.uri, report.metrics.model_dump())
         store.add_event(job.id, f"Checkpoint saved at step {report.step_number}: {report.uri}",
                         data={"step": report.step_number, "uri": report.uri})

@@ -16,9 +16,10 @@ import posixpath
 import re
 from dataclasses import dataclass
 
+from api.models import CHECKPOINT_MANIFEST as MANIFEST
+from api.models import CHECKPOINTS_DIR
 from workers import storage
 
-MANIFEST = "checkpoint.json"
 TRAINER_STATE = "trainer_state.json"  # step, trained tokens, metrics history, attempt, paused
 ENV_MAX_WORKER_FAILURES = "MOETUNE_MAX_WORKER_FAILURES"  # worker-group restarts Ray Train may make per run
 DEFAULT_MAX_WORKER_FAILURES = 3
@@ -26,7 +27,7 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def checkpoint_uri(output_uri: str, step: int) -> str:
-    return storage.join(output_uri, "checkpoints", f"step-{step}")
+    return storage.join(output_uri, CHECKPOINTS_DIR, f"step-{step}")
 
 
 def _files(uri: str) -> dict[str, int]:
@@ -71,7 +72,7 @@ class ResumePoint:
 
 def latest_checkpoint(output_uri: str) -> ResumePoint | None:
     """The newest complete checkpoint whose listed files are all there, or None."""
-    fs, root = storage.filesystem(storage.join(output_uri, "checkpoints"))
+    fs, root = storage.filesystem(storage.join(output_uri, CHECKPOINTS_DIR))
     root = root.rstrip("/")
     fs.invalidate_cache(root)
     steps = []

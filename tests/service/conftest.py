@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -12,12 +13,13 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
+import boto3
 import httpx
 import pytest
 from fastapi import FastAPI
 
 from api.client import Client
-from api.models import REPORT_PATH, JobStatus
+from api.models import CHECKPOINT_MANIFEST, CHECKPOINTS_DIR, REPORT_PATH, JobStatus
 from service.app import create_app
 from service.auth import hash_token, new_job_token
 from service.embedded import control_plane_in_thread, free_port
@@ -26,6 +28,7 @@ from service.store import Store
 
 TOKENS = {"tenant-a": "tok-a", "tenant-b": "tok-b"}
 API_TOKENS = ",".join(f"{token}:{tenant}" for tenant, token in TOKENS.items())
+OUTPUT_BUCKET = "outputs"
 SPEC = {"model": "s3://models/tiny", "training_file": "s3://data/train.jsonl"}
 
 
@@ -63,6 +66,18 @@ class RunningService:
         return httpx.post(self.url + REPORT_PATH.format(job_id=job_id), json={"report": report},
                           headers={"Authorization": f"Bearer {token}"}, timeout=10)
 
+    def checkpoint_uri(self, job_id: str, step: int) -> str:
+        return f"{self.store.get_job(job_id).output_uri}/{CHECKPOINTS_DIR}/step-{step}"
+
+    def report_checkpoint(self, job_id: str, token: str, step: int, **metrics) -> httpx.Response:
+        """What a worker does: the checkpoint's manifest goes to object storage, then the report."""
+        uri = self.checkpoint_uri(job_id, step)
+        bucket, _, key = uri.removeprefix("s3://").partition("/")
+        boto3.client("s3", endpoint_url=self.app.state.settings.s3_endpoint_url).put_object(
+            Bucket=bucket, Key=f"{key}/{CHECKPOINT_MANIFEST}", Body=json.dumps({"step": step, "files": []}))
+        return self.report(job_id, token, {"kind": "checkpoint", "step_number": step, "uri": uri,
+                                           "metrics": {"step": step, **metrics}})
+
 
 @contextmanager
 def run_service(settings: Settings) -> Iterator[RunningService]:
@@ -73,14 +88,19 @@ def run_service(settings: Settings) -> Iterator[RunningService]:
 
 def settings_for(tmp_dir, **overrides) -> Settings:
     values = {"database_url": f"sqlite:///{tmp_dir}/moetune.db", "api_tokens": API_TOKENS,
-              "scheduler_enabled": False, "default_output_uri": "s3://outputs/runs", **overrides}
+              "scheduler_enabled": False, "default_output_uri": f"s3://{OUTPUT_BUCKET}/runs", **overrides}
     return Settings(**values)
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory) -> Iterator[RunningService]:
-    """One control plane per test module, scheduler off: tests move jobs along themselves."""
-    with run_service(settings_for(tmp_path_factory.mktemp("service"))) as running:
+def service(tmp_path_factory, s3_endpoint) -> Iterator[RunningService]:
+    """One control plane per test module, scheduler off: tests move jobs along themselves. Job outputs go to
+    the session's S3 server (the control plane reads checkpoint manifests there)."""
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    if OUTPUT_BUCKET not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:
+        s3.create_bucket(Bucket=OUTPUT_BUCKET)
+    settings = settings_for(tmp_path_factory.mktemp("service"), s3_endpoint_url=s3_endpoint)
+    with run_service(settings) as running:
         yield running
 
 

@@ -16,8 +16,7 @@ def test_missing_or_wrong_token_is_401(service, headers):
 def test_tenants_are_isolated(service):
     job_id = service.create_job("tenant-a")["id"]
     token = service.start_job(job_id)
-    service.report(job_id, token, {"kind": "checkpoint", "step_number": 1, "uri": "s3://o/c1",
-                                   "metrics": {"step": 1}})
+    service.report_checkpoint(job_id, token, 1)
     a, b = service.http("tenant-a"), service.http("tenant-b")
 
     for method, path in [("GET", "{}"), ("GET", "{}/events"), ("GET", "{}/checkpoints"), ("POST", "{}/cancel"),

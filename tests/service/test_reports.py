@@ -55,17 +55,27 @@ def test_malformed_metrics_are_rejected(service, running):
 def test_checkpoints_are_listed_newest_first(service, running):
     job_id, token = running
     for step in (10, 20, 30):
-        service.report(job_id, token, {"kind": "checkpoint", "step_number": step, "uri": f"s3://o/ckpt-{step}",
-                                       "metrics": {"step": step, "train_loss": 1.0 / step}})
+        assert service.report_checkpoint(job_id, token, step, train_loss=1.0 / step).status_code == 200
     http = service.http()
     page = http.get(f"{JOBS}/{job_id}/checkpoints", params={"limit": 2}).json()
     assert [c["step_number"] for c in page["data"]] == [30, 20] and page["has_more"]
-    assert page["data"][0]["fine_tuned_model_checkpoint"] == "s3://o/ckpt-30"
+    assert page["data"][0]["fine_tuned_model_checkpoint"] == service.checkpoint_uri(job_id, 30)
     assert page["data"][0]["fine_tuning_job_id"] == job_id
     rest = http.get(f"{JOBS}/{job_id}/checkpoints", params={"after": page["last_id"]}).json()
     assert [c["step_number"] for c in rest["data"]] == [10] and not rest["has_more"]
     messages = [e["message"] for e in http.get(f"{JOBS}/{job_id}/events", params={"limit": 100}).json()["data"]]
-    assert "Checkpoint saved at step 20: s3://o/ckpt-20" in messages
+    assert f"Checkpoint saved at step 20: {service.checkpoint_uri(job_id, 20)}" in messages
+
+
+def test_only_complete_checkpoints_of_the_job_are_listed(service, running):
+    job_id, token = running
+    partial = {"kind": "checkpoint", "step_number": 5, "uri": service.checkpoint_uri(job_id, 5),
+               "metrics": {"step": 5}}
+    reply = service.report(job_id, token, partial)  # no manifest written: upload not finished
+    assert reply.status_code == 409 and reply.json()["error"]["code"] == "checkpoint_incomplete"
+    elsewhere = service.report(job_id, token, {**partial, "uri": "s3://other-bucket/step-5"})
+    assert elsewhere.status_code == 422 and elsewhere.json()["error"]["param"] == "report.uri"
+    assert service.http().get(f"{JOBS}/{job_id}/checkpoints").json()["data"] == []
 
 
 def test_a_success_result_finishes_the_job(service, running):

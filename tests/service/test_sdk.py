@@ -18,15 +18,14 @@ def test_sdk_covers_the_job_lifecycle(service):
     assert job.id in [j.id for j in client.jobs.list(limit=100).data]
 
     token = service.start_job(job.id)
-    service.report(job.id, token, {"kind": "checkpoint", "step_number": 4, "uri": "s3://o/c4",
-                                   "metrics": {"step": 4, "train_loss": 1.5}})
+    service.report_checkpoint(job.id, token, 4, train_loss=1.5)
     checkpoint = client.jobs.checkpoints(job.id).data[0]
     assert checkpoint.step_number == 4 and checkpoint.metrics.train_loss == 1.5
 
     page = client.jobs.events(job.id, limit=2)
     assert [e.message for e in page.data] == ["Job created", "Validating files"] and page.has_more
     assert [e.message for e in client.jobs.events(job.id, after=page.last_id).data] == [
-        "Job queued", "Job started", "Checkpoint saved at step 4: s3://o/c4"]
+        "Job queued", "Job started", f"Checkpoint saved at step 4: {service.checkpoint_uri(job.id, 4)}"]
 
     assert client.jobs.cancel(job.id).status == JobStatus.cancelled
     with pytest.raises(APIError) as err:
