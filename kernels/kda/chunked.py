@@ -3,7 +3,7 @@
 The loop over chunks (the state recurrence, two small matmuls a chunk) is an autograd.Function with its own backward
 loop; the batched work around it is left to autograd. Decays inside a chunk are never formed as
 exp(Γ_r)·exp(−Γ_i) (that overflows for strong gates) nor as a (C, C, K) tensor of pairwise exp(Γ_r − Γ_i) (the
-largest cost on a CPU): `_decayed_products` splits the chunk in halves recursively and factors every
+largest cost on a CPU): `_DecayedProducts` splits the chunk in halves recursively and factors every
 later-half × earlier-half block through the boundary between them, where both factors are decays (<= 1).
 """
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                     chunk_size=64):
     """Same contract as `naive_recurrent_kda`; computes in fp32, returns o in q's dtype and an fp32 state.
-    `chunk_size` must be a power of two (`_decayed_products` halves the chunk down to single tokens)."""
+    `chunk_size` must be a power of two (`_DecayedProducts` halves the chunk down to single tokens)."""
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     if cu_seqlens is not None:
