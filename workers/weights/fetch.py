@@ -118,33 +118,45 @@ class RangeFetcher:
 
     # -------------------------------------------------------------- reading
 
-    def _stream_into(self, shard: str, start: int, end: int, sinks: list[_Sink]) -> None:
-        """Bytes [start, end) from S3 into `sinks` block by block as the response arrives (no range-sized
-        buffer, no copy of the whole range); an interrupted or truncated response is resumed at the first
-        byte not yet delivered, so every byte is delivered once."""
-        src, pos, problem = self.sources[shard], start, ""
-        for attempt in range(self.attempts):
-            if attempt:
+    def _retried(self, shard: str, start: int, end: int, tensors: list[str], attempt) -> None:
+        """Calls `attempt()` until it returns None; it returns what went wrong (a short read) or raises.
+        Transient storage errors (5xx, throttling, resets) are retried with backoff; the last failure is an
+        error naming the shard, the bytes and the tensors they hold."""
+        problem = ""
+        for i in range(self.attempts):
+            if i:
                 self.stats.add(retries=1)
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                time.sleep(self.backoff_s * 2 ** (i - 1))
             try:
-                self.stats.add(requests=1)
-                for block in _s3_blocks(self.fs, src.path, pos, end, STREAM_BLOCK):
-                    self._deliver(sinks, shard, pos, block)
-                    pos += len(block)
-                    self.stats.add(bytes_from_storage=len(block))
+                problem = attempt()
             except (FileNotFoundError, PermissionError) as e:
                 raise WeightsError(f"shard {shard}: cannot be read ({e})") from None
             except WeightsError:
                 raise
-            except Exception as e:  # noqa: BLE001 - 5xx, throttling, resets: storage clients raise many kinds
+            except Exception as e:  # noqa: BLE001 - storage clients raise many kinds
                 problem = f"{type(e).__name__}: {e}"
                 continue
-            if pos == end:
+            if problem is None:
                 return
-            problem = f"truncated read: {pos - start} of {end - start} bytes"
-        raise WeightsError(f"shard {shard}: bytes {start}-{end} (tensors {tensor_list(s.piece.tensor for s in sinks)}) "
+        raise WeightsError(f"shard {shard}: bytes {start}-{end} (tensors {tensor_list(tensors)}) "
                            f"failed after {self.attempts} attempts: {problem}")
+
+    def _stream_into(self, shard: str, start: int, end: int, sinks: list[_Sink]) -> None:
+        """Bytes [start, end) from S3 into `sinks` block by block as the response arrives (no range-sized
+        buffer, no copy of the whole range); an interrupted or truncated response is resumed at the first
+        byte not yet delivered, so every byte is delivered once."""
+        path, pos = self.sources[shard].path, start
+
+        def attempt() -> str | None:
+            nonlocal pos
+            self.stats.add(requests=1)
+            for block in _s3_blocks(self.fs, path, pos, end, STREAM_BLOCK):
+                self._deliver(sinks, shard, pos, block)
+                pos += len(block)
+                self.stats.add(bytes_from_storage=len(block))
+            return None if pos == end else f"truncated read: {pos - start} of {end - start} bytes"
+
+        self._retried(shard, start, end, [s.piece.tensor for s in sinks], attempt)
 
     def _read(self, shard: str, start: int, end: int, about: list[Piece], use_cache: bool = True) -> bytes:
         """Bytes [start, end) of `shard`, from the cache or storage; transient failures are retried."""
@@ -154,26 +166,20 @@ class RangeFetcher:
             if data is not None:
                 self.stats.add(bytes_from_cache=len(data))
                 return data
-        problem = ""
-        for attempt in range(self.attempts):
-            if attempt:
-                self.stats.add(retries=1)
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                data = self.fs.cat_file(src.path, start=start, end=end)
-            except (FileNotFoundError, PermissionError) as e:
-                raise WeightsError(f"shard {shard}: cannot be read ({e})") from None
-            except Exception as e:  # noqa: BLE001 - 5xx, throttling, resets: storage clients raise many kinds
-                problem = f"{type(e).__name__}: {e}"
-                continue
+        got = []
+
+        def attempt() -> str | None:
+            data = self.fs.cat_file(src.path, start=start, end=end)
             self.stats.add(requests=1, bytes_from_storage=len(data))
-            if len(data) == end - start:
-                if self.cache and src.etag:
-                    self.cache.put_range(src.path, src.etag, start, end, data)
-                return data
-            problem = f"truncated read: {len(data)} of {end - start} bytes"
-        raise WeightsError(f"shard {shard}: bytes {start}-{end} (tensors {tensor_list(p.tensor for p in about)}) "
-                           f"failed after {self.attempts} attempts: {problem}")
+            if len(data) != end - start:
+                return f"truncated read: {len(data)} of {end - start} bytes"
+            got.append(data)
+            return None
+
+        self._retried(shard, start, end, [p.tensor for p in about], attempt)
+        if self.cache and src.etag:
+            self.cache.put_range(src.path, src.etag, start, end, got[0])
+        return got[0]
 
     # -------------------------------------------------------------- delivering
 
