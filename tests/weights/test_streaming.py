@@ -113,7 +113,7 @@ def test_push_inspect_and_stream_each_rank_only_its_bytes(tiny_dir, s3_bucket, p
     assert proxy.ranged_gets == 0
 
 
-def test_faults_are_retried_or_name_the_shard_and_tensor(tiny_dir, s3_bucket, proxy):
+def test_faults_are_retried_or_name_the_shard_and_tensor(tiny_dir, s3_bucket, proxy, tmp_path):
     uri = f"s3://{s3_bucket}/tiny"
     _push(tiny_dir, uri, shard_size="2MB")  # one shard: every range read is a weight read
     proxy.fault_min_bytes = 64 * 1024  # the weight reads (one 1.2 MB range), not the shard header reads
@@ -122,6 +122,14 @@ def test_faults_are_retried_or_name_the_shard_and_tensor(tiny_dir, s3_bucket, pr
         proxy.inject(fault, count=2)
         out = stream_model(uri, CPU, F32, **fast)  # transient: retried (flips: re-read after the checksum)
         assert out.stats.verified_pieces == len(out.plan.pieces), fault
+    # A flipped byte streamed into the local cache is re-read and never stays cached.
+    proxy.inject("flip", count=1)
+    stream_model(uri, CPU, F32, cache_dir=str(tmp_path / "cache"), backoff_s=0.01)
+    from workers import storage
+
+    shard = storage.read_bytes(f"{uri}/model-00001-of-00001.safetensors")
+    cached = [f for f in (tmp_path / "cache").rglob("*-*") if not f.name.startswith(".")]
+    assert all(f.read_bytes() == shard[slice(*map(int, f.name.split("-")))] for f in cached)
     proxy.inject("truncate")
     with pytest.raises(WeightsError, match=r"shard model-00001-of-00001.safetensors: bytes \d+-\d+ \(tensors lm_head.weight.*failed after 2 attempts"):
         stream_model(uri, CPU, F32, attempts=2, **fast)

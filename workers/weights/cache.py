@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from contextlib import contextmanager
 
 ENV_CACHE_DIR = "MOETUNE_WEIGHTS_CACHE_DIR"
 
@@ -36,13 +37,23 @@ class RangeCache:
         except FileNotFoundError:
             return None
 
-    def _write(self, file: str, data) -> None:
-        # Ranks of one node share the cache: write aside, then rename (atomic), so no reader sees half a file.
+    @contextmanager
+    def _writing(self, file: str):
+        """A file to write; it appears under its name only if the block ends without an error. Ranks of one
+        node share the cache: written aside, then renamed (atomic), so no reader sees half a file."""
         os.makedirs(os.path.dirname(file), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), prefix=".part-")
-        with os.fdopen(fd, "wb") as f:
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+            os.replace(tmp, file)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def _write(self, file: str, data) -> None:
+        with self._writing(file) as f:
             f.write(data)
-        os.replace(tmp, file)
 
     def get_header(self, path: str, etag: str) -> bytes | None:
         return self._read(self._file(path, etag, "header"))
@@ -56,6 +67,10 @@ class RangeCache:
 
     def put_range(self, path: str, etag: str, start: int, end: int, data) -> None:
         self._write(self._file(path, etag, f"{start}-{end}"), data)
+
+    def writing_range(self, path: str, etag: str, start: int, end: int):
+        """A file to append a range's bytes to as they arrive; cached only if the block ends without an error."""
+        return self._writing(self._file(path, etag, f"{start}-{end}"))
 
     def drop_overlapping(self, path: str, etag: str, start: int, end: int) -> None:
         """Forgets cached ranges that overlap [start, end) (their bytes failed a checksum)."""

@@ -1,9 +1,9 @@
 """Concurrent range reads straight into their destination tensors, with a bound on bytes in flight.
 
 Merged ranges are cut into chunks; at most `max_inflight_bytes // chunk_bytes` chunks are read at once. From
-S3 without a local cache, a chunk's response is handed to the pieces it overlaps in 1 MiB blocks as it arrives
-(memory in flight: a block per chunk; an interrupted response resumes where it stopped); otherwise the whole
-chunk is read, copied into the pieces and dropped. A piece whose dtype matches and whose
+S3, a chunk's response is handed to the pieces it overlaps (and appended to its cache file) in 1 MiB blocks as
+it arrives (memory in flight: a block per chunk; an interrupted response resumes where it stopped); from other
+filesystems the whole chunk is read, copied into the pieces and dropped. A piece whose dtype matches and whose
 destination is contiguous on the CPU receives bytes in place; others go through a staging buffer of that
 one piece (dtype conversion, devices). A piece with a manifest checksum is verified once its last byte has
 arrived; a mismatch is read again from storage (up to `attempts` reads), then is an error naming the shard
@@ -17,6 +17,7 @@ import hashlib
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from workers.weights.errors import WeightsError, tensor_list
@@ -88,6 +89,7 @@ class _Sink:
         import torch
 
         self.piece, self.dest, self.missing = piece, dest, piece.nbytes
+        self.reread = False  # its bytes failed the checksum once: whatever cached them is suspect
         direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == torch_dtype(piece.dtype)
         self.direct = direct
         self.buffer = dest.view(-1).view(torch.uint8) if direct else None
@@ -145,18 +147,30 @@ class RangeFetcher:
         """Bytes [start, end) from S3 into `sinks` block by block as the response arrives (no range-sized
         buffer, no copy of the whole range); an interrupted or truncated response is resumed at the first
         byte not yet delivered, so every byte is delivered once."""
-        path, pos = self.sources[shard].path, start
+        src, pos = self.sources[shard], start
+        cached = self.cache.get_range(src.path, src.etag, start, end) if self.cache and src.etag else None
+        if cached is not None:
+            self.stats.add(bytes_from_cache=len(cached))
+            self._deliver(sinks, shard, start, cached)
+            return
 
-        def attempt() -> str | None:
+        def attempt(out) -> str | None:
             nonlocal pos
             self.stats.add(requests=1)
-            for block in _s3_blocks(self.fs, path, pos, end, STREAM_BLOCK):
+            for block in _s3_blocks(self.fs, src.path, pos, end, STREAM_BLOCK):
                 self._deliver(sinks, shard, pos, block)
+                if out:
+                    out.write(block)
                 pos += len(block)
                 self.stats.add(bytes_from_storage=len(block))
             return None if pos == end else f"truncated read: {pos - start} of {end - start} bytes"
 
-        self._retried(shard, start, end, [s.piece.tensor for s in sinks], attempt)
+        caching = self.cache.writing_range(src.path, src.etag, start, end) if self.cache and src.etag \
+            else nullcontext()
+        with caching as out:
+            self._retried(shard, start, end, [s.piece.tensor for s in sinks], lambda: attempt(out))
+        if self.cache and src.etag and any(s.reread for s in sinks):
+            self.cache.drop_overlapping(src.path, src.etag, start, end)  # it cached the corrupted bytes
 
     def _read(self, shard: str, start: int, end: int, about: list[Piece], use_cache: bool = True) -> bytes:
         """Bytes [start, end) of `shard`, from the cache or storage; transient failures are retried."""
@@ -209,6 +223,7 @@ class RangeFetcher:
                 if reads == self.attempts:
                     raise WeightsError(f"shard {p.shard}: tensor {p.tensor} does not match its manifest checksum "
                                        "(corrupted in storage or in transit)")
+                sink.reread = True  # before dropping: a range still streaming checks it after it is cached
                 src = self.sources[p.shard]
                 if self.cache and src.etag:
                     self.cache.drop_overlapping(src.path, src.etag, p.start, p.end)
@@ -226,8 +241,7 @@ class RangeFetcher:
             by_shard.setdefault(p.shard, []).append(_Sink(p, p.destination(params[p.param])))
         starts = {shard: [s.piece.start for s in sinks] for shard, sinks in by_shard.items()}
         self.stats.bytes_needed = sum(p.nbytes for p in pieces)
-        # The cache stores whole ranges, so with a cache every range is read whole first.
-        streaming = self.cache is None and hasattr(self.fs, "_call_s3")
+        streaming = hasattr(self.fs, "_call_s3")  # S3: responses are read as they arrive
 
         def run(shard: str, a: int, b: int) -> None:
             sinks = by_shard[shard]
