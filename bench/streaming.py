@@ -3,7 +3,7 @@ peak memory per rank at EP=2, against a local S3 server that serves ranged reads
 installed into a temporary folder; the moto server when npm cannot install it: slower, said in the output).
 
 A ~1 GiB bf16 checkpoint of the seed family (kimi_linear scaled up so routed experts hold ~97 % of the bytes)
-is generated, then uploaded by `moetune models push` (re-sharded, checksum manifest). Measured:
+is generated, then uploaded by the code of `moetune models push` (re-sharded, checksum manifest). Measured:
 
 1. throughput (EP=1, whole model, no local cache): bytes the plan needs / wall time of `stream_model` (shard
    headers, model skeleton, plan, range reads, checksum verification, writes into the parameters), against
