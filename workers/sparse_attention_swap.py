@@ -1,9 +1,10 @@
 """glm5_next's indexed (DSA) attention on kernels/sparse_attention instead of a dense T×S mask.
 
 transformers turns each layer's top-k indices into a dense boolean/additive mask and runs full attention under it.
-The swap keeps the model's own projections, indexer and cross-layer index sharing, and changes two things on each
-indexed-attention module: the indices are handed through unchanged instead of becoming a mask, and the attention
-call resolves to `moetune_sparse`, which attends over the selected keys only.
+The swap keeps the model's own projections and cross-layer index sharing, and changes three things on each
+indexed-attention module: its indexer becomes the query-chunked one (workers/glm5_next_indexer: same selection, no
+T×T tensor), the indices are handed through unchanged instead of becoming a mask, and the attention call resolves
+to `moetune_sparse`, which attends over the selected keys only.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def apply_sparse_attention_kernels(model, backend: str | None = None) -> int:
     model passed in part would leave unswapped layers on that config, which then fail with a clear TypeError."""
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
 
+    from workers.glm5_next_indexer import ChunkedGlm5NextIndexer
+
     modules = [m for m in model.modules() if isinstance(m, Glm5NextTextAttention)
                and m.__dict__.get("build_attention_mask_from_topk") is not _indices_as_mask]  # idempotent
     if not modules:
@@ -54,6 +57,8 @@ def apply_sparse_attention_kernels(model, backend: str | None = None) -> int:
     _register()
     for module in modules:
         module.build_attention_mask_from_topk = _indices_as_mask
+        if module.indexer is not None:  # a "shared" layer reuses the previous layer's indices
+            module.indexer.__class__ = ChunkedGlm5NextIndexer
         module.sparse_attention_backend = backend
         module.config._attn_implementation = ATTN_IMPLEMENTATION
     return len(modules)

@@ -1,6 +1,6 @@
 """End to end: a tiny random glm5_next (text path, two indexed-attention layers, the second reusing the first's
 top-k) with the sparse-attention kernel swapped in gives the same logits and LoRA gradients as transformers' own
-dense-mask attention."""
+dense-mask attention; the swap's chunked indexer selects what transformers' indexer selects without a T×T tensor."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
+from workers import glm5_next_indexer
 from workers.kernel_swaps import apply_kernel_swaps
 from workers.sparse_attention_swap import apply_sparse_attention_kernels
 
@@ -84,3 +86,66 @@ def test_swapped_model_matches_transformers(lora_model, how):
 
 def test_a_model_without_indexed_attention_is_left_alone():
     assert apply_sparse_attention_kernels(torch.nn.Linear(2, 2)) == 0
+
+
+def _indexers(**overrides):
+    """transformers' indexer with random weights (pool gate and position terms included) and its chunked twin."""
+    from transformers import Glm5NextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
+
+    config = Glm5NextConfig(text_config={**TEXT, **overrides}).text_config
+    torch.manual_seed(3)
+    stock = Glm5NextTextIndexer(config, layer_idx=1)
+    for p in stock.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    chunked = copy.deepcopy(stock)
+    chunked.__class__ = glm5_next_indexer.ChunkedGlm5NextIndexer
+    return stock, chunked
+
+
+def _indexer_inputs(config, seq_len, batch=2, pad=0):
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(batch, seq_len, config.hidden_size, generator=gen)
+    q_resid = torch.randn(batch, seq_len, config.q_lora_rank, generator=gen)
+    mask = torch.ones(batch, seq_len, dtype=torch.bool)
+    mask[0, :pad] = False  # left padding in one row: pools start at its first real token
+    return hidden, q_resid, mask
+
+
+@pytest.mark.parametrize("kpool,tail", [(2, True), (4, True), (4, False), (1, False)])
+def test_chunked_indexer_selects_what_transformers_selects(monkeypatch, kpool, tail):
+    stock, chunked = _indexers(index_kpool=kpool, index_kpool_always_select_tail=tail, index_topk=8)
+    inputs = _indexer_inputs(stock.config, seq_len=45, pad=6)
+    monkeypatch.setattr(glm5_next_indexer, "CHUNK_ELEMENTS", 2 * 2 * 45 * 7)  # 7 query rows per block: 7 blocks
+    want, got = stock(*inputs, cache=None), chunked(*inputs, cache=None)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert (got.sort(-1).values == want.sort(-1).values).all()  # the same set per query (order is topk's own)
+    assert (want >= 0).any(-1)[:, 10:].all() and (want < 0).any()  # non-trivial: selections and -1 slots
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the bytes of the largest storage any op allocates (views share their base's storage)."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def test_chunked_indexer_never_builds_a_txt_tensor(monkeypatch):
+    seq_len = 2048
+    stock, chunked = _indexers(index_kpool=2)
+    inputs = _indexer_inputs(stock.config, seq_len, batch=1)
+    monkeypatch.setattr(glm5_next_indexer, "CHUNK_ELEMENTS", 1 << 18)
+    with _LargestTensor() as stock_seen:
+        want = stock(*inputs, cache=None)
+    with _LargestTensor() as chunked_seen:
+        got = chunked(*inputs, cache=None)
+    assert stock_seen.largest >= seq_len * seq_len  # the hook sees transformers' T×T boolean mask
+    # at most CHUNK_ELEMENTS per block intermediate, 8 bytes each (the stock tail helper counts visible keys in int64)
+    assert chunked_seen.largest <= 8 * (1 << 18) < seq_len * seq_len, chunked_seen.largest
+    assert (got.sort(-1).values == want.sort(-1).values).all()
