@@ -51,6 +51,6 @@ class TenantResolver:
         return tenant
 
 
-def current_tenant(request: Request) -> str:
-    """FastAPI dependency for the public routes."""
+async def current_tenant(request: Request) -> str:
+    """FastAPI dependency for the public routes (async: it never blocks, so it skips the worker-thread hop)."""
     return request.app.state.tenant_resolver(request)

@@ -10,7 +10,7 @@ from service.auth import current_tenant
 from service.store import Store
 
 
-def get_store(request: Request) -> Store:
+async def get_store(request: Request) -> Store:  # async: no worker-thread hop for a lookup
     return request.app.state.store
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api.models import Checkpoint, ErrorResponse, Job, JobCreate, JobEvent, ListPage
@@ -72,8 +73,12 @@ def list_jobs(tenant: Tenant, store: StoreDep, after: str | None = None, limit: 
 
 
 @router.get("/{job_id}", response_model=Job)
-def retrieve_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
-    return job_view(_own_job(store, tenant, job_id))
+async def retrieve_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
+    """The most polled route (SDK wait, CLI, dashboards). A SQLite lookup is a local read shorter than a hop
+    to a worker thread, so it runs on the event loop; a database over the network is read from a thread."""
+    if store.reads_are_local:
+        return job_view(_own_job(store, tenant, job_id))
+    return job_view(await run_in_threadpool(_own_job, store, tenant, job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=Job)
