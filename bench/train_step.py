@@ -28,10 +28,10 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.ep.harness
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from tests.ep.harness import batch, launch, plain_model, spec  # noqa: E402
+from tests.ep.harness import batch, launch, plain_model, spec
 
 FAMILY = "kimi_linear"
 ATTENTION = ("KimiLinearAttention", "KimiLinearDeltaAttention")

@@ -18,7 +18,13 @@ from rich.console import Console
 
 from api.client import Client
 from api.models import JobCreate, JobStatus, LoraSpec, ParallelismSpec, TrainingSpec
-from service.embedded import control_plane_in_thread, free_port, local_ray_head, local_s3_server, s3_env
+from service.embedded import (
+    control_plane_in_thread,
+    free_port,
+    local_ray_head,
+    local_s3_server,
+    s3_env,
+)
 from service.progress import follow
 
 BUCKET = "moetune-demo"
@@ -40,7 +46,10 @@ def _download_dir(s3, uri: str, local: Path) -> None:
 
 
 def _make_assets(work: Path, s3) -> None:
-    from workers.tiny import write_tiny_checkpoint, write_tiny_dataset  # torch-heavy: only the demo needs it
+    from workers.tiny import (  # torch-heavy: only the demo needs it
+        write_tiny_checkpoint,
+        write_tiny_dataset,
+    )
 
     write_tiny_checkpoint(work / "model", seed=0)
     write_tiny_dataset(work / "train.jsonl", n_rows=256, seed=1)

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from api.models import Checkpoint, CheckpointMetrics, ErrorInfo, Job, JobCreate, JobEvent, Progress, TrainingSpec
+from api.models import (
+    Checkpoint,
+    CheckpointMetrics,
+    ErrorInfo,
+    Job,
+    JobCreate,
+    JobEvent,
+    Progress,
+    TrainingSpec,
+)
 
 EVENT_ID_PREFIX = "ftevent-"
 CHECKPOINT_ID_PREFIX = "ftckpt-"

@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
-from workers.ep_checkpoints import gather_expert_adapter, restore_expert_shards, save_expert_shards
+from workers.ep_checkpoints import (
+    gather_expert_adapter,
+    restore_expert_shards,
+    save_expert_shards,
+)
 
 
 def save_adapter(engine, local_dir: str, is_writer: bool) -> None:

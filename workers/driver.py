@@ -13,7 +13,13 @@ import os
 import sys
 import uuid
 
-from api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL, JobRunSpec
+from api.models import (
+    ENV_CALLBACK_URL,
+    ENV_JOB_TOKEN,
+    ENV_RUN_SPEC,
+    ENV_S3_ENDPOINT_URL,
+    JobRunSpec,
+)
 from workers import storage
 from workers.data import load_rows
 from workers.errors import JobError
@@ -21,7 +27,11 @@ from workers.lora import check_targets_on_config
 from workers.metrics import METRICS_ENV
 from workers.model import check_supported, read_remote_config
 from workers.reporter import Reporter
-from workers.resume import DEFAULT_MAX_WORKER_FAILURES, ENV_MAX_WORKER_FAILURES, paused_step
+from workers.resume import (
+    DEFAULT_MAX_WORKER_FAILURES,
+    ENV_MAX_WORKER_FAILURES,
+    paused_step,
+)
 from workers.train_loop import ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE
 
 log = logging.getLogger("moetune.driver")

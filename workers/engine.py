@@ -25,7 +25,10 @@ def deepspeed_config(spec: JobCreate, world_size: int, bf16: bool) -> dict:
 def _param_groups(model) -> list[dict]:
     """Trainable parameters; expert-parallel ones (expert LoRA) in their own groups, which DeepSpeed reduces
     only across the ranks holding the same experts."""
-    from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.moe.utils import (
+        is_moe_param,
+        split_params_into_different_moe_groups_for_optimizer,
+    )
 
     group = {"params": [p for p in model.parameters() if p.requires_grad], "name": "lora"}
     if not any(is_moe_param(p) for p in group["params"]):

@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.expert_compute import ExpertLoraFactors, GatedActivation, fused_expert_forward, grouped_expert_forward
+from workers.expert_compute import (
+    ExpertLoraFactors,
+    GatedActivation,
+    fused_expert_forward,
+    grouped_expert_forward,
+)
 from workers.metrics.alltoall import AllToAllStats
 
 EXPERT_PLACEMENT = "autoep_expert"  # DeepSpeed 0.19.8's ZeRO-3 placement family for expert-parallel tensors

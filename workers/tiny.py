@@ -134,6 +134,5 @@ def write_tiny_dataset(path: str, n_rows: int, seed: int = 0) -> str:
     """JSONL mixing `text` rows and chat `messages` rows; `path` is a local file path."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        for row in tiny_rows(n_rows, seed):
-            f.write(json.dumps(row) + "\n")
+        f.writelines(json.dumps(row) + "\n" for row in tiny_rows(n_rows, seed))
     return path

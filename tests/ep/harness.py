@@ -162,7 +162,12 @@ def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_
 def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
     """The same adapter as PEFT sees it: linear LoRA plus `target_parameters` LoRA on the fused experts, with the
     expert A drawn exactly as the engine draws them (B = 0)."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import (
+        LoraConfig,
+        get_peft_model,
+        get_peft_model_state_dict,
+        set_peft_model_state_dict,
+    )
 
     from workers.ep_adapter import TARGET_PARAMETERS, peft_expert_state
     from workers.expert_parallel import init_expert_lora_a

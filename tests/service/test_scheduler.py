@@ -6,7 +6,13 @@ import time
 import boto3
 import pytest
 
-from api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL, JobRunSpec
+from api.models import (
+    ENV_CALLBACK_URL,
+    ENV_JOB_TOKEN,
+    ENV_RUN_SPEC,
+    ENV_S3_ENDPOINT_URL,
+    JobRunSpec,
+)
 from service.embedded import free_port
 from service.scheduler import Scheduler, short_cause
 

@@ -3,8 +3,15 @@ import json
 import pytest
 
 from workers import storage
-from workers.data import (IGNORE, collate, eval_micro_batches, load_rows, step_micro_batches, tokenize_row,
-                          tokenize_rows)
+from workers.data import (
+    IGNORE,
+    collate,
+    eval_micro_batches,
+    load_rows,
+    step_micro_batches,
+    tokenize_row,
+    tokenize_rows,
+)
 from workers.errors import DatasetError
 from workers.tiny import tiny_rows
 

@@ -10,7 +10,13 @@ import time
 import pytest
 import torch
 
-from api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, JobCreate, JobRunSpec
+from api.models import (
+    ENV_CALLBACK_URL,
+    ENV_JOB_TOKEN,
+    ENV_RUN_SPEC,
+    JobCreate,
+    JobRunSpec,
+)
 from workers import storage
 from workers.data import collate, load_rows, step_micro_batches, tokenize_rows
 from workers.driver import root_cause, run_job

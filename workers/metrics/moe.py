@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from workers.metrics.expert_load import HOT_EXPERTS, ExpertLoad, LoadRatioHistogram, layer_stats
+from workers.metrics.expert_load import (
+    HOT_EXPERTS,
+    ExpertLoad,
+    LoadRatioHistogram,
+    layer_stats,
+)
 
 
 class MoEMetrics:
