@@ -105,7 +105,6 @@ class _Worker:
             swapped = {name: n for name, n in apply_kernel_swaps(model).items() if n}
             if swapped:
                 self.event("Custom kernels swapped in: " + ", ".join(f"{k} ({n} modules)" for k, n in swapped.items()))
-        # Experts beyond this rank's share are dropped right after loading (expert parallelism).
         self.model = trainable_model(model, self.spec)
         total = sum(p.numel() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
