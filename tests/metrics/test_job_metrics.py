@@ -94,7 +94,8 @@ def test_every_dashboard_panel_has_data_from_a_real_ep2_job(prometheus, s3_bucke
     assert max(per_layer) == len(LOAD_RATIO_BUCKETS) + 6 + HOT_EXPERTS
     (steps,) = prometheus.query_range(f'moetune_train_step{{job_id="{job}"}}', *window)
     seen = [float(v) for _, v in steps["values"]]
-    assert seen == sorted(seen) and len(set(seen)) >= 2 and seen[-1] <= STEPS  # the last steps may end unscraped
+    # On a quiet machine all steps may fit in one scrape interval; the last steps may end unscraped.
+    assert seen and seen == sorted(seen) and 1 <= seen[-1] <= STEPS
     assert last(f'moetune_train_grad_accum_steps{{job_id="{job}"}}') == [2.0, 2.0]
 
     # Every panel's every query returns data for this job (CUDA-only panels: none from CPU workers).
