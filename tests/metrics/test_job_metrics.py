@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
-from api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, JobCreate, JobRunSpec
+from api.models import (
+    ENV_CALLBACK_URL,
+    ENV_JOB_TOKEN,
+    SUMMARY_FILE,
+    JobCreate,
+    JobRunSpec,
+)
 from tests.metrics.conftest import REPO, SCRAPE_INTERVAL_S
 from workers import storage
 from workers.driver import run_job
@@ -92,10 +98,14 @@ def test_every_dashboard_panel_has_data_from_a_real_ep2_job(prometheus, s3_bucke
     # Bounded cardinality: the expert-load series do not grow with the number of experts.
     per_layer = last(f'count by (layer) ({{job_id="{job}", __name__=~"moetune_moe_.*"}})')
     assert max(per_layer) == len(LOAD_RATIO_BUCKETS) + 6 + HOT_EXPERTS
+    # Workers wait for a scrape of their counters' zeros before the first step and of their final values
+    # before they stop serving, so even a job shorter than a scrape interval is counted whole.
     (steps,) = prometheus.query_range(f'moetune_train_step{{job_id="{job}"}}', *window)
     seen = [float(v) for _, v in steps["values"]]
-    # On a quiet machine all steps may fit in one scrape interval; the last steps may end unscraped.
-    assert seen and seen == sorted(seen) and 1 <= seen[-1] <= STEPS
+    assert seen == sorted(seen) and seen[-1] == STEPS
+    summary = json.loads(storage.read_text(storage.join(run.output_uri, SUMMARY_FILE)))
+    (tokens,) = prometheus.query_range(f'moetune_train_tokens_total{{job_id="{job}"}}', *window)
+    assert [float(tokens["values"][i][1]) for i in (0, -1)] == [0, summary["trained_tokens"]]
     assert last(f'moetune_train_grad_accum_steps{{job_id="{job}"}}') == [2.0, 2.0]
 
     # Every panel's every query returns data for this job (CUDA-only panels: none from CPU workers).

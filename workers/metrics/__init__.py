@@ -53,6 +53,7 @@ class WorkerMetrics:
             self.tokens_per_second = self._gauge("moetune_train_tokens_per_second",
                                                  "Trained tokens per second over all ranks in the last step")
             self.tokens = self._counter("moetune_train_tokens", "Trained (non-padding) tokens over all ranks")
+            self.tokens.labels(*self.labels.values())  # from 0 before the first step, so rate() sees that step
             self.tokens_counted = 0
         self.set_phase("loading")
         self.exporter = Exporter(self.registry, local_rank, _node_address(), f"{job_id}-rank{rank}")
@@ -76,6 +77,7 @@ class WorkerMetrics:
 
         self.moe = MoEMetrics(model, self.registry, self.labels, export_load=self.chief)
         self.set_phase("training")
+        self.exporter.await_scrape()  # the counters' zeros, so that rate() and increase() count the first step
 
     def step_end(self, worker, record: dict, seconds: float) -> None:
         """After each optimizer step, on every rank (the expert-load sum is a collective). The worker carries

@@ -5,24 +5,62 @@ PodMonitor can name them). If that port is taken (two jobs' workers on one machi
 free port instead and says so in a job event. With MOETUNE_METRICS_TARGETS_DIR set, each worker also writes
 its address there as a Prometheus file_sd target file (removed when the worker ends), which is how a
 Prometheus outside Kubernetes finds workers on any port.
+
+A worker that is being scraped waits for one more scrape (at most two of the intervals it has seen, never
+over SCRAPE_WAIT_MAX_S) twice: when training starts, so that counters are seen at 0 before the first step
+(rate() and increase() cannot count what happened before a series' first sample), and when it ends, so that
+the last steps' values, often the whole of a short job's counters, reach Prometheus.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR = "MOETUNE_METRICS_PORT", "MOETUNE_METRICS_TARGETS_DIR"
 METRICS_ENV = (ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR)  # forwarded from the driver to every worker
 DEFAULT_PORT = 9470
+SCRAPE_WAIT_MAX_S = 60.0
+
+
+class ScrapeWatch:
+    """A collector that yields nothing: the registry calls collect() once per scrape, which is all it records."""
+
+    def __init__(self):
+        self.changed = threading.Condition()
+        self.scrapes, self.last_at, self.interval = 0, None, None
+
+    def describe(self) -> list:
+        return []  # without this, registering would call collect() and count a scrape that never happened
+
+    def collect(self) -> list:
+        with self.changed:
+            now = time.monotonic()
+            if self.last_at is not None:
+                self.interval = now - self.last_at
+            self.scrapes, self.last_at = self.scrapes + 1, now
+            self.changed.notify_all()
+        return []
+
+    def await_next(self) -> bool:
+        """Waits for a scrape that starts from now on; False at once if nothing has ever scraped."""
+        with self.changed:
+            if not self.scrapes:
+                return False
+            seen = self.scrapes
+            timeout = min(2 * self.interval, SCRAPE_WAIT_MAX_S) if self.interval else SCRAPE_WAIT_MAX_S
+            return self.changed.wait_for(lambda: self.scrapes > seen, timeout)
 
 
 class Exporter:
     def __init__(self, registry: CollectorRegistry, local_rank: int, host: str, target_name: str):
         self.server = self.target_file = None
         self.warnings: list[str] = []
+        self.scrape_watch = ScrapeWatch()
         setting = os.environ.get(ENV_METRICS_PORT, str(DEFAULT_PORT)).strip()
         if setting == "off":
             return
@@ -32,6 +70,7 @@ class Exporter:
             self.warnings.append(f"{ENV_METRICS_PORT}={setting!r} is not a port number or 'off': metrics not served")
             return
         wanted = base + local_rank if base else 0  # 0: any free port (tests, several jobs on one machine)
+        registry.register(self.scrape_watch)
         try:
             self.server, _ = start_http_server(wanted, registry=registry)
         except OSError as e:
@@ -48,7 +87,14 @@ class Exporter:
                 json.dump([{"targets": [self.address]}], f)
             os.replace(staging, self.target_file)
 
+    def await_scrape(self) -> bool:
+        """Returns after the next scrape (True), or at once if nothing scrapes this worker (False)."""
+        return bool(self.server) and self.scrape_watch.await_next()
+
     def close(self) -> None:
+        """After a final scrape, withdraws the target and stops serving. A response still being written
+        finishes: only the listening socket closes."""
+        self.await_scrape()
         if self.target_file:
             try:
                 os.remove(self.target_file)

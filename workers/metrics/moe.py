@@ -27,12 +27,18 @@ class MoEMetrics:
         self.a2a_bytes = counter("moetune_alltoall_sent_bytes",
                                  "Token all-to-all bytes this rank sent to other ranks (forward and backward)")
         self.a2a_seconds = counter("moetune_alltoall_seconds", "Time this rank spent in token all-to-all exchanges")
+        counters = [self.a2a_bytes, self.a2a_seconds]
+        if export_load:
+            self.routed = counter("moetune_moe_routed_tokens", "Token-to-expert assignments (a token counts once "
+                                                               "per chosen expert), all ranks")
+            counters.append(self.routed)
+        for layer in self.load.layers:  # counters start at 0 when training starts: rate() sees the first step
+            for c in counters:
+                c.labels(*self.base, layer)
         if not export_load:
             return
         self.histogram = LoadRatioHistogram(labels, self.load.layers)
         registry.register(self.histogram)
-        self.routed = counter("moetune_moe_routed_tokens", "Token-to-expert assignments (a token counts once per "
-                                                           "chosen expert), all ranks")
         self.imbalance = gauge("moetune_moe_load_imbalance_ratio", "Max over mean expert load in the last step")
         self.cv = gauge("moetune_moe_load_cv", "Coefficient of variation of the expert loads in the last step")
         self.aux_loss = gauge("moetune_moe_aux_loss", "Balance loss E*sum(f_i*P_i) of the last step (1 = balanced)")

@@ -1,0 +1,53 @@
+"""The worker exporter's scrape waits, scraped over real HTTP (a GET is all a Prometheus scrape is)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+from prometheus_client import CollectorRegistry, Gauge
+
+from workers.metrics.exporter import ENV_METRICS_PORT, Exporter
+
+
+def _exporter(monkeypatch) -> tuple[Exporter, Gauge, str]:
+    monkeypatch.setenv(ENV_METRICS_PORT, "0")
+    registry = CollectorRegistry()
+    step = Gauge("moetune_test_step", "step", registry=registry)
+    exporter = Exporter(registry, local_rank=0, host="127.0.0.1", target_name="t")
+    return exporter, step, f"http://{exporter.address}/metrics"
+
+
+def test_unscraped_worker_never_waits(monkeypatch):
+    exporter, _, _ = _exporter(monkeypatch)
+    started = time.monotonic()
+    assert exporter.await_scrape() is False
+    exporter.close()
+    assert time.monotonic() - started < 1
+
+
+def test_close_waits_for_a_scrape_of_the_final_values(monkeypatch):
+    exporter, step, url = _exporter(monkeypatch)
+    for _ in range(2):  # a scraper 0.2 s apart: the wait is bounded by two such intervals
+        httpx.get(url)
+        time.sleep(0.2)
+    step.set(8)
+    closing = threading.Thread(target=exporter.close)
+    closing.start()
+    time.sleep(0.1)
+    assert closing.is_alive(), "close() returned before the final values were scraped"
+    final = httpx.get(url).text
+    closing.join(timeout=5)
+    assert not closing.is_alive() and "moetune_test_step 8.0" in final
+
+
+def test_wait_gives_up_when_scraping_stops(monkeypatch):
+    exporter, _, url = _exporter(monkeypatch)
+    for _ in range(2):
+        httpx.get(url)
+        time.sleep(0.2)
+    started = time.monotonic()
+    assert exporter.await_scrape() is False
+    assert 0.3 < time.monotonic() - started < 2  # two observed intervals, not SCRAPE_WAIT_MAX_S
+    exporter.close()
