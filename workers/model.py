@@ -8,6 +8,7 @@ from api.families import check_model_spec
 from api.models import JobCreate, SpecError
 from workers import storage
 from workers.errors import JobError
+from workers.weights.cache import ENV_CACHE_MAX_GB
 
 
 def check_supported(spec: JobCreate, config: dict) -> None:
@@ -79,10 +80,14 @@ def load_summary(streamed, ep_size: int) -> tuple[str, dict]:
     data = {"load_seconds": round(streamed.seconds, 3), "bytes_needed": s.bytes_needed,
             "bytes_from_storage": s.bytes_from_storage, "bytes_from_cache": s.bytes_from_cache,
             "throughput_mib_s": round(read / 2**20 / max(streamed.seconds, 1e-9), 1), "requests": s.requests,
-            "retries": s.retries, "integrity": "verified" if streamed.verified else "unverified",
+            "retries": s.retries, "bytes_not_cached": s.bytes_not_cached,
+            "integrity": "verified" if streamed.verified else "unverified",
             "expert_parallel_size": ep_size}
     message = (f"Weights streamed: {read / 2**20:.1f} MiB in {streamed.seconds:.2f}s "
                f"({data['throughput_mib_s']} MiB/s; {s.bytes_from_cache / 2**20:.1f} MiB from the local cache)")
+    if s.bytes_not_cached:
+        message += (f"; {s.bytes_not_cached / 2**20:.1f} MiB not cached: the local weights cache is full "
+                    f"({ENV_CACHE_MAX_GB} or its disk's free-space floor)")
     if not streamed.verified:
         message += "; integrity unverified: the checkpoint has no moetune-manifest.json (push it with `moetune models push`)"
     return message, data

@@ -42,7 +42,7 @@ VALUE_SETS: dict[str, dict] = {
                  "rayStartParams": {"num-cpus": "64"},
                  "resources": {"limits": {"cpu": "64", "memory": "900Gi", "nvidia.com/gpu": 8},
                                "requests": {"cpu": "64", "memory": "900Gi", "nvidia.com/gpu": 8}},
-                 "shmSize": "128Gi", "nodeSelector": {"node-pool": "h200"},
+                 "shmSize": "128Gi", "weightsCacheGiB": 1000, "nodeSelector": {"node-pool": "h200"},
                  "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
                 {"name": "a100", "replicas": 0, "minReplicas": 0, "maxReplicas": 2,
                  "resources": {"limits": {"nvidia.com/gpu": 4}}, "shmSize": "32Gi"},

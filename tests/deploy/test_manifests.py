@@ -126,6 +126,18 @@ def test_ray_groups_get_their_resources_replicas_scheduling_and_a_memory_backed_
             assert pod.get("nodeSelector", {}) == group.get("nodeSelector", {})
             assert pod.get("tolerations", []) == group.get("tolerations", [])
             assert pod.get("serviceAccountName", "") == ray["serviceAccountName"]
+            # The weights cache: an emptyDir of the group's size, capped at 90 % of it; off without one.
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            size = group.get("weightsCacheGiB", 0)
+            cache = [v for v in pod["volumes"] if v["name"] == "weights-cache"]
+            if size:
+                assert cache == [{"name": "weights-cache", "emptyDir": {"sizeLimit": f"{size}Gi"}}]
+                assert {"name": "weights-cache", "mountPath": env["MOETUNE_WEIGHTS_CACHE_DIR"]} in \
+                    container["volumeMounts"]
+                assert int(env["MOETUNE_WEIGHTS_CACHE_MAX_GB"]) == int(size * 2**30 * 0.9 / 1e9)
+            else:
+                assert not cache and env["MOETUNE_WEIGHTS_CACHE_DIR"] == ""
+                assert "MOETUNE_WEIGHTS_CACHE_MAX_GB" not in env
 
 
 def test_default_cluster_puts_gpus_on_workers_and_none_on_the_head(render):

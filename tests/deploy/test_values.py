@@ -22,6 +22,8 @@ def test_the_schema_accepts_the_defaults_and_every_value_set(chart, value_set):
                                 "resources": {}, "shmSize": "8Gi"}]}}, "/ray/workerGroups/0/name"),
     ({"ray": {"workerGroups": []}}, "/ray/workerGroups"),
     ({"ray": {"head": {"shmSize": "8 GB"}}}, "/ray/head/shmSize"),
+    ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "resources": {},
+                                "shmSize": "8Gi", "weightsCacheGiB": "400Gi"}]}}, "/ray/workerGroups/0/weightsCacheGiB"),
     ({"controlPlane": {"replicas": 2}}, "/controlPlane/replicas"),
     ({"controlPlane": {"replcas": 1}}, "/controlPlane"),
     ({"controlPlane": {"maxRunningJobs": -1}}, "/controlPlane/maxRunningJobs"),

@@ -14,6 +14,8 @@ from safetensors import safe_open
 from api.models import ENV_S3_ENDPOINT_URL
 from service.cli import main
 from tests.weights.proxy import FaultProxy
+from workers.model import load_summary
+from workers.weights.cache import RangeCache
 from workers.weights.errors import WeightsError
 from workers.weights.loader import stream_model
 
@@ -162,3 +164,58 @@ def test_missing_tensor_and_shape_mismatch_list_the_names(tiny_dir, tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightsError, match=r"shape mismatch between checkpoint and model: .*model\.embed_tokens"):
         stream_model(f"file://{broken}", CPU, F32, cache_dir="")
+
+
+def test_cache_stays_under_its_cap_evicting_least_recently_used(tiny_dir, s3_bucket, proxy, tmp_path, monkeypatch):
+    uri = f"s3://{s3_bucket}/tiny-capped"
+    _push(tiny_dir, uri)  # several 300 KB shards: one cached object per shard
+    root = tmp_path / "cache"
+
+    def cached_bytes() -> int:
+        return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and f.parent != root)
+
+    unbounded = stream_model(uri, CPU, F32, cache_dir=str(root))
+    total = cached_bytes()
+    assert unbounded.stats.bytes_not_cached == 0 and total >= unbounded.stats.bytes_needed
+    assert int((root / ".bytes").read_text()) == total  # the node's shared count matches the disk
+
+    cap = total // 2  # room for about half: every load evicts, never exceeds the cap, and stays exact
+    monkeypatch.setenv("MOETUNE_WEIGHTS_CACHE_MAX_GB", str(cap / 1e9))
+    reference = _reference(tiny_dir)
+    for _ in range(2):
+        proxy.reset_counts()
+        out = stream_model(uri, CPU, F32, cache_dir=str(root))
+        assert cached_bytes() <= cap and int((root / ".bytes").read_text()) == cached_bytes()
+        assert 0 < out.stats.bytes_from_cache < out.stats.bytes_needed  # the survivors served, the rest re-read
+        assert out.stats.bytes_from_storage + out.stats.bytes_from_cache >= out.stats.bytes_needed
+        state = out.model.state_dict()
+        assert all(torch.equal(state[k], reference[k]) for k in reference)
+
+    monkeypatch.setenv("MOETUNE_WEIGHTS_CACHE_MAX_GB", "0")  # nothing fits: loads go on, uncached, and say so
+    shutil.rmtree(root)
+    out = stream_model(uri, CPU, F32, cache_dir=str(root))
+    assert out.stats.bytes_not_cached >= out.stats.bytes_needed and cached_bytes() == 0
+    message, data = load_summary(out, ep_size=1)
+    assert "not cached: the local weights cache is full" in message and data["bytes_not_cached"] > 0
+
+    monkeypatch.setenv("MOETUNE_WEIGHTS_CACHE_MAX_GB", "lots")
+    with pytest.raises(ValueError, match="MOETUNE_WEIGHTS_CACHE_MAX_GB='lots': expected a size in GB"):
+        stream_model(uri, CPU, F32, cache_dir=str(root))
+
+
+def test_cache_keeps_a_free_space_floor_on_its_disk(tmp_path):
+    full = RangeCache(str(tmp_path / "c"), min_free_fraction=1.0)  # a disk that is always "too full"
+    full.put_range("bucket/shard", "etag", 0, 4, b"abcd")
+    assert full.get_range("bucket/shard", "etag", 0, 4) is None and full.skipped_bytes == 4
+    roomy = RangeCache(str(tmp_path / "c"))
+    roomy.put_range("bucket/shard", "etag", 0, 4, b"abcd")
+    assert roomy.get_range("bucket/shard", "etag", 0, 4) == b"abcd" and roomy.skipped_bytes == 0
+
+    # A killed writer's half-written file is dropped (and uncounted) once it is an hour old, not before.
+    (cached,) = (tmp_path / "c").rglob("0-4")
+    fresh, stale = cached.parent / ".part-fresh", cached.parent / ".part-stale"
+    for f in (fresh, stale):
+        f.write_bytes(b"x" * 10)
+    os.utime(stale, (0, 0))
+    RangeCache(str(tmp_path / "c"))
+    assert fresh.exists() and not stale.exists() and (tmp_path / "c" / ".bytes").read_text() == "14"

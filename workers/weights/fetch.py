@@ -63,6 +63,7 @@ class FetchStats:
     bytes_from_storage: int = 0
     bytes_from_cache: int = 0
     bytes_needed: int = 0
+    bytes_not_cached: int = 0  # the local cache had no room for them
     requests: int = 0
     retries: int = 0
     verified_pieces: int = 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from workers import storage
 from workers.weights import manifest as manifest_file
-from workers.weights.cache import RangeCache, default_cache_dir
+from workers.weights.cache import RangeCache, default_cache_dir, default_max_bytes
 from workers.weights.errors import WeightsError
 from workers.weights.fetch import FetchStats, RangeFetcher, Source
 from workers.weights.header import TensorInfo, read_header
@@ -173,13 +173,14 @@ def stream_model(uri: str, device, dtype, ep_rank: int = 0, ep_size: int = 1, ca
     """This rank's model from the checkpoint at `uri`: non-expert tensors in full, experts of its EP share."""
     started = time.perf_counter()
     cache_dir = default_cache_dir() if cache_dir is None else cache_dir
-    cache = RangeCache(cache_dir) if cache_dir else None
+    cache = RangeCache(cache_dir, default_max_bytes()) if cache_dir else None
     ckpt = open_checkpoint(uri, cache)
     model = empty_model(ckpt.config, dtype)
     plan = plan_for(ckpt, model, ep_rank, ep_size)
     shares = expert_shares(model, ep_rank, ep_size)
     targets = _allocate(model, allocated_shapes(model, shares), device)
     stats = RangeFetcher(ckpt.fs, ckpt.sources, cache, **fetch_options).load(plan.pieces, targets)
+    stats.bytes_not_cached = cache.skipped_bytes if cache else 0
     model.to(device)  # the buffers; parameters are there already
     _mark_local_experts(model, shares)
     model.eval()  # as from_pretrained returns it

@@ -166,6 +166,7 @@ app.kubernetes.io/component: control-plane
 {{- define "moetune.rayPodTemplate" -}}
 {{- $root := .root }}
 {{- $ray := $root.Values.ray }}
+{{- $cacheGiB := int (default 0 .group.weightsCacheGiB) }}
 metadata:
   labels:
     {{- include "moetune.selectorLabels" $root | nindent 4 }}
@@ -190,19 +191,34 @@ spec:
       imagePullPolicy: {{ default $root.Values.image.pullPolicy $ray.image.pullPolicy }}
       ports:
         {{- toYaml .ports | nindent 8 }}
-      {{- with include "moetune.rayEnv" $root }}
-      env: {{- . | trim | nindent 8 }}
-      {{- end }}
+      env: {{- include "moetune.rayEnv" $root | trim | nindent 8 }}
+        {{- /* Off without a volume: the container's writable layer is no place for terabytes. The cap is 90 %
+        of the volume in GB, so the cache evicts before the kubelet evicts the pod. */}}
+        - name: MOETUNE_WEIGHTS_CACHE_DIR
+          value: {{ if $cacheGiB }}/var/cache/moetune/weights{{ else }}""{{ end }}
+        {{- if $cacheGiB }}
+        - name: MOETUNE_WEIGHTS_CACHE_MAX_GB
+          value: {{ div (mul $cacheGiB 966367641) 1000000000 | quote }}
+        {{- end }}
       resources:
         {{- toYaml .group.resources | nindent 8 }}
       volumeMounts:
         - name: shm
           mountPath: /dev/shm
+        {{- if $cacheGiB }}
+        - name: weights-cache
+          mountPath: /var/cache/moetune/weights
+        {{- end }}
   volumes:
     - name: shm
       emptyDir:
         medium: Memory
         sizeLimit: {{ .group.shmSize }}
+    {{- if $cacheGiB }}
+    - name: weights-cache
+      emptyDir:
+        sizeLimit: {{ $cacheGiB }}Gi
+    {{- end }}
   {{- with .group.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
