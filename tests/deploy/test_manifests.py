@@ -107,6 +107,21 @@ def test_every_ray_container_and_the_control_plane_share_the_ray_auth_token(rend
     assert len(refs) == 1 and (None not in refs) == enabled, refs
 
 
+def test_storage_keys_reach_ray_pods_from_their_secret_never_through_a_jobs_runtime_env(chart, rendered):
+    def key_refs(container) -> str:
+        env = {v["name"]: v for v in container.get("env", [])}
+        return json.dumps([env[k]["valueFrom"] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if k in env],
+                          sort_keys=True)
+
+    refs = {key_refs(rendered.control_plane)}
+    for cluster in rendered.find("RayCluster"):
+        refs |= {key_refs(c) for t in ray_pod_templates(cluster) for c in t["spec"]["containers"]}
+    s3 = rendered.values.get("s3", {})
+    assert len(refs) == 1 and (refs != {"[]"}) == bool(s3.get("existingSecret") or s3.get("accessKeyId")), refs
+    passthrough = chart.merge_values(rendered.values)["controlPlane"]["workerEnvPassthrough"]
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} & set(passthrough)
+
+
 def test_ray_groups_get_their_resources_replicas_scheduling_and_a_memory_backed_dev_shm(chart, rendered):
     ray = chart.merge_values(rendered.values)["ray"]
     for cluster in rendered.find("RayCluster"):

@@ -78,6 +78,23 @@ app.kubernetes.io/component: control-plane
 {{- if or .Values.s3.existingSecret .Values.s3.accessKeyId }}true{{ end }}
 {{- end }}
 
+{{/* Static storage keys from their Secret: the control plane's and the Ray pods' (jobs inherit them from the
+pod, so they never travel in a job's runtime_env, which Ray's dashboard shows). */}}
+{{- define "moetune.s3KeyEnv" -}}
+{{- if include "moetune.s3HasKeys" . }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "moetune.s3Secret" . }}
+      key: {{ .Values.s3.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "moetune.s3Secret" . }}
+      key: {{ .Values.s3.secretAccessKeyKey }}
+{{- end }}
+{{- end }}
+
 {{- define "moetune.databaseSecret" -}}
 {{- default (printf "%s-database" (include "moetune.fullname" .)) .Values.database.existingSecret }}
 {{- end }}
@@ -155,6 +172,7 @@ app.kubernetes.io/component: control-plane
 {{/* Environment of every Ray container: token auth, the training workers' metrics port, ray.env. */}}
 {{- define "moetune.rayEnv" -}}
 {{- include "moetune.rayAuthEnv" . }}
+{{- include "moetune.s3KeyEnv" . }}
 - name: MOETUNE_METRICS_PORT
   value: {{ .Values.monitoring.rayPodMonitor.trainingPort | quote }}
 {{- with .Values.ray.env }}
