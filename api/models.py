@@ -10,7 +10,7 @@ import re
 from enum import StrEnum
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # memory:// is deliberately absent: it lives in one process and Ray workers are others.
 URI_SCHEMES = ("s3://", "file://")
@@ -76,6 +76,8 @@ class TrainingSpec(_Strict):
     seq_len: int = Field(512, ge=8, le=1_048_576)
     eval_every: int | None = Field(None, ge=1)
     checkpoint_every: int | None = Field(None, ge=1)
+    # Keep only the newest N complete checkpoints (older ones are deleted from storage and the list); None: all.
+    keep_checkpoints: int | None = Field(None, ge=1)
     # moetune's kernels (kernels/) replace the family's attention cores; False keeps transformers' own code.
     custom_kernels: bool = True
 
@@ -304,6 +306,16 @@ class CheckpointReport(BaseModel):
     step_number: int
     uri: str
     metrics: CheckpointMetrics
+    # Older checkpoints this one replaces (training.keep_checkpoints): no longer listed once the report is
+    # accepted; the workers delete them from storage after that.
+    retired_steps: list[int] = Field(default_factory=list)
+
+    @field_validator("retired_steps")
+    @classmethod
+    def _retires_only_older(cls, steps: list[int], info: ValidationInfo) -> list[int]:
+        if any(step >= info.data.get("step_number", 0) for step in steps):
+            raise ValueError("must be older than step_number")
+        return steps
 
 
 class ResultReport(BaseModel):

@@ -86,9 +86,11 @@ def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated
         store.add_event(job.id, report.message, report.level, report.type, report.data, change_job=updater)
     elif isinstance(report, CheckpointReport):
         _check_complete(job, report, request.app.state.settings.s3_endpoint_url)
-        store.add_checkpoint(job.id, report.step_number, report.uri, report.metrics.model_dump())
-        store.add_event(job.id, f"Checkpoint saved at step {report.step_number}: {report.uri}",
-                        data={"step": report.step_number, "uri": report.uri})
+        store.add_checkpoint(job.id, report.step_number, report.uri, report.metrics.model_dump(),
+                             report.retired_steps)
+        retired = "".join(f"; retired step-{s}" for s in report.retired_steps)
+        store.add_event(job.id, f"Checkpoint saved at step {report.step_number}: {report.uri}{retired}",
+                        data={"step": report.step_number, "uri": report.uri, "retired_steps": report.retired_steps})
     else:
         finish_job(store, job, report)
     return ReportAck(control="pause" if store.get_job(job.id).status == JobStatus.pausing else None)

@@ -27,6 +27,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     create_engine,
+    delete,
     event,
     func,
     or_,
@@ -307,8 +308,13 @@ class Store:
 
     # ------------------------------------------------------------ checkpoints
 
-    def add_checkpoint(self, job_id: str, step_number: int, uri: str, metrics: dict) -> None:
+    def add_checkpoint(self, job_id: str, step_number: int, uri: str, metrics: dict,
+                       retired_steps: list[int] = ()) -> None:
+        """Lists a new checkpoint and, in the same transaction, stops listing the ones it retires."""
         with self._write() as s:
+            if retired_steps:
+                s.execute(delete(CheckpointRow).where(CheckpointRow.job_id == job_id,
+                                                      CheckpointRow.step_number.in_(list(retired_steps))))
             s.add(CheckpointRow(job_id=job_id, created_at=time.time(), step_number=step_number, uri=uri,
                                 metrics=metrics))
 

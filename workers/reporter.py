@@ -69,8 +69,9 @@ class Reporter:
         summary = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
         return self.event(f"Step {step}: {summary}", type="metrics", data={"step": step, **values})
 
-    def checkpoint(self, step: int, uri: str, **metrics: Any):
-        return self.send(CheckpointReport(step_number=step, uri=uri, metrics=CheckpointMetrics(step=step, **metrics)))
+    def checkpoint(self, step: int, uri: str, retired_steps: list[int] = (), **metrics: Any):
+        return self.send(CheckpointReport(step_number=step, uri=uri, metrics=CheckpointMetrics(step=step, **metrics),
+                                          retired_steps=list(retired_steps)))
 
     def succeeded(self, fine_tuned_model: str, result_files: list[str], trained_tokens: int | None):
         return self.send(ResultReport(status="succeeded", fine_tuned_model=fine_tuned_model,

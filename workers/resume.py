@@ -10,6 +10,7 @@ lost worker (the same driver run already started a group) from a resume after pa
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import posixpath
@@ -70,22 +71,51 @@ class ResumePoint:
     state: dict  # TRAINER_STATE of that checkpoint
 
 
-def latest_checkpoint(output_uri: str) -> ResumePoint | None:
-    """The newest complete checkpoint whose listed files are all there, or None."""
+def _steps(output_uri: str, inside: str = "") -> list[int]:
+    """Newest first: the steps of the `step-<N>` directories (only those holding `inside`, when given)."""
     fs, root = storage.filesystem(storage.join(output_uri, CHECKPOINTS_DIR))
     root = root.rstrip("/")
     fs.invalidate_cache(root)
-    steps = []
-    for path in fs.glob(f"{root}/step-*/{MANIFEST}"):
-        match = _STEP_DIR.fullmatch(posixpath.basename(posixpath.dirname(path)))
+    steps = set()
+    for path in fs.glob(f"{root}/step-*" + (f"/{inside}" if inside else "")):
+        match = _STEP_DIR.fullmatch(posixpath.relpath(path, root).split("/")[0])
         if match:
-            steps.append(int(match.group(1)))
-    for step in sorted(steps, reverse=True):
+            steps.add(int(match.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def _complete(output_uri: str):
+    """Newest first: (step, uri) of each complete checkpoint whose listed files are all there."""
+    for step in _steps(output_uri, MANIFEST):
         uri = checkpoint_uri(output_uri, step)
         manifest = json.loads(storage.read_text(storage.join(uri, MANIFEST)))
         if manifest.get("step") == step and _is_intact(uri, manifest):
-            return ResumePoint(step, uri, json.loads(storage.read_text(storage.join(uri, TRAINER_STATE))))
-    return None
+            yield step, uri
+
+
+def latest_checkpoint(output_uri: str) -> ResumePoint | None:
+    """The newest complete checkpoint whose listed files are all there, or None."""
+    newest = next(_complete(output_uri), None)
+    if newest is None:
+        return None
+    step, uri = newest
+    return ResumePoint(step, uri, json.loads(storage.read_text(storage.join(uri, TRAINER_STATE))))
+
+
+def retired_checkpoints(output_uri: str, keep: int) -> list[int]:
+    """Steps of the checkpoint directories older than the newest `keep` complete ones (complete or not)."""
+    kept = [step for step, _ in itertools.islice(_complete(output_uri), keep)]
+    if len(kept) < keep:
+        return []
+    return [step for step in _steps(output_uri) if step < kept[-1]]
+
+
+def delete_checkpoint(output_uri: str, step: int) -> None:
+    uri = checkpoint_uri(output_uri, step)
+    retract_manifest(uri)  # incomplete before any file goes: nothing resumes from half of it
+    fs, path = storage.filesystem(uri)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
 
 
 def _attempt_marker(output_uri: str, attempt: str) -> str:

@@ -31,9 +31,11 @@ from workers.model import (
 from workers.reporter import Reporter
 from workers.resume import (
     checkpoint_uri,
+    delete_checkpoint,
     latest_checkpoint,
     mark_group_started,
     resume_reason,
+    retired_checkpoints,
     retract_manifest,
     save_trainer_state,
     write_manifest,
@@ -162,7 +164,13 @@ class _Worker:
         self.barrier()  # every node's files are up: only now may the manifest say the checkpoint is complete
         if self.chief:
             write_manifest(uri, step)
-            self.reporter.checkpoint(step, uri, train_loss=record["train_loss"], valid_loss=record.get("valid_loss"))
+            keep = self.run.spec.training.keep_checkpoints
+            retired = retired_checkpoints(self.run.output_uri, keep) if keep else []
+            listed = self.reporter.checkpoint(step, uri, retired, train_loss=record["train_loss"],
+                                              valid_loss=record.get("valid_loss"))
+            if listed or self.reporter.url is None:  # never delete what the control plane may still list
+                for old in retired:
+                    delete_checkpoint(self.run.output_uri, old)
 
     def resume(self) -> tuple[int, int]:
         """Loads the newest complete checkpoint into the engine, if any: (its step, trained tokens so far).

@@ -55,7 +55,7 @@ def _loss_on_rows(model, tokenizer, rows: list[dict]) -> float:
 
 
 def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, tiny_assets, tmp_path):
-    job = client_a.jobs.create(_spec(tiny_assets, eval_every=6, checkpoint_every=6))
+    job = client_a.jobs.create(_spec(tiny_assets, eval_every=6, checkpoint_every=4, keep_checkpoints=2))
     assert job.status in (JobStatus.validating_files, JobStatus.queued)
 
     events = list(client_a.jobs.stream_events(job.id))  # the live SSE stream ends when the job does
@@ -70,11 +70,17 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, tiny
     assert job.trained_tokens and job.trained_tokens > 0
     assert job.progress.step == 12
 
+    # Checkpoints at steps 4, 8 and 12; keep_checkpoints=2 retired step 4 from the list and from storage.
     checkpoints = client_a.jobs.checkpoints(job.id).data
-    assert sorted(c.step_number for c in checkpoints) == [6, 12]
+    assert sorted(c.step_number for c in checkpoints) == [8, 12]
+    assert any(e.message.startswith("Checkpoint saved at step 12") and e.message.endswith("retired step-4")
+               for e in events)
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["MOETUNE_S3_ENDPOINT_URL"]})
     for ckpt in checkpoints:
         assert fs.ls(ckpt.fine_tuned_model_checkpoint), ckpt.fine_tuned_model_checkpoint
+    step4 = checkpoints[0].fine_tuned_model_checkpoint.removeprefix("s3://").rsplit("/", 1)[0] + "/step-4"
+    fs.invalidate_cache()
+    assert not fs.exists(step4)
 
     # The adapter loads onto the plain transformers model and changes what it predicts.
     from peft import PeftModel

@@ -8,9 +8,11 @@ from workers.resume import (
     MANIFEST,
     TRAINER_STATE,
     checkpoint_uri,
+    delete_checkpoint,
     latest_checkpoint,
     mark_group_started,
     paused_step,
+    retired_checkpoints,
     retract_manifest,
     write_manifest,
 )
@@ -60,3 +62,22 @@ def test_group_start_marker_tells_a_restart_from_a_first_start(s3_bucket):
     assert mark_group_started(out, "run-1") is False
     assert mark_group_started(out, "run-1") is True  # Ray Train restarted the group within the same driver run
     assert mark_group_started(out, "run-2") is False  # a new driver run (resume after pause, resubmission)
+
+
+def test_retention_keeps_the_newest_intact_checkpoints_and_retires_everything_older(s3_bucket):
+    out = f"s3://{s3_bucket}/out/ftjob-keep"
+    for step in (2, 4, 6, 8):
+        _write_checkpoint(out, step)
+    _write_checkpoint(out, 3, complete=False)  # a killed group's leftovers, older than what is kept
+    _write_checkpoint(out, 10, complete=False)  # being written now: never retired
+    assert retired_checkpoints(out, keep=5) == []  # fewer complete checkpoints than asked to keep
+    assert retired_checkpoints(out, keep=2) == [4, 3, 2]
+    # A damaged checkpoint does not count as kept: the older intact one stays, resume can still use it.
+    storage.write_bytes(f"{checkpoint_uri(out, 8)}/deepspeed/global_step8/mp_rank_00_model_states.pt", b"short")
+    assert retired_checkpoints(out, keep=2) == [3, 2]
+
+    for step in retired_checkpoints(out, keep=2):
+        delete_checkpoint(out, step)
+    assert not any(storage.exists(checkpoint_uri(out, s)) for s in (2, 3))
+    assert latest_checkpoint(out).step == 6 and storage.exists(f"{checkpoint_uri(out, 10)}/{TRAINER_STATE}")
+    delete_checkpoint(out, 2)  # already gone: no error

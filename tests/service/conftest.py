@@ -69,14 +69,14 @@ class RunningService:
     def checkpoint_uri(self, job_id: str, step: int) -> str:
         return f"{self.store.get_job(job_id).output_uri}/{CHECKPOINTS_DIR}/step-{step}"
 
-    def report_checkpoint(self, job_id: str, token: str, step: int, **metrics) -> httpx.Response:
+    def report_checkpoint(self, job_id: str, token: str, step: int, retired_steps=(), **metrics) -> httpx.Response:
         """What a worker does: the checkpoint's manifest goes to object storage, then the report."""
         uri = self.checkpoint_uri(job_id, step)
         bucket, _, key = uri.removeprefix("s3://").partition("/")
         boto3.client("s3", endpoint_url=self.app.state.settings.s3_endpoint_url).put_object(
             Bucket=bucket, Key=f"{key}/{CHECKPOINT_MANIFEST}", Body=json.dumps({"step": step, "files": []}))
         return self.report(job_id, token, {"kind": "checkpoint", "step_number": step, "uri": uri,
-                                           "metrics": {"step": step, **metrics}})
+                                           "metrics": {"step": step, **metrics}, "retired_steps": list(retired_steps)})
 
 
 @contextmanager

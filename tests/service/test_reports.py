@@ -67,6 +67,22 @@ def test_checkpoints_are_listed_newest_first(service, running):
     assert f"Checkpoint saved at step 20: {service.checkpoint_uri(job_id, 20)}" in messages
 
 
+def test_retired_checkpoints_leave_the_list_with_the_report_that_replaces_them(service, running):
+    job_id, token = running
+    for step in (10, 20):
+        assert service.report_checkpoint(job_id, token, step).status_code == 200
+    assert service.report_checkpoint(job_id, token, 30, retired_steps=[10, 5]).status_code == 200  # 5: never listed
+    http = service.http()
+    assert [c["step_number"] for c in http.get(f"{JOBS}/{job_id}/checkpoints").json()["data"]] == [30, 20]
+    events = http.get(f"{JOBS}/{job_id}/events", params={"limit": 100}).json()["data"]
+    (saved,) = [e for e in events if e["message"].startswith("Checkpoint saved at step 30")]
+    assert saved["message"].endswith("; retired step-10; retired step-5") and saved["data"]["retired_steps"] == [10, 5]
+
+    reply = service.report_checkpoint(job_id, token, 40, retired_steps=[40])
+    assert reply.status_code == 422 and reply.json()["error"]["param"] == "report.checkpoint.retired_steps"
+    assert [c["step_number"] for c in http.get(f"{JOBS}/{job_id}/checkpoints").json()["data"]] == [30, 20]
+
+
 def test_only_complete_checkpoints_of_the_job_are_listed(service, running):
     job_id, token = running
     partial = {"kind": "checkpoint", "step_number": 5, "uri": service.checkpoint_uri(job_id, 5),
