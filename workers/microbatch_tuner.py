@@ -111,6 +111,16 @@ class MicroBatchTuner:
             return "grow"
         return None
 
+    def state(self) -> dict:
+        return {"size": self.size, "ceiling": self.ceiling}
+
+    def restore(self, size: int, ceiling: int) -> bool:
+        """Continues from a checkpoint's state; False (and starts afresh) if the batch is split differently now."""
+        if size not in self.sizes or ceiling not in self.sizes:
+            return False
+        self.size, self.ceiling = size, ceiling
+        return True
+
     def back_off(self) -> None:
         """After an OOM at the current size: half of it at most, and never that size again."""
         self.ceiling = max([s for s in self.sizes if s < self.size] or [self.sizes[0]])
@@ -218,6 +228,17 @@ class MicroBatchLoop:
             self._tune(step, *self._all_max(fixed, per_token))
         loss_sum, tokens = w.all_sum(loss_sum, tokens)
         return loss_sum, loss_tokens, tokens
+
+    def state(self) -> dict | None:
+        """What a checkpoint keeps ("auto" only): resuming must not climb from 1 again, nor forget an OOM."""
+        return self.tuner.state() if self.tuner else None
+
+    def restore(self, size: int, ceiling: int) -> None:
+        if self.tuner and self.tuner.restore(size, ceiling):
+            self._switch(size)
+            self.worker.event(f"Micro-batch size {size} restored from the checkpoint (gradient accumulation "
+                              f"{self.grad_accum_steps}; sizes above {ceiling} ran out of memory or exceed the "
+                              "batch)", data={"micro_batch_size": size, "ceiling": ceiling})
 
     def _switch(self, size: int) -> None:
         self.micro_batch_size = size

@@ -70,6 +70,14 @@ class _Worker:
         if self.chief:
             self.reporter.event(message, **kwargs)
 
+    @property
+    def micro_batch_size(self) -> int:
+        return self.micro_batches.micro_batch_size  # the tuner's current size (exported as a metric)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.micro_batches.grad_accum_steps
+
     def barrier(self) -> None:
         import torch.distributed as dist
 
@@ -155,7 +163,7 @@ class _Worker:
         save_checkpoint(self.engine, local, is_writer=self.chief)
         if self.chief:
             save_trainer_state(local, step=step, trained_tokens=record["trained_tokens"], history=self.history,
-                               attempt=self.attempt, paused=paused)
+                               attempt=self.attempt, paused=paused, micro_batches=self.micro_batches.state())
             retract_manifest(uri)
         self.barrier()
         if self.node_leader:
@@ -192,6 +200,10 @@ class _Worker:
         self.barrier()
         if self.node_leader:
             shutil.rmtree(local)
+        tuned = (point.state.get("micro_batches") or {}) if self.chief else {}
+        size, ceiling = self.all_sum(tuned.get("size", 0), tuned.get("ceiling", 0))  # the chief's, to every rank
+        if size:
+            self.micro_batches.restore(int(size), int(ceiling))
         if not self.chief:
             return step, 0  # only the chief reports token counts and keeps the metrics history
         self.history = point.state["history"]
@@ -210,8 +222,7 @@ class _Worker:
         steps = total_steps(len(self.train_set), t.global_batch_size, t.max_steps, t.n_epochs)
         self.engine, scheduler = build_engine(self.model, self.spec, self.world, steps,
                                               bf16=self.device.type == "cuda")
-        micro_batches = MicroBatchLoop(self, self.engine)  # the tuner's current sizes, exported as metrics:
-        self.micro_batch_size, self.grad_accum_steps = micro_batches.micro_batch_size, micro_batches.grad_accum_steps
+        micro_batches = self.micro_batches = MicroBatchLoop(self, self.engine)
         self.event(f"Training started: {steps} steps on {self.world} workers, {micro_batches.describe()}",
                    data={"total_steps": steps, "train_examples": len(self.train_set), "workers": self.world})
         self.history = []
@@ -219,7 +230,6 @@ class _Worker:
         for step in range(done + 1, steps + 1):
             started, learning_rate = time.perf_counter(), scheduler.get_last_lr()[0]
             loss_sum, loss_tokens, tokens = micro_batches.run_step(step)
-            self.micro_batch_size, self.grad_accum_steps = micro_batches.micro_batch_size, micro_batches.grad_accum_steps
             trained_tokens += int(tokens)
             record = {"step": step, "total_steps": steps, "train_loss": loss_sum / loss_tokens,
                       "learning_rate": learning_rate,

@@ -3,7 +3,7 @@
 One fixed-size job and one "auto" job with the same global batch. The auto job runs under a memory budget the
 test derives from the model's own activation bytes, and rank 1 gets an injected OOM (a mock: a real OOM cannot
 be caused deterministically on CPU) in the last micro-batch of step 4. A deadlock in the back-off would hang the
-job: the suite's pytest timeout turns that into a failure.
+job: the suite's pytest timeout turns that into a failure. The auto job's checkpoint at step 4 then resumes.
 """
 
 import json
@@ -82,8 +82,8 @@ def test_auto_micro_batch_reaches_the_largest_fit_backs_off_together_and_keeps_t
     assert 2 * act[2] <= budget and act[4] <= budget
 
     fixed = _run(base, "ftjob-fixed", {"micro_batch_size": 8}, receiver, monkeypatch, ray_head, {})
-    auto = _run(base, "ftjob-auto", {"micro_batch_size": "auto", "memory_budget_mb": budget / 1e6}, receiver,
-                monkeypatch, ray_head, {INJECT_OOM_ENV: "1:4"})
+    tuned = {"micro_batch_size": "auto", "memory_budget_mb": budget / 1e6, "checkpoint_every": 4}
+    auto = _run(base, "ftjob-auto", tuned, receiver, monkeypatch, ray_head, {INJECT_OOM_ENV: "1:4"})
 
     def losses(reports):
         return [r.report.data["train_loss"] for r in reports
@@ -109,3 +109,12 @@ def test_auto_micro_batch_reaches_the_largest_fit_backs_off_together_and_keeps_t
     messages = [r.report.message for r in auto if r.report.kind == "event"]
     assert any(m.startswith("Training started: 5 steps on 2 workers, micro-batch size auto") for m in messages)
     assert any(m.startswith("Out of memory at micro-batch size 4 on a worker in step 4") for m in messages)
+
+    # The same job run again resumes from its step-4 checkpoint at the size it had reached, remembering the OOM
+    # at 4: step 5 runs at 2 without growing (starting afresh would climb from 1 and hit 4 again).
+    resumed = _run(base, "ftjob-auto", tuned, receiver, monkeypatch, ray_head, {})
+    messages = [r.report.message for r in resumed if r.report.kind == "event"]
+    assert any(m.startswith("Micro-batch size 2 restored from the checkpoint (gradient accumulation 4; sizes "
+                            "above 2") for m in messages), messages
+    assert not decisions(resumed)
+    assert losses(resumed) == pytest.approx(losses(auto)[4:], rel=1e-5)

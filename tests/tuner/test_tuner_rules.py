@@ -30,6 +30,16 @@ def test_an_oom_halves_the_size_and_caps_it_below_the_failed_one():
     assert (tuner.size, tuner.ceiling) == (1, 1)
 
 
+def test_state_restores_the_size_and_the_oom_ceiling_only_for_the_same_batch_split():
+    tuner = MicroBatchTuner(per_rank=12, seq_len=1, budget_bytes=None, size=6)
+    tuner.back_off()
+    resumed = MicroBatchTuner(per_rank=12, seq_len=1, budget_bytes=None)
+    assert resumed.restore(**tuner.state()) and (resumed.size, resumed.ceiling) == (3, 4)
+    assert [resumed.after_step(0.0, 1.0) for _ in range(2)] == ["grow", None]  # the OOM is not forgotten
+    other_split = MicroBatchTuner(per_rank=8, seq_len=1, budget_bytes=None)
+    assert not other_split.restore(**tuner.state()) and (other_split.size, other_split.ceiling) == (1, 8)
+
+
 def test_without_a_budget_it_grows_to_the_whole_per_rank_batch():
     tuner = MicroBatchTuner(per_rank=8, seq_len=512, budget_bytes=None)
     while tuner.after_step(fixed=1e12, per_token=1e9):
