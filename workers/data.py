@@ -187,6 +187,12 @@ def step_examples(n_examples: int, step: int, global_batch_size: int, rank: int,
     return picked
 
 
+def step_rng_seed(seed: int, step: int, rank: int) -> int:
+    """The torch RNG seed of one rank's optimizer step: dropout masks then depend on (seed, step, rank) only,
+    so a step repeated after a resume draws the same masks."""
+    return random.Random(f"{seed}/{step}/{rank}").getrandbits(63)
+
+
 def step_micro_batches(
     n_examples: int, step: int, global_batch_size: int, micro_batch_size: int, rank: int, world: int, seed: int
 ) -> list[list[int]]:

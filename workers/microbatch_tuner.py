@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 
-from workers.data import IGNORE, collate, step_examples
+from workers.data import IGNORE, collate, step_examples, step_rng_seed
 from workers.engine import set_micro_batch_size
 
 # "<rank>:<step>": that rank raises an OOM in the last micro-batch of that step, once. Tests only: a real OOM
@@ -195,7 +195,10 @@ class MicroBatchLoop:
 
         Returns (summed loss, loss tokens, tokens), each summed over all ranks.
         """
+        import torch
+
         w, t = self.worker, self.t
+        torch.manual_seed(step_rng_seed(w.run.seed, step, w.rank))
         indices = step_examples(len(w.train_set), step - 1, t.global_batch_size, w.rank, w.world, w.run.seed)
         examples = [w.train_set[i] for i in indices]
         (loss_tokens,) = w.all_sum(sum(e.loss_tokens for e in examples))

@@ -56,7 +56,7 @@ def _messages(receiver) -> list:
 def test_pause_resume_and_worker_loss(assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
     spec = JobCreate(model=f"{assets}/models/tiny", training_file=f"{assets}/data/train.jsonl",
                      validation_file=f"{assets}/data/valid.jsonl",
-                     lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True},
+                     lora={"rank": 4, "alpha": 8, "dropout": 0.1, "train_experts": True},
                      training={"max_steps": STEPS, "checkpoint_every": CHECKPOINT_EVERY, "learning_rate": 3e-3,
                                "global_batch_size": 4, "micro_batch_size": 2, "seq_len": 64},
                      parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2})
