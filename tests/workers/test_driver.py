@@ -213,13 +213,22 @@ def _run_in_process(run: JobRunSpec, ray_head, receiver, monkeypatch, worker_env
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_other_zero_stages(zero_stage, assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
-    run = _run_spec(assets, f"ftjob-zero{zero_stage}", {"max_steps": 4}, zero_stage=zero_stage)
+    run = _run_spec(assets, f"ftjob-zero{zero_stage}", {"max_steps": 4, "checkpoint_every": 2}, zero_stage=zero_stage)
     assert _run_in_process(run, ray_head, receiver, monkeypatch)
     metrics = receiver.metrics()
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert metrics[0]["train_loss"] == pytest.approx(_expected_first_loss(run, tiny_checkpoint), abs=1e-4)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"] and math.isfinite(metrics[-1]["valid_loss"])
     assert _adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
+
+    # Resubmitted without its step-4 checkpoint, the job resumes from step 2 (this stage's optimizer and LoRA
+    # state) and repeats steps 3 and 4 exactly.
+    storage.write_bytes(f"{run.output_uri}/checkpoints/step-4/checkpoint.json", b"{}")  # no longer complete
+    receiver.reports.clear()
+    assert _run_in_process(run, ray_head, receiver, monkeypatch)
+    again = receiver.metrics()
+    assert [m["step"] for m in again] == [3, 4]
+    assert [m["train_loss"] for m in again] == pytest.approx([m["train_loss"] for m in metrics[2:]], abs=1e-5)
 
 
 def test_job_error_inside_a_worker_reaches_the_result(assets, ray_head, receiver, monkeypatch):
