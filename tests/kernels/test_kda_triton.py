@@ -1,57 +1,62 @@
 """The Triton KDA kernels without a GPU: run through TRITON_INTERPRET against the oracle (forward and every
-gradient), and compiled for sm_90 to catch shape, dtype and resource errors that the interpreter lets through."""
+gradient; in a child process, see triton_child), and compiled for sm_90 to catch shape, dtype and resource
+errors that the interpreter lets through."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+import torch
 
-from kernels.kda import triton_kda
-from tests.kernels.kda_cases import BF16_TOL, FP32_TOL
+from kernels.kda import naive_recurrent_kda, triton_kda
+from tests.kernels.kda_cases import BF16_TOL, FP32_TOL, NAMES, as_fp32, make_inputs, rmse_ratio, run_with_grads
+from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
 
-REPO = Path(__file__).resolve().parents[2]
 GRADIENTS = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    """All interpreter cases in one child process: triton picks interpreter or compiler when first imported, and
-    this process may already hold the compiled flavour."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.kda_interpreted"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _worst_error(ours: dict, ref: dict) -> float:
+    assert all(bool(torch.isfinite(x).all()) for x in ours.values())
+    return max(rmse_ratio(ours[key], ref[key]) for key in GRADIENTS)
 
 
-def test_interpreted_matches_oracle_fp32(interpreted):
-    case = interpreted["fp32"]
-    assert case["finite"] and max(case[key] for key in GRADIENTS) <= FP32_TOL, case
+@on_triton
+def test_interpreted_matches_oracle_fp32():
+    inputs = make_inputs(2, 45, 2, 16, 32, gate_scale=4.0)  # 45 tokens: a full and a partial 32-token chunk
+    ours = run_with_grads(triton_kda.chunk_kda_triton, inputs)
+    assert _worst_error(ours, run_with_grads(naive_recurrent_kda, inputs)) <= FP32_TOL
 
 
-@pytest.mark.parametrize("dtype,tol", [("fp16", FP32_TOL), ("bf16", BF16_TOL)])
-def test_interpreted_low_precision_inputs(interpreted, dtype, tol):
+@on_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+def test_interpreted_low_precision_inputs(dtype, tol):
     """fp16/bf16 in and out (tiles are fp32 inside, so bf16 works under the interpreter too); the oracle runs on
     the same rounded inputs in fp32, so what differs is the rounding of the results."""
-    case = interpreted[dtype]
-    assert case["dtypes"] == [f"torch.{'float16' if dtype == 'fp16' else 'bfloat16'}"]
-    assert case["finite"] and max(case[key] for key in GRADIENTS) <= tol, case
+    inputs = make_inputs(1, 40, 2, 16, 16, dtype=dtype)
+    ours = run_with_grads(triton_kda.chunk_kda_triton, inputs)
+    assert {ours[key].dtype for key in ("o", "dq", "dk", "dv", "dg", "dbeta")} == {dtype}
+    assert _worst_error(ours, run_with_grads(naive_recurrent_kda, as_fp32(inputs))) <= tol
 
 
-def test_interpreted_packed_with_empty_segments(interpreted):
-    case = interpreted["packed"]
-    assert case["finite"] and max(case[key] for key in GRADIENTS) <= FP32_TOL, case
-    assert case["empty_passes_state"]
+@on_triton
+def test_interpreted_packed_with_empty_segments():
+    cu_seqlens = torch.tensor([0, 0, 33, 33, 50])  # zero-length segments first and in the middle
+    inputs = make_inputs(1, 50, 1, 16, 16, n_states=4)
+    ours = run_with_grads(triton_kda.chunk_kda_triton, inputs, cu_seqlens)
+    assert _worst_error(ours, run_with_grads(naive_recurrent_kda, inputs, cu_seqlens)) <= FP32_TOL
+    assert torch.equal(ours["final"][2], inputs["h0"][2].detach())  # an empty segment passes its state on
 
 
-def test_interpreted_without_states(interpreted):
-    case = interpreted["stateless"]
-    assert case["final_is_none"] and case["all_grads"] and case["o"] <= FP32_TOL and case["o_inference"] <= FP32_TOL
+@on_triton
+def test_interpreted_without_states():
+    inputs = make_inputs(1, 20, 1, 16, 16)
+    args = [inputs[n] for n in NAMES[:5]]
+    o, final = triton_kda.chunk_kda_triton(*args)
+    ref, _ = naive_recurrent_kda(*args)
+    o.sum().backward()
+    with torch.no_grad():  # inference: no per-chunk states kept
+        o_inference, _ = triton_kda.chunk_kda_triton(*args)
+    assert final is None and all(inputs[n].grad is not None for n in NAMES[:5])
+    assert rmse_ratio(o, ref) <= FP32_TOL and rmse_ratio(o_inference, ref) <= FP32_TOL
 
 
 def compile_for_sm90(kernel, constants, num_warps):
