@@ -149,3 +149,31 @@ def test_chunked_indexer_never_builds_a_txt_tensor(monkeypatch):
     # at most CHUNK_ELEMENTS per block intermediate, 8 bytes each (the stock tail helper counts visible keys in int64)
     assert chunked_seen.largest <= 8 * (1 << 18) < seq_len * seq_len, chunked_seen.largest
     assert (got.sort(-1).values == want.sort(-1).values).all()
+
+
+def test_swapped_model_decodes_with_a_kv_cache_like_transformers(lora_model):
+    """Prefill of a left-padded batch, then token-by-token decoding: the chunked indexer's cache path (keys from
+    the cache, query positions past the prompt) picks what transformers' picks, so the logits agree."""
+    base = lora_model.base_model.model
+    swapped = copy.deepcopy(base)
+    apply_kernel_swaps(swapped)
+    with_cache = []
+    for indexer in (m for m in swapped.modules() if isinstance(m, glm5_next_indexer.ChunkedGlm5NextIndexer)):
+        indexer.register_forward_pre_hook(lambda _, args, kwargs: with_cache.append(kwargs.get("cache") is not None),
+                                          with_kwargs=True)
+    ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0  # left padding in one row
+    runs = []
+    with torch.no_grad():
+        for model in (base, swapped):
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            logits, step_mask = [out.logits[:, -1]], mask
+            for _ in range(6):
+                step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], dim=1)
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=step_mask,
+                            cache=out.past_key_values, use_cache=True)
+                logits.append(out.logits[:, -1])
+            runs.append(torch.stack(logits))
+    assert with_cache == [True] * 7  # prefill and 6 steps, all through the cache (the second layer shares top-k)
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-4)
