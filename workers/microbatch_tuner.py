@@ -21,7 +21,9 @@ allocator fails there again), and redo the failed micro-batch and the rest of th
 micro-batch has produced no gradient anywhere; the finished ones keep theirs, which is exactly what a
 restart of the step would recompute. Limit: an OOM during a backward or inside a forward's collective
 (expert-parallel all-to-all, a ZeRO-3 gather) cannot be agreed on before the peers enter their next
-collective; it fails the rank like a lost worker. The headroom prediction exists to keep the tuner away from it.
+collective; it fails the rank like a lost worker. The headroom prediction exists to keep the tuner away from it,
+and the failing rank first records its micro-batch size in storage (workers.resume.record_oom): the restarted
+group never uses that size again, so it does not run into the same OOM until its restarts are spent.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ import os
 
 from workers.data import IGNORE, collate, step_examples, step_rng_seed
 from workers.engine import set_micro_batch_size
+from workers.resume import record_oom
 
-# "<rank>:<step>": that rank raises an OOM in the last micro-batch of that step, once. Tests only: a real OOM
-# cannot be caused deterministically on CPU.
+# "<rank>:<step>": that rank raises an OOM in the forward of the last micro-batch of that step, once.
+# "<rank>:backward:<size>": that rank raises an OOM in every backward of a micro-batch of <size> or more (a
+# memory limit the forward's prediction misses). Tests only: a real OOM cannot be caused deterministically on CPU.
 INJECT_OOM_ENV = "MOETUNE_INJECT_OOM"
 GPU_DEFAULT_BUDGET = 0.9  # of device memory: headroom for the allocator's fragmentation and comm buffers
 
@@ -121,6 +125,11 @@ class MicroBatchTuner:
         self.size, self.ceiling = size, ceiling
         return True
 
+    def exclude_from(self, failed: int) -> None:
+        """Never `failed` or more again (an OOM the loop could not catch happened there)."""
+        self.ceiling = min(self.ceiling, max([s for s in self.sizes if s < failed] or [self.sizes[0]]))
+        self.size = min(self.size, self.ceiling)
+
     def back_off(self) -> None:
         """After an OOM at the current size: half of it at most, and never that size again."""
         self.ceiling = max([s for s in self.sizes if s < self.size] or [self.sizes[0]])
@@ -143,8 +152,10 @@ class MicroBatchLoop:
             set_micro_batch_size(engine, self.micro_batch_size, t.global_batch_size)
         else:
             self.micro_batch_size = t.micro_batch_size
-        rank, _, step = os.environ.get(INJECT_OOM_ENV, "").partition(":")
-        self.inject_oom_step = int(step) if rank and int(rank) == worker.rank else None
+        rank, _, what = os.environ.get(INJECT_OOM_ENV, "").partition(":")
+        mine = bool(rank) and int(rank) == worker.rank
+        self.inject_oom_step = int(what) if mine and what.isdigit() else None
+        self.inject_backward_oom_from = int(what.split(":")[1]) if mine and what.startswith("backward:") else None
 
     @property
     def grad_accum_steps(self) -> int:
@@ -190,6 +201,19 @@ class MicroBatchLoop:
             torch.cuda.empty_cache()  # give the retry unfragmented memory
         return None
 
+    def _backward(self, loss, step: int) -> None:
+        import torch
+
+        try:
+            if self.inject_backward_oom_from and self.micro_batch_size >= self.inject_backward_oom_from:
+                raise torch.OutOfMemoryError(f"injected OOM in a backward on rank {self.worker.rank} at step {step}")
+            self.engine.backward(loss, scale_wrt_gas=False)
+        except torch.OutOfMemoryError:
+            if self.tuner:  # the peers are in a collective already: this rank fails, but leaves word first
+                record_oom(self.worker.run.output_uri, self.worker.attempt, self.worker.rank, step,
+                           self.micro_batch_size)
+            raise
+
     def run_step(self, step: int) -> tuple[float, float, float]:
         """Every micro-batch of optimizer step `step` (1-based), then the optimizer step.
 
@@ -218,7 +242,7 @@ class MicroBatchLoop:
                 self._back_off(step)
                 continue
             self.engine.set_gradient_accumulation_boundary(last)
-            self.engine.backward(loss * scale, scale_wrt_gas=False)
+            self._backward(loss * scale, step)
             self.engine.step()  # the optimizer steps only at the boundary
             if self.tuner:
                 self.probe.end()
@@ -236,12 +260,21 @@ class MicroBatchLoop:
         """What a checkpoint keeps ("auto" only): resuming must not climb from 1 again, nor forget an OOM."""
         return self.tuner.state() if self.tuner else None
 
-    def restore(self, size: int, ceiling: int) -> None:
-        if self.tuner and self.tuner.restore(size, ceiling):
-            self._switch(size)
-            self.worker.event(f"Micro-batch size {size} restored from the checkpoint (gradient accumulation "
-                              f"{self.grad_accum_steps}; sizes above {ceiling} ran out of memory or exceed the "
-                              "batch)", data={"micro_batch_size": size, "ceiling": ceiling})
+    def restore(self, size: int, ceiling: int, failed: int) -> None:
+        """The checkpoint's tuner state (`size` 0: none), then no size from `failed` on (0: no recorded OOM)."""
+        restored = self.tuner.restore(size, ceiling) if size else False
+        if failed:
+            self.tuner.exclude_from(failed)
+        if not (restored or failed):
+            return
+        self._switch(self.tuner.size)
+        why = ["restored from the checkpoint" if restored else "starting afresh",
+               f"a worker ran out of memory at micro-batch size {failed} in a backward or collective earlier, so "
+               f"sizes from {failed} on are not used" if failed else ""]
+        self.worker.event(f"Micro-batch size {self.micro_batch_size} {'; '.join(w for w in why if w)} (gradient "
+                          f"accumulation {self.grad_accum_steps}; the largest size allowed is {self.tuner.ceiling})",
+                          data={"micro_batch_size": self.micro_batch_size, "ceiling": self.tuner.ceiling,
+                                "failed_micro_batch_size": failed or None})
 
     def _switch(self, size: int) -> None:
         self.micro_batch_size = size

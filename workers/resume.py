@@ -131,6 +131,22 @@ def mark_group_started(output_uri: str, attempt: str) -> bool:
     return restarted
 
 
+def record_oom(output_uri: str, attempt: str, rank: int, step: int, micro_batch_size: int) -> None:
+    """What a rank leaves before an out-of-memory error the micro-batch tuner cannot recover from takes it down."""
+    record = {"rank": rank, "step": step, "micro_batch_size": micro_batch_size}
+    storage.write_bytes(storage.join(output_uri, "attempts", f"{attempt}.oom-rank{rank}-step{step}.json"),
+                        json.dumps(record).encode())
+
+
+def smallest_oom_size(output_uri: str) -> int | None:
+    """The smallest micro-batch size any earlier worker group of this job ran out of memory at, if any."""
+    fs, root = storage.filesystem(storage.join(output_uri, "attempts"))
+    root = root.rstrip("/")
+    fs.invalidate_cache(root)
+    sizes = [json.loads(fs.cat_file(path))["micro_batch_size"] for path in fs.glob(f"{root}/*.oom-*.json")]
+    return min(sizes, default=None)
+
+
 def resume_reason(point: ResumePoint, restarted: bool) -> str:
     if restarted:
         return "a worker failure"

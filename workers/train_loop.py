@@ -38,6 +38,7 @@ from workers.resume import (
     retired_checkpoints,
     retract_manifest,
     save_trainer_state,
+    smallest_oom_size,
     write_manifest,
 )
 from workers.schedule import total_steps
@@ -200,16 +201,19 @@ class _Worker:
         self.barrier()
         if self.node_leader:
             shutil.rmtree(local)
-        tuned = (point.state.get("micro_batches") or {}) if self.chief else {}
-        size, ceiling = self.all_sum(tuned.get("size", 0), tuned.get("ceiling", 0))  # the chief's, to every rank
-        if size:
-            self.micro_batches.restore(int(size), int(ceiling))
         if not self.chief:
             return step, 0  # only the chief reports token counts and keeps the metrics history
-        self.history = point.state["history"]
+        self.history, self.resumed_tuner = point.state["history"], point.state.get("micro_batches")
         self.event(f"Resumed from checkpoint step-{step} after {resume_reason(point, restarted)}",
                    level="warn" if restarted else "info", data={"step": step, "checkpoint": point.uri})
         return step, point.state["trained_tokens"]
+
+    def restore_tuner(self, micro_batches) -> None:
+        """The chief's view (the checkpoint's tuner state, sizes that failed with an OOM) on every rank."""
+        tuned = (self.resumed_tuner or {}) if self.chief else {}
+        failed = (smallest_oom_size(self.run.output_uri) or 0) if self.chief else 0
+        size, ceiling, failed = self.all_sum(tuned.get("size", 0), tuned.get("ceiling", 0), failed)
+        micro_batches.restore(int(size), int(ceiling), int(failed))
 
     def pause_requested(self) -> bool:
         """Whether the control plane asked to pause in its answer to the chief's last report (all ranks agree)."""
@@ -225,8 +229,10 @@ class _Worker:
         micro_batches = self.micro_batches = MicroBatchLoop(self, self.engine)
         self.event(f"Training started: {steps} steps on {self.world} workers, {micro_batches.describe()}",
                    data={"total_steps": steps, "train_examples": len(self.train_set), "workers": self.world})
-        self.history = []
+        self.history, self.resumed_tuner = [], None
         done, trained_tokens = self.resume()
+        if micro_batches.tuner:
+            self.restore_tuner(micro_batches)
         for step in range(done + 1, steps + 1):
             started, learning_rate = time.perf_counter(), scheduler.get_last_lr()[0]
             loss_sum, loss_tokens, tokens = micro_batches.run_step(step)

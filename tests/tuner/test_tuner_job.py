@@ -3,7 +3,8 @@
 One fixed-size job and one "auto" job with the same global batch. The auto job runs under a memory budget the
 test derives from the model's own activation bytes, and rank 1 gets an injected OOM (a mock: a real OOM cannot
 be caused deterministically on CPU) in the last micro-batch of step 4. A deadlock in the back-off would hang the
-job: the suite's pytest timeout turns that into a failure. The auto job's checkpoint at step 4 then resumes.
+job: the suite's pytest timeout turns that into a failure. The auto job's checkpoint at step 4 then resumes; a
+third job's rank 1 runs out of memory in a backward (the same kind of mock), which takes its group down.
 """
 
 import json
@@ -114,7 +115,19 @@ def test_auto_micro_batch_reaches_the_largest_fit_backs_off_together_and_keeps_t
     # at 4: step 5 runs at 2 without growing (starting afresh would climb from 1 and hit 4 again).
     resumed = _run(base, "ftjob-auto", tuned, receiver, monkeypatch, ray_head, {})
     messages = [r.report.message for r in resumed if r.report.kind == "event"]
-    assert any(m.startswith("Micro-batch size 2 restored from the checkpoint (gradient accumulation 4; sizes "
-                            "above 2") for m in messages), messages
+    assert "Micro-batch size 2 restored from the checkpoint (gradient accumulation 4; the largest size allowed is 2)" \
+        in messages, messages
     assert not decisions(resumed)
     assert losses(resumed) == pytest.approx(losses(auto)[4:], rel=1e-5)
+
+    # An OOM the loop cannot catch (in a backward, on rank 1 at size 4) takes the group down; the restarted group
+    # resumes from step 2 (whose tuner state already says 4) but stays below 4, and the job ends normally.
+    crash = _run(base, "ftjob-auto-bwd", {**tuned, "checkpoint_every": 2}, receiver, monkeypatch, ray_head,
+                 {INJECT_OOM_ENV: "1:backward:4"})
+    messages = [r.report.message for r in crash if r.report.kind == "event"]
+    assert any(m.startswith("Worker failure 1 (rank 1): ") and "injected OOM in a backward" in m for m in messages)
+    assert ("Micro-batch size 2 restored from the checkpoint; a worker ran out of memory at micro-batch size 4 in a "
+            "backward or collective earlier, so sizes from 4 on are not used (gradient accumulation 4; the largest "
+            "size allowed is 2)") in messages, messages
+    assert [(d["step"], d["micro_batch_size"]) for d in decisions(crash)] == [(2, 2), (3, 4)]  # before the crash
+    assert losses(crash) == pytest.approx(losses(fixed), rel=1e-5)
