@@ -40,6 +40,15 @@ def test_state_restores_the_size_and_the_oom_ceiling_only_for_the_same_batch_spl
     assert not other_split.restore(**tuner.state()) and (other_split.size, other_split.ceiling) == (1, 8)
 
 
+def test_a_size_that_failed_outside_the_loop_is_never_used_again():
+    tuner = MicroBatchTuner(per_rank=12, seq_len=1, budget_bytes=None, size=6)
+    tuner.exclude_from(6)
+    assert (tuner.size, tuner.ceiling) == (4, 4)
+    tuner.exclude_from(12)  # a larger failure tells nothing new
+    assert (tuner.size, tuner.ceiling) == (4, 4)
+    assert tuner.after_step(0.0, 1.0) is None
+
+
 def test_without_a_budget_it_grows_to_the_whole_per_rank_batch():
     tuner = MicroBatchTuner(per_rank=8, seq_len=512, budget_bytes=None)
     while tuner.after_step(fixed=1e12, per_token=1e9):
