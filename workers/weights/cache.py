@@ -3,9 +3,11 @@ instead of object storage. A changed object has a new ETag, so stale bytes are n
 
 The cache is bounded: by MOETUNE_WEIGHTS_CACHE_MAX_GB when set (say, a pod's ephemeral-storage or emptyDir
 limit, which the disk's free space does not show), and always by a floor of free space on its disk. A write
-that does not fit evicts the least recently used objects first (an object's folder is touched on every use;
-one with a write in progress is never evicted); a range that still does not fit is not cached, and the load
-goes on. The ranks of a node share the cache and
+that does not fit evicts the least recently used objects first (an object's folder is touched on every use).
+Never evicted: an object with a write in progress, and any object the load itself holds (every shard of the
+model it loads). So a cache smaller than a model keeps the part it has instead of thrashing: a load that scans
+the same shards in the same order would otherwise evict each range just before it is needed again. A range
+that still does not fit is not cached, and the load goes on. The ranks of a node share the cache and
 its byte count (`.bytes`, under an flock on `.lock`, recounted at every load), so the folder must be on a
 node-local filesystem.
 """
@@ -76,6 +78,7 @@ class RangeCache:
     def __init__(self, root: str, max_bytes: int | None = None, min_free_fraction: float = MIN_FREE_FRACTION):
         self.root, self.max_bytes, self.min_free_fraction = root, max_bytes, min_free_fraction
         self.skipped_bytes = 0  # bytes this process did not cache for lack of room
+        self.held: set[str] = set()  # object folders this load uses: not evicted while it runs
         os.makedirs(root, exist_ok=True)
         with self._locked() as ledger:  # recount once per load: a killed writer may have left the count off
             ledger[0] = _tree_bytes(root, drop_stale_parts=True)
@@ -104,7 +107,7 @@ class RangeCache:
         False if they cannot."""
         if self._fits(ledger[0] + nbytes, nbytes):
             return True
-        objects = sorted((e for e in os.scandir(self.root) if e.is_dir() and e.path != keep),
+        objects = sorted((e for e in os.scandir(self.root) if e.is_dir() and e.path != keep and e.path not in self.held),
                          key=lambda e: e.stat().st_mtime)
         for victim in objects:
             if _writing_into(victim.path):
@@ -124,6 +127,10 @@ class RangeCache:
     def _release(self, nbytes: int) -> None:
         with self._locked() as ledger:
             ledger[0] -= nbytes
+
+    def hold(self, path: str, etag: str) -> None:
+        """This load uses the object: evicting it for another of its ranges would only move the miss."""
+        self.held.add(self._dir(path, etag))
 
     def _dir(self, path: str, etag: str) -> str:
         key = hashlib.sha256(f"{path}\0{etag}".encode()).hexdigest()[:32]

@@ -70,19 +70,22 @@ def open_checkpoint(uri: str, cache: RangeCache | None = None, progress=None) ->
         raise WeightsError(f"{uri}: no {INDEX_FILE} and no {SINGLE_FILE}")
     has_manifest = fs.exists(f"{root}/{manifest_file.MANIFEST_FILE}")
     manifest = manifest_file.parse(fs.cat_file(f"{root}/{manifest_file.MANIFEST_FILE}"), uri) if has_manifest else None
-    sources, tensors = {}, {}
+    sources, sizes, tensors = {}, {}, {}
     for shard in shards:
         path = f"{root}/{shard}"
         try:
             info = fs.info(path)
         except FileNotFoundError:
             raise WeightsError(f"{uri}: shard {shard} is listed in the index but missing") from None
-        etag = info.get("ETag") or info.get("etag") or f"{info.get('mtime')}-{info['size']}"
-        sources[shard] = Source(path, str(etag).strip('"'))
-        tensors[shard] = read_header(fs, path, shard, info["size"], cache, sources[shard].etag)
         if manifest and manifest["files"].get(shard, {}).get("size") not in (None, info["size"]):
             raise WeightsError(f"{uri}: shard {shard} is {info['size']} bytes, the manifest says "
                                f"{manifest['files'][shard]['size']}")
+        etag = info.get("ETag") or info.get("etag") or f"{info.get('mtime')}-{info['size']}"
+        sources[shard], sizes[shard] = Source(path, str(etag).strip('"')), info["size"]
+        if cache and sources[shard].etag:
+            cache.hold(path, sources[shard].etag)
+    for shard, source in sources.items():  # once every shard is held: no header write evicts a later shard
+        tensors[shard] = read_header(fs, source.path, shard, sizes[shard], cache, source.etag)
         if progress:
             progress(shard)
     return Checkpoint(uri, fs, config, sources, tensors, manifest)
