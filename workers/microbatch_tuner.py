@@ -28,6 +28,7 @@ group never uses that size again, so it does not run into the same OOM until its
 
 from __future__ import annotations
 
+import logging
 import os
 
 from workers.data import IGNORE, collate, step_examples, step_rng_seed
@@ -38,6 +39,7 @@ from workers.resume import record_oom
 # "<rank>:backward:<size>": that rank raises an OOM in every backward of a micro-batch of <size> or more (a
 # memory limit the forward's prediction misses). Tests only: a real OOM cannot be caused deterministically on CPU.
 INJECT_OOM_ENV = "MOETUNE_INJECT_OOM"
+log = logging.getLogger("moetune.tuner")
 GPU_DEFAULT_BUDGET = 0.9  # of device memory: headroom for the allocator's fragmentation and comm buffers
 
 
@@ -210,8 +212,12 @@ class MicroBatchLoop:
             self.engine.backward(loss, scale_wrt_gas=False)
         except torch.OutOfMemoryError:
             if self.tuner:  # the peers are in a collective already: this rank fails, but leaves word first
-                record_oom(self.worker.run.output_uri, self.worker.attempt, self.worker.rank, step,
-                           self.micro_batch_size)
+                try:
+                    record_oom(self.worker.run.output_uri, self.worker.attempt, self.worker.rank, step,
+                               self.micro_batch_size)
+                except Exception:  # best effort: the OOM is what the job must report
+                    log.warning("could not record the OOM at micro-batch size %d", self.micro_batch_size,
+                                exc_info=True)
             raise
 
     def run_step(self, step: int) -> tuple[float, float, float]:
@@ -268,11 +274,12 @@ class MicroBatchLoop:
         if not (restored or failed):
             return
         self._switch(self.tuner.size)
-        why = ["restored from the checkpoint" if restored else "starting afresh",
-               f"a worker ran out of memory at micro-batch size {failed} in a backward or collective earlier, so "
-               f"sizes from {failed} on are not used" if failed else ""]
-        self.worker.event(f"Micro-batch size {self.micro_batch_size} {'; '.join(w for w in why if w)} (gradient "
-                          f"accumulation {self.grad_accum_steps}; the largest size allowed is {self.tuner.ceiling})",
+        why = ["restored from the checkpoint" if restored else "starting afresh"]
+        if failed:
+            why.append(f"a worker ran out of memory at micro-batch size {failed} in a backward or collective "
+                       f"earlier, so sizes from {failed} on are not used")
+        self.worker.event(f"Micro-batch size {self.micro_batch_size} {'; '.join(why)} (gradient accumulation "
+                          f"{self.grad_accum_steps}; the largest size allowed is {self.tuner.ceiling})",
                           data={"micro_batch_size": self.micro_batch_size, "ceiling": self.tuner.ceiling,
                                 "failed_micro_batch_size": failed or None})
 

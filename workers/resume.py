@@ -6,6 +6,11 @@ readers (resume here, the control plane's checkpoint list, downloads) ignore it.
 
 Why a group resumes, for the job's events: a marker per driver run (`attempts/<id>`) tells a restart after a
 lost worker (the same driver run already started a group) from a resume after pause or a resubmitted job.
+Next to it, `attempts/<id>.oom-*.json` records the micro-batch sizes at which a rank ran out of memory where
+the tuner could not recover (every later group stays below them).
+
+Retention (`training.keep_checkpoints`): the step directories older than the newest N complete, intact
+checkpoints are retired, manifest first.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ TRAINER_STATE = "trainer_state.json"  # step, trained tokens, metrics history, a
 ENV_MAX_WORKER_FAILURES = "MOETUNE_MAX_WORKER_FAILURES"  # worker-group restarts Ray Train may make per run
 DEFAULT_MAX_WORKER_FAILURES = 3
 _STEP_DIR = re.compile(r"step-(\d+)")
+ATTEMPTS_DIR = "attempts"
 
 
 def checkpoint_uri(output_uri: str, step: int) -> str:
@@ -119,7 +125,7 @@ def delete_checkpoint(output_uri: str, step: int) -> None:
 
 
 def _attempt_marker(output_uri: str, attempt: str) -> str:
-    return storage.join(output_uri, "attempts", attempt)
+    return storage.join(output_uri, ATTEMPTS_DIR, attempt)
 
 
 def mark_group_started(output_uri: str, attempt: str) -> bool:
@@ -134,13 +140,13 @@ def mark_group_started(output_uri: str, attempt: str) -> bool:
 def record_oom(output_uri: str, attempt: str, rank: int, step: int, micro_batch_size: int) -> None:
     """What a rank leaves before an out-of-memory error the micro-batch tuner cannot recover from takes it down."""
     record = {"rank": rank, "step": step, "micro_batch_size": micro_batch_size}
-    storage.write_bytes(storage.join(output_uri, "attempts", f"{attempt}.oom-rank{rank}-step{step}.json"),
+    storage.write_bytes(storage.join(output_uri, ATTEMPTS_DIR, f"{attempt}.oom-rank{rank}-step{step}.json"),
                         json.dumps(record).encode())
 
 
 def smallest_oom_size(output_uri: str) -> int | None:
     """The smallest micro-batch size any earlier worker group of this job ran out of memory at, if any."""
-    fs, root = storage.filesystem(storage.join(output_uri, "attempts"))
+    fs, root = storage.filesystem(storage.join(output_uri, ATTEMPTS_DIR))
     root = root.rstrip("/")
     fs.invalidate_cache(root)
     sizes = [json.loads(fs.cat_file(path))["micro_batch_size"] for path in fs.glob(f"{root}/*.oom-*.json")]

@@ -208,12 +208,12 @@ class _Worker:
                    level="warn" if restarted else "info", data={"step": step, "checkpoint": point.uri})
         return step, point.state["trained_tokens"]
 
-    def restore_tuner(self, micro_batches) -> None:
+    def restore_tuner(self) -> None:
         """The chief's view (the checkpoint's tuner state, sizes that failed with an OOM) on every rank."""
         tuned = (self.resumed_tuner or {}) if self.chief else {}
         failed = (smallest_oom_size(self.run.output_uri) or 0) if self.chief else 0
         size, ceiling, failed = self.all_sum(tuned.get("size", 0), tuned.get("ceiling", 0), failed)
-        micro_batches.restore(int(size), int(ceiling), int(failed))
+        self.micro_batches.restore(int(size), int(ceiling), int(failed))
 
     def pause_requested(self) -> bool:
         """Whether the control plane asked to pause in its answer to the chief's last report (all ranks agree)."""
@@ -226,16 +226,16 @@ class _Worker:
         steps = total_steps(len(self.train_set), t.global_batch_size, t.max_steps, t.n_epochs)
         self.engine, scheduler = build_engine(self.model, self.spec, self.world, steps,
                                               bf16=self.device.type == "cuda")
-        micro_batches = self.micro_batches = MicroBatchLoop(self, self.engine)
-        self.event(f"Training started: {steps} steps on {self.world} workers, {micro_batches.describe()}",
+        self.micro_batches = MicroBatchLoop(self, self.engine)
+        self.event(f"Training started: {steps} steps on {self.world} workers, {self.micro_batches.describe()}",
                    data={"total_steps": steps, "train_examples": len(self.train_set), "workers": self.world})
         self.history, self.resumed_tuner = [], None
         done, trained_tokens = self.resume()
-        if micro_batches.tuner:
-            self.restore_tuner(micro_batches)
+        if self.micro_batches.tuner:
+            self.restore_tuner()
         for step in range(done + 1, steps + 1):
             started, learning_rate = time.perf_counter(), scheduler.get_last_lr()[0]
-            loss_sum, loss_tokens, tokens = micro_batches.run_step(step)
+            loss_sum, loss_tokens, tokens = self.micro_batches.run_step(step)
             trained_tokens += int(tokens)
             record = {"step": step, "total_steps": steps, "train_loss": loss_sum / loss_tokens,
                       "learning_rate": learning_rate,
