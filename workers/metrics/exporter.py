@@ -6,7 +6,7 @@ free port instead and says so in a job event. With MOETUNE_METRICS_TARGETS_DIR s
 its address there as a Prometheus file_sd target file (removed when the worker ends), which is how a
 Prometheus outside Kubernetes finds workers on any port.
 
-A worker that is being scraped waits for one more scrape (at most two of the intervals it has seen, never
+A worker that is being scraped waits for one more scrape (at most two of the intervals it has seen + 1 s, never
 over SCRAPE_WAIT_MAX_S) twice: when training starts, so that counters are seen at 0 before the first step
 (rate() and increase() cannot count what happened before a series' first sample), and when it ends, so that
 the last steps' values, often the whole of a short job's counters, reach Prometheus.
@@ -52,7 +52,8 @@ class ScrapeWatch:
             if not self.scrapes:
                 return False
             seen = self.scrapes
-            timeout = min(2 * self.interval, SCRAPE_WAIT_MAX_S) if self.interval else SCRAPE_WAIT_MAX_S
+            # two intervals and a second of slack for a late scrape
+            timeout = min(2 * self.interval + 1, SCRAPE_WAIT_MAX_S) if self.interval else SCRAPE_WAIT_MAX_S
             return self.changed.wait_for(lambda: self.scrapes > seen, timeout)
 
 
