@@ -207,12 +207,15 @@ def test_cache_stays_under_its_cap_and_keeps_what_fits(tiny_dir, s3_bucket, prox
 
 
 def test_cache_keeps_a_free_space_floor_on_its_disk(tmp_path):
-    full = RangeCache(str(tmp_path / "c"), min_free_fraction=1.0)  # a disk that is always "too full"
-    full.put_range("bucket/shard", "etag", 0, 4, b"abcd")
-    assert full.get_range("bucket/shard", "etag", 0, 4) is None and full.skipped_bytes == 4
     roomy = RangeCache(str(tmp_path / "c"))
     roomy.put_range("bucket/shard", "etag", 0, 4, b"abcd")
     assert roomy.get_range("bucket/shard", "etag", 0, 4) == b"abcd" and roomy.skipped_bytes == 0
+    # A disk that is always "too full" of other data: nothing more is cached, and what is cached stays (evicting
+    # it could not make the room).
+    full = RangeCache(str(tmp_path / "c"), min_free_fraction=1.0)
+    full.put_range("bucket/other", "etag", 0, 4, b"efgh")
+    assert full.get_range("bucket/other", "etag", 0, 4) is None and full.skipped_bytes == 4
+    assert full.get_range("bucket/shard", "etag", 0, 4) == b"abcd"
 
     # A killed writer's half-written file is dropped (and uncounted) once it is an hour old, not before.
     (cached,) = (tmp_path / "c").rglob("0-4")

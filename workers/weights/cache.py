@@ -107,7 +107,11 @@ class RangeCache:
         False if they cannot."""
         if self._fits(ledger[0] + nbytes, nbytes):
             return True
-        objects = sorted((e for e in os.scandir(self.root) if e.is_dir() and e.path != keep and e.path not in self.held),
+        disk = shutil.disk_usage(self.root)
+        if self.min_free_fraction * disk.total - (disk.free - nbytes) > ledger[0]:
+            return False  # other data fills the disk: emptying the cache would not make the room
+        spared = {keep, *self.held}
+        objects = sorted((e for e in os.scandir(self.root) if e.is_dir() and e.path not in spared),
                          key=lambda e: e.stat().st_mtime)
         for victim in objects:
             if _writing_into(victim.path):
