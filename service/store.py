@@ -309,7 +309,7 @@ class Store:
     # ------------------------------------------------------------ checkpoints
 
     def add_checkpoint(self, job_id: str, step_number: int, uri: str, metrics: dict,
-                       retired_steps: list[int] = ()) -> None:
+                       retired_steps: Iterable[int] = ()) -> None:
         """Lists a new checkpoint and, in the same transaction, stops listing the ones it retires."""
         with self._write() as s:
             if retired_steps:

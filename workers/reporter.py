@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
@@ -69,7 +70,7 @@ class Reporter:
         summary = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
         return self.event(f"Step {step}: {summary}", type="metrics", data={"step": step, **values})
 
-    def checkpoint(self, step: int, uri: str, retired_steps: list[int] = (), **metrics: Any):
+    def checkpoint(self, step: int, uri: str, retired_steps: Iterable[int] = (), **metrics: Any):
         return self.send(CheckpointReport(step_number=step, uri=uri, metrics=CheckpointMetrics(step=step, **metrics),
                                           retired_steps=list(retired_steps)))
 
