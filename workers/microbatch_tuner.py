@@ -178,14 +178,6 @@ class MicroBatchLoop:
         budget = "no memory limit" if self.tuner.budget is None else f"budget {self.tuner.budget / 1e6:,.1f} MB"
         return f"micro-batch size auto (starts at {self.micro_batch_size}, {budget})"
 
-    def _all_max(self, *values: float) -> list[float]:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=self.worker.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
-
     def _forward(self, batch: dict, step: int, last: bool):
         """Token-summed loss, or None after an OOM (the partial graph is dropped with the exception)."""
         import torch
@@ -242,7 +234,7 @@ class MicroBatchLoop:
             if self.tuner:
                 self.probe.begin()
             loss = self._forward(batch, step, last)
-            if self.tuner and self._all_max(float(loss is None))[0]:
+            if self.tuner and self.worker.all_max(float(loss is None))[0]:
                 self.probe.end()
                 del loss  # ranks that did not fail drop their graph too
                 self._back_off(step)
@@ -258,7 +250,7 @@ class MicroBatchLoop:
             tokens += batch["attention_mask"].sum().item()
             done += len(chunk)
         if self.tuner:
-            self._tune(step, *self._all_max(fixed, per_token))
+            self._tune(step, *self.worker.all_max(fixed, per_token))
         loss_sum, tokens = w.all_sum(loss_sum, tokens)
         return loss_sum, loss_tokens, tokens
 

@@ -15,13 +15,13 @@ import time
 from api.models import ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE, JobRunSpec
 from workers import storage
 from workers.checkpoints import load_checkpoint, save_adapter, save_checkpoint
-from workers.data import collate, eval_micro_batches, load_rows, tokenize_rows
+from workers.data import IGNORE, collate, eval_micro_batches, load_rows, tokenize_rows
 from workers.engine import build_engine
 from workers.errors import DatasetError
 from workers.kernel_swaps import apply_kernel_swaps
 from workers.lora import trainable_model
 from workers.metrics import WorkerMetrics
-from workers.microbatch_tuner import MicroBatchLoop
+from workers.microbatch_tuner import MicroBatchLoop, token_loss_sum
 from workers.model import (
     expert_parallel_rank,
     load_summary,
@@ -85,11 +85,17 @@ class _Worker:
         dist.barrier()
 
     def all_sum(self, *values: float) -> list[float]:
+        return self._all_reduce(values, "SUM")
+
+    def all_max(self, *values: float) -> list[float]:
+        return self._all_reduce(values, "MAX")
+
+    def _all_reduce(self, values, op: str) -> list[float]:
         import torch
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
         return t.tolist()
 
     def to_device(self, batch: dict) -> dict:
@@ -139,7 +145,6 @@ class _Worker:
     def evaluate(self) -> float:
         """Token-weighted mean loss over the whole validation set, across ranks."""
         import torch
-        import torch.nn.functional as F
 
         loss_sum = count = 0.0
         self.engine.eval()
@@ -149,11 +154,9 @@ class _Worker:
                 # A rank whose share ran out still runs a forward: under ZeRO-3 it is a collective.
                 batch = self.to_device(collate(real or self.valid_set[:1], self.tokenizer.pad_token_id))
                 logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                labels = batch["labels"][:, 1:]
                 if real:
-                    loss_sum += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
-                                                ignore_index=-100, reduction="sum").item()
-                    count += (labels != -100).sum().item()
+                    loss_sum += token_loss_sum(logits, batch["labels"]).item()
+                    count += (batch["labels"][:, 1:] != IGNORE).sum().item()
         self.engine.train()
         loss_sum, count = self.all_sum(loss_sum, count)
         return loss_sum / count
