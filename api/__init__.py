@@ -1,5 +1,5 @@
 """moetune's wire contract (api.models) and Python SDK (api.client)."""
 
-from api.client import APIError, Client
+from moetune.api.client import APIError, Client
 
 __all__ = ["APIError", "Client"]

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
-from api.models import Checkpoint, Job, JobCreate, JobEvent, JobStatus, ListPage
+from moetune.api.models import Checkpoint, Job, JobCreate, JobEvent, JobStatus, ListPage
 
 JOBS_PATH = "/v1/fine_tuning/jobs"
 

@@ -56,7 +56,7 @@ def check_model_spec(config: dict, spec) -> None:
 
     `spec` is a resolved JobCreate. Used at submission (422) and again by the driver before workers start.
     """
-    from api.models import SpecError
+    from moetune.api.models import SpecError
 
     par, lora = spec.parallelism, spec.lora
     facts = FAMILIES.get(config.get("model_type"))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
-from service.embedded import free_port, stop_process, wait_http
+from moetune.service.embedded import free_port, stop_process, wait_http
 
 JOBS = "/v1/fine_tuning/jobs"
 SPEC = {"model": "s3://models/tiny", "training_file": "s3://data/train.jsonl"}

@@ -22,7 +22,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path
 import torch
 import torch.nn.functional as F
 
-from kernels.kda import chunk_kda, chunk_kda_torch, naive_recurrent_kda
+from moetune.kernels.kda import chunk_kda, chunk_kda_torch, naive_recurrent_kda
 
 CPU_SHAPE = {"batch": 1, "seq_len": 2048, "heads": 4, "dk": 128, "dv": 128}
 GPU_HEADS, GPU_HEAD_DIM, GPU_LENGTHS = 16, 128, (8192, 32768)
@@ -107,7 +107,7 @@ def run_gpu() -> dict:
 
 
 def _gpu_case(seq_len) -> dict:
-    from kernels.kda.triton_kda import CHUNK
+    from moetune.kernels.kda.triton_kda import CHUNK
 
     tag = f"{seq_len // 1024}k"
     inputs = make_inputs(1, seq_len, GPU_HEADS, GPU_HEAD_DIM, GPU_HEAD_DIM, device="cuda", dtype=torch.bfloat16)

@@ -27,9 +27,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import moe_lora_grouped
-from kernels.sparse_attention import select_topk, sparse_attention
-from kernels.sparse_attention.reference import topk_mask
+from moetune.kernels.moe import moe_lora_grouped
+from moetune.kernels.sparse_attention import select_topk, sparse_attention
+from moetune.kernels.sparse_attention.reference import topk_mask
 
 
 def _kda_run(gpu: bool) -> dict:

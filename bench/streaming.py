@@ -39,7 +39,7 @@ from contextlib import ExitStack, contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.weights
 
-from service.embedded import free_port, local_s3_server, s3_env, stop_process, wait_http
+from moetune.service.embedded import free_port, local_s3_server, s3_env, stop_process, wait_http
 
 BUCKET = "models"
 S3RVER_KEY = "S3RVER"  # s3rver's built-in account
@@ -102,7 +102,7 @@ def start_server(stack: ExitStack, work: str) -> tuple[str, str]:
 
 def bench_config(layers: int, experts: int, hidden: int, expert_ffn: int):
     """The tiny seed-family config scaled up: wide expert FFNs and many experts, so experts dominate the bytes."""
-    from workers.tiny import tiny_config
+    from moetune.workers.tiny import tiny_config
 
     config = tiny_config(vocab_size=512, pad_id=0, bos_id=1, eos_id=2)
     config.num_hidden_layers = layers
@@ -133,7 +133,7 @@ def write_checkpoint(local_dir: str, config) -> None:
 
 def chunk_ranges(plan, fetcher) -> list[tuple[str, int, int]]:
     """The loader's requests: (path, start, end) of its merged ranges cut into its chunks."""
-    from workers.weights.plan import merge_ranges
+    from moetune.workers.weights.plan import merge_ranges
 
     return [(fetcher.sources[shard].path, a, min(a + fetcher.chunk_bytes, end))
             for shard, start, end in merge_ranges(plan.pieces, fetcher.merge_gap)
@@ -184,8 +184,8 @@ def floor_cpu_per_gib() -> dict:
 def measure_throughput(uri: str, rounds: int) -> dict:
     import torch
 
-    from workers.weights.fetch import RangeFetcher
-    from workers.weights.loader import empty_model, open_checkpoint, stream_model
+    from moetune.workers.weights.fetch import RangeFetcher
+    from moetune.workers.weights.loader import empty_model, open_checkpoint, stream_model
 
     ckpt = open_checkpoint(uri)
     empty_model(ckpt.config, torch.bfloat16)  # imports the family's modeling code outside the timed rounds
@@ -216,7 +216,7 @@ def child(mode: str, uri: str, rank: int, ep: int) -> None:
     Prints one JSON line; maxrss is the process's peak RSS, read as its last action."""
     import torch
 
-    from workers.weights.loader import (
+    from moetune.workers.weights.loader import (
         empty_model,
         open_checkpoint,
         plan_for,
@@ -258,7 +258,7 @@ def collect(proc: subprocess.Popen) -> dict:
 def measure_ranks(uri: str, endpoint: str, ep: int) -> list[dict]:
     """Both ranks at once, as in a job, each behind its own counting proxy; then the skeleton baseline."""
     from tests.weights.proxy import FaultProxy
-    from workers.weights.push import inspect
+    from moetune.workers.weights.push import inspect
 
     needs = inspect(uri, ep)["bytes_per_rank"]
     proxies = [FaultProxy(endpoint) for _ in range(ep)]
@@ -296,7 +296,7 @@ def main() -> None:
         child(args.child, args.uri, args.rank, args.ep)
         return
 
-    from workers.weights.push import push
+    from moetune.workers.weights.push import push
 
     work = tempfile.mkdtemp(prefix="moetune-bench-streaming-")
     try:

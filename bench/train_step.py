@@ -93,10 +93,10 @@ class StepTimer:
 
 
 def _engine(world: int, moetune: bool, args):
-    from workers.engine import build_engine
-    from workers.families import family
-    from workers.kernel_swaps import apply_kernel_swaps
-    from workers.lora import trainable_model
+    from moetune.workers.engine.deepspeed import build_engine
+    from moetune.workers.families import family
+    from moetune.workers.families.kda import apply_kernel_swaps
+    from moetune.workers.lora.peft_lora import trainable_model
 
     fam = family(FAMILY)
     model = plain_model(fam)

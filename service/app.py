@@ -8,14 +8,14 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from api.models import ErrorResponse
-from service import internal, routes
-from service.auth import TenantResolver
-from service.errors import error_response, install_error_handlers
-from service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
-from service.scheduler import Scheduler
-from service.settings import Settings
-from service.store import Store
+from moetune.api.models import ErrorResponse
+from moetune.service import internal, routes
+from moetune.service.auth import TenantResolver
+from moetune.service.errors import error_response, install_error_handlers
+from moetune.service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
+from moetune.service.scheduler import Scheduler
+from moetune.service.settings import Settings
+from moetune.service.store import Store
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

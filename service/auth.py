@@ -8,7 +8,7 @@ import secrets
 
 from fastapi import Request
 
-from service.errors import APIException
+from moetune.service.errors import APIException
 
 
 def hash_token(token: str) -> str:

@@ -16,16 +16,16 @@ from pathlib import Path
 import boto3
 from rich.console import Console
 
-from api.client import Client
-from api.models import JobCreate, JobStatus, LoraSpec, ParallelismSpec, TrainingSpec
-from service.embedded import (
+from moetune.api.client import Client
+from moetune.api.models import JobCreate, JobStatus, LoraSpec, ParallelismSpec, TrainingSpec
+from moetune.service.embedded import (
     control_plane_in_thread,
     free_port,
     local_ray_head,
     local_s3_server,
     s3_env,
 )
-from service.progress import follow
+from moetune.service.progress import follow
 
 BUCKET = "moetune-demo"
 TOKEN = "demo-token"
@@ -46,7 +46,7 @@ def _download_dir(s3, uri: str, local: Path) -> None:
 
 
 def _make_assets(work: Path, s3) -> None:
-    from workers.tiny import (  # torch-heavy: only the demo needs it
+    from moetune.workers.tiny import (  # torch-heavy: only the demo needs it
         write_tiny_checkpoint,
         write_tiny_dataset,
     )
@@ -80,8 +80,8 @@ def demo_job_spec() -> JobCreate:
 
 def run_demo(timeout: float = 600) -> int:
     """Returns the process exit code: 0 only if the job succeeded."""
-    from service.app import create_app
-    from service.settings import Settings
+    from moetune.service.app import create_app
+    from moetune.service.settings import Settings
 
     console = Console()
     start = time.monotonic()

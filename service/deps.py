@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.auth import current_tenant
-from service.store import Store
+from moetune.service.auth import current_tenant
+from moetune.service.store import Store
 
 
 async def get_store(request: Request) -> Store:  # async: no worker-thread hop for a lookup

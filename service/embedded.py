@@ -120,7 +120,7 @@ def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
         f"--dashboard-agent-listen-port={agent_port}", f"--ray-client-server-port={client_port}",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
     ]
-    # Jobs run `python -m workers.driver`: put this interpreter's bin first so they find our packages.
+    # Jobs run `python -m moetune.workers.entry.driver`: put this interpreter's bin first so they find our packages.
     path = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
     proc = _spawn(args, log_path, env={**os.environ, "PATH": path, **(env or {})})
     dashboard_url = f"http://127.0.0.1:{dash_port}"

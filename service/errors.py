@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.models import ErrorInfo, ErrorResponse
+from moetune.api.models import ErrorInfo, ErrorResponse
 
 # pydantic appends the union member it tried to a location, e.g. ("batch_size", "int") or
 # ("target_modules", "literal['all-linear']"); such tags are not part of the field path.

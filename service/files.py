@@ -6,7 +6,7 @@ import json
 
 import fsspec
 
-from api.models import ErrorInfo, JobCreate
+from moetune.api.models import ErrorInfo, JobCreate
 
 
 def _filesystem(uri: str, s3_endpoint_url: str | None, quick: bool = False):

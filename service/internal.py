@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Depends, Request
 from pydantic import ValidationError
 
-from api.models import (
+from moetune.api.models import (
     CHECKPOINT_MANIFEST,
     CHECKPOINTS_DIR,
     REPORT_PATH,
@@ -19,12 +19,12 @@ from api.models import (
     ReportAck,
     WorkerReport,
 )
-from service.auth import bearer_token, job_token_matches, unauthorized
-from service.deps import StoreDep
-from service.errors import APIException, invalid_request
-from service.files import read_json
-from service.lifecycle import finish_job
-from service.store import JobRow
+from moetune.service.auth import bearer_token, job_token_matches, unauthorized
+from moetune.service.deps import StoreDep
+from moetune.service.errors import APIException, invalid_request
+from moetune.service.files import read_json
+from moetune.service.lifecycle import finish_job
+from moetune.service.store import JobRow
 
 router = APIRouter(tags=["internal"], include_in_schema=False)
 

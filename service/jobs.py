@@ -6,13 +6,13 @@ import hashlib
 import json
 import secrets
 
-from api.families import check_model_spec, needs_model_config
-from api.models import JobCreate, JobStatus, SpecError, resolve_spec
-from service.errors import APIException, invalid_request
-from service.files import read_model_config
-from service.settings import Settings
-from service.store import IdempotencyKeyTaken, JobRow, Store
-from service.uri_policy import check_job_uris
+from moetune.api.families import check_model_spec, needs_model_config
+from moetune.api.models import JobCreate, JobStatus, SpecError, resolve_spec
+from moetune.service.errors import APIException, invalid_request
+from moetune.service.files import read_model_config
+from moetune.service.settings import Settings
+from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
+from moetune.service.uri_policy import check_job_uris
 
 MAX_SEED = 2**31 - 1
 

@@ -6,9 +6,9 @@ without one overwriting another's decision; a change the job's status does not a
 
 from __future__ import annotations
 
-from api.models import ErrorInfo, JobStatus, ResultReport
-from service.errors import APIException
-from service.store import ACTIVE_STATUSES, JobRow, Store
+from moetune.api.models import ErrorInfo, JobStatus, ResultReport
+from moetune.service.errors import APIException
+from moetune.service.store import ACTIVE_STATUSES, JobRow, Store
 
 # Jobs whose Ray submission holds one of the max_running_jobs slots.
 SLOT_STATUSES = (JobStatus.running, JobStatus.pausing)

@@ -10,8 +10,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.models import JobStatus
-from service.store import Store
+from moetune.api.models import JobStatus
+from moetune.service.store import Store
 
 log = logging.getLogger(__name__)
 

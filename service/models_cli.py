@@ -40,10 +40,10 @@ def models() -> None:
 @click.option("--shard-size", default="4GiB", show_default=True, help="Largest shard written (e.g. 512MiB, 5GB).")
 def push(local_dir: str, uri: str, shard_size: str) -> None:
     """Upload LOCAL_HF_DIR to URI: shards re-cut so each expert's slice is contiguous, with a checksum manifest."""
-    from workers.errors import JobError
-    from workers.weights.loader import is_weight_file
-    from workers.weights.push import local_tensors
-    from workers.weights.push import push as push_checkpoint
+    from moetune.workers.errors import JobError
+    from moetune.workers.weights.loader import is_weight_file
+    from moetune.workers.weights.push import local_tensors
+    from moetune.workers.weights.push import push as push_checkpoint
 
     try:
         total = sum(info.nbytes for _, info in local_tensors(local_dir).values())
@@ -69,8 +69,8 @@ def push(local_dir: str, uri: str, shard_size: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def inspect(uri: str, ep: int, as_json: bool) -> None:
     """Family, parameter counts, experts and bytes each rank reads at EP=N, from headers only."""
-    from workers.errors import JobError
-    from workers.weights.push import inspect as inspect_checkpoint
+    from moetune.workers.errors import JobError
+    from moetune.workers.weights.push import inspect as inspect_checkpoint
 
     with Progress(TextColumn("reading shard headers"), BarColumn(), TextColumn("{task.completed} shards"),
                   console=console, transient=True) as bar:

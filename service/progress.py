@@ -11,8 +11,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from api.client import Client
-from api.models import Job, JobEvent
+from moetune.api.client import Client
+from moetune.api.models import Job, JobEvent
 
 _LEVEL_STYLE = {"info": "", "warn": "yellow", "error": "bold red"}
 

@@ -8,14 +8,14 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api.models import Checkpoint, ErrorResponse, Job, JobCreate, JobEvent, ListPage
-from service import jobs as job_service
-from service import lifecycle
-from service.deps import StoreDep, Tenant
-from service.errors import invalid_request, job_not_found
-from service.store import JobRow, Store
-from service.streaming import job_event_stream
-from service.views import (
+from moetune.api.models import Checkpoint, ErrorResponse, Job, JobCreate, JobEvent, ListPage
+from moetune.service import jobs as job_service
+from moetune.service import lifecycle
+from moetune.service.deps import StoreDep, Tenant
+from moetune.service.errors import invalid_request, job_not_found
+from moetune.service.store import JobRow, Store
+from moetune.service.streaming import job_event_stream
+from moetune.service.views import (
     CHECKPOINT_ID_PREFIX,
     EVENT_ID_PREFIX,
     checkpoint_view,

@@ -10,7 +10,7 @@ import os
 import re
 import threading
 
-from api.models import (
+from moetune.api.models import (
     ADAPTER_DIR,
     ENV_CALLBACK_URL,
     ENV_JOB_TOKEN,
@@ -24,12 +24,12 @@ from api.models import (
     JobStatus,
     ResultReport,
 )
-from service.auth import hash_token, new_job_token
-from service.files import missing_input, read_json
-from service.lifecycle import SLOT_STATUSES, finish_job
-from service.ray_jobs import RayJobs, RayUnavailable
-from service.settings import Settings
-from service.store import JobRow, Store
+from moetune.service.auth import hash_token, new_job_token
+from moetune.service.files import missing_input, read_json
+from moetune.service.lifecycle import SLOT_STATUSES, finish_job
+from moetune.service.ray_jobs import RayJobs, RayUnavailable
+from moetune.service.settings import Settings
+from moetune.service.store import JobRow, Store
 
 log = logging.getLogger(__name__)
 

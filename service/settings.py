@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from api.models import URI_SCHEMES
+from moetune.api.models import URI_SCHEMES
 
 
 class Settings(BaseSettings):
@@ -32,7 +32,7 @@ class Settings(BaseSettings):
         "AWS_DEFAULT_REGION",
         "HF_HUB_OFFLINE",
     ]
-    driver_entrypoint: str = "python -m workers.driver"
+    driver_entrypoint: str = "python -m moetune.workers.entry.driver"
     # Storage a tenant's jobs may use: JSON {"tenant": ["s3://bucket/", "s3://shared/models/"], "*": [...]}
     # ("*" applies to every tenant). Empty: any bucket. See service/uri_policy.py.
     uri_allow_list: dict[str, list[str]] = {}

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import anyio
 from starlette.concurrency import run_in_threadpool
 
-from api.models import JobStatus
-from service.store import Store
-from service.views import event_id, event_view
+from moetune.api.models import JobStatus
+from moetune.service.store import Store
+from moetune.service.views import event_id, event_view
 
 POLL_INTERVAL_S = 0.25
 KEEPALIVE_INTERVAL_S = 15.0

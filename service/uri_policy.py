@@ -7,9 +7,9 @@ workers' own disks, so it is refused unless the operator turns it on (MOETUNE_AL
 
 from __future__ import annotations
 
-from api.models import JobCreate
-from service.errors import invalid_request
-from service.settings import Settings
+from moetune.api.models import JobCreate
+from moetune.service.errors import invalid_request
+from moetune.service.settings import Settings
 
 ANY_TENANT = "*"
 _URI_FIELDS = ("model", "training_file", "validation_file", "output_uri")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from api.models import (
+from moetune.api.models import (
     Checkpoint,
     CheckpointMetrics,
     ErrorInfo,

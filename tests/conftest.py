@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import boto3
 import pytest
 
-from api.models import ReportAck, WorkerReport
-from service.embedded import local_ray_head, local_s3_server, s3_env
+from moetune.api.models import ReportAck, WorkerReport
+from moetune.service.embedded import local_ray_head, local_s3_server, s3_env
 
 
 @pytest.fixture(scope="session")

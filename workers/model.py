@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from api.families import check_model_spec
-from api.models import JobCreate, SpecError
-from workers import storage
-from workers.errors import JobError
-from workers.weights.cache import ENV_CACHE_MAX_GB
+from moetune.api.families import check_model_spec
+from moetune.api.models import JobCreate, SpecError
+from moetune.api import storage
+from moetune.workers.errors import JobError
+from moetune.workers.weights.cache import ENV_CACHE_MAX_GB
 
 
 def check_supported(spec: JobCreate, config: dict) -> None:
@@ -59,7 +59,7 @@ def load_dtype(device):
 def stream_base_model(model_uri: str, device, ep_rank: int = 0, ep_size: int = 1):
     """The transformers model with this rank's weights streamed from `model_uri` (see workers.weights):
     non-expert tensors in full, routed experts of its expert-parallel share only."""
-    from workers.weights.loader import stream_model
+    from moetune.workers.weights.loader import stream_model
 
     return stream_model(model_uri, device, load_dtype(device), ep_rank, ep_size)
 
@@ -68,7 +68,7 @@ def expert_parallel_rank(ep_size: int) -> int:
     """This rank's index in its expert-parallel group (creates DeepSpeed's groups; torch.distributed is up)."""
     if ep_size == 1:
         return 0
-    from workers.expert_parallel import ep_group
+    from moetune.workers.parallel.experts import ep_group
 
     return ep_group(ep_size).rank
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe.torch_impl import moe_lora_grouped_torch
+from moetune.kernels.moe.torch_impl import moe_lora_grouped_torch
 
 
 def moe_lora_grouped(x_sorted, counts, w, lora_a, lora_b, scale: float, backend: str | None = None) -> torch.Tensor:
@@ -22,7 +22,7 @@ def moe_lora_grouped(x_sorted, counts, w, lora_a, lora_b, scale: float, backend:
     if backend == "torch":
         return moe_lora_grouped_torch(x_sorted, counts, w, lora_a, lora_b, scale)
     if backend == "triton":
-        from kernels.moe.triton_impl import MoeLoraFn
+        from moetune.kernels.moe.triton_impl import MoeLoraFn
 
         return MoeLoraFn.apply(x_sorted.contiguous(), counts, w.detach(), lora_a, lora_b, scale)
     raise ValueError(f"unknown MoE backend {backend!r} (expected 'triton' or 'torch')")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe.function import moe_lora_grouped
+from moetune.kernels.moe.function import moe_lora_grouped
 
 
 def _t(x):

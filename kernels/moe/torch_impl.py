@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.moe.reference import moe_lora_reference
+from moetune.kernels.moe.reference import moe_lora_reference
 
 _ALIGN_BYTES = 16  # grouped_mm wants every stride a multiple of 16 bytes
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # absent in older torch

@@ -170,7 +170,7 @@ class MoeLoraFn(torch.autograd.Function):
 
 def compile_sm90(d_in: int, d_out: int, rank: int) -> dict:
     """Shared memory (bytes) of both kernels built for sm_90 in bf16 at these widths: a compile-only check."""
-    from kernels.testing import compile_for_sm90
+    from moetune.kernels.testing import compile_for_sm90
 
     mm_types = {name: "*bf16" for name in ("X", "W", "A", "B", "Y")}
     mm_types.update(TILE_EXPERT="*i32", TILE_ROW="*i64", OFFS="*i64", scale="fp32")

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sparse_attention import torch_impl
+from moetune.kernels.sparse_attention import torch_impl
 
 
 def _backend(name: str | None, device: torch.device):
     if name is None:
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
-        from kernels.sparse_attention import triton_impl
+        from moetune.kernels.sparse_attention import triton_impl
 
         return triton_impl
     if name == "torch":

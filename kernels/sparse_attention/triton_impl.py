@@ -208,7 +208,7 @@ def backward(q, k, v, indices, scale, out, lse, grad_out):
 
 def compile_sm90(group: int, head_dk: int, head_dv: int) -> dict:
     """Shared memory (bytes) of the forward and backward kernels built for sm_90 in bf16: a compile-only check."""
-    from kernels.testing import compile_for_sm90
+    from moetune.kernels.testing import compile_for_sm90
 
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "O": "*bf16", "DO": "*bf16", "LSE": "*fp32",
                 "DELTA": "*fp32", "DQ": "*bf16", "DK": "*fp32", "DV": "*fp32"}

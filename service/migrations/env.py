@@ -3,7 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from service.store import Base
+from moetune.service.store import Base
 
 config = context.config
 connection = config.attributes.get("connection")

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from api.models import JobCreate, SpecError, resolve_spec
+from moetune.api.models import JobCreate, SpecError, resolve_spec
 
 BASE = {"model": "s3://models/tiny", "training_file": "s3://data/train.jsonl"}
 

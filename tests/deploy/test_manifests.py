@@ -253,7 +253,7 @@ def test_notes_tell_how_to_reach_the_api_and_read_the_token(rendered):
 
 
 def test_control_plane_env_is_settings_the_service_reads_and_accepts(chart, rendered, monkeypatch):
-    from service.settings import Settings
+    from moetune.service.settings import Settings
 
     env = rendered.resolve_env(rendered.control_plane)
     known = {f"MOETUNE_{name.upper()}" for name in Settings.model_fields}

@@ -10,8 +10,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from api.client import Client
-from service.embedded import free_port, s3_env, stop_process, wait_http
+from moetune.api.client import Client
+from moetune.service.embedded import free_port, s3_env, stop_process, wait_http
 
 TENANT_TOKENS = {"tenant-a": "tok-a", "tenant-b": "tok-b"}
 ASSETS_BUCKET = "e2e-assets"
@@ -20,7 +20,7 @@ ASSETS_BUCKET = "e2e-assets"
 @pytest.fixture(scope="session")
 def tiny_assets(s3_endpoint, tmp_path_factory):
     """URIs of a tiny kimi_linear checkpoint and datasets in the S3 server, plus the local checkpoint dir."""
-    from workers.tiny import write_tiny_checkpoint, write_tiny_dataset
+    from moetune.workers.tiny import write_tiny_checkpoint, write_tiny_dataset
 
     work = tmp_path_factory.mktemp("assets")
     write_tiny_checkpoint(work / "model", seed=0)

@@ -13,7 +13,7 @@ import time
 
 import s3fs
 
-from api.models import (
+from moetune.api.models import (
     ADAPTER_DIR,
     ENV_RUN_SPEC,
     ENV_S3_ENDPOINT_URL,
@@ -21,7 +21,7 @@ from api.models import (
     SUMMARY_FILE,
     JobRunSpec,
 )
-from workers.reporter import Reporter
+from moetune.workers.reporting.reporter import Reporter
 
 TRAINED_TOKENS = 42
 

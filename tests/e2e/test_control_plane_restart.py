@@ -18,8 +18,8 @@ import httpx
 import pytest
 from ray.job_submission import JobSubmissionClient
 
-from api.client import Client
-from service.embedded import free_port, stop_process
+from moetune.api.client import Client
+from moetune.service.embedded import free_port, stop_process
 from tests.e2e.conftest import TENANT_TOKENS, control_plane_env, spawn_control_plane
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,7 @@ import yaml
 from ray.job_submission import JobStatus as RayJobStatus
 from ray.job_submission import JobSubmissionClient
 
-from api.models import JobCreate, JobStatus
+from moetune.api.models import JobCreate, JobStatus
 
 pytestmark = pytest.mark.e2e
 

@@ -8,8 +8,8 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-from api.models import JobCreate
-from service.embedded import free_port
+from moetune.api.models import JobCreate
+from moetune.service.embedded import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -33,7 +33,7 @@ def plain_model(family, seed: int = 0, skew_to_first_half: bool = False):
     `skew_to_first_half` routes every token to the first half of the experts through the router's score
     correction bias (kimi_linear, deepseek_v3): with EP=2, rank 1's experts get no token at all.
     """
-    from workers.families import auto_model_class
+    from moetune.workers.families import auto_model_class
 
     torch.manual_seed(seed)
     config = family.tiny_config()
@@ -77,7 +77,7 @@ def launch(fn, world: int, *args) -> None:
 
 def expert_bytes(model) -> int:
     """Bytes of routed-expert base weights this rank stores (its ZeRO-3 partition where partitioned)."""
-    from workers.expert_parallel import ExpertParallelExperts
+    from moetune.workers.parallel.experts import ExpertParallelExperts
 
     total = 0
     for module in model.modules():
@@ -90,9 +90,9 @@ def expert_bytes(model) -> int:
 
 def make_engine(rank: int, world: int, family_name: str, job: JobCreate, skew: bool = False):
     """The moetune engine of this rank, built exactly as a job builds it (same seeds on every rank)."""
-    from workers.engine import build_engine
-    from workers.families import family
-    from workers.lora import trainable_model
+    from moetune.workers.engine.deepspeed import build_engine
+    from moetune.workers.families import family
+    from moetune.workers.lora.peft_lora import trainable_model
 
     model = plain_model(family(family_name), skew_to_first_half=skew)
     torch.manual_seed(1)
@@ -138,7 +138,7 @@ def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir:
 def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
     """Trains STEPS steps with a checkpoint after SAVE_AFTER, exports the adapter, then resumes a fresh engine
     from the checkpoint and trains the remaining steps again."""
-    from workers.checkpoints import load_checkpoint, save_adapter, save_checkpoint
+    from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
 
     job = JobCreate.model_validate_json(spec_json)
     ckpt, adapter = os.path.join(out_dir, "ckpt"), os.path.join(out_dir, "adapter")
@@ -169,9 +169,9 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
         set_peft_model_state_dict,
     )
 
-    from workers.ep_adapter import TARGET_PARAMETERS, peft_expert_state
-    from workers.expert_parallel import init_expert_lora_a
-    from workers.lora import _no_v4_target_conversion
+    from moetune.workers.lora.expert_layout import TARGET_PARAMETERS, peft_expert_state
+    from moetune.workers.parallel.experts import init_expert_lora_a
+    from moetune.workers.lora.peft_lora import _no_v4_target_conversion
 
     state = get_peft_model_state_dict(peft_model)
     r = job.lora.rank
@@ -194,7 +194,7 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
 
 def expert_grads_in_engine_layout(peft_model, fam) -> dict:
     """Reference gradients of the PEFT expert LoRA, as full (E, ...) stacks under the engine's parameter names."""
-    from workers.ep_adapter import factors_from_peft
+    from moetune.workers.lora.expert_layout import factors_from_peft
 
     grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
     out = {}
@@ -207,8 +207,8 @@ def expert_grads_in_engine_layout(peft_model, fam) -> dict:
 
 def reference(family_name: str, job: JobCreate, world: int, skew: bool = False, micro: int = 2) -> dict:
     """Plain transformers + PEFT in one process: the same batches, DeepSpeed's rank-mean loss, AdamW, clipping."""
-    from workers.families import family
-    from workers.lora import apply_lora
+    from moetune.workers.families import family
+    from moetune.workers.lora.peft_lora import apply_lora
 
     fam = family(family_name)
     model = plain_model(fam, skew_to_first_half=skew)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from api.models import LoraSpec
+from moetune.api.models import LoraSpec
 from tests.ep.harness import batch, plain_model
 
 
@@ -14,9 +14,9 @@ def test_shared_expert_and_dense_mlp_lora_load_as_trained(tmp_path, family_name)
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from workers.ep_adapter import loadable_adapter_config
-    from workers.families import family
-    from workers.lora import apply_lora
+    from moetune.workers.lora.expert_layout import loadable_adapter_config
+    from moetune.workers.families import family
+    from moetune.workers.lora.peft_lora import apply_lora
 
     fam = family(family_name)
     trained = apply_lora(plain_model(fam), LoraSpec(rank=4, alpha=8.0, dropout=0.1, target_modules="all-linear"))

@@ -13,7 +13,7 @@ from tests.ep.harness import SAVE_AFTER, batch, plain_model
 def test_resume_is_exact_and_adapter_loads_into_peft(ep_runs, case):
     from peft import PeftModel
 
-    from workers.families import family
+    from moetune.workers.families import family
 
     fam = family(RESUME_CASES[case][0])
     out, ranks = ep_runs(case)

@@ -5,13 +5,13 @@ import os
 import pytest
 import torch
 
-from api.models import JobCreate, JobRunSpec
-from workers import storage
-from workers.data import collate, load_rows, step_micro_batches, tokenize_rows
-from workers.driver import run_job
-from workers.ep_adapter import b_from_peft
-from workers.reporter import Reporter
-from workers.tiny import write_tiny_checkpoint, write_tiny_dataset
+from moetune.api.models import JobCreate, JobRunSpec
+from moetune.api import storage
+from moetune.workers.data.rows import collate, load_rows, step_micro_batches, tokenize_rows
+from moetune.workers.entry.driver import run_job
+from moetune.workers.lora.expert_layout import b_from_peft
+from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.tiny import write_tiny_checkpoint, write_tiny_dataset
 
 
 def _plain_first_loss(run: JobRunSpec, checkpoint: str) -> float:
@@ -34,7 +34,7 @@ def test_ep2_expert_lora_job_on_ray(s3_bucket, ray_head, receiver, tmp_path, mon
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN
+    from moetune.api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN
 
     base = f"s3://{s3_bucket}"
     checkpoint = write_tiny_checkpoint(str(tmp_path / "model"))

@@ -9,11 +9,11 @@ import httpx
 import pytest
 import torch
 
-from api.families import FAMILIES
-from api.models import JobCreate
-from workers.errors import JobError
-from workers.families import family
-from workers.model import check_supported
+from moetune.api.families import FAMILIES
+from moetune.api.models import JobCreate
+from moetune.workers.errors import JobError
+from moetune.workers.families import family
+from moetune.workers.model import check_supported
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -22,7 +22,7 @@ JOBS = "/v1/fine_tuning/jobs"
 def control_plane(s3_endpoint, tmp_path_factory):
     """A real control plane that reads model configs from the session's S3 server; a bucket with the seed
     family's tiny config.json (8 routed experts) and one of a non-MoE model."""
-    from service.settings import Settings
+    from moetune.service.settings import Settings
     from tests.service.conftest import API_TOKENS, run_service
 
     bucket = f"t-{uuid.uuid4().hex[:12]}"
@@ -78,7 +78,7 @@ def test_unreadable_config_defers_to_the_driver(control_plane):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_facts_match_the_transformers_models(name):
     """The control plane's pure-data facts agree with the real model classes (built on the meta device)."""
-    from workers.families import auto_model_class
+    from moetune.workers.families import auto_model_class
 
     fam = family(name)
     config = fam.tiny_config()

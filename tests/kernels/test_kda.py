@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kda import chunk_kda, chunk_kda_torch, l2norm, naive_recurrent_kda
-from kernels.kda.chunked import _DecayedProducts
+from moetune.kernels.kda import chunk_kda, chunk_kda_torch, l2norm, naive_recurrent_kda
+from moetune.kernels.kda.chunked import _DecayedProducts
 from tests.kernels.kda_cases import (
     BF16_TOL,
     FP32_TOL,

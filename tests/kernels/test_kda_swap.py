@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.kernels.kda_cases import rmse_ratio
-from workers import kernel_swaps
-from workers.tiny import tiny_config
+from moetune.workers.families import kda
+from moetune.workers.tiny import tiny_config
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj", "o_proj"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kda import naive_recurrent_kda, triton_kda
+from moetune.kernels.kda import naive_recurrent_kda, triton_kda
 from tests.kernels.kda_cases import BF16_TOL, FP32_TOL, NAMES, as_fp32, make_inputs, rmse_ratio, run_with_grads
 from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
 

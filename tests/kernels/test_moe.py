@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import moe_lora_grouped, moe_lora_mlp
-from kernels.moe.reference import moe_lora_reference
-from kernels.testing import compile_in_subprocess, rmse_ratio
+from moetune.kernels.moe import moe_lora_grouped, moe_lora_mlp
+from moetune.kernels.moe.reference import moe_lora_reference
+from moetune.kernels.testing import compile_in_subprocess, rmse_ratio
 from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
 
 
@@ -83,7 +83,7 @@ def test_frozen_weight_gets_no_gradient_and_bad_arguments_are_named(backend):
 def test_kernels_compile_for_sm90():
     shapes = [(2048, 768, 16), (7168, 2048, 64), (1000, 3000, 8)]
     shared = compile_in_subprocess(
-        f"[importlib.import_module('kernels.moe.triton_impl').compile_sm90(*s) for s in {shapes}]")
+        f"[importlib.import_module('moetune.kernels.moe.triton_impl').compile_sm90(*s) for s in {shapes}]")
     for per_kernel in shared:
         assert all(0 < v <= 228 * 1024 for v in per_kernel.values()), shared
 
@@ -133,7 +133,7 @@ def test_expert_mlp_matches_the_per_expert_loop(backend, with_lora):
 def test_expert_mlp_is_a_drop_in_for_the_expert_parallel_compute(backend):
     """Same arguments, layouts, results and LoRA gradients as workers.expert_compute.grouped_expert_forward (the EP
     engine's per-expert path), so that function can hand its work to this one."""
-    from workers.expert_compute import (
+    from moetune.workers.parallel.compute import (
         ExpertLoraFactors,
         GatedActivation,
         grouped_expert_forward,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sparse_attention import select_topk, sparse_attention
-from kernels.sparse_attention.reference import (
+from moetune.kernels.sparse_attention import select_topk, sparse_attention
+from moetune.kernels.sparse_attention.reference import (
     indexer_scores_reference,
     sparse_attention_reference,
     topk_mask,
 )
-from kernels.testing import compile_in_subprocess, rmse_ratio
+from moetune.kernels.testing import compile_in_subprocess, rmse_ratio
 from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
 
 
@@ -80,7 +80,7 @@ def test_torch_path_matches_the_oracle(dtype, tol):
 
 
 def test_torch_path_over_several_query_blocks():
-    from kernels.sparse_attention import torch_impl
+    from moetune.kernels.sparse_attention import torch_impl
 
     q_len = 2 * torch_impl.BLOCK_Q + 45  # two full blocks of queries and a partial one
     _check_against_oracle("torch", torch.float32, 0.005, q_len=q_len)
@@ -105,6 +105,6 @@ def test_kernels_compile_for_sm90():
     shape bench/kernels.py --gpu runs), head dims not powers of two included."""
     shapes = [(16, 128, 128), (1, 192, 128), (64, 128, 128)]
     shared = compile_in_subprocess(
-        f"[importlib.import_module('kernels.sparse_attention.triton_impl').compile_sm90(*s) for s in {shapes}]")
+        f"[importlib.import_module('moetune.kernels.sparse_attention.triton_impl').compile_sm90(*s) for s in {shapes}]")
     for per_kernel in shared:
         assert 0 < per_kernel["fwd"] <= 228 * 1024 and 0 < per_kernel["bwd"] <= 228 * 1024, shared

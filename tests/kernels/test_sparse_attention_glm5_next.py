@@ -11,9 +11,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
-from workers import glm5_next_indexer
-from workers.kernel_swaps import apply_kernel_swaps
-from workers.sparse_attention_swap import apply_sparse_attention_kernels
+from moetune.workers.families.glm5_next import indexer
+from moetune.workers.families.kda import apply_kernel_swaps
+from moetune.workers.families.glm5_next.sparse_attention import apply_sparse_attention_kernels
 
 TEXT = {
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from service.embedded import free_port, stop_process, wait_http
+from moetune.service.embedded import free_port, stop_process, wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"

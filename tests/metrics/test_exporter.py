@@ -8,7 +8,7 @@ import time
 import httpx
 from prometheus_client import CollectorRegistry, Gauge
 
-from workers.metrics.exporter import ENV_METRICS_PORT, Exporter
+from moetune.workers.reporting.exporter import ENV_METRICS_PORT, Exporter
 
 
 def _exporter(monkeypatch) -> tuple[Exporter, Gauge, str]:

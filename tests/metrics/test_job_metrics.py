@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from api.models import (
+from moetune.api.models import (
     ENV_CALLBACK_URL,
     ENV_JOB_TOKEN,
     SUMMARY_FILE,
@@ -18,12 +18,12 @@ from api.models import (
     JobRunSpec,
 )
 from tests.metrics.conftest import REPO, SCRAPE_INTERVAL_S
-from workers import storage
-from workers.driver import run_job
-from workers.metrics.expert_load import HOT_EXPERTS, LOAD_RATIO_BUCKETS
-from workers.metrics.exporter import ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR
-from workers.reporter import Reporter
-from workers.tiny import write_tiny_checkpoint, write_tiny_dataset
+from moetune.api import storage
+from moetune.workers.entry.driver import run_job
+from moetune.workers.reporting.expert_load import HOT_EXPERTS, LOAD_RATIO_BUCKETS
+from moetune.workers.reporting.exporter import ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR
+from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.tiny import write_tiny_checkpoint, write_tiny_dataset
 
 DASHBOARDS = sorted((REPO / "deploy" / "grafana").glob("*.json"))
 CUDA_ONLY = "(CUDA workers only)"  # panel title marker: no data from CPU workers

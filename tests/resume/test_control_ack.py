@@ -1,6 +1,6 @@
 """The chief's Reporter keeps the control plane's last answer (ReportAck): that is how a pause reaches the workers."""
 
-from workers.reporter import Reporter
+from moetune.workers.reporting.reporter import Reporter
 
 
 def test_reporter_keeps_the_last_ack(receiver):

@@ -3,8 +3,8 @@ whose listed files are all present is offered for resume."""
 
 import json
 
-from workers import storage
-from workers.resume import (
+from moetune.api import storage
+from moetune.workers.checkpoints.run_state import (
     MANIFEST,
     TRAINER_STATE,
     checkpoint_uri,

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from api.models import JobCreate, JobRunSpec
+from moetune.api.models import JobCreate, JobRunSpec
 from tests.workers.test_driver import _adapter_valid_loss, _run_in_process
-from workers import storage
+from moetune.api import storage
 
 STEPS, CHECKPOINT_EVERY, PAUSE_AT, KILL_AFTER = 10, 3, 2, 5
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from workers.errors import DatasetError
-from workers.reporter import Reporter
-from workers.worker_failures import ReportWorkerFailures
+from moetune.workers.errors import DatasetError
+from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.entry.failures import ReportWorkerFailures
 
 
 def test_failures_are_reported_and_user_errors_are_not_retried(receiver):

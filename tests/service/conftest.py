@@ -18,13 +18,13 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from api.client import Client
-from api.models import CHECKPOINT_MANIFEST, CHECKPOINTS_DIR, REPORT_PATH, JobStatus
-from service.app import create_app
-from service.auth import hash_token, new_job_token
-from service.embedded import control_plane_in_thread, free_port
-from service.settings import Settings
-from service.store import Store
+from moetune.api.client import Client
+from moetune.api.models import CHECKPOINT_MANIFEST, CHECKPOINTS_DIR, REPORT_PATH, JobStatus
+from moetune.service.app import create_app
+from moetune.service.auth import hash_token, new_job_token
+from moetune.service.embedded import control_plane_in_thread, free_port
+from moetune.service.settings import Settings
+from moetune.service.store import Store
 
 TOKENS = {"tenant-a": "tok-a", "tenant-b": "tok-b"}
 API_TOKENS = ",".join(f"{token}:{tenant}" for tenant, token in TOKENS.items())

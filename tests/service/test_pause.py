@@ -1,6 +1,6 @@
 """Pause and resume: the API's transitions, the report ack that asks workers to pause, and the paused result."""
 
-from api.client import APIError
+from moetune.api.client import APIError
 
 JOBS = "/v1/fine_tuning/jobs"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from api.models import REPORT_PATH
+from moetune.api.models import REPORT_PATH
 
 JOBS = "/v1/fine_tuning/jobs"
 

@@ -6,15 +6,15 @@ import time
 import boto3
 import pytest
 
-from api.models import (
+from moetune.api.models import (
     ENV_CALLBACK_URL,
     ENV_JOB_TOKEN,
     ENV_RUN_SPEC,
     ENV_S3_ENDPOINT_URL,
     JobRunSpec,
 )
-from service.embedded import free_port
-from service.scheduler import Scheduler, short_cause
+from moetune.service.embedded import free_port
+from moetune.service.scheduler import Scheduler, short_cause
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -100,7 +100,7 @@ def test_ray_failure_messages_are_shortened_to_the_cause():
 
 
 def test_settings_read_the_environment(monkeypatch):
-    from service.settings import Settings
+    from moetune.service.settings import Settings
 
     monkeypatch.setenv("MOETUNE_API_TOKENS", "t1:alpha, t2:beta")
     monkeypatch.setenv("MOETUNE_WORKER_ENV_PASSTHROUGH", "A,B")

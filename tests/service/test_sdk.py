@@ -5,8 +5,8 @@ import threading
 import openai
 import pytest
 
-from api.client import APIError
-from api.models import JobCreate, JobStatus
+from moetune.api.client import APIError
+from moetune.api.models import JobCreate, JobStatus
 
 
 def test_sdk_covers_the_job_lifecycle(service):

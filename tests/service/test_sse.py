@@ -5,8 +5,8 @@ import threading
 
 import httpx
 
-from api.models import JobEvent
-from service import streaming
+from moetune.api.models import JobEvent
+from moetune.service import streaming
 
 JOBS = "/v1/fine_tuning/jobs"
 

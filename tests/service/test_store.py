@@ -3,8 +3,8 @@ conditional status changes."""
 
 import pytest
 
-from api.models import JobStatus
-from service.store import IdempotencyKeyTaken, JobRow, Store
+from moetune.api.models import JobStatus
+from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -42,7 +42,7 @@ def test_file_uris_only_when_the_operator_enables_them(start_service):
 
 
 def test_a_malformed_allow_list_stops_the_server_from_starting(monkeypatch):
-    from service.settings import Settings
+    from moetune.service.settings import Settings
 
     monkeypatch.setenv("MOETUNE_URI_ALLOW_LIST", '{"tenant-a": ["data-a"]}')
     with pytest.raises(ValueError, match=r"uri_allow_list\['tenant-a'\]: 'data-a' must be a URI"):

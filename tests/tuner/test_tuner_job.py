@@ -12,12 +12,12 @@ import json
 import pytest
 import torch
 
-from api.models import JobCreate, JobRunSpec
+from moetune.api.models import JobCreate, JobRunSpec
 from tests.workers.test_driver import _run_in_process
-from workers import storage
-from workers.data import collate, load_rows, tokenize_rows
-from workers.microbatch_tuner import INJECT_OOM_ENV, MemoryProbe, token_loss_sum
-from workers.tiny import tiny_rows, write_tiny_checkpoint
+from moetune.api import storage
+from moetune.workers.data.rows import collate, load_rows, tokenize_rows
+from moetune.workers.loop.tuner import INJECT_OOM_ENV, MemoryProbe, token_loss_sum
+from moetune.workers.tiny import tiny_rows, write_tiny_checkpoint
 
 SEQ_LEN, STEPS, GLOBAL_BATCH = 32, 5, 16  # 8 examples per rank: sizes 1, 2, 4, 8
 TRAINING = {"max_steps": STEPS, "global_batch_size": GLOBAL_BATCH, "seq_len": SEQ_LEN, "learning_rate": 3e-3,
@@ -41,8 +41,8 @@ def _activation_bytes(checkpoint: str, training_file: str, sizes: tuple[int, ...
     independently of the job."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.kernel_swaps import apply_kernel_swaps
-    from workers.lora import trainable_model
+    from moetune.workers.families.kda import apply_kernel_swaps
+    from moetune.workers.lora.peft_lora import trainable_model
 
     spec = JobCreate(model="file:///unused", training_file=training_file, lora=LORA, training=TRAINING)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from api.models import JobCreate, SpecError, resolve_spec
-from workers.microbatch_tuner import MemoryProbe, MicroBatchTuner
+from moetune.api.models import JobCreate, SpecError, resolve_spec
+from moetune.workers.loop.tuner import MemoryProbe, MicroBatchTuner
 
 
 def test_grows_one_divisor_at_a_time_to_the_largest_size_that_fits():

@@ -11,13 +11,13 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from api.models import ENV_S3_ENDPOINT_URL
-from service.cli import main
+from moetune.api.models import ENV_S3_ENDPOINT_URL
+from moetune.service.cli import main
 from tests.weights.proxy import FaultProxy
-from workers.model import load_summary
-from workers.weights.cache import RangeCache
-from workers.weights.errors import WeightsError
-from workers.weights.loader import stream_model
+from moetune.workers.model import load_summary
+from moetune.workers.weights.cache import RangeCache
+from moetune.workers.weights.errors import WeightsError
+from moetune.workers.weights.loader import stream_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -25,7 +25,7 @@ CPU, F32 = torch.device("cpu"), torch.float32
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from workers.tiny import write_tiny_checkpoint
+    from moetune.workers.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0)
 
@@ -63,7 +63,7 @@ def test_push_inspect_and_stream_each_rank_only_its_bytes(tiny_dir, s3_bucket, p
     uri = f"s3://{s3_bucket}/tiny"
     _push(tiny_dir, uri)
     pushed = tmp_path / "pushed"
-    from workers import storage
+    from moetune.api import storage
 
     storage.download_dir(uri, str(pushed))
     assert json.loads((pushed / "moetune-manifest.json").read_text())["tensors"]
@@ -127,7 +127,7 @@ def test_faults_are_retried_or_name_the_shard_and_tensor(tiny_dir, s3_bucket, pr
     # A flipped byte streamed into the local cache is re-read and never stays cached.
     proxy.inject("flip", count=1)
     stream_model(uri, CPU, F32, cache_dir=str(tmp_path / "cache"), backoff_s=0.01)
-    from workers import storage
+    from moetune.api import storage
 
     shard = storage.read_bytes(f"{uri}/model-00001-of-00001.safetensors")
     cached = [f for f in (tmp_path / "cache").rglob("*-*") if not f.name.startswith(".")]

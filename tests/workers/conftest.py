@@ -11,6 +11,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> str:
-    from workers.tiny import write_tiny_checkpoint
+    from moetune.workers.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-model")), seed=0)

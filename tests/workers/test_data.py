@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from workers import storage
-from workers.data import (
+from moetune.api import storage
+from moetune.workers.data.rows import (
     IGNORE,
     collate,
     eval_micro_batches,
@@ -12,8 +12,8 @@ from workers.data import (
     tokenize_row,
     tokenize_rows,
 )
-from workers.errors import DatasetError
-from workers.tiny import tiny_rows
+from moetune.workers.errors import DatasetError
+from moetune.workers.tiny import tiny_rows
 
 
 def _write(tmp_path, lines: list[str]) -> str:
@@ -129,7 +129,7 @@ def test_eval_batches_cover_everything_in_equal_counts():
 
 
 def test_tiny_dataset_rows_are_valid(tmp_path):
-    from workers.tiny import write_tiny_dataset
+    from moetune.workers.tiny import write_tiny_dataset
 
     path = write_tiny_dataset(str(tmp_path / "d.jsonl"), n_rows=20, seed=3)
     rows = load_rows(f"file://{path}", "training_file")

@@ -10,19 +10,19 @@ import time
 import pytest
 import torch
 
-from api.models import (
+from moetune.api.models import (
     ENV_CALLBACK_URL,
     ENV_JOB_TOKEN,
     ENV_RUN_SPEC,
     JobCreate,
     JobRunSpec,
 )
-from workers import storage
-from workers.data import collate, load_rows, step_micro_batches, tokenize_rows
-from workers.driver import root_cause, run_job
-from workers.errors import JobError
-from workers.reporter import Reporter
-from workers.tiny import write_tiny_dataset
+from moetune.api import storage
+from moetune.workers.data.rows import collate, load_rows, step_micro_batches, tokenize_rows
+from moetune.workers.entry.driver import root_cause, run_job
+from moetune.workers.errors import JobError
+from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.tiny import write_tiny_dataset
 
 TRAINING = {"learning_rate": 3e-3, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 128}
 
@@ -61,7 +61,7 @@ def test_malformed_row_fails_before_any_worker_starts(assets, receiver):
     run = _run_spec(assets, "ftjob-badrow", {"max_steps": 2}, zero_stage=2)
 
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "workers.driver"], env={**os.environ, **_driver_env(run, receiver)},
+    proc = subprocess.run([sys.executable, "-m", "moetune.workers.entry.driver"], env={**os.environ, **_driver_env(run, receiver)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert time.monotonic() - started < 30  # no Ray, no model download
@@ -86,7 +86,7 @@ def test_worker_job_errors_keep_code_and_param():
 
     from ray.train import WorkerGroupError
 
-    from workers.errors import DatasetError
+    from moetune.workers.errors import DatasetError
 
     for error in (JobError("c", "m", "p"), DatasetError("training_file", "row 2: bad")):
         copy = pickle.loads(pickle.dumps(error))  # how worker failures reach the driver
@@ -162,7 +162,7 @@ def test_zero2_job_through_the_jobs_api(assets, ray_head, receiver, tiny_checkpo
                     zero_stage=2)
     client = JobSubmissionClient(ray_head.dashboard_url)
     started = time.monotonic()
-    sid = _submit(client, entrypoint=f"{sys.executable} -m workers.driver",
+    sid = _submit(client, entrypoint=f"{sys.executable} -m moetune.workers.entry.driver",
                   runtime_env={"env_vars": _driver_env(run, receiver)})
     while (status := client.get_job_status(sid)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
         assert time.monotonic() - started < 240, "job did not finish in time"

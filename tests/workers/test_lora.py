@@ -3,9 +3,9 @@ import os
 
 import pytest
 
-from api.models import LoraSpec
-from workers.errors import JobError
-from workers.lora import apply_lora, check_targets_on_config
+from moetune.api.models import LoraSpec
+from moetune.workers.errors import JobError
+from moetune.workers.lora.peft_lora import apply_lora, check_targets_on_config
 
 
 def test_all_linear_lora_leaves_router_and_experts_frozen(tiny_checkpoint):

@@ -1,5 +1,5 @@
-from service.embedded import free_port
-from workers.reporter import Reporter
+from moetune.service.embedded import free_port
+from moetune.workers.reporting.reporter import Reporter
 
 
 def test_posts_reports_with_the_job_token(receiver):

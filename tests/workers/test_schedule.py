@@ -1,6 +1,6 @@
 import pytest
 
-from workers.schedule import lr_factor, total_steps
+from moetune.workers.engine.schedule import lr_factor, total_steps
 
 
 def test_total_steps_from_epochs_or_max_steps():

@@ -1,4 +1,4 @@
-from workers import storage
+from moetune.api import storage
 
 
 def _tree(tmp_path):

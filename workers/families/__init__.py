@@ -13,8 +13,8 @@ import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from api.families import FAMILIES, FamilyFacts
-from workers.errors import JobError
+from moetune.api.families import FAMILIES, FamilyFacts
+from moetune.workers.errors import JobError
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def family(model_type: str) -> Family:
     if model_type not in _MODULES:
         raise JobError("unsupported_model",
                        f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(_MODULES))}", "model")
-    return importlib.import_module(f"workers.families.{_MODULES[model_type]}").FAMILY
+    return importlib.import_module(f"moetune.workers.families.{_MODULES[model_type]}").FAMILY
 
 
 def family_for(config) -> Family:

@@ -1,11 +1,11 @@
 """Kimi-Linear (the seed family): KDA + MLA attention, sigmoid router with bias correction, a shared expert."""
 
-from api.families import FAMILIES
-from workers.families import Family
+from moetune.api.families import FAMILIES
+from moetune.workers.families import Family
 
 
 def tiny_config(**overrides):
-    from workers.tiny import tiny_config as seed_config
+    from moetune.workers.tiny import tiny_config as seed_config
 
     config = seed_config(vocab_size=272, pad_id=256, bos_id=257, eos_id=258)
     for key, value in overrides.items():

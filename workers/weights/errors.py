@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.errors import JobError
+from moetune.workers.errors import JobError
 
 
 class WeightsError(JobError):

@@ -20,8 +20,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from workers.weights.errors import WeightsError, tensor_list
-from workers.weights.plan import Piece, merge_ranges
+from moetune.workers.weights.errors import WeightsError, tensor_list
+from moetune.workers.weights.plan import Piece, merge_ranges
 
 MiB = 1024 * 1024
 STREAM_BLOCK = MiB  # bytes handed to the pieces at a time: small enough to stay in the CPU cache

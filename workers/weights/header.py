@@ -8,7 +8,7 @@ import math
 import struct
 from dataclasses import dataclass
 
-from workers.weights.errors import WeightsError, tensor_list
+from moetune.workers.weights.errors import WeightsError, tensor_list
 
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}

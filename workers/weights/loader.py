@@ -11,14 +11,14 @@ import json
 import time
 from dataclasses import dataclass
 
-from workers import storage
-from workers.weights import manifest as manifest_file
-from workers.weights.cache import RangeCache, default_cache_dir, default_max_bytes
-from workers.weights.errors import WeightsError
-from workers.weights.fetch import FetchStats, RangeFetcher, Source
-from workers.weights.header import TensorInfo, read_header
-from workers.weights.mapping import NameMapper
-from workers.weights.plan import ExpertShare, Plan, plan_rank
+from moetune.api import storage
+from moetune.workers.weights import manifest as manifest_file
+from moetune.workers.weights.cache import RangeCache, default_cache_dir, default_max_bytes
+from moetune.workers.weights.errors import WeightsError
+from moetune.workers.weights.fetch import FetchStats, RangeFetcher, Source
+from moetune.workers.weights.header import TensorInfo, read_header
+from moetune.workers.weights.mapping import NameMapper
+from moetune.workers.weights.plan import ExpertShare, Plan, plan_rank
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 WEIGHT_FILES = (INDEX_FILE, ".safetensors", manifest_file.MANIFEST_FILE)
@@ -96,7 +96,7 @@ def empty_model(config: dict, dtype):
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
-    from workers.families import auto_model_class
+    from moetune.workers.families import auto_model_class
 
     hf_config = AutoConfig.for_model(**config)
     with init_empty_weights(include_buffers=False):
@@ -105,7 +105,7 @@ def empty_model(config: dict, dtype):
 
 def fused_expert_params(model) -> dict[str, int]:
     """Fused routed-expert parameters [E, ...] of the model's family -> E."""
-    from workers.families import known_family
+    from moetune.workers.families import known_family
 
     fam = known_family(model.config)
     found = {}

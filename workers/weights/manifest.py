@@ -34,7 +34,7 @@ def manifest(files: dict[str, dict], tensors: dict[str, dict]) -> bytes:
 
 
 def parse(raw: bytes, where: str) -> dict:
-    from workers.weights.errors import WeightsError
+    from moetune.workers.weights.errors import WeightsError
 
     try:
         data = json.loads(raw)

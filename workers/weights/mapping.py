@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.weights.errors import WeightsError
+from moetune.workers.weights.errors import WeightsError
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from workers.weights.errors import WeightsError, tensor_list
-from workers.weights.header import TensorInfo
-from workers.weights.mapping import NameMapper
+from moetune.workers.weights.errors import WeightsError, tensor_list
+from moetune.workers.weights.header import TensorInfo
+from moetune.workers.weights.mapping import NameMapper
 
 
 @dataclass(frozen=True)

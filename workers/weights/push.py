@@ -16,10 +16,10 @@ import struct
 import tempfile
 from collections.abc import Callable
 
-from workers import storage
-from workers.weights import manifest as manifest_file
-from workers.weights.header import TensorInfo, read_header
-from workers.weights.loader import (
+from moetune.api import storage
+from moetune.workers.weights import manifest as manifest_file
+from moetune.workers.weights.header import TensorInfo, read_header
+from moetune.workers.weights.loader import (
     INDEX_FILE,
     SINGLE_FILE,
     empty_model,

@@ -1,4 +1,4 @@
-"""The Ray job's driver (`python -m workers.driver`): checks the job, runs the Ray Train worker group,
+"""The Ray job's driver (`python -m moetune.workers.entry.driver`): checks the job, runs the Ray Train worker group,
 and sends the control plane the final result.
 
 Reads the JobRunSpec from MOETUNE_RUN_SPEC; reports go to MOETUNE_CALLBACK_URL with
@@ -13,26 +13,26 @@ import os
 import sys
 import uuid
 
-from api.models import (
+from moetune.api.models import (
     ENV_CALLBACK_URL,
     ENV_JOB_TOKEN,
     ENV_RUN_SPEC,
     ENV_S3_ENDPOINT_URL,
     JobRunSpec,
 )
-from workers import storage
-from workers.data import load_rows
-from workers.errors import JobError
-from workers.lora import check_targets_on_config
-from workers.metrics import METRICS_ENV
-from workers.model import check_supported, read_remote_config
-from workers.reporter import Reporter
-from workers.resume import (
+from moetune.api import storage
+from moetune.workers.data.rows import load_rows
+from moetune.workers.errors import JobError
+from moetune.workers.lora.peft_lora import check_targets_on_config
+from moetune.workers.reporting.metrics import METRICS_ENV
+from moetune.workers.model import check_supported, read_remote_config
+from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.checkpoints.run_state import (
     DEFAULT_MAX_WORKER_FAILURES,
     ENV_MAX_WORKER_FAILURES,
     paused_step,
 )
-from workers.train_loop import ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE
+from moetune.workers.loop.worker import ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE
 
 log = logging.getLogger("moetune.driver")
 
@@ -75,8 +75,8 @@ def build_trainer(run: JobRunSpec, attempt: str, reporter: Reporter):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from workers.train_loop import train_loop_per_worker
-    from workers.worker_failures import ReportWorkerFailures
+    from moetune.workers.loop.worker import train_loop_per_worker
+    from moetune.workers.entry.failures import ReportWorkerFailures
 
     par = run.spec.parallelism
     use_gpu = par.gpus_per_worker > 0

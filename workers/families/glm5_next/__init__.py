@@ -1,8 +1,8 @@
 """GLM-5-Next, text path: KDA + DSA sparse MLA, sigmoid router with bias correction, a shared expert, SwiGLU
 with clamping (`swiglu_limit`). The checkpoint is multimodal; the vision tower stays frozen and without LoRA."""
 
-from api.families import FAMILIES
-from workers.families import Family
+from moetune.api.families import FAMILIES
+from moetune.workers.families import Family
 
 
 def tiny_config(**overrides):

@@ -37,7 +37,7 @@ class ExpertLoad:
     """Counts routed tokens and gate weights per (layer, expert) with forward hooks on the training forwards."""
 
     def __init__(self, model: torch.nn.Module):
-        from workers.expert_parallel import ExpertParallelExperts
+        from moetune.workers.parallel.experts import ExpertParallelExperts
 
         found = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)]
         self.layers = [layer_label(name, i) for i, (name, _) in enumerate(found)]

@@ -67,7 +67,7 @@ def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activ
 def fused_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activation: GatedActivation,
                          lora: ExpertLoraFactors | None = None):
     """grouped_expert_forward's contract, computed by kernels.moe (W frozen, W + ΔW never formed)."""
-    from kernels.moe import moe_lora_mlp
+    from moetune.kernels.moe import moe_lora_mlp
 
     if lora is None:
         return moe_lora_mlp(x_sorted, counts, w_gate_up, w_down, activation)

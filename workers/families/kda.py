@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.kda import chunk_kda
-from workers.sparse_attention_swap import apply_sparse_attention_kernels
+from moetune.kernels.kda import chunk_kda
+from moetune.workers.families.glm5_next.sparse_attention import apply_sparse_attention_kernels
 
 # Linear-attention layers whose core is transformers' `chunk_kimi_delta_attention` (a module-level function of
 # the layer's modeling module, looked up at call time).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
-from workers.ep_checkpoints import (
+from moetune.workers.checkpoints.expert_shards import (
     gather_expert_adapter,
     restore_expert_shards,
     save_expert_shards,
@@ -23,7 +23,7 @@ def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from workers.ep_adapter import loadable_adapter_config
+    from moetune.workers.lora.expert_layout import loadable_adapter_config
 
     peft_model = engine.module
     expert_state = gather_expert_adapter(engine)

@@ -11,8 +11,8 @@ import socket
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
-from workers.metrics.exporter import METRICS_ENV, Exporter
-from workers.metrics.system import NodeCollector, ProcessCollector
+from moetune.workers.reporting.exporter import METRICS_ENV, Exporter
+from moetune.workers.reporting.system import NodeCollector, ProcessCollector
 
 __all__ = ["METRICS_ENV", "WorkerMetrics"]
 
@@ -73,7 +73,7 @@ class WorkerMetrics:
 
     def training_started(self, model) -> None:
         """Hooks the model's expert-parallel MoE layers (call before the first forward)."""
-        from workers.metrics.moe import MoEMetrics
+        from moetune.workers.reporting.moe import MoEMetrics
 
         self.moe = MoEMetrics(model, self.registry, self.labels, export_load=self.chief)
         self.set_phase("training")

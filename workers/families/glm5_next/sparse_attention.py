@@ -17,7 +17,7 @@ def _sparse_attention_forward(module, query, key, value, attention_mask, scaling
     int top-k indices [B, T, K] (-1 = none) from the patched mask builder. Returns ([B, T, H, Dv], None)."""
     import torch
 
-    from kernels.sparse_attention import sparse_attention
+    from moetune.kernels.sparse_attention import sparse_attention
 
     if attention_mask is None or attention_mask.is_floating_point() or attention_mask.dtype == torch.bool:
         raise TypeError(f"{ATTN_IMPLEMENTATION} attention needs top-k indices; only swapped indexed-attention "
@@ -48,7 +48,7 @@ def apply_sparse_attention_kernels(model, backend: str | None = None) -> int:
     model passed in part would leave unswapped layers on that config, which then fail with a clear TypeError."""
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
 
-    from workers.glm5_next_indexer import ChunkedGlm5NextIndexer
+    from moetune.workers.families.glm5_next.indexer import ChunkedGlm5NextIndexer
 
     modules = [m for m in model.modules() if isinstance(m, Glm5NextTextAttention)
                and m.__dict__.get("build_attention_mask_from_topk") is not _indices_as_mask]  # idempotent

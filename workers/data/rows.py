@@ -11,8 +11,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from workers import storage
-from workers.errors import DatasetError, JobError
+from moetune.api import storage
+from moetune.workers.errors import DatasetError, JobError
 
 IGNORE = -100  # label of tokens that carry no loss (prompt turns, padding)
 CHAT_ROLES = ("system", "user", "assistant", "tool")

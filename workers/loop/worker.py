@@ -12,24 +12,24 @@ import shutil
 import tempfile
 import time
 
-from api.models import ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE, JobRunSpec
-from workers import storage
-from workers.checkpoints import load_checkpoint, save_adapter, save_checkpoint
-from workers.data import IGNORE, collate, eval_micro_batches, load_rows, tokenize_rows
-from workers.engine import build_engine
-from workers.errors import DatasetError
-from workers.kernel_swaps import apply_kernel_swaps
-from workers.lora import trainable_model
-from workers.metrics import WorkerMetrics
-from workers.microbatch_tuner import MicroBatchLoop, token_loss_sum
-from workers.model import (
+from moetune.api.models import ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE, JobRunSpec
+from moetune.api import storage
+from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
+from moetune.workers.data.rows import IGNORE, collate, eval_micro_batches, load_rows, tokenize_rows
+from moetune.workers.engine.deepspeed import build_engine
+from moetune.workers.errors import DatasetError
+from moetune.workers.families.kda import apply_kernel_swaps
+from moetune.workers.lora.peft_lora import trainable_model
+from moetune.workers.reporting.metrics import WorkerMetrics
+from moetune.workers.loop.tuner import MicroBatchLoop, token_loss_sum
+from moetune.workers.model import (
     expert_parallel_rank,
     load_summary,
     load_tokenizer,
     stream_base_model,
 )
-from workers.reporter import Reporter
-from workers.resume import (
+from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.checkpoints.run_state import (
     checkpoint_uri,
     delete_checkpoint,
     latest_checkpoint,
@@ -41,8 +41,8 @@ from workers.resume import (
     smallest_oom_size,
     write_manifest,
 )
-from workers.schedule import total_steps
-from workers.weights.loader import is_weight_file
+from moetune.workers.engine.schedule import total_steps
+from moetune.workers.weights.loader import is_weight_file
 
 
 class _Worker:
@@ -276,7 +276,7 @@ class _Worker:
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Entry point for ray.train.torch.TorchTrainer; `config` comes from workers.driver."""
+    """Entry point for ray.train.torch.TorchTrainer; `config` comes from moetune.workers.entry.driver."""
     worker = _Worker(config)
     try:
         worker.load()

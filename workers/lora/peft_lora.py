@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from api.models import JobCreate, LoraSpec
-from workers.errors import JobError
+from moetune.api.models import JobCreate, LoraSpec
+from moetune.workers.errors import JobError
 
 
 def _linear_names(model) -> list[str]:
     """Names of the linears LoRA may adapt: all of them, or the text model's for a multimodal family."""
     import torch
 
-    from workers.families import known_family
+    from moetune.workers.families import known_family
 
     fam = known_family(model.config)
     scope = fam.lora_scope if fam else None
@@ -23,7 +23,7 @@ def _linear_names(model) -> list[str]:
 
 def _scoped_targets(model, targets):
     """PEFT targets restricted to the family's LoRA scope, as full module names ("all-linear" minus lm_head)."""
-    from workers.families import known_family
+    from moetune.workers.families import known_family
 
     fam = known_family(model.config)
     if fam is None or fam.lora_scope is None:
@@ -53,7 +53,7 @@ def check_targets_on_config(config: dict, spec: LoraSpec) -> None:
     import torch
     from transformers import AutoConfig
 
-    from workers.families import auto_model_class
+    from moetune.workers.families import auto_model_class
 
     if isinstance(spec.target_modules, list):
         with torch.device("meta"):
@@ -102,8 +102,8 @@ def trainable_model(model, spec: JobCreate):
 
     Call with torch.distributed up when EP > 1; every rank must have drawn the same random state.
     """
-    from workers.expert_parallel import ep_group, swap_experts
-    from workers.families import family_for
+    from moetune.workers.parallel.experts import ep_group, swap_experts
+    from moetune.workers.families import family_for
 
     peft_model = apply_lora(model, spec.lora)
     ep_size, train_experts = spec.parallelism.expert_parallel_size, spec.lora.train_experts

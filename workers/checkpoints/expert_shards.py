@@ -14,7 +14,7 @@ EXPERT_DIR = "expert_lora"
 
 def expert_modules(module) -> list[tuple[str, object]]:
     """(qualified name, module) of every expert-parallel experts module that carries LoRA."""
-    from workers.expert_parallel import ExpertParallelExperts
+    from moetune.workers.parallel.experts import ExpertParallelExperts
 
     return [(n, m) for n, m in module.named_modules() if isinstance(m, ExpertParallelExperts) and m.lora_rank]
 
@@ -82,7 +82,7 @@ def gather_expert_adapter(engine) -> dict:
     import torch
     import torch.distributed as dist
 
-    from workers.ep_adapter import peft_expert_state
+    from moetune.workers.lora.expert_layout import peft_expert_state
 
     state, shard = {}, _local_shard(engine)
     for name, module in expert_modules(engine.module):

@@ -31,9 +31,9 @@ from __future__ import annotations
 import logging
 import os
 
-from workers.data import IGNORE, collate, step_examples, step_rng_seed
-from workers.engine import set_micro_batch_size
-from workers.resume import record_oom
+from moetune.workers.data.rows import IGNORE, collate, step_examples, step_rng_seed
+from moetune.workers.engine.deepspeed import set_micro_batch_size
+from moetune.workers.checkpoints.run_state import record_oom
 
 # "<rank>:<step>": that rank raises an OOM in the forward of the last micro-batch of that step, once.
 # "<rank>:backward:<size>": that rank raises an OOM in every backward of a micro-batch of <size> or more (a

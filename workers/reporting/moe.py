@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from workers.metrics.expert_load import (
+from moetune.workers.reporting.expert_load import (
     HOT_EXPERTS,
     ExpertLoad,
     LoadRatioHistogram,

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.expert_compute import (
+from moetune.workers.parallel.compute import (
     ExpertLoraFactors,
     GatedActivation,
     fused_expert_forward,
     grouped_expert_forward,
 )
-from workers.metrics.alltoall import AllToAllStats
+from moetune.workers.reporting.alltoall import AllToAllStats
 
 EXPERT_PLACEMENT = "autoep_expert"  # DeepSpeed 0.19.8's ZeRO-3 placement family for expert-parallel tensors
 

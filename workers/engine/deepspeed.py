@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from api.models import JobCreate
-from workers.schedule import lr_scheduler
+from moetune.api.models import JobCreate
+from moetune.workers.engine.schedule import lr_scheduler
 
 
 def deepspeed_config(spec: JobCreate, world_size: int, bf16: bool) -> dict:

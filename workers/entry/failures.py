@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray.train import UserCallback
 
-from workers.reporter import Reporter
+from moetune.workers.reporting.reporter import Reporter
 
 
 class ReportWorkerFailures(UserCallback):
@@ -15,7 +15,7 @@ class ReportWorkerFailures(UserCallback):
         self.reporter, self.max_failures, self.failures = reporter, max_failures, 0
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
-        from workers.driver import job_error, root_cause
+        from moetune.workers.entry.driver import job_error, root_cause
 
         for error in worker_exceptions.values():
             if user_error := job_error(error):

@@ -22,9 +22,9 @@ import posixpath
 import re
 from dataclasses import dataclass
 
-from api.models import CHECKPOINT_MANIFEST as MANIFEST
-from api.models import CHECKPOINTS_DIR
-from workers import storage
+from moetune.api.models import CHECKPOINT_MANIFEST as MANIFEST
+from moetune.api.models import CHECKPOINTS_DIR
+from moetune.api import storage
 
 TRAINER_STATE = "trainer_state.json"  # step, trained tokens, metrics history, attempt, paused
 ENV_MAX_WORKER_FAILURES = "MOETUNE_MAX_WORKER_FAILURES"  # worker-group restarts Ray Train may make per run

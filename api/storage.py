@@ -10,7 +10,7 @@ import os
 
 import fsspec
 
-from api.models import ENV_S3_ENDPOINT_URL
+from moetune.api.models import ENV_S3_ENDPOINT_URL
 
 
 def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from api.models import (
+from moetune.api.models import (
     ENV_CALLBACK_URL,
     ENV_JOB_TOKEN,
     REPORT_PATH,
