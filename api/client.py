@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
+from moetune.api.errors import ErrorCode
 from moetune.api.models import Checkpoint, Job, JobCreate, JobEvent, JobStatus, ListPage
 
 JOBS_PATH = "/v1/fine_tuning/jobs"
@@ -32,7 +33,7 @@ class APIError(Exception):
             error = response.json()["error"]
             return cls(response.status_code, error["code"], error["message"], error.get("param"))
         except (ValueError, KeyError, TypeError):
-            return cls(response.status_code, "http_error", response.text[:500] or response.reason_phrase)
+            return cls(response.status_code, ErrorCode.http_error, response.text[:500] or response.reason_phrase)
 
 
 def _raise_for_error(response: httpx.Response) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetune.api.models import SpecError
+
 # Linear module names every family shares (dense MLPs and shared experts).
 _MLP = ("gate_proj", "up_proj", "down_proj")
 # Multi-head latent attention (DeepSeek-V3 style), used by kimi_linear's full-attention layers too.
@@ -56,8 +58,6 @@ def check_model_spec(config: dict, spec) -> None:
 
     `spec` is a resolved JobCreate. Used at submission (422) and again by the driver before workers start.
     """
-    from moetune.api.models import SpecError
-
     par, lora = spec.parallelism, spec.lora
     facts = FAMILIES.get(config.get("model_type"))
     if facts is None:

@@ -192,7 +192,7 @@ def resolve_spec(req: JobCreate) -> JobCreate:
 
 
 class ErrorInfo(BaseModel):
-    code: str
+    code: str  # one of api.errors.ErrorCode (a plain string on the wire)
     message: str
     param: str | None = None
 
@@ -340,15 +340,7 @@ class ReportAck(BaseModel):
     control: Literal["pause"] | None = None
 
 
-# Environment a Ray job's driver reads (set by the control plane's scheduler).
-ENV_RUN_SPEC = "MOETUNE_RUN_SPEC"  # JobRunSpec as JSON
-ENV_CALLBACK_URL = "MOETUNE_CALLBACK_URL"  # control plane base URL for reports
-ENV_JOB_TOKEN = "MOETUNE_JOB_TOKEN"  # per-job bearer token for the report endpoint
-ENV_S3_ENDPOINT_URL = "MOETUNE_S3_ENDPOINT_URL"  # S3-compatible endpoint (MinIO, Ceph, R2, local); unset = AWS
+# A job's environment variables (set by the control plane's scheduler, read by the workers): api/environment.py.
 REPORT_PATH = "/internal/v1/jobs/{job_id}/reports"
-# What a finished job leaves under JobRunSpec.output_uri; the control plane reads the summary when the
-# driver's result report was lost (it was down when the job ended).
-ADAPTER_DIR, METRICS_FILE, SUMMARY_FILE = "adapter", "metrics.jsonl", "summary.json"
-# Checkpoints land in <output_uri>/checkpoints/step-<N>/; one is complete (offered for resume and download)
-# only once its manifest, written last, is there.
-CHECKPOINTS_DIR, CHECKPOINT_MANIFEST = "checkpoints", "checkpoint.json"
+# What a job leaves under JobRunSpec.output_uri (adapter, metrics, summary, checkpoints): see api/layout.py.
+# Error codes (ErrorInfo.code): see api/errors.py.

@@ -1,28 +1,57 @@
-"""Object storage through fsspec for any URI the API accepts (s3://, file://, memory://).
+"""Object storage through fsspec for any URI the API accepts (s3://, file://, memory://): the one storage
+adapter of the workers, the control plane and the demo. It imports no torch.
 
-S3 goes to the endpoint in MOETUNE_S3_ENDPOINT_URL when set (MinIO, Ceph, R2, the embedded
-server), with credentials from the standard AWS environment.
+S3 goes to an S3-compatible endpoint (MinIO, Ceph, R2, the embedded server) when one is given, with
+credentials from the standard AWS environment. Every function takes `endpoint_url`: left out, it is the
+MOETUNE_S3_ENDPOINT_URL environment value (what the workers use); passed, it is that endpoint, and None means
+AWS itself (the control plane passes its setting, whatever the environment says).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Final
 
 import fsspec
 
-from moetune.api.models import ENV_S3_ENDPOINT_URL
+from moetune.api.environment import ENV_S3_ENDPOINT_URL
 
 
-def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem for `uri` and the path inside it."""
-    fs, path = fsspec.core.url_to_fs(uri, **_options(uri))
+class _FromEnv:
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+FROM_ENV: Final = _FromEnv()  # `endpoint_url` default: the MOETUNE_S3_ENDPOINT_URL environment value
+Endpoint = str | None | _FromEnv
+
+
+def filesystem(uri: str, endpoint_url: Endpoint = FROM_ENV, *, quick: bool = False,
+               listings_cache: bool = True) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem for `uri` and the path inside it.
+
+    quick: short S3 timeouts and no retries (for reads inside a request). listings_cache=False: every listing
+    asks the store (an object uploaded after a first failed check is seen on the next one).
+    """
+    fs, path = fsspec.core.url_to_fs(uri, **storage_options(uri, endpoint_url, quick=quick,
+                                                            listings_cache=listings_cache))
     return fs, path
 
 
-def _options(uri: str) -> dict:
-    endpoint = os.environ.get(ENV_S3_ENDPOINT_URL)
-    if uri.startswith("s3://") and endpoint:
-        return {"endpoint_url": endpoint}
+def storage_options(uri: str, endpoint_url: Endpoint = FROM_ENV, *, quick: bool = False,
+                    listings_cache: bool = True) -> dict:
+    """The fsspec options `filesystem` opens `uri` with."""
+    if uri.startswith("s3://"):
+        endpoint = os.environ.get(ENV_S3_ENDPOINT_URL) if isinstance(endpoint_url, _FromEnv) else endpoint_url
+        options: dict = {}
+        if endpoint:
+            options["endpoint_url"] = endpoint
+        if not listings_cache:
+            options["use_listings_cache"] = False
+        if quick:  # inside a request: give up fast rather than hold the client through retries
+            # a new dict each time: botocore rewrites the "retries" one it is given
+            options["config_kwargs"] = {"connect_timeout": 2, "read_timeout": 5, "retries": {"max_attempts": 1}}
+        return options
     if uri.startswith("file://"):
         return {"auto_mkdir": True}  # object stores have no folders to create first; make local ones behave alike
     return {}
@@ -32,29 +61,29 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *(p.strip("/") for p in parts)])
 
 
-def read_bytes(uri: str) -> bytes:
-    fs, path = filesystem(uri)
+def read_bytes(uri: str, *, endpoint_url: Endpoint = FROM_ENV) -> bytes:
+    fs, path = filesystem(uri, endpoint_url)
     return fs.cat_file(path)
 
 
-def read_text(uri: str) -> str:
-    return read_bytes(uri).decode("utf-8")
+def read_text(uri: str, *, endpoint_url: Endpoint = FROM_ENV) -> str:
+    return read_bytes(uri, endpoint_url=endpoint_url).decode("utf-8")
 
 
-def write_bytes(uri: str, data: bytes) -> None:
-    fs, path = filesystem(uri)
+def write_bytes(uri: str, data: bytes, *, endpoint_url: Endpoint = FROM_ENV) -> None:
+    fs, path = filesystem(uri, endpoint_url)
     fs.pipe_file(path, data)
 
 
-def exists(uri: str) -> bool:
-    fs, path = filesystem(uri)
+def exists(uri: str, *, endpoint_url: Endpoint = FROM_ENV) -> bool:
+    fs, path = filesystem(uri, endpoint_url)
     return fs.exists(path)
 
 
-def download_dir(uri: str, local_dir: str, skip=None) -> str:
+def download_dir(uri: str, local_dir: str, skip=None, *, endpoint_url: Endpoint = FROM_ENV) -> str:
     """Copies every file under `uri` into `local_dir` (kept relative layout); returns local_dir.
     `skip(relative path)` true leaves a file out (e.g. the weights, which are streamed instead)."""
-    fs, root = filesystem(uri)
+    fs, root = filesystem(uri, endpoint_url)
     root = root.rstrip("/")
     files = [p for p in fs.find(root) if p != root and not (skip and skip(os.path.relpath(p, root)))]
     if not files:
@@ -66,9 +95,9 @@ def download_dir(uri: str, local_dir: str, skip=None) -> str:
     return local_dir
 
 
-def upload_dir(local_dir: str, uri: str) -> list[str]:
+def upload_dir(local_dir: str, uri: str, *, endpoint_url: Endpoint = FROM_ENV) -> list[str]:
     """Copies every file under `local_dir` to `uri`; returns the URIs written."""
-    fs, root = filesystem(uri)
+    fs, root = filesystem(uri, endpoint_url)
     written = []
     for dirpath, _, names in os.walk(local_dir):
         for name in sorted(names):
@@ -77,3 +106,12 @@ def upload_dir(local_dir: str, uri: str) -> list[str]:
             fs.put_file(local, f"{root.rstrip('/')}/{rel}")
             written.append(join(uri, rel))
     return written
+
+
+def make_bucket(uri: str, *, endpoint_url: Endpoint = FROM_ENV) -> None:
+    """Creates the bucket of an s3:// URI (s3fs creates one with mkdir); nothing for other schemes."""
+    if uri.startswith("s3://"):
+        fs, path = filesystem(uri, endpoint_url)
+        bucket = path.split("/", 1)[0]
+        if not fs.exists(bucket):
+            fs.mkdir(bucket)

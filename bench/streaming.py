@@ -216,6 +216,7 @@ def child(mode: str, uri: str, rank: int, ep: int) -> None:
     Prints one JSON line; maxrss is the process's peak RSS, read as its last action."""
     import torch
 
+    from moetune.workers.parallel.placement import placement_at
     from moetune.workers.weights.loader import (
         empty_model,
         open_checkpoint,
@@ -225,10 +226,11 @@ def child(mode: str, uri: str, rank: int, ep: int) -> None:
 
     if mode == "skeleton":
         ckpt = open_checkpoint(uri)
-        plan_for(ckpt, empty_model(ckpt.config, torch.bfloat16), rank, ep)
+        plan_for(ckpt, empty_model(ckpt.config, torch.bfloat16), placement_at(ckpt.config, ep, rank))
         result = {}
     else:
-        out = stream_model(uri, torch.device("cpu"), torch.bfloat16, rank, ep, cache_dir="")
+        ckpt = open_checkpoint(uri)
+        out = stream_model(uri, torch.device("cpu"), torch.bfloat16, placement_at(ckpt.config, ep, rank), cache_dir="")
         result = {"bytes_needed": out.stats.bytes_needed, "bytes_from_storage": out.stats.bytes_from_storage,
                   "seconds": out.seconds}
     result["maxrss"] = peak_rss()

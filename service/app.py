@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
+from moetune.api.errors import ErrorCode
 from moetune.api.models import ErrorResponse
 from moetune.service import internal, routes
 from moetune.service.auth import TenantResolver
@@ -57,7 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/readyz", tags=["ops"], responses={503: {"model": ErrorResponse, "description": "Database down"}})
     def readyz(request: Request):
         if not request.app.state.store.ping():
-            return error_response(503, "not_ready", "The database is not reachable.")
+            return error_response(503, ErrorCode.not_ready, "The database is not reachable.")
         return {"status": "ready"}
 
     @app.get("/metrics", tags=["ops"], response_class=Response)

@@ -8,6 +8,7 @@ import secrets
 
 from fastapi import Request
 
+from moetune.api.errors import ErrorCode
 from moetune.service.errors import APIException
 
 
@@ -30,7 +31,7 @@ def bearer_token(request: Request) -> str | None:
     return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
-def unauthorized(message: str, code: str = "invalid_api_key") -> APIException:
+def unauthorized(message: str, code: ErrorCode = ErrorCode.invalid_api_key) -> APIException:
     return APIException(401, code, message, headers={"WWW-Authenticate": "Bearer"})
 
 

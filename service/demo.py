@@ -13,9 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import boto3
 from rich.console import Console
 
+from moetune.api import storage
 from moetune.api.client import Client
 from moetune.api.models import JobCreate, JobStatus, LoraSpec, ParallelismSpec, TrainingSpec
 from moetune.service.embedded import (
@@ -32,20 +32,7 @@ TOKEN = "demo-token"
 ADAPTER_COPY = Path(".moetune/demo-adapter")  # the demo's S3 server is gone when it exits; keep the adapter
 
 
-def _upload_dir(s3, local: Path, prefix: str) -> None:
-    for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        s3.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(local).as_posix()}")
-
-
-def _download_dir(s3, uri: str, local: Path) -> None:
-    prefix = uri.removeprefix(f"s3://{BUCKET}/")
-    for obj in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", []):
-        target = local / obj["Key"][len(prefix) + 1:]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        s3.download_file(BUCKET, obj["Key"], str(target))
-
-
-def _make_assets(work: Path, s3) -> None:
+def _make_assets(work: Path, s3_url: str) -> None:
     from moetune.workers.tiny import (  # torch-heavy: only the demo needs it
         write_tiny_checkpoint,
         write_tiny_dataset,
@@ -54,10 +41,10 @@ def _make_assets(work: Path, s3) -> None:
     write_tiny_checkpoint(work / "model", seed=0)
     write_tiny_dataset(work / "train.jsonl", n_rows=256, seed=1)
     write_tiny_dataset(work / "valid.jsonl", n_rows=32, seed=2)
-    s3.create_bucket(Bucket=BUCKET)
-    _upload_dir(s3, work / "model", "models/tiny-kimi-linear")
+    storage.make_bucket(f"s3://{BUCKET}", endpoint_url=s3_url)
+    storage.upload_dir(str(work / "model"), f"s3://{BUCKET}/models/tiny-kimi-linear", endpoint_url=s3_url)
     for name in ("train.jsonl", "valid.jsonl"):
-        s3.upload_file(str(work / name), BUCKET, f"data/{name}")
+        storage.write_bytes(f"s3://{BUCKET}/data/{name}", (work / name).read_bytes(), endpoint_url=s3_url)
 
 
 def demo_job_spec() -> JobCreate:
@@ -90,8 +77,7 @@ def run_demo(timeout: float = 600) -> int:
         env = s3_env(s3_url)
         os.environ.update(env)
         console.print(f"[bold]S3-compatible server[/] {s3_url}")
-        s3 = boto3.client("s3", endpoint_url=s3_url)
-        _make_assets(work, s3)
+        _make_assets(work, s3_url)
         console.print("Generated a tiny kimi_linear MoE checkpoint, tokenizer and dataset; uploaded to "
                       f"s3://{BUCKET}/")
         with local_ray_head(num_cpus=max(4, os.cpu_count() or 1), env=env) as head:
@@ -114,7 +100,7 @@ def run_demo(timeout: float = 600) -> int:
                 job, follower = follow(client, job.id, timeout=timeout, console=console)
                 if job.status == JobStatus.succeeded:
                     shutil.rmtree(ADAPTER_COPY, ignore_errors=True)
-                    _download_dir(s3, job.fine_tuned_model, ADAPTER_COPY)
+                    storage.download_dir(job.fine_tuned_model, str(ADAPTER_COPY), endpoint_url=s3_url)
     elapsed = time.monotonic() - start
     console.print(f"\nstatus: [bold]{job.status}[/]  ({elapsed:.0f}s)")
     if follower.losses:

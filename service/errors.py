@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moetune.api.errors import ErrorCode
 from moetune.api.models import ErrorInfo, ErrorResponse
 
 # pydantic appends the union member it tried to a location, e.g. ("batch_size", "int") or
@@ -18,7 +19,7 @@ _LOCATION_ROOTS = ("body", "query", "path", "header", "cookie")
 
 
 class APIException(Exception):
-    def __init__(self, status_code: int, code: str, message: str, param: str | None = None,
+    def __init__(self, status_code: int, code: ErrorCode, message: str, param: str | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status_code, self.code, self.message, self.param = status_code, code, message, param
@@ -26,14 +27,14 @@ class APIException(Exception):
 
 
 def job_not_found(job_id: str, param: str | None = None) -> APIException:
-    return APIException(404, "job_not_found", f"No fine-tuning job with id {job_id!r}.", param)
+    return APIException(404, ErrorCode.job_not_found, f"No fine-tuning job with id {job_id!r}.", param)
 
 
 def invalid_request(message: str, param: str | None = None) -> APIException:
-    return APIException(422, "invalid_request", message, param)
+    return APIException(422, ErrorCode.invalid_request, message, param)
 
 
-def error_response(status_code: int, code: str, message: str, param: str | None = None,
+def error_response(status_code: int, code: ErrorCode, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(code=code, message=message, param=param))
     return JSONResponse(body.model_dump(), status_code=status_code, headers=headers)
@@ -48,12 +49,12 @@ def _validation_error(_request: Request, exc: RequestValidationError) -> JSONRes
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first["type"] == "json_invalid":
-        return error_response(422, "invalid_request", "The request body is not valid JSON.")
+        return error_response(422, ErrorCode.invalid_request, "The request body is not valid JSON.")
     param = field_path(tuple(first["loc"]))
     message = first["msg"] if param is None else f"{param}: {first['msg']}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return error_response(422, "invalid_request", message, param)
+    return error_response(422, ErrorCode.invalid_request, message, param)
 
 
 def _api_exception(_request: Request, exc: APIException) -> JSONResponse:
@@ -61,14 +62,14 @@ def _api_exception(_request: Request, exc: APIException) -> JSONResponse:
 
 
 def _http_exception(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    codes = {404: "not_found", 405: "method_not_allowed"}
-    return error_response(exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail),
+    codes = {404: ErrorCode.not_found, 405: ErrorCode.method_not_allowed}
+    return error_response(exc.status_code, codes.get(exc.status_code, ErrorCode.http_error), str(exc.detail),
                           headers=getattr(exc, "headers", None))
 
 
 def _unhandled(_request: Request, _exc: Exception) -> JSONResponse:
     # Starlette re-raises after sending this response, so the server still logs the traceback.
-    return error_response(500, "internal_error", "Internal server error; the incident was logged.")
+    return error_response(500, ErrorCode.internal_error, "Internal server error; the incident was logged.")
 
 
 def install_error_handlers(app: FastAPI) -> None:

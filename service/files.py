@@ -1,30 +1,24 @@
-"""Checks that a job's input objects exist before it is queued (fsspec: s3://, file://)."""
+"""Checks that a job's input objects exist before it is queued, and small reads of a job's outputs
+(through api/storage: s3://, file://)."""
 
 from __future__ import annotations
 
 import json
 
-import fsspec
-
+from moetune.api import storage
+from moetune.api.errors import ErrorCode
 from moetune.api.models import ErrorInfo, JobCreate
 
 
 def _filesystem(uri: str, s3_endpoint_url: str | None, quick: bool = False):
-    options = {}
-    if uri.startswith("s3://"):
-        # No listing cache: an object uploaded after a first failed check must be seen on the next one.
-        options = {"use_listings_cache": False}
-        if quick:  # inside a request: give up fast rather than hold the client through retries
-            options["config_kwargs"] = {"connect_timeout": 2, "read_timeout": 5, "retries": {"max_attempts": 1}}
-        if s3_endpoint_url:
-            options["client_kwargs"] = {"endpoint_url": s3_endpoint_url}
-    return fsspec.core.url_to_fs(uri, **options)
+    # No listing cache: an object uploaded after a first failed check must be seen on the next one.
+    return storage.filesystem(uri, s3_endpoint_url, quick=quick, listings_cache=False)
 
 
 def _inputs(spec: JobCreate) -> list[tuple[str, str, str]]:
     """(param, uri to check, what it should be)."""
     inputs = [
-        ("model", f"{spec.model.rstrip('/')}/config.json", "a Hugging Face checkpoint folder with a config.json"),
+        ("model", storage.join(spec.model, "config.json"), "a Hugging Face checkpoint folder with a config.json"),
         ("training_file", spec.training_file, "a JSONL file"),
     ]
     if spec.validation_file:
@@ -42,10 +36,10 @@ def missing_input(spec: JobCreate, s3_endpoint_url: str | None) -> ErrorInfo | N
             fs, path = _filesystem(uri, s3_endpoint_url)
             found = fs.exists(path)
         except PermissionError:
-            return ErrorInfo(code="file_not_accessible", param=param,
+            return ErrorInfo(code=ErrorCode.file_not_accessible, param=param,
                              message=f"{param}: access to {uri} was denied")
         if not found:
-            return ErrorInfo(code="file_not_found", param=param,
+            return ErrorInfo(code=ErrorCode.file_not_found, param=param,
                              message=f"{param}: {uri} does not exist (expected {expected})")
     return None
 
@@ -64,4 +58,4 @@ def read_json(uri: str, s3_endpoint_url: str | None) -> dict | None:
 def read_model_config(spec: JobCreate, s3_endpoint_url: str | None) -> dict | None:
     """The model's config.json, or None when it cannot be read now: then the file check before queueing and
     the driver's own check report it instead (it never fails the submission)."""
-    return read_json(f"{spec.model.rstrip('/')}/config.json", s3_endpoint_url)
+    return read_json(storage.join(spec.model, "config.json"), s3_endpoint_url)

@@ -8,9 +8,9 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Depends, Request
 from pydantic import ValidationError
 
+from moetune.api.errors import ErrorCode
+from moetune.api.layout import CHECKPOINT_MANIFEST, checkpoint_uri, manifest_uri, step_dir
 from moetune.api.models import (
-    CHECKPOINT_MANIFEST,
-    CHECKPOINTS_DIR,
     REPORT_PATH,
     CheckpointReport,
     EventReport,
@@ -33,7 +33,7 @@ def _reporting_job(job_id: str, request: Request, store: StoreDep) -> JobRow:
     """The job whose worker token was presented; unknown jobs get the same 401 (no id oracle)."""
     job = store.get_job(job_id)
     if job is None or not job_token_matches(bearer_token(request), job.job_token_hash):
-        raise unauthorized("Invalid job token.", code="invalid_job_token")
+        raise unauthorized("Invalid job token.", code=ErrorCode.invalid_job_token)
     return job
 
 
@@ -67,12 +67,12 @@ def _progress_updater(data: dict):
 
 def _check_complete(job: JobRow, report: CheckpointReport, s3_endpoint_url: str | None) -> None:
     """Only a complete checkpoint of this job is listed: its own step directory, manifest present."""
-    expected = f"{job.output_uri.rstrip('/')}/{CHECKPOINTS_DIR}/step-{report.step_number}"
+    expected = checkpoint_uri(job.output_uri, report.step_number)
     if report.uri.rstrip("/") != expected:
         raise invalid_request(f"checkpoint uri must be {expected}", "report.uri")
-    manifest = read_json(f"{expected}/{CHECKPOINT_MANIFEST}", s3_endpoint_url)
+    manifest = read_json(manifest_uri(expected), s3_endpoint_url)
     if manifest is None or manifest.get("step") != report.step_number:
-        raise APIException(409, "checkpoint_incomplete", f"checkpoint {expected} is not complete: no "
+        raise APIException(409, ErrorCode.checkpoint_incomplete, f"checkpoint {expected} is not complete: no "
                            f"{CHECKPOINT_MANIFEST} for step {report.step_number}", "report.uri")
 
 
@@ -88,7 +88,7 @@ def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated
         _check_complete(job, report, request.app.state.settings.s3_endpoint_url)
         store.add_checkpoint(job.id, report.step_number, report.uri, report.metrics.model_dump(),
                              report.retired_steps)
-        retired = "".join(f"; retired step-{s}" for s in report.retired_steps)
+        retired = "".join(f"; retired {step_dir(s)}" for s in report.retired_steps)
         store.add_event(job.id, f"Checkpoint saved at step {report.step_number}: {report.uri}{retired}",
                         data={"step": report.step_number, "uri": report.uri, "retired_steps": report.retired_steps})
     else:

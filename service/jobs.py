@@ -6,6 +6,7 @@ import hashlib
 import json
 import secrets
 
+from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec, needs_model_config
 from moetune.api.models import JobCreate, JobStatus, SpecError, resolve_spec
 from moetune.service.errors import APIException, invalid_request
@@ -29,7 +30,7 @@ def request_hash(request: JobCreate) -> str:
 
 def _replay(existing: JobRow, digest: str) -> JobRow:
     if existing.request_hash != digest:
-        raise APIException(409, "idempotency_key_reused",
+        raise APIException(409, ErrorCode.idempotency_key_reused,
                            "This Idempotency-Key was already used with a different request body.")
     return existing
 

@@ -6,6 +6,7 @@ without one overwriting another's decision; a change the job's status does not a
 
 from __future__ import annotations
 
+from moetune.api.errors import ErrorCode
 from moetune.api.models import ErrorInfo, JobStatus, ResultReport
 from moetune.service.errors import APIException
 from moetune.service.store import ACTIVE_STATUSES, JobRow, Store
@@ -14,7 +15,7 @@ from moetune.service.store import ACTIVE_STATUSES, JobRow, Store
 SLOT_STATUSES = (JobStatus.running, JobStatus.pausing)
 
 
-def _conflict(store: Store, job: JobRow, code: str, wanted: str, allowed: str) -> APIException:
+def _conflict(store: Store, job: JobRow, code: ErrorCode, wanted: str, allowed: str) -> APIException:
     status = store.get_job(job.id).status
     return APIException(409, code, f"Job {job.id} is {status}: only {allowed} jobs can be {wanted}.")
 
@@ -22,7 +23,7 @@ def _conflict(store: Store, job: JobRow, code: str, wanted: str, allowed: str) -
 def cancel(store: Store, job: JobRow) -> None:
     # A Ray submission is stopped by the scheduler (cancel_requested).
     if not store.transition(job.id, ACTIVE_STATUSES, JobStatus.cancelled, "Job cancelled", cancel_requested=True):
-        raise APIException(409, "job_not_cancellable",
+        raise APIException(409, ErrorCode.job_not_cancellable,
                            f"Job {job.id} has already finished with status {store.get_job(job.id).status}.")
 
 
@@ -33,7 +34,7 @@ def pause(store: Store, job: JobRow) -> None:
                         "Pause requested: the workers checkpoint at the end of the current step and stop"):
         return
     if not store.transition(job.id, [JobStatus.validating_files, JobStatus.queued], JobStatus.paused, "Job paused"):
-        raise _conflict(store, job, "job_not_pausable", "paused", "validating_files, queued or running")
+        raise _conflict(store, job, ErrorCode.job_not_pausable, "paused", "validating_files, queued or running")
 
 
 def resume(store: Store, job: JobRow) -> None:
@@ -41,7 +42,7 @@ def resume(store: Store, job: JobRow) -> None:
     if not store.transition(job.id, [JobStatus.paused], JobStatus.queued,
                             "Job resumed: queued to continue from its last checkpoint",
                             attempt=JobRow.attempt + 1, cancel_requested=False):
-        raise _conflict(store, job, "job_not_resumable", "resumed", "paused")
+        raise _conflict(store, job, ErrorCode.job_not_resumable, "resumed", "paused")
 
 
 def finish_job(store: Store, job: JobRow, result: ResultReport) -> None:
@@ -56,6 +57,6 @@ def finish_job(store: Store, job: JobRow, result: ResultReport) -> None:
         store.transition(job.id, SLOT_STATUSES, JobStatus.paused,
                          "Job paused: its workers checkpointed and released their resources", estimated_finish=None)
     else:
-        error = result.error or ErrorInfo(code="training_failed", message="the training run failed without a reason")
+        error = result.error or ErrorInfo(code=ErrorCode.training_failed, message="the training run failed without a reason")
         store.transition(job.id, ACTIVE_STATUSES, JobStatus.failed, f"Job failed: {error.message}", level="error",
                          error=error.model_dump(), estimated_finish=None)

@@ -10,14 +10,10 @@ import os
 import re
 import threading
 
+from moetune.api.errors import ErrorCode
+from moetune.api.layout import result_from_summary, summary_uri
+from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
 from moetune.api.models import (
-    ADAPTER_DIR,
-    ENV_CALLBACK_URL,
-    ENV_JOB_TOKEN,
-    ENV_RUN_SPEC,
-    ENV_S3_ENDPOINT_URL,
-    METRICS_FILE,
-    SUMMARY_FILE,
     ErrorInfo,
     JobCreate,
     JobRunSpec,
@@ -102,24 +98,22 @@ class Scheduler:
         for job in self.store.jobs_with_status(*SLOT_STATUSES):
             state = self.ray.state(job.ray_submission_id)
             if state is None:
-                self._fail(job, "ray_job_lost", f"Ray no longer knows job {job.ray_submission_id} "
+                self._fail(job, ErrorCode.ray_job_lost, f"Ray no longer knows job {job.ray_submission_id} "
                                                 "(was the Ray cluster restarted?)")
             elif state.status in ("FAILED", "STOPPED"):
-                self._fail(job, "driver_failed", short_cause(state.message))
+                self._fail(job, ErrorCode.driver_failed, short_cause(state.message))
             elif state.status == "SUCCEEDED":
                 self._recover_result(job)
 
     def _recover_result(self, job: JobRow) -> None:
         """The driver exited 0 but its result report never arrived: the outputs in storage tell what happened."""
-        summary = read_json(f"{job.output_uri}/{SUMMARY_FILE}", self.settings.s3_endpoint_url)
+        summary = read_json(summary_uri(job.output_uri), self.settings.s3_endpoint_url)
         if summary is not None:
-            finish_job(self.store, job, ResultReport(
-                status="succeeded", fine_tuned_model=f"{job.output_uri}/{ADAPTER_DIR}",
-                result_files=[f"{job.output_uri}/{METRICS_FILE}"], trained_tokens=summary.get("trained_tokens")))
+            finish_job(self.store, job, result_from_summary(job.output_uri, summary))
         elif job.status == JobStatus.pausing:  # a paused driver exits 0 without a summary
             finish_job(self.store, job, ResultReport(status="paused"))
         else:
-            self._fail(job, "driver_failed", "driver exited without reporting a result")
+            self._fail(job, ErrorCode.driver_failed, "driver exited without reporting a result")
 
     def validate_files(self) -> None:
         for job in self.store.jobs_with_status(JobStatus.validating_files):
@@ -169,7 +163,7 @@ class Scheduler:
             env[ENV_S3_ENDPOINT_URL] = self.settings.s3_endpoint_url
         return env
 
-    def _fail(self, job: JobRow, code: str, message: str) -> None:
+    def _fail(self, job: JobRow, code: ErrorCode, message: str) -> None:
         error = ErrorInfo(code=code, message=message)
         if self.store.transition(job.id, SLOT_STATUSES, JobStatus.failed, f"Job failed: {message}",
                                  level="error", error=error.model_dump(), estimated_finish=None):

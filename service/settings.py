@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from moetune.api.environment import PASSTHROUGH_ENV
 from moetune.api.models import URI_SCHEMES
 
 
@@ -25,13 +26,7 @@ class Settings(BaseSettings):
     default_output_uri: str = "s3://moetune/outputs"
     s3_endpoint_url: str | None = None  # S3-compatible endpoint; unset = AWS
     # Names of variables copied from this process's environment into every Ray job (comma-separated or JSON list).
-    worker_env_passthrough: Annotated[list[str], NoDecode] = [
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN",
-        "AWS_DEFAULT_REGION",
-        "HF_HUB_OFFLINE",
-    ]
+    worker_env_passthrough: Annotated[list[str], NoDecode] = list(PASSTHROUGH_ENV)
     driver_entrypoint: str = "python -m moetune.workers.entry.driver"
     # Storage a tenant's jobs may use: JSON {"tenant": ["s3://bucket/", "s3://shared/models/"], "*": [...]}
     # ("*" applies to every tenant). Empty: any bucket. See service/uri_policy.py.

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 
+from moetune.workers.lora.expert_layout import peft_expert_state
+from moetune.workers.parallel.experts import ExpertParallelExperts
+
 EXPERT_DIR = "expert_lora"
 
 
 def expert_modules(module) -> list[tuple[str, object]]:
     """(qualified name, module) of every expert-parallel experts module that carries LoRA."""
-    from moetune.workers.parallel.experts import ExpertParallelExperts
-
     return [(n, m) for n, m in module.named_modules() if isinstance(m, ExpertParallelExperts) and m.lora_rank]
 
 
@@ -81,8 +82,6 @@ def gather_expert_adapter(engine) -> dict:
     """All experts' LoRA in PEFT's adapter layout (see workers.ep_adapter); a collective on every rank."""
     import torch
     import torch.distributed as dist
-
-    from moetune.workers.lora.expert_layout import peft_expert_state
 
     state, shard = {}, _local_shard(engine)
     for name, module in expert_modules(engine.module):

@@ -19,22 +19,14 @@ import itertools
 import json
 import os
 import posixpath
-import re
 from dataclasses import dataclass
 
-from moetune.api.models import CHECKPOINT_MANIFEST as MANIFEST
-from moetune.api.models import CHECKPOINTS_DIR
+from moetune.api.layout import CHECKPOINT_MANIFEST as MANIFEST
+from moetune.api.layout import STEP_DIR_GLOB, checkpoint_uri, checkpoints_uri, manifest_uri, step_of
 from moetune.api import storage
 
 TRAINER_STATE = "trainer_state.json"  # step, trained tokens, metrics history, attempt, paused
-ENV_MAX_WORKER_FAILURES = "MOETUNE_MAX_WORKER_FAILURES"  # worker-group restarts Ray Train may make per run
-DEFAULT_MAX_WORKER_FAILURES = 3
-_STEP_DIR = re.compile(r"step-(\d+)")
 ATTEMPTS_DIR = "attempts"
-
-
-def checkpoint_uri(output_uri: str, step: int) -> str:
-    return storage.join(output_uri, CHECKPOINTS_DIR, f"step-{step}")
 
 
 def _files(uri: str) -> dict[str, int]:
@@ -48,12 +40,12 @@ def _files(uri: str) -> dict[str, int]:
 def write_manifest(uri: str, step: int) -> None:
     """Marks the checkpoint at `uri` complete; call once, after every rank's files are uploaded."""
     files = [{"path": p, "size": size} for p, size in sorted(_files(uri).items()) if p != MANIFEST]
-    storage.write_bytes(storage.join(uri, MANIFEST), json.dumps({"step": step, "files": files}).encode())
+    storage.write_bytes(manifest_uri(uri), json.dumps({"step": step, "files": files}).encode())
 
 
 def retract_manifest(uri: str) -> None:
     """A step directory about to be written again (its earlier checkpoint lost files) stops being complete first."""
-    fs, path = storage.filesystem(storage.join(uri, MANIFEST))
+    fs, path = storage.filesystem(manifest_uri(uri))
     if fs.exists(path):
         fs.rm_file(path)
 
@@ -79,14 +71,14 @@ class ResumePoint:
 
 def _steps(output_uri: str, inside: str = "") -> list[int]:
     """Newest first: the steps of the `step-<N>` directories (only those holding `inside`, when given)."""
-    fs, root = storage.filesystem(storage.join(output_uri, CHECKPOINTS_DIR))
+    fs, root = storage.filesystem(checkpoints_uri(output_uri))
     root = root.rstrip("/")
     fs.invalidate_cache(root)
     steps = set()
-    for path in fs.glob(f"{root}/step-*" + (f"/{inside}" if inside else "")):
-        match = _STEP_DIR.fullmatch(posixpath.relpath(path, root).split("/")[0])
-        if match:
-            steps.add(int(match.group(1)))
+    for path in fs.glob(f"{root}/{STEP_DIR_GLOB}" + (f"/{inside}" if inside else "")):
+        step = step_of(posixpath.relpath(path, root).split("/")[0])
+        if step is not None:
+            steps.add(step)
     return sorted(steps, reverse=True)
 
 
@@ -94,7 +86,7 @@ def _complete(output_uri: str):
     """Newest first: (step, uri) of each complete checkpoint whose listed files are all there."""
     for step in _steps(output_uri, MANIFEST):
         uri = checkpoint_uri(output_uri, step)
-        manifest = json.loads(storage.read_text(storage.join(uri, MANIFEST)))
+        manifest = json.loads(storage.read_text(manifest_uri(uri)))
         if manifest.get("step") == step and _is_intact(uri, manifest):
             yield step, uri
 

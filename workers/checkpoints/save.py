@@ -10,6 +10,7 @@ from moetune.workers.checkpoints.expert_shards import (
     restore_expert_shards,
     save_expert_shards,
 )
+from moetune.workers.lora.expert_layout import loadable_adapter_config
 
 
 def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
@@ -22,8 +23,6 @@ def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
     import deepspeed
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
-
-    from moetune.workers.lora.expert_layout import loadable_adapter_config
 
     peft_model = engine.module
     expert_state = gather_expert_adapter(engine)

@@ -1,10 +1,43 @@
-"""A Ray Train callback in the job's controller: reports each lost worker before Ray Train restarts the group."""
+"""What a failed job reports: the user's error (a JobError) behind a Ray Train failure, else its innermost cause in
+one line; and the Ray Train callback in the job's controller that reports each lost worker before Ray Train
+restarts the group."""
 
 from __future__ import annotations
 
 from ray.train import UserCallback
 
+from moetune.api.errors import ErrorCode
+from moetune.workers.errors import JobError
 from moetune.workers.reporting.reporter import Reporter
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and every error behind it (Ray Train's worker and controller failures, causes), outermost first."""
+    seen, chain, pending = set(), [], [error]
+    while pending:
+        e = pending.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        chain.append(e)
+        pending += list(getattr(e, "worker_failures", {}).values())
+        pending += [c for c in (getattr(e, "controller_failure", None), e.__cause__, e.__context__) if c]
+    return chain
+
+
+def job_error(error: BaseException) -> JobError | None:
+    """The first JobError (a problem the user must fix) behind `error`, if any."""
+    return next((e for e in _chain(error) if isinstance(e, JobError)), None)
+
+
+def root_cause(error: BaseException) -> JobError:
+    """The first JobError behind a Ray Train failure, or the innermost error in one line."""
+    if found := job_error(error):
+        return found
+    innermost = _chain(error)[-1]
+    text = str(innermost).strip().splitlines()
+    message = f"{type(innermost).__name__}: {text[-1] if text else ''}".strip()
+    return JobError(ErrorCode.training_failed, message[:500])
 
 
 class ReportWorkerFailures(UserCallback):
@@ -15,8 +48,6 @@ class ReportWorkerFailures(UserCallback):
         self.reporter, self.max_failures, self.failures = reporter, max_failures, 0
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
-        from moetune.workers.entry.driver import job_error, root_cause
-
         for error in worker_exceptions.values():
             if user_error := job_error(error):
                 raise user_error  # Ray Train does not retry an error raised here; the driver reports it

@@ -1,7 +1,7 @@
 """DeepSeek-V3: MLA attention, grouped sigmoid router with bias correction, shared experts, first layers dense."""
 
 from moetune.api.families import FAMILIES
-from moetune.workers.families import Family
+from moetune.workers.families.spec import Family
 
 
 def tiny_config(**overrides):

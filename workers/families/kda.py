@@ -1,8 +1,5 @@
-"""Put our kernels (kernels/) into a loaded transformers model, per family, without editing transformers.
-
-`apply_kernel_swaps(model)` runs the swaps registered for the model's `model_type` and returns how many modules
-each one changed. A swap changes behaviour only of the module instances it is given: other models in the same
-process keep the stock code path, which is also how "kernels off" is expressed (do not call it).
+"""The KDA kernel swap, shared by the families with Kimi Delta Attention layers (kimi_linear, glm5_next): their
+chunked core runs `kernels.kda` instead of transformers' `chunk_kimi_delta_attention`, without editing transformers.
 """
 
 from __future__ import annotations
@@ -15,11 +12,9 @@ from collections.abc import Callable
 import torch
 
 from moetune.kernels.kda import chunk_kda
-from moetune.workers.families.glm5_next.sparse_attention import apply_sparse_attention_kernels
 
-# Linear-attention layers whose core is transformers' `chunk_kimi_delta_attention` (a module-level function of
-# the layer's modeling module, looked up at call time).
-KDA_LAYERS = ("KimiLinearDeltaAttention", "Glm5NextTextLinearAttention")
+# The KDA layer's core is transformers' `chunk_kimi_delta_attention`, a module-level function of the layer's
+# modeling module, looked up at call time.
 _CORE = "chunk_kimi_delta_attention"
 _in_swapped_layer = contextvars.ContextVar("moetune_kda_swapped", default=False)
 
@@ -53,33 +48,24 @@ def _leave_swapped(module, args, output):
     _in_swapped_layer.set(False)
 
 
-def apply_kda_kernels(model: torch.nn.Module) -> int:
-    """KDA layers of kimi_linear and glm5_next: their chunked core runs `kernels.kda` (Triton on CUDA, the chunked
-    PyTorch path on CPU). Single-token decoding keeps transformers' recurrent step. Returns the layers swapped.
+def kda_swap(layer_class: str) -> Callable[[torch.nn.Module], int]:
+    """The swap for a family whose KDA layers are `layer_class` modules."""
 
-    The layer is marked by hooks around its forward (they travel with deepcopy and gradient-checkpoint recompute;
-    the closing one also runs when the forward raises)."""
-    swapped = 0
-    for module in model.modules():
-        if type(module).__name__ not in KDA_LAYERS or getattr(module, "_moetune_kda", False):
-            continue
-        _route_core(sys.modules[type(module).__module__])
-        module.register_forward_pre_hook(_enter_swapped)
-        module.register_forward_hook(_leave_swapped, always_call=True)
-        module._moetune_kda = True
-        swapped += 1
-    return swapped
+    def apply_kda_kernels(model: torch.nn.Module) -> int:
+        """The KDA layers' chunked core runs `kernels.kda` (Triton on CUDA, the chunked PyTorch path on CPU).
+        Single-token decoding keeps transformers' recurrent step. Returns the layers swapped.
 
+        The layer is marked by hooks around its forward (they travel with deepcopy and gradient-checkpoint
+        recompute; the closing one also runs when the forward raises)."""
+        swapped = 0
+        for module in model.modules():
+            if type(module).__name__ != layer_class or getattr(module, "_moetune_kda", False):
+                continue
+            _route_core(sys.modules[type(module).__module__])
+            module.register_forward_pre_hook(_enter_swapped)
+            module.register_forward_hook(_leave_swapped, always_call=True)
+            module._moetune_kda = True
+            swapped += 1
+        return swapped
 
-# model_type -> swaps, in the order they are applied.
-FAMILY_SWAPS: dict[str, tuple[Callable[[torch.nn.Module], int], ...]] = {
-    "kimi_linear": (apply_kda_kernels,),
-    "glm5_next": (apply_kda_kernels, apply_sparse_attention_kernels),
-    "glm5_next_text": (apply_kda_kernels, apply_sparse_attention_kernels),
-}
-
-
-def apply_kernel_swaps(model: torch.nn.Module) -> dict[str, int]:
-    """Apply every swap registered for the model's family; {swap name: modules changed}."""
-    swaps = FAMILY_SWAPS.get(model.config.model_type, ())
-    return {swap.__name__: swap(model) for swap in swaps}
+    return apply_kda_kernels

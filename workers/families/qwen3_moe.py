@@ -1,7 +1,7 @@
 """Qwen3-MoE: softmax top-k router, routed experts only."""
 
 from moetune.api.families import FAMILIES
-from moetune.workers.families import Family
+from moetune.workers.families.spec import Family
 
 
 def tiny_config(**overrides):

@@ -1,7 +1,7 @@
 """Qwen3-Next: gated DeltaNet + gated attention, softmax router, a sigmoid-gated shared expert."""
 
 from moetune.api.families import FAMILIES
-from moetune.workers.families import Family
+from moetune.workers.families.spec import Family
 
 
 def tiny_config(**overrides):

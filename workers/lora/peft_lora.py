@@ -1,19 +1,19 @@
 """LoRA on the attention / dense-MLP / shared-expert linears via PEFT; the router stays frozen.
-Routed experts get per-expert LoRA in the expert-parallel module (`lora.train_experts`)."""
+Routed experts get per-expert LoRA in the expert-parallel module (`lora.train_experts`, see workers.parallel)."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
+from moetune.api.errors import ErrorCode
 from moetune.api.models import JobCreate, LoraSpec
 from moetune.workers.errors import JobError
+from moetune.workers.families import auto_model_class, known_family
 
 
 def _linear_names(model) -> list[str]:
     """Names of the linears LoRA may adapt: all of them, or the text model's for a multimodal family."""
     import torch
-
-    from moetune.workers.families import known_family
 
     fam = known_family(model.config)
     scope = fam.lora_scope if fam else None
@@ -23,8 +23,6 @@ def _linear_names(model) -> list[str]:
 
 def _scoped_targets(model, targets):
     """PEFT targets restricted to the family's LoRA scope, as full module names ("all-linear" minus lm_head)."""
-    from moetune.workers.families import known_family
-
     fam = known_family(model.config)
     if fam is None or fam.lora_scope is None:
         return targets
@@ -41,7 +39,7 @@ def _check_targets(model, targets: list[str]) -> None:
     if unknown:
         available = sorted({name.rsplit(".", 1)[-1] for name in linear})
         raise JobError(
-            "invalid_target_modules",
+            ErrorCode.invalid_target_modules,
             f"lora.target_modules: no linear module named {', '.join(map(repr, unknown))}; "
             f"linear modules of this model: {', '.join(available)}",
             "lora.target_modules",
@@ -52,8 +50,6 @@ def check_targets_on_config(config: dict, spec: LoraSpec) -> None:
     """The target check without weights: the model is built on the meta device (no memory, no I/O)."""
     import torch
     from transformers import AutoConfig
-
-    from moetune.workers.families import auto_model_class
 
     if isinstance(spec.target_modules, list):
         with torch.device("meta"):
@@ -95,20 +91,3 @@ def apply_lora(model, spec: LoraSpec):
     )
     with _no_v4_target_conversion(model):
         return get_peft_model(model, config)
-
-
-def trainable_model(model, spec: JobCreate):
-    """PEFT LoRA, then (with expert parallelism or `train_experts`) this rank's share of the routed experts.
-
-    Call with torch.distributed up when EP > 1; every rank must have drawn the same random state.
-    """
-    from moetune.workers.parallel.experts import ep_group, swap_experts
-    from moetune.workers.families import family_for
-
-    peft_model = apply_lora(model, spec.lora)
-    ep_size, train_experts = spec.parallelism.expert_parallel_size, spec.lora.train_experts
-    if ep_size > 1 or train_experts:
-        swap_experts(peft_model, family_for(model.config), ep_group(ep_size),
-                     lora_rank=spec.lora.rank if train_experts else 0, lora_alpha=spec.lora.alpha,
-                     fused_kernel=spec.training.custom_kernels)
-    return peft_model

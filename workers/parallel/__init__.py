@@ -1,1 +1,27 @@
-"""TODO"""
+"""Parallelism applied to a built model: `parallelize` puts each rank's share of the routed experts (an
+`ExpertPlacement`) into an expert-parallel module; DeepSpeed ZeRO (workers.engine) handles everything else."""
+
+from __future__ import annotations
+
+from moetune.api.models import LoraSpec
+from moetune.workers.families.spec import Family
+from moetune.workers.parallel.experts import ExpertParallelExperts, trainable_experts_class
+from moetune.workers.parallel.placement import ExpertPlacement
+
+
+def needs_expert_module(placement: ExpertPlacement | None, lora: LoraSpec) -> bool:
+    """Whether the routed experts leave transformers' module: they are sharded, or they get their own LoRA."""
+    return placement is not None and (placement.sharded or lora.train_experts)
+
+
+def parallelize(model, family: Family, placement: ExpertPlacement, lora: LoraSpec, fused_kernel: bool = True) -> int:
+    """Replaces the routed experts of every MoE block of `model` by this rank's expert-parallel share, with
+    per-expert LoRA when `lora.train_experts`; returns how many blocks changed. `fused_kernel`: the local experts
+    run kernels.moe's grouped GEMMs, else a per-expert loop (see parallel.compute)."""
+    rank = lora.rank if lora.train_experts else 0
+    cls = trainable_experts_class() if rank else ExpertParallelExperts
+    blocks = list(family.moe_blocks(model))
+    for _, block in blocks:
+        experts = getattr(block, family.experts)
+        setattr(block, family.experts, cls(experts, placement, rank, lora.alpha, fused_kernel))
+    return len(blocks)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetune.kernels.moe import moe_lora_mlp
+
 
 @dataclass
 class ExpertLoraFactors:
@@ -67,8 +69,6 @@ def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activ
 def fused_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activation: GatedActivation,
                          lora: ExpertLoraFactors | None = None):
     """grouped_expert_forward's contract, computed by kernels.moe (W frozen, W + ΔW never formed)."""
-    from moetune.kernels.moe import moe_lora_mlp
-
     if lora is None:
         return moe_lora_mlp(x_sorted, counts, w_gate_up, w_down, activation)
     return moe_lora_mlp(x_sorted, counts, w_gate_up, w_down, activation, lora.gate_up_a, lora.gate_up_b,

@@ -1,19 +1,13 @@
-"""Expert parallelism: each rank keeps 1/EP of the routed experts and trades tokens by all-to-all.
-
-`swap_experts` replaces every MoE block's `experts` module with an `ExpertParallelExperts` holding only
-this rank's experts as fused 3D tensors (plus, with `train_experts`, their per-expert LoRA factors).
-The family's router is left untouched. Expert parameters carry DeepSpeed's expert-parallel tags so ZeRO
-neither averages different experts' gradients nor partitions them over the wrong group.
-
-EP groups are DeepSpeed's: consecutive ranks form an EP group ([0,1],[2,3] for EP=2 of 4); the ranks that
-hold the same experts ([0,2],[1,3]) form the replica ("expert data parallel") group.
+"""The expert-parallel experts module: this rank's experts as fused 3D tensors (plus, with `train_experts`, their
+per-expert LoRA factors), tokens traded with the other EP ranks by all-to-all. Expert parameters carry DeepSpeed's
+expert-parallel tags so ZeRO neither averages different experts' gradients nor partitions them over the wrong
+group (see parallel.placement for the groups).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,40 +19,18 @@ from moetune.workers.parallel.compute import (
     fused_expert_forward,
     grouped_expert_forward,
 )
-from moetune.workers.reporting.alltoall import AllToAllStats
+from moetune.workers.parallel.placement import ExpertPlacement
+from moetune.workers.parallel.alltoall import AllToAllStats
 
 EXPERT_PLACEMENT = "autoep_expert"  # DeepSpeed 0.19.8's ZeRO-3 placement family for expert-parallel tensors
 
 
-@dataclass(frozen=True)
-class EPGroup:
-    name: str  # DeepSpeed's group name, "ep_size_<N>"
-    size: int
-    rank: int
-    group: object  # the EP process group (None when size == 1: nothing to exchange)
-    replica_group: object  # ranks holding the same experts
-
-
-def ep_group(size: int) -> EPGroup:
-    """Creates (once) DeepSpeed's expert and expert-data-parallel groups of `size` and returns this rank's."""
-    import deepspeed
-    from deepspeed.utils import groups
-
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    name = f"ep_size_{size}"
-    if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(size)
-    return EPGroup(name=name, size=size, rank=groups._get_expert_parallel_rank(name),
-                   group=groups._get_expert_parallel_group(name) if size > 1 else None,
-                   replica_group=groups._get_expert_data_parallel_group(name))
-
-
-def tag_expert_param(param: nn.Parameter, ep: EPGroup) -> None:
+def tag_expert_param(param: nn.Parameter, ep: ExpertPlacement) -> None:
     """The attributes DeepSpeed reads to treat `param` as expert-parallel (lost on load_state_dict(assign=True))."""
     param.allreduce = False
-    param.group_name = ep.name
+    param.group_name = ep.group_name
     param.ds_zero_placement_family = EXPERT_PLACEMENT
-    param.ds_zero_partition_group_name = ep.name
+    param.ds_zero_partition_group_name = ep.group_name
     # ZeRO-3 partitions a tensor over this group: only across ranks that hold the same experts.
     param.ds_zero_partition_process_group = ep.replica_group
 
@@ -91,38 +63,34 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group, ctx.stats), None, None, None, None
 
 
-def _exchange(x, out_splits, in_splits, ep: EPGroup, stats: AllToAllStats):
+def _exchange(x, out_splits, in_splits, ep: ExpertPlacement, stats: AllToAllStats):
     return x if ep.size == 1 else _AllToAll.apply(x, out_splits, in_splits, ep.group, stats)
 
 
 class ExpertParallelExperts(nn.Module):
     """Drop-in for a family's `*Experts` module: same call, only this rank's experts stored."""
 
-    def __init__(self, experts: nn.Module, ep: EPGroup, lora_rank: int = 0, lora_alpha: float = 1.0,
+    def __init__(self, experts: nn.Module, ep: ExpertPlacement, lora_rank: int = 0, lora_alpha: float = 1.0,
                  fused_kernel: bool = True):
         nn.Module.__init__(self)  # not super(): the trainable subclass must skip AutoEPMoELayer's own __init__
         self.compute = fused_expert_forward if fused_kernel else grouped_expert_forward
         self.num_experts = experts.num_experts
-        if self.num_experts % ep.size:
-            raise ValueError(f"{self.num_experts} experts cannot be split over expert_parallel_size={ep.size}")
-        self.num_local_experts = self.num_experts // ep.size
-        self.ep, self.ep_group_name = ep, ep.name
+        if self.num_experts != ep.num_experts:
+            raise ValueError(f"experts module has {self.num_experts} experts, the placement {ep.num_experts}")
+        self.num_local_experts = ep.count
+        self.ep, self.ep_group_name = ep, ep.group_name
         # Families without an act_fn attribute (GLM) hard-code SiLU; swiglu_limit is GLM's clamp.
         self.activation = GatedActivation(getattr(experts, "act_fn", nn.functional.silu),
                                           getattr(experts, "swiglu_limit", None))
-        first = ep.rank * self.num_local_experts
-        local = slice(first, first + self.num_local_experts)
-        # The streaming loader allocates only this rank's experts (`loaded_experts`); a full module is sliced,
-        # and cloned: the full tensors must not stay alive through a view.
-        held = getattr(experts, "loaded_experts", None)
-        if held is not None and held != local:
-            raise ValueError(f"experts module holds experts {held}, expert-parallel rank {ep.rank} needs {local}")
-        own = (lambda t: t.detach()) if held is not None else (lambda t: t.detach()[local].clone())
+        # The streaming loader allocates only this rank's experts; a full module is sliced, and cloned: the full
+        # tensors must not stay alive through a view.
+        own = ((lambda t: t.detach()) if experts.gate_up_proj.shape[0] == ep.count
+               else (lambda t: t.detach()[ep.local].clone()))
         self.gate_up_proj = nn.Parameter(own(experts.gate_up_proj), requires_grad=False)
         self.down_proj = nn.Parameter(own(experts.down_proj), requires_grad=False)
         self.lora_rank, self.lora_scaling = lora_rank, lora_alpha / max(lora_rank, 1)
         if lora_rank:
-            self._init_lora(local)
+            self._init_lora(ep.local)
         for param in self.parameters():
             tag_expert_param(param, ep)
         # Routed-token counts per global expert from this rank's last forward (for load metrics).
@@ -179,7 +147,7 @@ class ExpertParallelExperts(nn.Module):
 
 
 @functools.cache
-def _trainable_class():
+def trainable_experts_class():
     """The class for experts with LoRA: DeepSpeed 0.19.8 only turns on its expert-parallel gradient handling
     (`has_moe_layers`: separate optimizer groups reduced within the replica group) for AutoEPMoELayer modules.
     Frozen experts must not be one: ZeRO-1/2 then asserts that no optimizer group is an MoE group."""
@@ -187,17 +155,6 @@ def _trainable_class():
 
     class TrainableExpertParallelExperts(ExpertParallelExperts, AutoEPMoELayer):
         def set_deepspeed_parallelism(self, *args, **kwargs):
-            pass  # the groups were made by ep_group() before the swap
+            pass  # the groups were made with the placement (parallel.placement.expert_placement)
 
     return TrainableExpertParallelExperts
-
-
-def swap_experts(model: nn.Module, family, ep: EPGroup, lora_rank: int = 0, lora_alpha: float = 1.0,
-                 fused_kernel: bool = True) -> int:
-    """Replaces the routed experts of every MoE block; returns how many blocks were swapped. `fused_kernel`:
-    the local experts run kernels.moe's grouped GEMMs, else a per-expert loop (see workers.expert_compute)."""
-    cls = _trainable_class() if lora_rank else ExpertParallelExperts
-    blocks = list(family.moe_blocks(model))
-    for _, block in blocks:
-        setattr(block, family.experts, cls(getattr(block, family.experts), ep, lora_rank, lora_alpha, fused_kernel))
-    return len(blocks)

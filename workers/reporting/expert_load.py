@@ -23,6 +23,9 @@ import torch.distributed as dist
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from moetune.workers.parallel.experts import ExpertParallelExperts
+
+
 HOT_EXPERTS = 4
 LOAD_RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.1, 1.5, 2.0, 4.0, 8.0, math.inf)
 
@@ -37,8 +40,6 @@ class ExpertLoad:
     """Counts routed tokens and gate weights per (layer, expert) with forward hooks on the training forwards."""
 
     def __init__(self, model: torch.nn.Module):
-        from moetune.workers.parallel.experts import ExpertParallelExperts
-
         found = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)]
         self.layers = [layer_label(name, i) for i, (name, _) in enumerate(found)]
         self.modules = [m for _, m in found]

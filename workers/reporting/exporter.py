@@ -21,9 +21,8 @@ import time
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR = "MOETUNE_METRICS_PORT", "MOETUNE_METRICS_TARGETS_DIR"
-METRICS_ENV = (ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR)  # forwarded from the driver to every worker
-DEFAULT_PORT = 9470
+from moetune.api.environment import ENV_METRICS_PORT
+
 SCRAPE_WAIT_MAX_S = 60.0
 
 
@@ -58,11 +57,14 @@ class ScrapeWatch:
 
 
 class Exporter:
-    def __init__(self, registry: CollectorRegistry, local_rank: int, host: str, target_name: str):
+    def __init__(self, registry: CollectorRegistry, local_rank: int, host: str, target_name: str,
+                 port_setting: str, targets_dir: str | None):
+        """`port_setting`: a port base (the worker serves on base + local rank), "0" (any free port) or "off";
+        `targets_dir`: where to announce the address for Prometheus' file_sd (None: nowhere)."""
         self.server = self.target_file = None
         self.warnings: list[str] = []
         self.scrape_watch = ScrapeWatch()
-        setting = os.environ.get(ENV_METRICS_PORT, str(DEFAULT_PORT)).strip()
+        setting = port_setting
         if setting == "off":
             return
         try:
@@ -79,7 +81,6 @@ class Exporter:
             self.warnings.append(f"metrics port {wanted} unavailable ({e.strerror}); serving on "
                                  f"{self.server.server_port}, which only file_sd discovery finds")
         self.address = f"{host}:{self.server.server_port}"
-        targets_dir = os.environ.get(ENV_METRICS_TARGETS_DIR)
         if targets_dir:
             os.makedirs(targets_dir, exist_ok=True)
             self.target_file = os.path.join(targets_dir, f"{target_name}.json")

@@ -11,10 +11,10 @@ import socket
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
-from moetune.workers.reporting.exporter import METRICS_ENV, Exporter
+from moetune.workers.reporting.exporter import Exporter
+from moetune.workers.reporting.moe import MoEMetrics
 from moetune.workers.reporting.system import NodeCollector, ProcessCollector
-
-__all__ = ["METRICS_ENV", "WorkerMetrics"]
+from moetune.workers.settings import WorkerSettings
 
 PHASES = ("loading", "training")
 
@@ -29,7 +29,7 @@ def _node_address() -> str:
 
 
 class WorkerMetrics:
-    def __init__(self, job_id: str, rank: int, local_rank: int, device, event):
+    def __init__(self, job_id: str, rank: int, local_rank: int, device, event, settings: WorkerSettings):
         """Starts serving at once (phase "loading"); `event(message, level=...)` reports exporter problems."""
         self.chief = rank == 0
         node = socket.gethostname()
@@ -56,7 +56,8 @@ class WorkerMetrics:
             self.tokens.labels(*self.labels.values())  # from 0 before the first step, so rate() sees that step
             self.tokens_counted = 0
         self.set_phase("loading")
-        self.exporter = Exporter(self.registry, local_rank, _node_address(), f"{job_id}-rank{rank}")
+        self.exporter = Exporter(self.registry, local_rank, _node_address(), f"{job_id}-rank{rank}",
+                                 settings.metrics_port, settings.metrics_targets_dir)
         for warning in self.exporter.warnings:
             event(f"Rank {rank}: {warning}", level="warn")
         self.moe = None
@@ -73,19 +74,17 @@ class WorkerMetrics:
 
     def training_started(self, model) -> None:
         """Hooks the model's expert-parallel MoE layers (call before the first forward)."""
-        from moetune.workers.reporting.moe import MoEMetrics
-
         self.moe = MoEMetrics(model, self.registry, self.labels, export_load=self.chief)
         self.set_phase("training")
         self.exporter.await_scrape()  # the counters' zeros, so that rate() and increase() count the first step
 
-    def step_end(self, worker, record: dict, seconds: float) -> None:
-        """After each optimizer step, on every rank (the expert-load sum is a collective). The worker carries
-        the micro-batch tuner's current `micro_batch_size` and `grad_accum_steps`."""
+    def step_end(self, record: dict, seconds: float, micro_batch_size: int, grad_accum_steps: int) -> None:
+        """After each optimizer step, on every rank (the expert-load sum is a collective), with the micro-batch
+        sizes the step ran with."""
         labels = self.labels.values()
         self.step_seconds.labels(*labels).set(seconds)
-        self.micro_batch.labels(*labels).set(worker.micro_batch_size)
-        self.grad_accum.labels(*labels).set(worker.grad_accum_steps)
+        self.micro_batch.labels(*labels).set(micro_batch_size)
+        self.grad_accum.labels(*labels).set(grad_accum_steps)
         if self.moe:
             self.moe.step_end()
         if not self.chief:

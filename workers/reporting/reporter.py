@@ -6,7 +6,6 @@ Reporting must never take training down: failures are retried with backoff, then
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -14,8 +13,6 @@ from typing import Any
 import httpx
 
 from moetune.api.models import (
-    ENV_CALLBACK_URL,
-    ENV_JOB_TOKEN,
     REPORT_PATH,
     CheckpointMetrics,
     CheckpointReport,
@@ -30,11 +27,10 @@ log = logging.getLogger("moetune.reporter")
 
 
 class Reporter:
-    def __init__(self, job_id: str, callback_url: str | None = None, token: str | None = None,
-                 attempts: int = 5, backoff_s: float = 0.5):
-        base = callback_url if callback_url is not None else os.environ.get(ENV_CALLBACK_URL)
-        self.url = base.rstrip("/") + REPORT_PATH.format(job_id=job_id) if base else None
-        token = token if token is not None else os.environ.get(ENV_JOB_TOKEN)
+    def __init__(self, job_id: str, callback_url: str | None, token: str | None, attempts: int = 5,
+                 backoff_s: float = 0.5):
+        """`callback_url` None: no control plane to report to (reports are only logged)."""
+        self.url = callback_url.rstrip("/") + REPORT_PATH.format(job_id=job_id) if callback_url else None
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.attempts, self.backoff_s = attempts, backoff_s
         self.control: str | None = None  # the control plane's request in its last answer ("pause"), see ReportAck
@@ -73,10 +69,6 @@ class Reporter:
     def checkpoint(self, step: int, uri: str, retired_steps: Iterable[int] = (), **metrics: Any):
         return self.send(CheckpointReport(step_number=step, uri=uri, metrics=CheckpointMetrics(step=step, **metrics),
                                           retired_steps=list(retired_steps)))
-
-    def succeeded(self, fine_tuned_model: str, result_files: list[str], trained_tokens: int | None):
-        return self.send(ResultReport(status="succeeded", fine_tuned_model=fine_tuned_model,
-                                      result_files=result_files, trained_tokens=trained_tokens))
 
     def paused(self):
         return self.send(ResultReport(status="paused"))

@@ -22,33 +22,11 @@ import tempfile
 import time
 from contextlib import contextmanager, suppress
 
-ENV_CACHE_DIR, ENV_CACHE_MAX_GB = "MOETUNE_WEIGHTS_CACHE_DIR", "MOETUNE_WEIGHTS_CACHE_MAX_GB"
 # The cache never fills its disk past 80 %: checkpoints and logs need room there too, and the kubelet starts
 # evicting pods when a node's disk has less than 10 % free.
 MIN_FREE_FRACTION = 0.20
 _LOCK, _LEDGER, _PART = ".lock", ".bytes", ".part-"
 STALE_PART_S = 3600  # a half-written file this old belongs to a killed writer
-
-
-def default_cache_dir() -> str | None:
-    """MOETUNE_WEIGHTS_CACHE_DIR; empty turns the cache off; unset means a folder in the node's temp dir."""
-    value = os.environ.get(ENV_CACHE_DIR)
-    if value is None:
-        return os.path.join(tempfile.gettempdir(), "moetune", "weights-cache")
-    return value or None
-
-
-def default_max_bytes() -> int | None:
-    value = os.environ.get(ENV_CACHE_MAX_GB, "").strip()
-    if not value:
-        return None
-    try:
-        gb = float(value)
-    except ValueError:
-        gb = -1.0
-    if gb < 0:
-        raise ValueError(f"{ENV_CACHE_MAX_GB}={value!r}: expected a size in GB (0 or more), e.g. 200")
-    return int(gb * 1e9)
 
 
 def _tree_bytes(folder: str, drop_stale_parts: bool = False) -> int:

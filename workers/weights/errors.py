@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from moetune.api.errors import ErrorCode
 from moetune.workers.errors import JobError
 
 
 class WeightsError(JobError):
     def __init__(self, message: str):
-        super().__init__("invalid_model_weights", message, "model")
+        super().__init__(ErrorCode.invalid_model_weights, message, "model")
         self.args = (message,)
 
 

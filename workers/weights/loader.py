@@ -12,13 +12,16 @@ import time
 from dataclasses import dataclass
 
 from moetune.api import storage
+from moetune.api.environment import ENV_WEIGHTS_CACHE_MAX_GB
+from moetune.workers.families import auto_model_class, known_family
+from moetune.workers.parallel.placement import ExpertPlacement
 from moetune.workers.weights import manifest as manifest_file
-from moetune.workers.weights.cache import RangeCache, default_cache_dir, default_max_bytes
+from moetune.workers.weights.cache import RangeCache
 from moetune.workers.weights.errors import WeightsError
 from moetune.workers.weights.fetch import FetchStats, RangeFetcher, Source
 from moetune.workers.weights.header import TensorInfo, read_header
 from moetune.workers.weights.mapping import NameMapper
-from moetune.workers.weights.plan import ExpertShare, Plan, plan_rank
+from moetune.workers.weights.plan import Plan, plan_rank
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 WEIGHT_FILES = (INDEX_FILE, ".safetensors", manifest_file.MANIFEST_FILE)
@@ -96,8 +99,6 @@ def empty_model(config: dict, dtype):
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
-    from moetune.workers.families import auto_model_class
-
     hf_config = AutoConfig.for_model(**config)
     with init_empty_weights(include_buffers=False):
         return auto_model_class(hf_config).from_config(hf_config, dtype=dtype)
@@ -105,8 +106,6 @@ def empty_model(config: dict, dtype):
 
 def fused_expert_params(model) -> dict[str, int]:
     """Fused routed-expert parameters [E, ...] of the model's family -> E."""
-    from moetune.workers.families import known_family
-
     fam = known_family(model.config)
     found = {}
     for block_name, block in fam.moe_blocks(model) if fam else ():
@@ -117,26 +116,25 @@ def fused_expert_params(model) -> dict[str, int]:
     return found
 
 
-def expert_shares(model, ep_rank: int, ep_size: int) -> dict[str, ExpertShare]:
-    """This rank's share of every fused expert parameter: consecutive experts, like the EP swap's."""
-    if ep_size == 1:
+def expert_shares(model, placement: ExpertPlacement | None) -> dict[str, ExpertPlacement]:
+    """The fused expert parameters of which this rank holds only its placement's rows."""
+    if placement is None or not placement.sharded:
         return {}
     shares = {}
     for name, total in fused_expert_params(model).items():
-        if total % ep_size:
-            raise WeightsError(f"{total} experts cannot be split over expert_parallel_size={ep_size}")
-        count = total // ep_size
-        shares[name] = ExpertShare(ep_rank * count, count, total)
+        if total != placement.num_experts:
+            raise WeightsError(f"{name} has {total} experts, the model config {placement.num_experts}")
+        shares[name] = placement
     return shares
 
 
-def allocated_shapes(model, shares: dict[str, ExpertShare]) -> dict[str, tuple[int, ...]]:
+def allocated_shapes(model, shares: dict[str, ExpertPlacement]) -> dict[str, tuple[int, ...]]:
     return {name: ((shares[name].count, *p.shape[1:]) if name in shares else tuple(p.shape))
             for name, p in model.named_parameters()}
 
 
-def plan_for(ckpt: Checkpoint, model, ep_rank: int = 0, ep_size: int = 1) -> Plan:
-    shares = expert_shares(model, ep_rank, ep_size)
+def plan_for(ckpt: Checkpoint, model, placement: ExpertPlacement | None = None) -> Plan:
+    shares = expert_shares(model, placement)
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     aliases = {name: next(n for n, p in params.items() if p is t)
                for name, t in model.named_parameters(remove_duplicate=False) if name not in params}
@@ -171,27 +169,38 @@ def _allocate(model, shapes_of: dict[str, tuple], device) -> dict:
     return targets
 
 
-def stream_model(uri: str, device, dtype, ep_rank: int = 0, ep_size: int = 1, cache_dir: str | None = None,
-                 **fetch_options) -> StreamedModel:
-    """This rank's model from the checkpoint at `uri`: non-expert tensors in full, experts of its EP share."""
+def stream_model(uri: str, device, dtype, placement: ExpertPlacement | None = None, cache_dir: str | None = None,
+                 cache_max_bytes: int | None = None, **fetch_options) -> StreamedModel:
+    """This rank's model from the checkpoint at `uri`: non-expert tensors in full, experts of its placement.
+    `cache_dir`: the node's weights cache (None or "": none), bounded by `cache_max_bytes` (None: by free disk)."""
     started = time.perf_counter()
-    cache_dir = default_cache_dir() if cache_dir is None else cache_dir
-    cache = RangeCache(cache_dir, default_max_bytes()) if cache_dir else None
+    cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir else None
     ckpt = open_checkpoint(uri, cache)
     model = empty_model(ckpt.config, dtype)
-    plan = plan_for(ckpt, model, ep_rank, ep_size)
-    shares = expert_shares(model, ep_rank, ep_size)
-    targets = _allocate(model, allocated_shapes(model, shares), device)
+    plan = plan_for(ckpt, model, placement)
+    targets = _allocate(model, allocated_shapes(model, expert_shares(model, placement)), device)
     stats = RangeFetcher(ckpt.fs, ckpt.sources, cache, **fetch_options).load(plan.pieces, targets)
     stats.bytes_not_cached = cache.skipped_bytes if cache else 0
     model.to(device)  # the buffers; parameters are there already
-    _mark_local_experts(model, shares)
     model.eval()  # as from_pretrained returns it
     return StreamedModel(model, plan, stats, ckpt.manifest is not None, time.perf_counter() - started)
 
 
-def _mark_local_experts(model, shares: dict[str, ExpertShare]) -> None:
-    """Tells the expert-parallel swap that these modules already hold only this rank's experts."""
-    for name, share in shares.items():
-        module = model.get_submodule(name.rsplit(".", 1)[0])
-        module.loaded_experts = slice(share.first, share.first + share.count)
+def load_summary(streamed: StreamedModel, ep_size: int) -> tuple[str, dict]:
+    """The job event of a streamed load: time, bytes and throughput, and whether the bytes were verified."""
+    s = streamed.stats
+    read = s.bytes_from_storage + s.bytes_from_cache
+    data = {"load_seconds": round(streamed.seconds, 3), "bytes_needed": s.bytes_needed,
+            "bytes_from_storage": s.bytes_from_storage, "bytes_from_cache": s.bytes_from_cache,
+            "throughput_mib_s": round(read / 2**20 / max(streamed.seconds, 1e-9), 1), "requests": s.requests,
+            "retries": s.retries, "bytes_not_cached": s.bytes_not_cached,
+            "integrity": "verified" if streamed.verified else "unverified",
+            "expert_parallel_size": ep_size}
+    message = (f"Weights streamed: {read / 2**20:.1f} MiB in {streamed.seconds:.2f}s "
+               f"({data['throughput_mib_s']} MiB/s; {s.bytes_from_cache / 2**20:.1f} MiB from the local cache)")
+    if s.bytes_not_cached:
+        message += (f"; {s.bytes_not_cached / 2**20:.1f} MiB not cached: the local weights cache is full "
+                    f"({ENV_WEIGHTS_CACHE_MAX_GB} or its disk's free-space floor)")
+    if not streamed.verified:
+        message += "; integrity unverified: the checkpoint has no moetune-manifest.json (push it with `moetune models push`)"
+    return message, data

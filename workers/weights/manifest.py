@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from moetune.workers.weights.errors import WeightsError
+
 MANIFEST_FILE = "moetune-manifest.json"
 FORMAT = "moetune-manifest/1"
 
@@ -34,8 +36,6 @@ def manifest(files: dict[str, dict], tensors: dict[str, dict]) -> bytes:
 
 
 def parse(raw: bytes, where: str) -> dict:
-    from moetune.workers.weights.errors import WeightsError
-
     try:
         data = json.loads(raw)
     except ValueError as e:

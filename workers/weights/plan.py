@@ -12,15 +12,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from moetune.workers.weights.errors import WeightsError, tensor_list
+from moetune.workers.parallel.placement import ExpertPlacement
 from moetune.workers.weights.header import TensorInfo
 from moetune.workers.weights.mapping import NameMapper
-
-
-@dataclass(frozen=True)
-class ExpertShare:
-    first: int  # global index of this rank's first expert
-    count: int  # experts this rank holds
-    total: int  # experts in the model
 
 
 @dataclass(frozen=True)
@@ -61,7 +55,7 @@ class Plan:
 
 
 def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shapes: dict[str, tuple[int, ...]],
-              required: set[str], experts: dict[str, ExpertShare], aliases: dict[str, str],
+              required: set[str], experts: dict[str, ExpertPlacement], aliases: dict[str, str],
               digests: dict | None) -> Plan:
     """`shapes`: the allocated shape of every parameter/buffer that may be filled (expert parameters hold only
     this rank's share, `experts` says which); `required`: those the checkpoint must cover (the parameters);
@@ -82,7 +76,7 @@ def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shap
                 elif share.first <= target.expert < share.first + share.count:
                     raw.append((shard, info, param, target, target.expert - share.first, digest.get("sha256"),
                                 info.shape))
-            elif share is not None and share.count < share.total and info.shape[:1] == (share.total,):
+            elif share is not None and share.count < share.num_experts and info.shape[:1] == (share.num_experts,):
                 raw.extend(_expert_slices(shard, info, param, target, share, digest))
             else:
                 raw.append((shard, info, param, target, None, digest.get("sha256"), info.shape))
@@ -91,10 +85,10 @@ def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shap
     return Plan(pieces, unexpected)
 
 
-def _expert_slices(shard, info: TensorInfo, param, target, share: ExpertShare, digest):
+def _expert_slices(shard, info: TensorInfo, param, target, share: ExpertPlacement, digest):
     """This rank's rows of a fused [E, ...] checkpoint tensor: one contiguous range per local expert."""
-    row = info.nbytes // share.total
-    slice_digests = digest.get("expert_sha256") or [None] * share.total
+    row = info.nbytes // share.num_experts
+    slice_digests = digest.get("expert_sha256") or [None] * share.num_experts
     for local in range(share.count):
         e = share.first + local
         part = TensorInfo(f"{info.name}[expert {e}]", info.dtype, info.shape[1:], info.start + e * row,

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable
 
 from moetune.api import storage
+from moetune.workers.parallel.placement import placement_at
 from moetune.workers.weights import manifest as manifest_file
 from moetune.workers.weights.header import TensorInfo, read_header
 from moetune.workers.weights.loader import (
@@ -146,7 +147,7 @@ def inspect(uri: str, ep: int = 1, progress=None) -> dict:
     experts = fused_expert_params(model)
     expert_params = sum(params[name].numel() for name in experts)
     total_bytes = sum(info.nbytes for shard in ckpt.tensors.values() for info in shard.values())
-    ranks = [plan_for(ckpt, model, rank, ep).nbytes for rank in range(ep)]
+    ranks = [plan_for(ckpt, model, placement_at(ckpt.config, ep, rank)).nbytes for rank in range(ep)]
     return {"uri": uri, "model_type": ckpt.config.get("model_type"), "parameters": sum(p.numel() for p in params.values()),
             "expert_parameters": expert_params, "moe_layers": len({n.rsplit(".", 1)[0] for n in experts}),
             "experts_per_layer": max(experts.values(), default=0),

@@ -1,8 +1,11 @@
 """GLM-5-Next, text path: KDA + DSA sparse MLA, sigmoid router with bias correction, a shared expert, SwiGLU
-with clamping (`swiglu_limit`). The checkpoint is multimodal; the vision tower stays frozen and without LoRA."""
+with clamping (`swiglu_limit`). The checkpoint is multimodal; the vision tower stays frozen and without LoRA. Its indexed attention runs on
+kernels/sparse_attention (sparse_attention.py) with a query-chunked indexer (indexer.py)."""
 
 from moetune.api.families import FAMILIES
-from moetune.workers.families import Family
+from moetune.workers.families.glm5_next.sparse_attention import apply_sparse_attention_kernels
+from moetune.workers.families.kda import kda_swap
+from moetune.workers.families.spec import Family
 
 
 def tiny_config(**overrides):
@@ -20,4 +23,6 @@ def tiny_config(**overrides):
 
 
 FAMILY = Family(FAMILIES["glm5_next"], moe_block="Glm5NextTextMoE", shared_experts="shared_experts",
-                tiny_config=tiny_config, auto_class="AutoModelForImageTextToText", lora_scope=".language_model.")
+                tiny_config=tiny_config, auto_class="AutoModelForImageTextToText", lora_scope=".language_model.",
+                swaps=(kda_swap("Glm5NextTextLinearAttention"), apply_sparse_attention_kernels),
+                model_type_aliases=("glm5_next_text",))

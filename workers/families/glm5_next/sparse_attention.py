@@ -9,16 +9,19 @@ to `moetune_sparse`, which attends over the selected keys only.
 
 from __future__ import annotations
 
+import torch
+from transformers import AttentionInterface
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
+
+from moetune.kernels.sparse_attention import sparse_attention
+from moetune.workers.families.glm5_next.indexer import ChunkedGlm5NextIndexer
+
 ATTN_IMPLEMENTATION = "moetune_sparse"
 
 
 def _sparse_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **_):
     """transformers attention-interface signature: query/key/value [B, H, T|S, D]; `attention_mask` carries the
     int top-k indices [B, T, K] (-1 = none) from the patched mask builder. Returns ([B, T, H, Dv], None)."""
-    import torch
-
-    from moetune.kernels.sparse_attention import sparse_attention
-
     if attention_mask is None or attention_mask.is_floating_point() or attention_mask.dtype == torch.bool:
         raise TypeError(f"{ATTN_IMPLEMENTATION} attention needs top-k indices; only swapped indexed-attention "
                         "modules can use it")
@@ -34,8 +37,6 @@ def _indices_as_mask(topk_indices, query_states, kv_length):
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-
     AttentionInterface.register(ATTN_IMPLEMENTATION, _sparse_attention_forward)
 
 
@@ -46,10 +47,6 @@ def apply_sparse_attention_kernels(model, backend: str | None = None) -> int:
 
     The text config's attention implementation becomes `moetune_sparse` (the vision tower has its own config); a
     model passed in part would leave unswapped layers on that config, which then fail with a clear TypeError."""
-    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
-
-    from moetune.workers.families.glm5_next.indexer import ChunkedGlm5NextIndexer
-
     modules = [m for m in model.modules() if isinstance(m, Glm5NextTextAttention)
                and m.__dict__.get("build_attention_mask_from_topk") is not _indices_as_mask]  # idempotent
     if not modules:

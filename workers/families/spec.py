@@ -1,0 +1,43 @@
+"""What moetune knows about one model family, beyond its torch-free facts (api.families): where its MoE blocks and
+experts are, how its model is built, which kernel swaps apply. Each family module defines one `FAMILY`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from moetune.api.families import FamilyFacts
+
+
+@dataclass(frozen=True)
+class Family:
+    """Every supported family stores its routed experts as one transformers `*Experts` module with fused 3D
+    `gate_up_proj` (experts, 2·moe_intermediate, hidden) and `down_proj` (experts, hidden, moe_intermediate),
+    called as `experts(hidden, top_k_index, top_k_weights)`; expert parallelism replaces exactly that module, so
+    the family's own router (top-k, scoring, bias correction, scaling) runs unchanged."""
+
+    facts: FamilyFacts
+    moe_block: str  # class name of the family's MoE block (router + routed experts [+ shared experts])
+    shared_experts: str | None  # attribute of the block holding the shared experts, if any
+    tiny_config: Callable[..., object]  # a tiny random config of this family (tests, benchmarks)
+    router: str = "gate"
+    experts: str = "experts"
+    auto_class: str = "AutoModelForCausalLM"  # the transformers auto class that builds the trainable model
+    lora_scope: str | None = None  # only linears whose name contains this get LoRA (text path of a multimodal model)
+    # Kernel swaps in the order they are applied; each changes the given model's modules and returns how many.
+    swaps: tuple[Callable[[object], int], ...] = ()
+    model_type_aliases: tuple[str, ...] = ()  # config model_types of the family's sub-models (e.g. its text model)
+
+    @property
+    def model_type(self) -> str:
+        return self.facts.model_type
+
+    def moe_blocks(self, model) -> Iterator[tuple[str, object]]:
+        for name, module in model.named_modules():
+            if type(module).__name__ == self.moe_block:
+                yield name, module
+
+    def apply_kernel_swaps(self, model) -> dict[str, int]:
+        """{swap name: modules changed}. A swap changes only the module instances it is given: other models in
+        the same process keep the stock code path, which is also how "kernels off" is expressed (do not call it)."""
+        return {swap.__name__: swap(model) for swap in self.swaps}

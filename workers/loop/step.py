@@ -1,0 +1,189 @@
+"""One optimizer step: this rank's micro-batches through the engine, then the optimizer; and, for
+`micro_batch_size: "auto"`, the tuner's decisions between steps (the rules are in workers.loop.tuner).
+
+The step takes its dependencies explicitly: the DeepSpeed engine, the training method (examples -> batch -> loss),
+the collectives, an event callback, the fault hook (tests) and a callback for OOMs it cannot recover from. A batch's
+`inputs` flow unchanged into `engine(**inputs)`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moetune.api.models import TrainingSpec
+from moetune.workers.data.sampling import step_examples, step_rng_seed
+from moetune.workers.engine.deepspeed import set_micro_batch_size
+from moetune.workers.loop.collectives import Collectives
+from moetune.workers.loop.faults import NO_FAULTS, FaultHook
+from moetune.workers.loop.tuner import GPU_DEFAULT_BUDGET, MemoryProbe, MicroBatchTuner
+
+log = logging.getLogger("moetune.step")
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where this rank sits in the data-parallel world, and the job's seed (data order, dropout masks)."""
+
+    rank: int
+    world: int
+    seed: int
+    device: object
+
+
+class StepRunner:
+    """Runs every optimizer step of a worker; `micro_batch_size` / `grad_accum_steps` are the sizes in use."""
+
+    def __init__(self, engine, method, training: TrainingSpec, place: RankPlace, collectives: Collectives,
+                 event: Callable[..., object], faults: FaultHook = NO_FAULTS,
+                 on_uncaught_oom: Callable[[int, int], None] | None = None):
+        """`on_uncaught_oom(step, micro_batch_size)`: called before an OOM the tuner cannot recover from (in a
+        backward) takes the rank down, so that later worker groups avoid that size."""
+        self.engine, self.method, self.t, self.place = engine, method, training, place
+        self.collectives, self.event, self.faults, self.on_uncaught_oom = collectives, event, faults, on_uncaught_oom
+        self.per_rank = training.global_batch_size // place.world
+        self.tuner = None
+        if training.micro_batch_size == "auto":
+            self.tuner = MicroBatchTuner(self.per_rank, training.seq_len, self._budget_bytes())
+            self.probe = MemoryProbe(engine.module, place.device)
+            self._switch(self.tuner.size)
+        else:
+            self.micro_batch_size = training.micro_batch_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return -(-self.per_rank // self.micro_batch_size)
+
+    def _budget_bytes(self) -> float | None:
+        if self.t.memory_budget_mb is not None:
+            return self.t.memory_budget_mb * 1e6
+        if self.place.device.type == "cuda":
+            return GPU_DEFAULT_BUDGET * torch.cuda.get_device_properties(self.place.device).total_memory
+        return None
+
+    def describe(self) -> str:
+        if not self.tuner:
+            return f"micro-batch size {self.micro_batch_size}"
+        budget = "no memory limit" if self.tuner.budget is None else f"budget {self.tuner.budget / 1e6:,.1f} MB"
+        return f"micro-batch size auto (starts at {self.micro_batch_size}, {budget})"
+
+    def _forward(self, batch, step: int, last: bool):
+        """Token-summed loss, or None after an OOM (the partial graph is dropped with the exception)."""
+        try:
+            self.faults.before_forward(step, last)
+            return self.method.loss_sum(self.engine(**batch.inputs), batch)
+        except torch.OutOfMemoryError:
+            if not self.tuner:
+                raise
+        if self.place.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the retry unfragmented memory
+        return None
+
+    def _backward(self, loss, step: int) -> None:
+        try:
+            self.faults.before_backward(step, self.micro_batch_size)
+            self.engine.backward(loss, scale_wrt_gas=False)
+        except torch.OutOfMemoryError:
+            if self.tuner and self.on_uncaught_oom:  # the peers are in a collective already: this rank fails,
+                try:                                   # but leaves word first
+                    self.on_uncaught_oom(step, self.micro_batch_size)
+                except Exception:  # best effort: the OOM is what the job must report
+                    log.warning("could not record the OOM at micro-batch size %d", self.micro_batch_size,
+                                exc_info=True)
+            raise
+
+    def run(self, step: int, train_set: list) -> tuple[float, float, float]:
+        """Every micro-batch of optimizer step `step` (1-based) over `train_set`, then the optimizer step.
+
+        Returns (summed loss, loss tokens, tokens), each summed over all ranks. Each micro-batch's loss is divided
+        by the loss tokens of the whole global batch, so neither the loss nor the gradient depends on the cut.
+        """
+        p, t = self.place, self.t
+        torch.manual_seed(step_rng_seed(p.seed, step, p.rank))
+        indices = step_examples(len(train_set), step - 1, t.global_batch_size, p.rank, p.world, p.seed)
+        examples = [train_set[i] for i in indices]
+        (loss_tokens,) = self.collectives.all_sum(sum(e.loss_tokens for e in examples))
+        scale = p.world / loss_tokens  # DeepSpeed averages gradients over ranks: this makes it a global token mean
+        loss_sum = tokens = fixed = per_token = 0.0
+        done = 0
+        while done < len(examples):
+            chunk = examples[done : done + self.micro_batch_size]
+            last = done + len(chunk) == len(examples)
+            batch = self.method.collate(chunk).to(p.device)
+            if self.tuner:
+                self.probe.begin()
+            loss = self._forward(batch, step, last)
+            if self.tuner and self.collectives.all_max(float(loss is None))[0]:
+                self.probe.end()
+                del loss  # ranks that did not fail drop their graph too
+                self._back_off(step)
+                continue
+            self.engine.set_gradient_accumulation_boundary(last)
+            self._backward(loss * scale, step)
+            self.engine.step()  # the optimizer steps only at the boundary
+            if self.tuner:
+                self.probe.end()
+                fixed = max(fixed, self.probe.fixed)
+                per_token = max(per_token, self.probe.activation / batch.labels.numel())
+            loss_sum += loss.item()
+            tokens += batch.tokens
+            done += len(chunk)
+        if self.tuner:
+            self._tune(step, *self.collectives.all_max(fixed, per_token))
+        loss_sum, tokens = self.collectives.all_sum(loss_sum, tokens)
+        return loss_sum, loss_tokens, tokens
+
+    def state(self) -> dict | None:
+        """What a checkpoint keeps ("auto" only): resuming must not climb from 1 again, nor forget an OOM."""
+        return self.tuner.state() if self.tuner else None
+
+    def restore(self, size: int, ceiling: int, failed: int) -> None:
+        """The checkpoint's tuner state (`size` 0: none), then no size from `failed` on (0: no recorded OOM)."""
+        restored = self.tuner.restore(size, ceiling) if size else False
+        if failed:
+            self.tuner.exclude_from(failed)
+        if not (restored or failed):
+            return
+        self._switch(self.tuner.size)
+        why = ["restored from the checkpoint" if restored else "starting afresh"]
+        if failed:
+            why.append(f"a worker ran out of memory at micro-batch size {failed} in a backward or collective "
+                       f"earlier, so sizes from {failed} on are not used")
+        self.event(f"Micro-batch size {self.micro_batch_size} {'; '.join(why)} (gradient accumulation "
+                   f"{self.grad_accum_steps}; the largest size allowed is {self.tuner.ceiling})",
+                   data={"micro_batch_size": self.micro_batch_size, "ceiling": self.tuner.ceiling,
+                         "failed_micro_batch_size": failed or None})
+
+    def _switch(self, size: int) -> None:
+        self.micro_batch_size = size
+        set_micro_batch_size(self.engine, size, self.t.global_batch_size)
+
+    def _back_off(self, step: int) -> None:
+        failed = self.micro_batch_size
+        self.tuner.back_off()
+        self._switch(self.tuner.size)
+        self.event(
+            f"Out of memory at micro-batch size {failed} on a worker in step {step}: all workers back off to "
+            f"{self.micro_batch_size} (gradient accumulation {self.grad_accum_steps}) and redo the step's rest",
+            level="warn", data=self._decision(step, "oom", failed))
+
+    def _tune(self, step: int, fixed: float, per_token: float) -> None:
+        old = self.micro_batch_size
+        reason = self.tuner.after_step(fixed, per_token)
+        if reason is None:
+            return
+        self._switch(self.tuner.size)
+        predicted = self.tuner.predicted(self.micro_batch_size, fixed, per_token)
+        self.event(
+            f"Micro-batch size {old} -> {self.micro_batch_size} from step {step + 1} (gradient accumulation "
+            f"{self.grad_accum_steps}): predicted peak {predicted / 1e6:,.2f} MB", data={
+                **self._decision(step + 1, reason, old), "measured_fixed_bytes": fixed,
+                "measured_bytes_per_token": per_token, "predicted_bytes": predicted})
+
+    def _decision(self, step: int, reason: str, old: int) -> dict:
+        return {"step": step, "reason": reason, "previous_micro_batch_size": old,
+                "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
+                "budget_bytes": self.tuner.budget}

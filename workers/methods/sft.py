@@ -1,0 +1,137 @@
+"""Supervised fine-tuning (OpenAI's `supervised` method): rows -> examples -> batches -> loss.
+
+A `{"text": ...}` row trains on every token (plus eos); a `{"messages": [...]}` row is rendered with the tokenizer's
+chat template and trains on the assistant turns only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetune.api.errors import ErrorCode
+from moetune.workers.errors import JobError
+from moetune.workers.methods.batch import IGNORE, Batch
+
+# Used only when the checkpoint's tokenizer has no chat template of its own.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE where no loss is taken; the model shifts labels itself
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(label != IGNORE for label in self.labels)
+
+    @property
+    def loss_tokens(self) -> int:
+        """Positions that carry loss once labels are shifted by one, as a causal LM scores them."""
+        return sum(label != IGNORE for label in self.labels[1:])
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+        chat_template=None if tokenizer.chat_template else FALLBACK_CHAT_TEMPLATE,
+    )
+
+
+def _assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of assistant replies.
+
+    A reply's span starts after its generation prompt (the assistant header) and ends where the
+    rendering of the conversation up to that reply ends; this holds for any template whose
+    renderings of growing prefixes are prefixes of each other.
+    """
+    full = _render(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        end_text = _render(tokenizer, messages[: i + 1])
+        if not full.startswith(end_text):
+            raise JobError(
+                ErrorCode.unsupported_chat_template,
+                "the model's chat template renders a conversation differently from its prefixes; "
+                "assistant turns cannot be located for loss masking",
+                "model",
+            )
+        start_text = _render(tokenizer, messages[:i], generation_prompt=True)
+        if not end_text.startswith(start_text):  # a template whose generation prompt differs from its header
+            start_text = _render(tokenizer, messages[:i])
+        spans.append((len(start_text), len(end_text)))
+    return full, spans
+
+
+def tokenize_row(tokenizer, row: dict, seq_len: int) -> Example:
+    if "text" in row:
+        ids = tokenizer(row["text"])["input_ids"] + [tokenizer.eos_token_id]
+        ids = ids[:seq_len]
+        return Example(ids, list(ids))
+    text, spans = _assistant_spans(tokenizer, row["messages"])
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"][:seq_len]
+    labels = [
+        token if any(lo <= start < hi for lo, hi in spans) else IGNORE
+        for token, (start, _) in zip(ids, encoded["offset_mapping"])
+    ]
+    return Example(ids, labels)
+
+
+def tokenize_rows(tokenizer, rows: list[dict], seq_len: int) -> tuple[list[Example], int]:
+    """Tokenized examples that carry loss, and how many rows were dropped for carrying none."""
+    examples = [tokenize_row(tokenizer, row, seq_len) for row in rows]
+    kept = [e for e in examples if e.trained_tokens]
+    return kept, len(examples) - len(kept)
+
+
+def collate(examples: list[Example], pad_id: int) -> Batch:
+    """Right-padded input_ids, attention_mask and labels (IGNORE on padding)."""
+    import torch
+
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        attention_mask[i, :n] = 1
+    return Batch({"input_ids": input_ids, "attention_mask": attention_mask}, labels,
+                 sum(len(e.input_ids) for e in examples))
+
+
+def token_loss_sum(logits, labels):
+    """Cross-entropy summed over the positions that carry loss (labels shifted by one)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+class SupervisedMethod:
+    """The step's view of SFT: examples from rows, micro-batches from examples, the loss of a forward."""
+
+    name = "supervised"
+
+    def __init__(self, tokenizer, seq_len: int):
+        self.tokenizer, self.seq_len = tokenizer, seq_len
+
+    def examples(self, rows: list[dict]) -> tuple[list[Example], int]:
+        """Examples that carry loss, and how many rows were dropped for carrying none within seq_len."""
+        return tokenize_rows(self.tokenizer, rows, self.seq_len)
+
+    def collate(self, examples: list[Example]) -> Batch:
+        return collate(examples, self.tokenizer.pad_token_id)
+
+    def loss_sum(self, outputs, batch: Batch):
+        """The micro-batch's loss summed over its loss tokens (the step divides by the global batch's count)."""
+        return token_loss_sum(outputs.logits, batch.labels)
