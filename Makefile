@@ -8,10 +8,13 @@ STAMP := $(VENV)/.moetune-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# DeepSpeed JIT-compiles one C++ op (shm_comm) in init_distributed: build it now, into this virtualenv
+	# (workers look for it there: moetune.workers.settings), so no job waits ~40 s for a compiler.
+	$(BIN)/python -m moetune.workers.engine.prebuild
 	touch $@
 
 demo: $(STAMP)

@@ -3,17 +3,14 @@ loopback receiver of worker reports."""
 
 from __future__ import annotations
 
-import json
 import os
-import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import pytest
 
-from moetune.api.models import ReportAck, WorkerReport
 from moetune.service.embedded import local_ray_head, local_s3_server, s3_env
+from tests.support.receiver import ReportReceiver
 
 
 @pytest.fixture(scope="session")
@@ -46,50 +43,9 @@ def ray_head(s3_endpoint):
         yield head
 
 
-class ReportReceiver:
-    """Records WorkerReports posted to it; answers 503 to the first `fail_first` posts, and every other post
-    with a ReportAck whose control is `control_for(report)` (None unless a test replaces it)."""
-
-    def __init__(self):
-        self.reports: list[WorkerReport] = []
-        self.requests: list[tuple[str, str | None]] = []  # (path, Authorization header)
-        self.fail_first = 0
-        self.control_for = lambda report: None
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                receiver.requests.append((self.path, self.headers.get("Authorization")))
-                answer = b""
-                if receiver.fail_first > 0:
-                    receiver.fail_first -= 1
-                    self.send_response(503)
-                else:
-                    report = WorkerReport.model_validate(json.loads(body))
-                    receiver.reports.append(report)
-                    answer = ReportAck(control=receiver.control_for(report)).model_dump_json().encode()
-                    self.send_response(200)
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def of_kind(self, kind: str) -> list:
-        return [r.report for r in self.reports if r.report.kind == kind]
-
-    def metrics(self) -> list[dict]:
-        return [e.data for e in self.of_kind("event") if e.type == "metrics"]
-
-
 @pytest.fixture
 def receiver():
+    """A ReportReceiver on loopback for this test (tests.support.receiver)."""
     r = ReportReceiver()
     yield r
     r.server.shutdown()

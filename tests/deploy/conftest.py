@@ -10,7 +10,8 @@ import helm_python as helm
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 CHART_DIR = REPO / "helm" / "moetune"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 RELEASE, NAMESPACE = "mt", "ml-platform"

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from tests.metrics.conftest import PROMETHEUS_DIR, binary
+from tests.support.prometheus import PROMETHEUS_DIR, binary
 
 
 @pytest.mark.parametrize("args", [["check", "config", "prometheus.yml"], ["check", "rules", "alerts.yml"],

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import boto3
 import pytest
 
 from moetune.api.client import Client
-from moetune.service.embedded import free_port, s3_env, stop_process, wait_http
-
-TENANT_TOKENS = {"tenant-a": "tok-a", "tenant-b": "tok-b"}
-ASSETS_BUCKET = "e2e-assets"
+from moetune.service.embedded import free_port, stop_process
+from tests.support.control_plane import ASSETS_BUCKET, TOKENS, control_plane_env, spawn_control_plane
 
 
 @pytest.fixture(scope="session")
@@ -41,29 +34,6 @@ def tiny_assets(s3_endpoint, tmp_path_factory):
     }
 
 
-def control_plane_env(s3_endpoint: str, ray_head, work: Path, port: int) -> dict[str, str]:
-    return {
-        **os.environ,
-        **s3_env(s3_endpoint),
-        "MOETUNE_DATABASE_URL": f"sqlite:///{work / 'moetune.db'}",
-        "MOETUNE_API_TOKENS": ",".join(f"{tok}:{tenant}" for tenant, tok in TENANT_TOKENS.items()),
-        "MOETUNE_RAY_ADDRESS": ray_head.dashboard_url,
-        "MOETUNE_CALLBACK_URL": f"http://127.0.0.1:{port}",
-        "MOETUNE_DEFAULT_OUTPUT_URI": f"s3://{ASSETS_BUCKET}/outputs",
-        "MOETUNE_SCHEDULER_INTERVAL_S": "0.5",
-    }
-
-
-def spawn_control_plane(env: dict[str, str], port: int, log_path: Path) -> subprocess.Popen:
-    """A `moetune server` process (own process group), ready to serve; its output is appended to `log_path`."""
-    moetune = Path(sys.executable).with_name("moetune")
-    with open(log_path, "a") as log:
-        proc = subprocess.Popen([str(moetune), "server", "--port", str(port)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    wait_http(f"http://127.0.0.1:{port}/readyz", 60, proc, str(log_path))
-    return proc
-
-
 @pytest.fixture(scope="session")
 def control_plane(s3_endpoint, ray_head, tmp_path_factory):
     """Base URL of a `moetune server` process; its output goes to a log file shown on failure."""
@@ -78,4 +48,4 @@ def control_plane(s3_endpoint, ray_head, tmp_path_factory):
 
 @pytest.fixture
 def client_a(control_plane):
-    return Client(control_plane, TENANT_TOKENS["tenant-a"])
+    return Client(control_plane, TOKENS["tenant-a"])

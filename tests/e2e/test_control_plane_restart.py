@@ -20,9 +20,9 @@ from ray.job_submission import JobSubmissionClient
 
 from moetune.api.client import Client
 from moetune.service.embedded import free_port, stop_process
-from tests.e2e.conftest import TENANT_TOKENS, control_plane_env, spawn_control_plane
+from tests.support.control_plane import TOKENS, control_plane_env, spawn_control_plane
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.ray_job
 DRIVER = Path(__file__).with_name("restart_driver.py")
 
 
@@ -45,7 +45,7 @@ def test_sigkill_restart_loses_and_duplicates_nothing(s3_endpoint, ray_head, s3_
            "MOETUNE_DEFAULT_OUTPUT_URI": f"s3://{s3_bucket}/outputs", "MOETUNE_MAX_RUNNING_JOBS": "3",
            "MOETUNE_DRIVER_ENTRYPOINT": f"{sys.executable} {DRIVER}", "MOETUNE_SCHEDULER_INTERVAL_S": "0.3"}
     log = tmp_path / "server.log"
-    client = Client(f"http://127.0.0.1:{port}", TENANT_TOKENS["tenant-a"])
+    client = Client(f"http://127.0.0.1:{port}", TOKENS["tenant-a"])
     spec = {"model": f"s3://{s3_bucket}/model", "training_file": f"s3://{s3_bucket}/train.jsonl"}
 
     def go(job_id: str) -> None:
@@ -96,7 +96,7 @@ def test_sigkill_restart_loses_and_duplicates_nothing(s3_endpoint, ray_head, s3_
 
         # The secret reached the drivers (they wrote to S3 with it) but no answer, event or log shows it.
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}",
-                            headers={"Authorization": f"Bearer {TENANT_TOKENS['tenant-a']}"})
+                            headers={"Authorization": f"Bearer {TOKENS['tenant-a']}"})
         seen = [http.get("/v1/fine_tuning/jobs", params={"limit": 100}).text, http.get("/metrics").text]
         seen += [http.get(f"/v1/fine_tuning/jobs/{j}/events", params={"limit": 100}).text for j in every]
         seen += [ray.get_job_logs(f"moetune-{j}-1") for j in every]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.ray_job
 
 
 def test_demo_command_succeeds_and_learns(tmp_path):

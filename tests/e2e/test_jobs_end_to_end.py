@@ -18,7 +18,7 @@ from ray.job_submission import JobSubmissionClient
 
 from moetune.api.models import JobCreate, JobStatus
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.ray_job
 
 
 def _spec(assets, **training) -> JobCreate:

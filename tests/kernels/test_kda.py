@@ -8,7 +8,7 @@ import torch
 
 from moetune.kernels.kda import chunk_kda, chunk_kda_torch, l2norm, naive_recurrent_kda
 from moetune.kernels.kda.chunked import _DecayedProducts
-from tests.kernels.kda_cases import (
+from tests.support.kda_cases import (
     BF16_TOL,
     FP32_TOL,
     NAMES,

@@ -1,5 +1,5 @@
 """The Triton KDA kernels without a GPU: run through TRITON_INTERPRET against the oracle (forward and every
-gradient; in a child process, see triton_child), and compiled for sm_90 to catch shape, dtype and resource
+gradient; in a child process, see tests.support.triton_child), and compiled for sm_90 to catch shape, dtype and resource
 errors that the interpreter lets through."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moetune.kernels.kda import naive_recurrent_kda, triton_kda
-from tests.kernels.kda_cases import BF16_TOL, FP32_TOL, NAMES, as_fp32, make_inputs, rmse_ratio, run_with_grads
-from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
+from tests.support.kda_cases import BF16_TOL, FP32_TOL, NAMES, as_fp32, make_inputs, rmse_ratio, run_with_grads
+from tests.support.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
 
 GRADIENTS = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 

@@ -10,7 +10,7 @@ import torch
 from moetune.kernels.moe import moe_lora_grouped, moe_lora_mlp
 from moetune.kernels.moe.reference import moe_lora_reference
 from moetune.kernels.testing import compile_in_subprocess, rmse_ratio
-from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
+from tests.support.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
 
 
 def _inputs(dtype, d_in=40, d_out=72, rank=4, counts=(5, 0, 70, 3, 0), seed=0):

@@ -13,7 +13,7 @@ from moetune.kernels.sparse_attention.reference import (
     topk_mask,
 )
 from moetune.kernels.testing import compile_in_subprocess, rmse_ratio
-from tests.kernels.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
+from tests.support.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
 
 
 def _inputs(batch=2, q_len=37, heads=4, kv_heads=2, dk=24, dv=20, topk=16, dtype=torch.float32, seed=0):

@@ -1,95 +1,22 @@
-"""A real control plane on a loopback port (uvicorn in a background thread) and helpers to drive its jobs."""
+"""A real control plane on a loopback port (uvicorn in a background thread; tests.support.control_plane) per test
+module or per test, and a real PostgreSQL server."""
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack
 
 import boto3
-import httpx
 import pytest
-from fastapi import FastAPI
 
-from moetune.api.client import Client
-from moetune.api.models import CHECKPOINT_MANIFEST, CHECKPOINTS_DIR, REPORT_PATH, JobStatus
-from moetune.service.app import create_app
-from moetune.service.auth import hash_token, new_job_token
-from moetune.service.embedded import control_plane_in_thread, free_port
-from moetune.service.settings import Settings
-from moetune.service.store import Store
-
-TOKENS = {"tenant-a": "tok-a", "tenant-b": "tok-b"}
-API_TOKENS = ",".join(f"{token}:{tenant}" for tenant, token in TOKENS.items())
-OUTPUT_BUCKET = "outputs"
-SPEC = {"model": "s3://models/tiny", "training_file": "s3://data/train.jsonl"}
-
-
-@dataclass
-class RunningService:
-    url: str
-    app: FastAPI
-
-    @property
-    def store(self) -> Store:
-        return self.app.state.store
-
-    def http(self, tenant: str | None = "tenant-a") -> httpx.Client:
-        headers = {"Authorization": f"Bearer {TOKENS[tenant]}"} if tenant else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=10)
-
-    def sdk(self, tenant: str = "tenant-a") -> Client:
-        return Client(self.url, TOKENS[tenant], timeout=10)
-
-    def create_job(self, tenant: str = "tenant-a", **fields) -> dict:
-        response = self.http(tenant).post("/v1/fine_tuning/jobs", json={**SPEC, **fields})
-        assert response.status_code == 200, response.text
-        return response.json()
-
-    def start_job(self, job_id: str) -> str:
-        """What the scheduler does around a Ray submission, minus Ray; returns the job's worker token."""
-        token = new_job_token()
-        assert self.store.transition(job_id, [JobStatus.validating_files], JobStatus.queued, "Job queued")
-        assert self.store.update_job(job_id, job_token_hash=hash_token(token))
-        assert self.store.transition(job_id, [JobStatus.queued], JobStatus.running, "Job started",
-                                     ray_submission_id=f"moetune-{job_id}-1")
-        return token
-
-    def report(self, job_id: str, token: str, report: dict) -> httpx.Response:
-        return httpx.post(self.url + REPORT_PATH.format(job_id=job_id), json={"report": report},
-                          headers={"Authorization": f"Bearer {token}"}, timeout=10)
-
-    def checkpoint_uri(self, job_id: str, step: int) -> str:
-        return f"{self.store.get_job(job_id).output_uri}/{CHECKPOINTS_DIR}/step-{step}"
-
-    def report_checkpoint(self, job_id: str, token: str, step: int, retired_steps=(), **metrics) -> httpx.Response:
-        """What a worker does: the checkpoint's manifest goes to object storage, then the report."""
-        uri = self.checkpoint_uri(job_id, step)
-        bucket, _, key = uri.removeprefix("s3://").partition("/")
-        boto3.client("s3", endpoint_url=self.app.state.settings.s3_endpoint_url).put_object(
-            Bucket=bucket, Key=f"{key}/{CHECKPOINT_MANIFEST}", Body=json.dumps({"step": step, "files": []}))
-        return self.report(job_id, token, {"kind": "checkpoint", "step_number": step, "uri": uri,
-                                           "metrics": {"step": step, **metrics}, "retired_steps": list(retired_steps)})
-
-
-@contextmanager
-def run_service(settings: Settings) -> Iterator[RunningService]:
-    app = create_app(settings)
-    with control_plane_in_thread(app, free_port()) as url:
-        yield RunningService(url=url, app=app)
-
-
-def settings_for(tmp_dir, **overrides) -> Settings:
-    values = {"database_url": f"sqlite:///{tmp_dir}/moetune.db", "api_tokens": API_TOKENS,
-              "scheduler_enabled": False, "default_output_uri": f"s3://{OUTPUT_BUCKET}/runs", **overrides}
-    return Settings(**values)
+from moetune.service.embedded import free_port
+from tests.support.control_plane import OUTPUT_BUCKET, RunningService, run_service, settings_for
 
 
 @pytest.fixture(scope="module")

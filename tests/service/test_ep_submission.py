@@ -14,6 +14,7 @@ from moetune.api.models import JobCreate
 from moetune.workers.errors import JobError
 from moetune.workers.families import family
 from moetune.workers.model import check_supported
+from tests.support.control_plane import API_TOKENS, run_service
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -23,7 +24,6 @@ def control_plane(s3_endpoint, tmp_path_factory):
     """A real control plane that reads model configs from the session's S3 server; a bucket with the seed
     family's tiny config.json (8 routed experts) and one of a non-MoE model."""
     from moetune.service.settings import Settings
-    from tests.service.conftest import API_TOKENS, run_service
 
     bucket = f"t-{uuid.uuid4().hex[:12]}"
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)

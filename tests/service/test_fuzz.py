@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.service.conftest import TOKENS, run_service, settings_for
+from tests.support.control_plane import TOKENS, run_service, settings_for
 
 MIN_REQUESTS = 2000
 CHECKS = [schemathesis.checks.not_a_server_error, status_code_conformance, content_type_conformance,

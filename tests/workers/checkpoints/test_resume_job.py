@@ -16,10 +16,11 @@ import time
 
 import pytest
 
-from moetune.api.models import JobCreate, JobRunSpec
-from tests.workers.test_driver import _adapter_valid_loss, _run_in_process
 from moetune.api import storage
+from moetune.api.models import JobCreate, JobRunSpec
+from tests.support.jobs import adapter_valid_loss, run_in_process
 
+pytestmark = pytest.mark.ray_job
 STEPS, CHECKPOINT_EVERY, PAUSE_AT, KILL_AFTER = 10, 3, 2, 5
 
 
@@ -64,7 +65,7 @@ def test_pause_resume_and_worker_loss(assets, ray_head, receiver, tiny_checkpoin
 
     # 1. pause
     receiver.control_for = _asks_pause_at(PAUSE_AT)
-    assert _run_in_process(run, ray_head, receiver, monkeypatch)
+    assert run_in_process(run, ray_head, receiver, monkeypatch)
     (result,) = receiver.of_kind("result")
     assert result.status == "paused" and result.fine_tuned_model is None
     paused_run = receiver.metrics()
@@ -86,7 +87,7 @@ def test_pause_resume_and_worker_loss(assets, ray_head, receiver, tiny_checkpoin
     receiver.control_for = lambda report: None
     killed = []
     threading.Thread(target=_kill_a_worker_after, args=(receiver, KILL_AFTER, ray_head, killed), daemon=True).start()
-    assert _run_in_process(run, ray_head, receiver, monkeypatch)
+    assert run_in_process(run, ray_head, receiver, monkeypatch)
     (result,) = receiver.of_kind("result")
     assert result.status == "succeeded", result.error
     assert len(killed) == 1
@@ -121,7 +122,7 @@ def test_pause_resume_and_worker_loss(assets, ray_head, receiver, tiny_checkpoin
     history = [json.loads(line) for line in storage.read_text(f"{run.output_uri}/metrics.jsonl").splitlines()]
     assert history == paused_run + [m for m in before_kill if m["step"] <= resumed] + after_kill
     assert result.trained_tokens == history[-1]["trained_tokens"]
-    assert _adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(history[-1]["valid_loss"], abs=1e-3)
+    assert adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(history[-1]["valid_loss"], abs=1e-3)
     for step in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY):
         uri = f"{run.output_uri}/checkpoints/step-{step}"
         assert storage.exists(f"{uri}/checkpoint.json")

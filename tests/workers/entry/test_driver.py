@@ -10,32 +10,15 @@ import time
 import pytest
 import torch
 
-from moetune.api.models import (
-    ENV_CALLBACK_URL,
-    ENV_JOB_TOKEN,
-    ENV_RUN_SPEC,
-    JobCreate,
-    JobRunSpec,
-)
 from moetune.api import storage
+from moetune.api.models import JobCreate, JobRunSpec
 from moetune.workers.data.rows import collate, load_rows, step_micro_batches, tokenize_rows
 from moetune.workers.entry.driver import root_cause, run_job
 from moetune.workers.errors import JobError
 from moetune.workers.reporting.reporter import Reporter
-from moetune.workers.tiny import write_tiny_dataset
+from tests.support.jobs import adapter_valid_loss, driver_env, run_in_process
 
 TRAINING = {"learning_rate": 3e-3, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 128}
-
-
-@pytest.fixture
-def assets(tiny_checkpoint, s3_bucket, tmp_path):
-    """The tiny checkpoint and datasets in a fresh bucket; returns the bucket's base URI."""
-    base = f"s3://{s3_bucket}"
-    storage.upload_dir(tiny_checkpoint, f"{base}/models/tiny")
-    for name, rows, seed in (("train.jsonl", 160, 0), ("valid.jsonl", 16, 1)):
-        write_tiny_dataset(str(tmp_path / name), rows, seed)
-        storage.write_bytes(f"{base}/data/{name}", (tmp_path / name).read_bytes())
-    return base
 
 
 def _run_spec(base: str, job_id: str, training: dict, zero_stage: int, **spec) -> JobRunSpec:
@@ -44,11 +27,6 @@ def _run_spec(base: str, job_id: str, training: dict, zero_stage: int, **spec) -
         validation_file=f"{base}/data/valid.jsonl", lora={"rank": 8, "alpha": 16, "dropout": 0.0},
         training={**TRAINING, **training}, parallelism={"num_workers": 2, "zero_stage": zero_stage}, **spec)
     return JobRunSpec(job_id=job_id, spec=create, seed=3, output_uri=f"{base}/out/{job_id}")
-
-
-def _driver_env(run: JobRunSpec, receiver) -> dict[str, str]:
-    return {ENV_RUN_SPEC: run.model_dump_json(), ENV_CALLBACK_URL: receiver.url, ENV_JOB_TOKEN: "tok",
-            "HF_HUB_OFFLINE": "1"}
 
 
 # ------------------------------------------------------------------ fail fast
@@ -61,7 +39,7 @@ def test_malformed_row_fails_before_any_worker_starts(assets, receiver):
     run = _run_spec(assets, "ftjob-badrow", {"max_steps": 2}, zero_stage=2)
 
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "moetune.workers.entry.driver"], env={**os.environ, **_driver_env(run, receiver)},
+    proc = subprocess.run([sys.executable, "-m", "moetune.workers.entry.driver"], env={**os.environ, **driver_env(run, receiver)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert time.monotonic() - started < 30  # no Ray, no model download
@@ -122,27 +100,6 @@ def _expected_first_loss(run: JobRunSpec, checkpoint: str) -> float:
     return sum(losses) / sum(counts)
 
 
-def _adapter_valid_loss(run: JobRunSpec, checkpoint: str, tmp_path) -> float:
-    """Token-weighted validation loss of the exported adapter on the plain transformers model."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    adapter = storage.download_dir(f"{run.output_uri}/adapter", str(tmp_path / "adapter"))
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapter).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    examples, _ = tokenize_rows(tokenizer, load_rows(run.spec.validation_file, "validation_file"),
-                                run.spec.training.seq_len)
-    total = count = 0.0
-    with torch.no_grad():
-        for e in examples:
-            batch = collate([e], tokenizer.pad_token_id)
-            n = (batch["labels"][:, 1:] != -100).sum().item()
-            total += model(**batch).loss.item() * n
-            count += n
-    return total / count
-
-
 def _submit(client, **kwargs) -> str:
     """submit_job, retried while a just-started head's job agent is not up yet."""
     deadline = time.monotonic() + 60
@@ -155,6 +112,7 @@ def _submit(client, **kwargs) -> str:
             time.sleep(1)
 
 
+@pytest.mark.ray_job
 def test_zero2_job_through_the_jobs_api(assets, ray_head, receiver, tiny_checkpoint, tmp_path):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -163,7 +121,7 @@ def test_zero2_job_through_the_jobs_api(assets, ray_head, receiver, tiny_checkpo
     client = JobSubmissionClient(ray_head.dashboard_url)
     started = time.monotonic()
     sid = _submit(client, entrypoint=f"{sys.executable} -m moetune.workers.entry.driver",
-                  runtime_env={"env_vars": _driver_env(run, receiver)})
+                  runtime_env={"env_vars": driver_env(run, receiver)})
     while (status := client.get_job_status(sid)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
         assert time.monotonic() - started < 240, "job did not finish in time"
         time.sleep(1)
@@ -195,47 +153,36 @@ def test_zero2_job_through_the_jobs_api(assets, ray_head, receiver, tiny_checkpo
     assert result.trained_tokens == metrics[-1]["trained_tokens"]
     assert result.result_files == [f"{run.output_uri}/metrics.jsonl"]
     assert len(storage.read_text(result.result_files[0]).splitlines()) == 20
-    assert _adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
+    assert adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
 
 
-def _run_in_process(run: JobRunSpec, ray_head, receiver, monkeypatch, worker_env: dict | None = None) -> bool:
-    """run_job from this process, connected to the session's Ray head; `worker_env` reaches every Ray worker."""
-    import ray
-
-    for name, value in _driver_env(run, receiver).items():  # the driver forwards these to its workers
-        monkeypatch.setenv(name, value)
-    ray.init(address=ray_head.gcs_address, runtime_env={"env_vars": worker_env or {}})
-    try:
-        return run_job(run, Reporter(run.job_id))
-    finally:
-        ray.shutdown()
-
-
+@pytest.mark.ray_job
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_other_zero_stages(zero_stage, assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
     run = _run_spec(assets, f"ftjob-zero{zero_stage}", {"max_steps": 4, "checkpoint_every": 2}, zero_stage=zero_stage)
-    assert _run_in_process(run, ray_head, receiver, monkeypatch)
+    assert run_in_process(run, ray_head, receiver, monkeypatch)
     metrics = receiver.metrics()
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert metrics[0]["train_loss"] == pytest.approx(_expected_first_loss(run, tiny_checkpoint), abs=1e-4)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"] and math.isfinite(metrics[-1]["valid_loss"])
-    assert _adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
+    assert adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
 
     # Resubmitted without its step-4 checkpoint, the job resumes from step 2 (this stage's optimizer and LoRA
     # state) and repeats steps 3 and 4 exactly.
     storage.write_bytes(f"{run.output_uri}/checkpoints/step-4/checkpoint.json", b"{}")  # no longer complete
     receiver.reports.clear()
-    assert _run_in_process(run, ray_head, receiver, monkeypatch)
+    assert run_in_process(run, ray_head, receiver, monkeypatch)
     again = receiver.metrics()
     assert [m["step"] for m in again] == [3, 4]
     assert [m["train_loss"] for m in again] == pytest.approx([m["train_loss"] for m in metrics[2:]], abs=1e-5)
 
 
+@pytest.mark.ray_job
 def test_job_error_inside_a_worker_reaches_the_result(assets, ray_head, receiver, monkeypatch):
     long_prompt = {"messages": [{"role": "user", "content": "x" * 64}, {"role": "assistant", "content": "a"}]}
     storage.write_bytes(f"{assets}/data/train.jsonl", (json.dumps(long_prompt) + "\n").encode() * 8)
     run = _run_spec(assets, "ftjob-noloss", {"max_steps": 2, "seq_len": 16}, zero_stage=2)
-    assert not _run_in_process(run, ray_head, receiver, monkeypatch)
+    assert not run_in_process(run, ray_head, receiver, monkeypatch)
     (result,) = receiver.of_kind("result")
     assert (result.error.code, result.error.param) == ("invalid_training_file", "training_file")
     assert result.error.message.endswith("no row has a trained token within seq_len=16")

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from tests.kernels.kda_cases import rmse_ratio
+from tests.support.kda_cases import rmse_ratio
 from moetune.workers.families import kda
 from moetune.workers.tiny import tiny_config
 

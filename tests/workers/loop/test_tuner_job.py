@@ -12,13 +12,14 @@ import json
 import pytest
 import torch
 
-from moetune.api.models import JobCreate, JobRunSpec
-from tests.workers.test_driver import _run_in_process
 from moetune.api import storage
+from moetune.api.models import JobCreate, JobRunSpec
 from moetune.workers.data.rows import collate, load_rows, tokenize_rows
 from moetune.workers.loop.tuner import INJECT_OOM_ENV, MemoryProbe, token_loss_sum
 from moetune.workers.tiny import tiny_rows, write_tiny_checkpoint
+from tests.support.jobs import run_in_process
 
+pytestmark = pytest.mark.ray_job
 SEQ_LEN, STEPS, GLOBAL_BATCH = 32, 5, 16  # 8 examples per rank: sizes 1, 2, 4, 8
 TRAINING = {"max_steps": STEPS, "global_batch_size": GLOBAL_BATCH, "seq_len": SEQ_LEN, "learning_rate": 3e-3,
             "warmup_ratio": 0.0}
@@ -67,7 +68,7 @@ def _run(base: str, job_id: str, training: dict, receiver, monkeypatch, ray_head
                      training={**TRAINING, **training}, parallelism={"num_workers": 2, "zero_stage": 2})
     run = JobRunSpec(job_id=job_id, spec=spec, seed=3, output_uri=f"{base}/out/{job_id}")
     receiver.reports.clear()
-    ok = _run_in_process(run, ray_head, receiver, monkeypatch, worker_env)
+    ok = run_in_process(run, ray_head, receiver, monkeypatch, worker_env)
     (result,) = receiver.of_kind("result")
     assert ok, result.error
     return list(receiver.reports)

@@ -1,6 +1,6 @@
 """The two-rank runs every EP test module checks, all made in one start of two processes (conftest.ep_runs)."""
 
-from tests.ep.harness import STEPS, spec
+from tests.workers.parallel.harness import STEPS, spec
 
 FAMILIES = ("kimi_linear", "qwen3_moe", "deepseek_v3", "qwen3_next", "glm5_next")
 CURVE_STEPS = 20

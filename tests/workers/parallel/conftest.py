@@ -1,13 +1,13 @@
 import pytest
 import torch
 
-from tests.ep.cases import RESUME_CASES, TRAIN_CASES
-from tests.ep.harness import launch, run_cases
+from tests.workers.parallel.cases import RESUME_CASES, TRAIN_CASES
+from tests.workers.parallel.harness import launch, run_cases
 
 
 @pytest.fixture(scope="session")
 def ep_runs(tmp_path_factory):
-    """Runs every case of tests.ep.cases in one start of two processes; returns case id -> (out dir, per-rank
+    """Runs every case of tests.workers.parallel.cases in one start of two processes; returns case id -> (out dir, per-rank
     results)."""
     out = tmp_path_factory.mktemp("ep-runs")
     cases = [(case, "train", fam, job.model_dump_json(), skew) for case, (fam, job, skew) in TRAIN_CASES.items()]

@@ -10,6 +10,8 @@ import torch.multiprocessing as mp
 
 from moetune.api.models import JobCreate
 from moetune.service.embedded import free_port
+from tests.support import REPO
+from tests.support.families import batch, plain_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -27,33 +29,6 @@ def spec(ep: int, zero: int, train_experts: bool = False, world: int = 2, steps:
                      parallelism={"num_workers": world, "expert_parallel_size": ep, "zero_stage": zero})
 
 
-def plain_model(family, seed: int = 0, skew_to_first_half: bool = False):
-    """The family's tiny random model with a spread-out router (a zero router routes uniformly).
-
-    `skew_to_first_half` routes every token to the first half of the experts through the router's score
-    correction bias (kimi_linear, deepseek_v3): with EP=2, rank 1's experts get no token at all.
-    """
-    from moetune.workers.families import auto_model_class
-
-    torch.manual_seed(seed)
-    config = family.tiny_config()
-    model = auto_model_class(config).from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for _, block in family.moe_blocks(model):
-            router = getattr(block, family.router)
-            router.weight.normal_(0.0, 0.5)
-            if skew_to_first_half:
-                half = router.e_score_correction_bias.numel() // 2
-                router.e_score_correction_bias[:half] = 100.0
-    return model
-
-
-def batch(rank: int, step: int, micro: int = 2, seq: int = 12, vocab: int = 256) -> dict:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    ids = torch.randint(0, vocab, (micro, seq), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
 def _entry(rank: int, world: int, port: int, fn, args):
     import torch.distributed as dist
 
@@ -69,8 +44,8 @@ def _entry(rank: int, world: int, port: int, fn, args):
 
 def launch(fn, world: int, *args) -> None:
     """Runs fn(rank, world, *args) in `world` fresh processes; raises if any fails."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if root not in sys.path:  # spawned children start from this sys.path and import `tests.ep.harness`
+    root = str(REPO)
+    if root not in sys.path:  # spawned children start from this sys.path and import `tests.workers.parallel.harness`
         sys.path.append(root)
     mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
 

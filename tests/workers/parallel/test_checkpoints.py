@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 
-from tests.ep.cases import RESUME_CASES
-from tests.ep.harness import SAVE_AFTER, batch, plain_model
+from tests.support.families import batch, plain_model
+from tests.workers.parallel.cases import RESUME_CASES
+from tests.workers.parallel.harness import SAVE_AFTER
 
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))

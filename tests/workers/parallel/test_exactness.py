@@ -7,8 +7,8 @@ against the reference computed here. Tolerances: first loss 1e-5 and later losse
 import pytest
 import torch
 
-from tests.ep.cases import TRAIN_CASES
-from tests.ep.harness import launch, reference, run_cases, spec
+from tests.workers.parallel.cases import TRAIN_CASES
+from tests.workers.parallel.harness import launch, reference, run_cases, spec
 
 
 def test_ep2_of_4_ranks_replicates_experts(tmp_path):

@@ -13,6 +13,8 @@ from moetune.workers.lora.expert_layout import b_from_peft
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.tiny import write_tiny_checkpoint, write_tiny_dataset
 
+pytestmark = pytest.mark.ray_job
+
 
 def _plain_first_loss(run: JobRunSpec, checkpoint: str) -> float:
     """Step 1's loss on the plain model: expert LoRA starts with B = 0, so it must not change it."""

@@ -1,40 +1,16 @@
-"""A real Prometheus server (Debian's `prometheus` package) run from the shipped deploy/prometheus config."""
+"""A real Prometheus server (Debian's `prometheus` package) run from the shipped deploy/prometheus config, for the
+real job whose exporters it scrapes."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from moetune.service.embedded import free_port, stop_process, wait_http
-
-REPO = Path(__file__).resolve().parents[2]
-PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
-SCRAPE_INTERVAL_S = 1
-
-
-def binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"`{name}` not found: install Debian's `prometheus` package (.ci/run does)")
-    return path
-
-
-class Prometheus:
-    def __init__(self, url: str, targets_dir: Path):
-        self.url, self.targets_dir = url, targets_dir
-
-    def get(self, path: str, **params) -> dict:
-        body = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=30).json()
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query_range(self, expr: str, start: float, end: float) -> list[dict]:
-        return self.get("query_range", query=expr, start=start, end=end, step=SCRAPE_INTERVAL_S)["result"]
+from tests.support.prometheus import PROMETHEUS_DIR, SCRAPE_INTERVAL_S, Prometheus, binary
 
 
 @pytest.fixture(scope="module")

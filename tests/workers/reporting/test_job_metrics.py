@@ -8,8 +8,10 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+from moetune.api import storage
 from moetune.api.models import (
     ENV_CALLBACK_URL,
     ENV_JOB_TOKEN,
@@ -17,14 +19,15 @@ from moetune.api.models import (
     JobCreate,
     JobRunSpec,
 )
-from tests.metrics.conftest import REPO, SCRAPE_INTERVAL_S
-from moetune.api import storage
 from moetune.workers.entry.driver import run_job
 from moetune.workers.reporting.expert_load import HOT_EXPERTS, LOAD_RATIO_BUCKETS
 from moetune.workers.reporting.exporter import ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.tiny import write_tiny_checkpoint, write_tiny_dataset
+from tests.support import REPO
+from tests.support.prometheus import SCRAPE_INTERVAL_S
 
+pytestmark = pytest.mark.ray_job
 DASHBOARDS = sorted((REPO / "deploy" / "grafana").glob("*.json"))
 CUDA_ONLY = "(CUDA workers only)"  # panel title marker: no data from CPU workers
 STEPS = 8

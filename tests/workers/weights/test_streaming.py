@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from moetune.api.models import ENV_S3_ENDPOINT_URL
 from moetune.service.cli import main
-from tests.weights.proxy import FaultProxy
+from tests.workers.weights.proxy import FaultProxy
 from moetune.workers.model import load_summary
 from moetune.workers.weights.cache import RangeCache
 from moetune.workers.weights.errors import WeightsError

@@ -3,7 +3,8 @@
 transformers' `Glm5NextTextIndexer.forward` scores every query against every k-pool at once ([B, T, heads, T/kpool])
 and builds a [B, T, T] visibility mask: at 32K tokens that alone runs out of memory before attention starts. This
 subclass computes the same selection (same projections, pooling, tail and padding rules; the stock helpers are
-reused) one block of queries at a time, sized so each block's intermediates stay under CHUNK_ELEMENTS.
+reused) with the kernels' chunked indexer over the pooled keys, one block of queries at a time, sized so each
+block's intermediates stay under CHUNK_ELEMENTS.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
+
+from moetune.kernels.sparse_attention import select_topk
 
 CHUNK_ELEMENTS = 1 << 24  # bound on a block's [B, rows, keys] / [B, rows, heads, pools] intermediates
 
@@ -31,29 +34,31 @@ class ChunkedGlm5NextIndexer(Glm5NextTextIndexer):
             current_length = cache.layers[self.layer_idx].get_seq_length()
         valid_keys = packed[..., -1].bool()
         pool_keys, pool_indices, pool_valid = self.get_pooled_states(packed_states=packed)
-        pool_keys = pool_keys.transpose(-1, -2).float().unsqueeze(1)  # [B, 1, D, P]
         pool_end = pool_indices[..., -1].clamp(0, kv_len - 1)
-        n_pools = pool_indices.shape[1]
         weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
-        select_k = min(self.index_topk // self.index_kpool, n_pools)
+        select_k = min(self.index_topk // self.index_kpool, pool_indices.shape[1])
         width = self.index_topk + (self.index_kpool - 1 if self.index_kpool_always_select_tail else 0)
-        batch_idx = torch.arange(batch, device=hidden_states.device)[:, None, None]
         key_pos = torch.arange(valid_keys.shape[-1], device=hidden_states.device)
-        rows = max(1, CHUNK_ELEMENTS // (batch * max(valid_keys.shape[-1], self.n_heads * n_pools)))
-        out = torch.full((batch, seq_len, width), -1, dtype=torch.int32, device=hidden_states.device)
-        for start in range(0, seq_len, rows):
-            stop = min(seq_len, start + rows)
+
+        def visible(start: int, stop: int):  # [B, rows, keys]: keys that queries start..stop-1 may see
             q_pos = current_length - seq_len + torch.arange(start, stop, device=hidden_states.device)
-            visible = (key_pos[None, None, :] <= q_pos[None, :, None]) & valid_keys[:, None, :]
-            scores = F.relu(torch.matmul(q[:, start:stop], pool_keys) * self.softmax_scale)
-            index_scores = torch.matmul(weights[:, start:stop].unsqueeze(-2), scores).squeeze(-2)
-            candidates = visible.gather(-1, pool_end[:, None, :].expand(batch, stop - start, -1)) & pool_valid[:, None]
-            index_scores = index_scores.masked_fill(~candidates, torch.finfo(index_scores.dtype).min)
-            selected = index_scores.topk(select_k, dim=-1).indices
-            chosen = pool_indices[batch_idx, selected]  # [B, rows, select_k, kpool] token ids
-            chosen = chosen.masked_fill(~candidates.gather(-1, selected)[..., None], -1).flatten(-2)
+            return (key_pos[None, None, :] <= q_pos[None, :, None]) & valid_keys[:, None, :]
+
+        def candidates(start: int, stop: int):  # [B, rows, pools]: a pool is selectable once its last key is visible
+            ends = pool_end[:, None, :].expand(batch, stop - start, -1)
+            return visible(start, stop).gather(-1, ends) & pool_valid[:, None]
+
+        rows = max(1, CHUNK_ELEMENTS // (batch * max(valid_keys.shape[-1], self.n_heads * pool_indices.shape[1])))
+        selected = select_topk(q, pool_keys.float(), weights, select_k, self.softmax_scale, candidates, rows).long()
+        batch_idx = torch.arange(batch, device=hidden_states.device)[:, None, None]
+        out = torch.full((batch, seq_len, width), -1, dtype=torch.int32, device=hidden_states.device)
+        for start in range(0, seq_len, rows):  # pools -> their token ids, plus the visible tail
+            stop = min(seq_len, start + rows)
+            pools = selected[:, start:stop]
+            chosen = pool_indices[batch_idx, pools.clamp(min=0)]  # [B, rows, select_k, kpool] token ids
+            chosen = chosen.masked_fill((pools < 0)[..., None], -1).flatten(-2)
             if self.index_kpool_always_select_tail:
-                chosen = self.append_visible_tail(chosen, visible, valid_keys)
+                chosen = self.append_visible_tail(chosen, visible(start, stop), valid_keys)
             chosen = chosen[..., :width].masked_fill(~attention_mask[:, start:stop, None], -1)
             out[:, start:stop, :chosen.shape[-1]] = chosen.to(torch.int32)
         return out

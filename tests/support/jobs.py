@@ -1,0 +1,54 @@
+"""Real jobs from the test process: the driver's environment, run_job on the session's Ray head, and the
+exported adapter's validation loss recomputed on the plain transformers model."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moetune.api import storage
+from moetune.api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, JobRunSpec
+from moetune.workers.data.rows import collate, load_rows, tokenize_rows
+from moetune.workers.entry.driver import run_job
+from moetune.workers.reporting.reporter import Reporter
+
+
+def driver_env(run: JobRunSpec, receiver) -> dict[str, str]:
+    """What the control plane gives a driver: the run spec, and `receiver` (a ReportReceiver) as callback."""
+    return {ENV_RUN_SPEC: run.model_dump_json(), ENV_CALLBACK_URL: receiver.url, ENV_JOB_TOKEN: "tok",
+            "HF_HUB_OFFLINE": "1"}
+
+
+def run_in_process(run: JobRunSpec, ray_head, receiver, monkeypatch, worker_env: dict | None = None) -> bool:
+    """run_job from this process, connected to the session's Ray head; `worker_env` reaches every Ray worker."""
+    import ray
+
+    for name, value in driver_env(run, receiver).items():  # the driver forwards these to its workers
+        monkeypatch.setenv(name, value)
+    ray.init(address=ray_head.gcs_address, runtime_env={"env_vars": worker_env or {}})
+    try:
+        return run_job(run, Reporter(run.job_id))
+    finally:
+        ray.shutdown()
+
+
+def adapter_valid_loss(run: JobRunSpec, checkpoint: str, tmp_path) -> float:
+    """Token-weighted validation loss of the exported adapter on the plain transformers model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = storage.download_dir(f"{run.output_uri}/adapter", str(tmp_path / "adapter"))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapter).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    examples, _ = tokenize_rows(tokenizer, load_rows(run.spec.validation_file, "validation_file"),
+                                run.spec.training.seq_len)
+    total = count = 0.0
+    with torch.no_grad():
+        for e in examples:
+            batch = collate([e], tokenizer.pad_token_id)
+            n = (batch["labels"][:, 1:] != -100).sum().item()
+            total += model(**batch).loss.item() * n
+            count += n
+    return total / count
