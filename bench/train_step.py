@@ -26,12 +26,13 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.ep.harness
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
 
 import torch
 import torch.distributed as dist
 
-from tests.ep.harness import batch, launch, plain_model, spec
+from tests.support.families import batch, plain_model
+from tests.workers.parallel.harness import launch, spec
 
 FAMILY = "kimi_linear"
 ATTENTION = ("KimiLinearAttention", "KimiLinearDeltaAttention")
@@ -94,18 +95,19 @@ class StepTimer:
 
 def _engine(world: int, moetune: bool, args):
     from moetune.workers.engine.deepspeed import build_engine
-    from moetune.workers.families import family
-    from moetune.workers.families.kda import apply_kernel_swaps
-    from moetune.workers.lora.peft_lora import trainable_model
+    from moetune.workers.families import REGISTRY, apply_kernel_swaps
+    from moetune.workers.model import trainable_model
+    from moetune.workers.parallel import job_placement
 
-    fam = family(FAMILY)
+    fam = REGISTRY[FAMILY]
     model = plain_model(fam)
     model.config._experts_implementation = "eager"  # the baseline's experts: transformers' per-expert loop
     job = spec(ep=2 if moetune else 1, zero=2, steps=args.warmup + args.steps, micro=args.micro, kernels=moetune)
     if moetune:
         apply_kernel_swaps(model)
     torch.manual_seed(1)
-    engine, _ = build_engine(trainable_model(model, job), job, world, job.training.max_steps, bf16=False)
+    placement = job_placement(model.config.to_dict(), job)
+    engine, _ = build_engine(trainable_model(model, job, placement), job, world, job.training.max_steps, bf16=False)
     return engine, fam
 
 

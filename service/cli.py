@@ -15,7 +15,10 @@ from rich.table import Column, Table
 
 from moetune.api.client import APIError, Client
 from moetune.api.models import JobCreate, JobStatus
+from moetune.service.app import create_app
+from moetune.service.demo import run_demo
 from moetune.service.models_cli import models
+from moetune.service.progress import follow
 
 console = Console()
 
@@ -64,8 +67,6 @@ def server(host: str, port: int, log_level: str) -> None:
     """Run the control plane (settings from MOETUNE_* environment variables)."""
     import uvicorn
 
-    from moetune.service.app import create_app
-
     uvicorn.run(create_app(), host=host, port=port, log_level=log_level)
 
 
@@ -89,8 +90,6 @@ def submit(ctx: click.Context, spec_file: Path, follow: bool, idempotency_key: s
 
 
 def _follow(client: Client, job_id: str, timeout: float) -> None:
-    from moetune.service.progress import follow
-
     job, _ = follow(client, job_id, timeout=timeout, console=console)
     console.print(f"{job.id}: [bold]{job.status}[/]" + (f" -> {job.fine_tuned_model}" if job.fine_tuned_model else ""))
     if job.error:
@@ -178,8 +177,6 @@ def jobs_events(ctx: click.Context, job_id: str, follow: bool, timeout: float) -
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the demo job.")
 def demo(timeout: float) -> None:
     """Run one tiny job end to end on the embedded default (loopback S3, local Ray, SQLite, CPU)."""
-    from moetune.service.demo import run_demo
-
     sys.exit(run_demo(timeout=timeout))
 
 

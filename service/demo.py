@@ -18,6 +18,7 @@ from rich.console import Console
 from moetune.api import storage
 from moetune.api.client import Client
 from moetune.api.models import JobCreate, JobStatus, LoraSpec, ParallelismSpec, TrainingSpec
+from moetune.service.app import create_app
 from moetune.service.embedded import (
     control_plane_in_thread,
     free_port,
@@ -26,6 +27,7 @@ from moetune.service.embedded import (
     s3_env,
 )
 from moetune.service.progress import follow
+from moetune.service.settings import Settings
 
 BUCKET = "moetune-demo"
 TOKEN = "demo-token"
@@ -67,9 +69,6 @@ def demo_job_spec() -> JobCreate:
 
 def run_demo(timeout: float = 600) -> int:
     """Returns the process exit code: 0 only if the job succeeded."""
-    from moetune.service.app import create_app
-    from moetune.service.settings import Settings
-
     console = Console()
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="moetune-demo-") as tmp, local_s3_server() as s3_url:

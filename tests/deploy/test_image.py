@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import tomllib
 
 import pytest
 
-REPO_FILES = ("deploy/Dockerfile", "deploy/Dockerfile.dockerignore", "pyproject.toml", "README.md")
+REPO_FILES = ("deploy/Dockerfile", "deploy/Dockerfile.dockerignore", "pyproject.toml", "setup.py", "README.md")
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,10 @@ def test_image_runs_as_a_numeric_non_root_user_matching_the_pod_security_context
     assert security["runAsNonRoot"] and security["runAsUser"] == int(uid)
 
 
-def test_build_context_carries_every_package_pyproject_installs(repo):
+def test_build_context_carries_every_package_setup_installs(repo):
+    setup = ast.parse(repo["setup.py"])
+    (folders,) = [ast.literal_eval(node.value) for node in setup.body
+                  if isinstance(node, ast.Assign) and node.targets[0].id == "FOLDERS"]
     pyproject = tomllib.loads(repo["pyproject.toml"])
-    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     allowed = {line[1:] for line in repo["deploy/Dockerfile.dockerignore"].splitlines() if line.startswith("!")}
-    assert packages | {"pyproject.toml", pyproject["project"]["readme"]} <= allowed
+    assert set(folders) | {"setup.py", "pyproject.toml", pyproject["project"]["readme"]} <= allowed

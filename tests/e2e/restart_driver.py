@@ -13,22 +13,20 @@ import time
 
 import s3fs
 
-from moetune.api.models import (
-    ADAPTER_DIR,
-    ENV_RUN_SPEC,
-    ENV_S3_ENDPOINT_URL,
-    METRICS_FILE,
-    SUMMARY_FILE,
-    JobRunSpec,
-)
+from moetune.api.environment import ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
+from moetune.api.errors import ErrorCode
+from moetune.api.layout import SUMMARY_FILE, result_from_summary
+from moetune.api.models import JobRunSpec
 from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.settings import WorkerSettings
 
 TRAINED_TOKENS = 42
 
 
 def main() -> int:
     run = JobRunSpec.model_validate_json(os.environ[ENV_RUN_SPEC])
-    reporter = Reporter(run.job_id)
+    settings = WorkerSettings.from_env()
+    reporter = Reporter(run.job_id, settings.callback_url, settings.job_token)
     reporter.event("restart driver started")
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ[ENV_S3_ENDPOINT_URL]}, use_listings_cache=False)
     out = run.output_uri.removeprefix("s3://")
@@ -36,12 +34,12 @@ def main() -> int:
     while not fs.exists(f"{out}/go") and time.monotonic() < deadline:
         time.sleep(0.3)
     if "fail" in run.spec.training_file:
-        reporter.failed("training_failed", "the training file asks this job to fail")
+        reporter.failed(ErrorCode.training_failed, "the training file asks this job to fail")
         print("restart driver: the training file asks this job to fail", file=sys.stderr)  # Ray's last log line
         return 1
-    fs.pipe(f"{out}/{SUMMARY_FILE}", json.dumps({"trained_tokens": TRAINED_TOKENS}).encode())
-    reporter.succeeded(fine_tuned_model=f"{run.output_uri}/{ADAPTER_DIR}",
-                       result_files=[f"{run.output_uri}/{METRICS_FILE}"], trained_tokens=TRAINED_TOKENS)
+    summary = {"trained_tokens": TRAINED_TOKENS}
+    fs.pipe(f"{out}/{SUMMARY_FILE}", json.dumps(summary).encode())
+    reporter.send(result_from_summary(run.output_uri, summary))
     return 0
 
 

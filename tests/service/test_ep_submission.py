@@ -1,5 +1,5 @@
 """Job specs that the model's config makes invalid: 422 at submission (control plane reads config.json from
-S3), the same rule in the driver's fail-fast check, and the family facts checked against the real models."""
+S3), and the same rule in the driver's fail-fast check."""
 
 import json
 import uuid
@@ -7,13 +7,11 @@ import uuid
 import boto3
 import httpx
 import pytest
-import torch
 
-from moetune.api.families import FAMILIES
 from moetune.api.models import JobCreate
 from moetune.workers.errors import JobError
-from moetune.workers.families import family
-from moetune.workers.model import check_supported
+from moetune.workers.entry.checks import check_supported
+from moetune.workers.families import REGISTRY
 from tests.support.control_plane import API_TOKENS, run_service
 
 JOBS = "/v1/fine_tuning/jobs"
@@ -28,7 +26,7 @@ def control_plane(s3_endpoint, tmp_path_factory):
     bucket = f"t-{uuid.uuid4().hex[:12]}"
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     s3.create_bucket(Bucket=bucket)
-    s3.put_object(Bucket=bucket, Key="kimi/config.json", Body=family("kimi_linear").tiny_config().to_json_string())
+    s3.put_object(Bucket=bucket, Key="kimi/config.json", Body=REGISTRY["kimi_linear"].tiny_config().to_json_string())
     s3.put_object(Bucket=bucket, Key="llama/config.json", Body=json.dumps({"model_type": "llama"}))
     tmp = tmp_path_factory.mktemp("ep-service")
     settings = Settings(database_url=f"sqlite:///{tmp}/moetune.db", api_tokens=API_TOKENS, scheduler_enabled=False,
@@ -71,22 +69,5 @@ def test_unreadable_config_defers_to_the_driver(control_plane):
     assert _post(control_plane, "not-uploaded-yet", **EP3_OF_6).status_code == 200
     spec = JobCreate(model="s3://b/m", training_file="s3://b/t.jsonl", **EP3_OF_6)
     with pytest.raises(JobError) as err:
-        check_supported(spec, family("kimi_linear").tiny_config().to_dict())
+        check_supported(spec, REGISTRY["kimi_linear"].tiny_config().to_dict())
     assert err.value.param == "parallelism.expert_parallel_size" and "8 routed experts" in err.value.message
-
-
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_family_facts_match_the_transformers_models(name):
-    """The control plane's pure-data facts agree with the real model classes (built on the meta device)."""
-    from moetune.workers.families import auto_model_class
-
-    fam = family(name)
-    config = fam.tiny_config()
-    with torch.device("meta"):
-        model = auto_model_class(config).from_config(config)
-    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and (fam.lora_scope is None or fam.lora_scope in f".{n}")}
-    assert linear - {"lm_head"} <= set(fam.facts.linear_names)
-    blocks = list(fam.moe_blocks(model))
-    assert blocks and all(getattr(b, fam.experts).num_experts == fam.facts.num_experts(config.to_dict())
-                          for _, b in blocks)

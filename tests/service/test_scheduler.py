@@ -6,13 +6,8 @@ import time
 import boto3
 import pytest
 
-from moetune.api.models import (
-    ENV_CALLBACK_URL,
-    ENV_JOB_TOKEN,
-    ENV_RUN_SPEC,
-    ENV_S3_ENDPOINT_URL,
-    JobRunSpec,
-)
+from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
+from moetune.api.models import JobRunSpec
 from moetune.service.embedded import free_port
 from moetune.service.scheduler import Scheduler, short_cause
 

@@ -18,7 +18,8 @@ import httpx
 from fastapi import FastAPI
 
 from moetune.api.client import Client
-from moetune.api.models import CHECKPOINT_MANIFEST, CHECKPOINTS_DIR, REPORT_PATH, JobStatus
+from moetune.api.layout import CHECKPOINT_MANIFEST, checkpoint_uri
+from moetune.api.models import REPORT_PATH, JobStatus
 from moetune.service.app import create_app
 from moetune.service.auth import hash_token, new_job_token
 from moetune.service.embedded import control_plane_in_thread, free_port, s3_env, wait_http
@@ -67,7 +68,7 @@ class RunningService:
                           headers={"Authorization": f"Bearer {token}"}, timeout=10)
 
     def checkpoint_uri(self, job_id: str, step: int) -> str:
-        return f"{self.store.get_job(job_id).output_uri}/{CHECKPOINTS_DIR}/step-{step}"
+        return checkpoint_uri(self.store.get_job(job_id).output_uri, step)
 
     def report_checkpoint(self, job_id: str, token: str, step: int, retired_steps=(), **metrics) -> httpx.Response:
         """What a worker does: the checkpoint's manifest goes to object storage, then the report."""

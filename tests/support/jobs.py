@@ -8,10 +8,15 @@ import os
 import torch
 
 from moetune.api import storage
-from moetune.api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, JobRunSpec
-from moetune.workers.data.rows import collate, load_rows, tokenize_rows
+from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC
+from moetune.api.layout import adapter_uri
+from moetune.api.models import JobRunSpec
+from moetune.workers.data.rows import load_rows
 from moetune.workers.entry.driver import run_job
+from moetune.workers.methods.batch import IGNORE
+from moetune.workers.methods.sft import collate, tokenize_rows
 from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.settings import WorkerSettings
 
 
 def driver_env(run: JobRunSpec, receiver) -> dict[str, str]:
@@ -28,7 +33,8 @@ def run_in_process(run: JobRunSpec, ray_head, receiver, monkeypatch, worker_env:
         monkeypatch.setenv(name, value)
     ray.init(address=ray_head.gcs_address, runtime_env={"env_vars": worker_env or {}})
     try:
-        return run_job(run, Reporter(run.job_id))
+        settings = WorkerSettings.from_env()
+        return run_job(run, Reporter(run.job_id, settings.callback_url, settings.job_token), settings)
     finally:
         ray.shutdown()
 
@@ -38,7 +44,7 @@ def adapter_valid_loss(run: JobRunSpec, checkpoint: str, tmp_path) -> float:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    adapter = storage.download_dir(f"{run.output_uri}/adapter", str(tmp_path / "adapter"))
+    adapter = storage.download_dir(adapter_uri(run.output_uri), str(tmp_path / "adapter"))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapter).eval()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -48,7 +54,7 @@ def adapter_valid_loss(run: JobRunSpec, checkpoint: str, tmp_path) -> float:
     with torch.no_grad():
         for e in examples:
             batch = collate([e], tokenizer.pad_token_id)
-            n = (batch["labels"][:, 1:] != -100).sum().item()
-            total += model(**batch).loss.item() * n
+            n = (batch.labels[:, 1:] != IGNORE).sum().item()
+            total += model(**batch.inputs, labels=batch.labels).loss.item() * n
             count += n
     return total / count

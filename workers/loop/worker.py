@@ -32,8 +32,7 @@ from moetune.workers.loop.faults import fault_hook
 from moetune.workers.loop.step import RankPlace, StepRunner
 from moetune.workers.methods import method_for
 from moetune.workers.model import load_dtype, load_tokenizer, trainable_model
-from moetune.workers.parallel import needs_expert_module
-from moetune.workers.parallel.placement import expert_placement, placement_at
+from moetune.workers.parallel import job_placement
 from moetune.workers.reporting.metrics import WorkerMetrics
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.settings import enter_worker_env
@@ -75,10 +74,8 @@ class _Worker:
         self.tokenizer = load_tokenizer(model_dir)
         with open(os.path.join(model_dir, "config.json")) as f:
             config = json.load(f)
-        # This rank's experts; the process groups exist only where experts leave transformers' module.
         ep_size = self.spec.parallelism.expert_parallel_size
-        single = placement_at(config, ep_size, 0)
-        self.placement = expert_placement(config, ep_size) if needs_expert_module(single, self.spec.lora) else single
+        self.placement = job_placement(config, self.spec)
         # Each rank streams its own share of the weights (workers.weights): non-expert tensors, its experts.
         streamed = stream_model(self.spec.model, self.device, load_dtype(self.device), self.placement,
                                 self.settings.weights_cache_dir, self.settings.weights_cache_max_bytes)

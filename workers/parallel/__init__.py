@@ -3,15 +3,23 @@
 
 from __future__ import annotations
 
-from moetune.api.models import LoraSpec
+from moetune.api.models import JobCreate, LoraSpec
 from moetune.workers.families.spec import Family
 from moetune.workers.parallel.experts import ExpertParallelExperts, trainable_experts_class
-from moetune.workers.parallel.placement import ExpertPlacement
+from moetune.workers.parallel.placement import ExpertPlacement, expert_placement, placement_at
 
 
 def needs_expert_module(placement: ExpertPlacement | None, lora: LoraSpec) -> bool:
     """Whether the routed experts leave transformers' module: they are sharded, or they get their own LoRA."""
     return placement is not None and (placement.sharded or lora.train_experts)
+
+
+def job_placement(config: dict, spec: JobCreate) -> ExpertPlacement | None:
+    """This rank's placement for a job on the model of `config` (torch.distributed up); DeepSpeed's expert process
+    groups are made only where the experts leave transformers' module."""
+    size = spec.parallelism.expert_parallel_size
+    single = placement_at(config, size, 0)
+    return expert_placement(config, size) if needs_expert_module(single, spec.lora) else single
 
 
 def parallelize(model, family: Family, placement: ExpertPlacement, lora: LoraSpec, fused_kernel: bool = True) -> int:

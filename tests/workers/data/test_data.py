@@ -3,15 +3,10 @@ import json
 import pytest
 
 from moetune.api import storage
-from moetune.workers.data.rows import (
-    IGNORE,
-    collate,
-    eval_micro_batches,
-    load_rows,
-    step_micro_batches,
-    tokenize_row,
-    tokenize_rows,
-)
+from moetune.workers.data.rows import load_rows
+from moetune.workers.data.sampling import eval_micro_batches, step_micro_batches
+from moetune.workers.methods.batch import IGNORE
+from moetune.workers.methods.sft import collate, tokenize_row, tokenize_rows
 from moetune.workers.errors import DatasetError
 from moetune.workers.tiny import tiny_rows
 
@@ -103,9 +98,10 @@ def test_truncation_and_rows_without_trained_tokens(tokenizer):
 def test_collate_pads_with_ignored_labels(tokenizer):
     examples, _ = tokenize_rows(tokenizer, [{"text": "a"}, {"text": "abcd"}], seq_len=64)
     batch = collate(examples, tokenizer.pad_token_id)
-    assert batch["input_ids"].shape == (2, 5)
-    assert batch["labels"][0, 2:].tolist() == [IGNORE] * 3
-    assert batch["attention_mask"][0].tolist() == [1, 1, 0, 0, 0]
+    assert batch.inputs["input_ids"].shape == (2, 5)
+    assert batch.labels[0, 2:].tolist() == [IGNORE] * 3
+    assert batch.inputs["attention_mask"][0].tolist() == [1, 1, 0, 0, 0]
+    assert batch.tokens == 2 + 5
 
 
 def test_ranks_get_distinct_micro_batches_deterministically():

@@ -12,7 +12,11 @@ import torch
 
 from moetune.api import storage
 from moetune.api.models import JobCreate, JobRunSpec
-from moetune.workers.data.rows import collate, load_rows, step_micro_batches, tokenize_rows
+from moetune.workers.data.rows import load_rows
+from moetune.workers.data.sampling import step_micro_batches
+from moetune.workers.methods.batch import IGNORE
+from moetune.workers.methods.sft import collate, tokenize_rows
+from moetune.workers.settings import WorkerSettings
 from moetune.workers.entry.driver import root_cause, run_job
 from moetune.workers.errors import JobError
 from moetune.workers.reporting.reporter import Reporter
@@ -54,7 +58,7 @@ def test_malformed_row_fails_before_any_worker_starts(assets, receiver):
 def test_missing_model_fails_fast(assets, receiver):
     run = _run_spec(assets, "ftjob-nomodel", {"max_steps": 2}, zero_stage=2).model_copy()
     run.spec.model = f"{assets}/models/absent"
-    assert not run_job(run, Reporter(run.job_id, callback_url=receiver.url, token="t"))
+    assert not run_job(run, Reporter(run.job_id, callback_url=receiver.url, token="t"), WorkerSettings())
     (result,) = receiver.of_kind("result")
     assert (result.error.code, result.error.param) == ("model_not_found", "model")
 
@@ -95,8 +99,8 @@ def _expected_first_loss(run: JobRunSpec, checkpoint: str) -> float:
             for indices in step_micro_batches(len(examples), 0, t.global_batch_size, t.micro_batch_size,
                                               rank, world, run.seed):
                 batch = collate([examples[i] for i in indices], tokenizer.pad_token_id)
-                counts.append((batch["labels"][:, 1:] != -100).sum().item())
-                losses.append(model(**batch).loss.item() * counts[-1])
+                counts.append((batch.labels[:, 1:] != IGNORE).sum().item())
+                losses.append(model(**batch.inputs, labels=batch.labels).loss.item() * counts[-1])
     return sum(losses) / sum(counts)
 
 

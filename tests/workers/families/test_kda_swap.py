@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support.kda_cases import rmse_ratio
-from moetune.workers.families import kda
+from moetune.workers.families import apply_kernel_swaps, kda
 from moetune.workers.tiny import tiny_config
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj", "o_proj"]
@@ -42,21 +42,21 @@ def logits_and_lora_grads(model, input_ids):
 def kernel_calls(monkeypatch):
     """Counts calls into kernels.kda.chunk_kda made through the swap (the real function still runs)."""
     calls = []
-    real = kernel_swaps.chunk_kda
+    real = kda.chunk_kda
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernel_swaps, "chunk_kda", counted)
+    monkeypatch.setattr(kda, "chunk_kda", counted)
     return calls
 
 
 def test_swapped_model_matches_stock(stock_model, kernel_calls):
     input_ids = torch.randint(3, 264, (2, 75))  # 75 tokens: not a multiple of the 64-token chunk
     swapped = copy.deepcopy(stock_model)
-    assert kernel_swaps.apply_kernel_swaps(swapped) == {"apply_kda_kernels": 3}  # the 3 KDA layers of tiny
-    assert kernel_swaps.apply_kernel_swaps(swapped) == {"apply_kda_kernels": 0}  # idempotent
+    assert apply_kernel_swaps(swapped) == {"apply_kda_kernels": 3}  # the 3 KDA layers of tiny
+    assert apply_kernel_swaps(swapped) == {"apply_kda_kernels": 0}  # idempotent
 
     ref_logits, ref_grads = logits_and_lora_grads(stock_model, input_ids)
     assert kernel_calls == []  # the stock model never reaches our kernel
@@ -80,7 +80,7 @@ def test_family_without_swaps_is_untouched():
     config = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=2,
                             num_experts_per_tok=1)
-    assert kernel_swaps.apply_kernel_swaps(Qwen3MoeForCausalLM(config)) == {}
+    assert apply_kernel_swaps(Qwen3MoeForCausalLM(config)) == {}
 
 
 def test_glm5_next_linear_attention_swapped(kernel_calls):
@@ -101,7 +101,7 @@ def test_glm5_next_linear_attention_swapped(kernel_calls):
                 param.normal_(0.0, 1.0)
     swapped = copy.deepcopy(stock)
     # the sparse-attention swap is registered for glm5_next too; this model has no indexed-attention layer
-    assert kernel_swaps.apply_kernel_swaps(swapped) == {"apply_kda_kernels": 2, "apply_sparse_attention_kernels": 0}
+    assert apply_kernel_swaps(swapped) == {"apply_kda_kernels": 2, "apply_sparse_attention_kernels": 0}
     input_ids = torch.randint(1, 64, (2, 50))
     outputs = []
     for model in (stock, swapped):

@@ -11,8 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.support.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
-from moetune.workers.families.glm5_next import indexer
-from moetune.workers.families.kda import apply_kernel_swaps
+from moetune.workers.families import apply_kernel_swaps
+from moetune.workers.families.glm5_next import indexer as glm5_next_indexer
 from moetune.workers.families.glm5_next.sparse_attention import apply_sparse_attention_kernels
 
 TEXT = {

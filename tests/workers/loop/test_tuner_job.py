@@ -14,8 +14,12 @@ import torch
 
 from moetune.api import storage
 from moetune.api.models import JobCreate, JobRunSpec
-from moetune.workers.data.rows import collate, load_rows, tokenize_rows
-from moetune.workers.loop.tuner import INJECT_OOM_ENV, MemoryProbe, token_loss_sum
+from moetune.api.environment import ENV_INJECT_FAULTS
+from moetune.workers.data.rows import load_rows
+from moetune.workers.families import apply_kernel_swaps
+from moetune.workers.loop.tuner import MemoryProbe
+from moetune.workers.methods.sft import collate, token_loss_sum, tokenize_rows
+from moetune.workers.model import trainable_model
 from moetune.workers.tiny import tiny_rows, write_tiny_checkpoint
 from tests.support.jobs import run_in_process
 
@@ -42,22 +46,18 @@ def _activation_bytes(checkpoint: str, training_file: str, sizes: tuple[int, ...
     independently of the job."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moetune.workers.families.kda import apply_kernel_swaps
-    from moetune.workers.lora.peft_lora import trainable_model
-
     spec = JobCreate(model="file:///unused", training_file=training_file, lora=LORA, training=TRAINING)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     apply_kernel_swaps(model)
-    model = trainable_model(model, spec).train()
+    model = trainable_model(model, spec, None).train()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     examples, _ = tokenize_rows(tokenizer, load_rows(training_file, "training_file"), SEQ_LEN)
     probe, measured = MemoryProbe(model, torch.device("cpu")), {}
     for size in sizes:
         batch = collate(examples[:size], tokenizer.pad_token_id)
-        assert batch["input_ids"].shape == (size, SEQ_LEN)
+        assert batch.labels.shape == (size, SEQ_LEN)
         probe.begin()
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        token_loss_sum(logits, batch["labels"]).backward()
+        token_loss_sum(model(**batch.inputs).logits, batch.labels).backward()
         probe.end()
         measured[size] = probe.activation
     return measured
@@ -85,7 +85,7 @@ def test_auto_micro_batch_reaches_the_largest_fit_backs_off_together_and_keeps_t
 
     fixed = _run(base, "ftjob-fixed", {"micro_batch_size": 8}, receiver, monkeypatch, ray_head, {})
     tuned = {"micro_batch_size": "auto", "memory_budget_mb": budget / 1e6, "checkpoint_every": 4}
-    auto = _run(base, "ftjob-auto", tuned, receiver, monkeypatch, ray_head, {INJECT_OOM_ENV: "1:4"})
+    auto = _run(base, "ftjob-auto", tuned, receiver, monkeypatch, ray_head, {ENV_INJECT_FAULTS: "1:4"})
 
     def losses(reports):
         return [r.report.data["train_loss"] for r in reports
@@ -124,7 +124,7 @@ def test_auto_micro_batch_reaches_the_largest_fit_backs_off_together_and_keeps_t
     # An OOM the loop cannot catch (in a backward, on rank 1 at size 4) takes the group down; the restarted group
     # resumes from step 2 (whose tuner state already says 4) but stays below 4, and the job ends normally.
     crash = _run(base, "ftjob-auto-bwd", {**tuned, "checkpoint_every": 2}, receiver, monkeypatch, ray_head,
-                 {INJECT_OOM_ENV: "1:backward:4"})
+                 {ENV_INJECT_FAULTS: "1:backward:4"})
     messages = [r.report.message for r in crash if r.report.kind == "event"]
     assert any(m.startswith("Worker failure 1 (rank 1): ") and "injected OOM in a backward" in m for m in messages)
     assert ("Micro-batch size 2 restored from the checkpoint; a worker ran out of memory at micro-batch size 4 in a "

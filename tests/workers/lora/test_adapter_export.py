@@ -15,10 +15,10 @@ def test_shared_expert_and_dense_mlp_lora_load_as_trained(tmp_path, family_name)
     from safetensors.torch import save_file
 
     from moetune.workers.lora.expert_layout import loadable_adapter_config
-    from moetune.workers.families import family
+    from moetune.workers.families import REGISTRY
     from moetune.workers.lora.peft_lora import apply_lora
 
-    fam = family(family_name)
+    fam = REGISTRY[family_name]
     trained = apply_lora(plain_model(fam), LoraSpec(rank=4, alpha=8.0, dropout=0.1, target_modules="all-linear"))
     with torch.no_grad():
         for name, param in trained.named_parameters():

@@ -40,6 +40,12 @@ def _entry(rank: int, world: int, port: int, fn, args):
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    # Done: skip the interpreter's teardown, where a C++ thread left by gloo or DeepSpeed's shm op can abort the
+    # process ("terminate called without an active exception", seen once after every case had written its
+    # results). That teardown is not under test; a failure inside `fn` still raises above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(fn, world: int, *args) -> None:
@@ -66,12 +72,14 @@ def expert_bytes(model) -> int:
 def make_engine(rank: int, world: int, family_name: str, job: JobCreate, skew: bool = False):
     """The moetune engine of this rank, built exactly as a job builds it (same seeds on every rank)."""
     from moetune.workers.engine.deepspeed import build_engine
-    from moetune.workers.families import family
-    from moetune.workers.lora.peft_lora import trainable_model
+    from moetune.workers.families import REGISTRY
+    from moetune.workers.model import trainable_model
+    from moetune.workers.parallel import job_placement
 
-    model = plain_model(family(family_name), skew_to_first_half=skew)
+    model = plain_model(REGISTRY[family_name], skew_to_first_half=skew)
     torch.manual_seed(1)
-    engine, _ = build_engine(trainable_model(model, job), job, world, job.training.max_steps, bf16=False)
+    placement = job_placement(model.config.to_dict(), job)
+    engine, _ = build_engine(trainable_model(model, job, placement), job, world, job.training.max_steps, bf16=False)
     return engine
 
 
@@ -182,10 +190,10 @@ def expert_grads_in_engine_layout(peft_model, fam) -> dict:
 
 def reference(family_name: str, job: JobCreate, world: int, skew: bool = False, micro: int = 2) -> dict:
     """Plain transformers + PEFT in one process: the same batches, DeepSpeed's rank-mean loss, AdamW, clipping."""
-    from moetune.workers.families import family
+    from moetune.workers.families import REGISTRY
     from moetune.workers.lora.peft_lora import apply_lora
 
-    fam = family(family_name)
+    fam = REGISTRY[family_name]
     model = plain_model(fam, skew_to_first_half=skew)
     torch.manual_seed(1)
     peft_model = apply_lora(model, job.lora)

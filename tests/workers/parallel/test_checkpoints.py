@@ -14,9 +14,9 @@ from tests.workers.parallel.harness import SAVE_AFTER
 def test_resume_is_exact_and_adapter_loads_into_peft(ep_runs, case):
     from peft import PeftModel
 
-    from moetune.workers.families import family
+    from moetune.workers.families import REGISTRY
 
-    fam = family(RESUME_CASES[case][0])
+    fam = REGISTRY[RESUME_CASES[case][0]]
     out, ranks = ep_runs(case)
     for r in ranks:
         assert r["resumed"] == r["losses"][SAVE_AFTER:]  # bit-exact

@@ -7,11 +7,13 @@ import torch
 
 from moetune.api.models import JobCreate, JobRunSpec
 from moetune.api import storage
-from moetune.workers.data.rows import collate, load_rows, step_micro_batches, tokenize_rows
-from moetune.workers.entry.driver import run_job
+from moetune.workers.data.rows import load_rows
+from moetune.workers.data.sampling import step_micro_batches
 from moetune.workers.lora.expert_layout import b_from_peft
-from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.methods.batch import IGNORE
+from moetune.workers.methods.sft import collate, tokenize_rows
 from moetune.workers.tiny import write_tiny_checkpoint, write_tiny_dataset
+from tests.support.jobs import run_in_process
 
 pytestmark = pytest.mark.ray_job
 
@@ -26,17 +28,14 @@ def _plain_first_loss(run: JobRunSpec, checkpoint: str) -> float:
     batches = [collate([examples[i] for i in indices], tokenizer.pad_token_id) for rank in range(world)
                for indices in step_micro_batches(len(examples), 0, t.global_batch_size, t.micro_batch_size,
                                                  rank, world, run.seed)]
-    counts = [(b["labels"][:, 1:] != -100).sum().item() for b in batches]  # the job's loss is a token mean
+    counts = [(b.labels[:, 1:] != IGNORE).sum().item() for b in batches]  # the job's loss is a token mean
     with torch.no_grad():
-        return sum(model(**b).loss.item() * n for b, n in zip(batches, counts)) / sum(counts)
+        return sum(model(**b.inputs, labels=b.labels).loss.item() * n for b, n in zip(batches, counts)) / sum(counts)
 
 
 def test_ep2_expert_lora_job_on_ray(s3_bucket, ray_head, receiver, tmp_path, monkeypatch):
-    import ray
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from moetune.api.models import ENV_CALLBACK_URL, ENV_JOB_TOKEN
 
     base = f"s3://{s3_bucket}"
     checkpoint = write_tiny_checkpoint(str(tmp_path / "model"))
@@ -50,13 +49,7 @@ def test_ep2_expert_lora_job_on_ray(s3_bucket, ray_head, receiver, tmp_path, mon
                      parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2})
     run = JobRunSpec(job_id="ftjob-ep2", spec=spec, seed=5, output_uri=f"{base}/out/ftjob-ep2")
 
-    monkeypatch.setenv(ENV_CALLBACK_URL, receiver.url)  # the driver forwards these to its workers
-    monkeypatch.setenv(ENV_JOB_TOKEN, "tok")
-    ray.init(address=ray_head.gcs_address)
-    try:
-        ok = run_job(run, Reporter(run.job_id))
-    finally:
-        ray.shutdown()
+    ok = run_in_process(run, ray_head, receiver, monkeypatch)
     (result,) = receiver.of_kind("result")
     assert ok, result.error
     assert any("expert parallel 2" in e.message for e in receiver.of_kind("event"))

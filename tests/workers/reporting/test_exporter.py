@@ -8,27 +8,26 @@ import time
 import httpx
 from prometheus_client import CollectorRegistry, Gauge
 
-from moetune.workers.reporting.exporter import ENV_METRICS_PORT, Exporter
+from moetune.workers.reporting.exporter import Exporter
 
 
-def _exporter(monkeypatch) -> tuple[Exporter, Gauge, str]:
-    monkeypatch.setenv(ENV_METRICS_PORT, "0")
+def _exporter() -> tuple[Exporter, Gauge, str]:
     registry = CollectorRegistry()
     step = Gauge("moetune_test_step", "step", registry=registry)
-    exporter = Exporter(registry, local_rank=0, host="127.0.0.1", target_name="t")
+    exporter = Exporter(registry, local_rank=0, host="127.0.0.1", target_name="t", port_setting="0", targets_dir=None)
     return exporter, step, f"http://{exporter.address}/metrics"
 
 
-def test_unscraped_worker_never_waits(monkeypatch):
-    exporter, _, _ = _exporter(monkeypatch)
+def test_unscraped_worker_never_waits():
+    exporter, _, _ = _exporter()
     started = time.monotonic()
     assert exporter.await_scrape() is False
     exporter.close()
     assert time.monotonic() - started < 1
 
 
-def test_close_waits_for_a_scrape_of_the_final_values(monkeypatch):
-    exporter, step, url = _exporter(monkeypatch)
+def test_close_waits_for_a_scrape_of_the_final_values():
+    exporter, step, url = _exporter()
     for _ in range(2):  # a scraper 0.5 s apart: the wait is bounded by two such intervals
         httpx.get(url)
         time.sleep(0.5)
@@ -42,8 +41,8 @@ def test_close_waits_for_a_scrape_of_the_final_values(monkeypatch):
     assert not closing.is_alive() and "moetune_test_step 8.0" in final
 
 
-def test_wait_gives_up_when_scraping_stops(monkeypatch):
-    exporter, _, url = _exporter(monkeypatch)
+def test_wait_gives_up_when_scraping_stops():
+    exporter, _, url = _exporter()
     for _ in range(2):
         httpx.get(url)
         time.sleep(0.5)

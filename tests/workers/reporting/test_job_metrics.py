@@ -12,19 +12,13 @@ import pytest
 import torch
 
 from moetune.api import storage
-from moetune.api.models import (
-    ENV_CALLBACK_URL,
-    ENV_JOB_TOKEN,
-    SUMMARY_FILE,
-    JobCreate,
-    JobRunSpec,
-)
-from moetune.workers.entry.driver import run_job
+from moetune.api.environment import ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR
+from moetune.api.layout import SUMMARY_FILE
+from moetune.api.models import JobCreate, JobRunSpec
 from moetune.workers.reporting.expert_load import HOT_EXPERTS, LOAD_RATIO_BUCKETS
-from moetune.workers.reporting.exporter import ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR
-from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.tiny import write_tiny_checkpoint, write_tiny_dataset
 from tests.support import REPO
+from tests.support.jobs import run_in_process
 from tests.support.prometheus import SCRAPE_INTERVAL_S
 
 pytestmark = pytest.mark.ray_job
@@ -33,9 +27,7 @@ CUDA_ONLY = "(CUDA workers only)"  # panel title marker: no data from CPU worker
 STEPS = 8
 
 
-def _run_ep2_job(ray_address: str, bucket: str, tmp_path: Path) -> JobRunSpec:
-    import ray
-
+def _run_ep2_job(ray_head, receiver, monkeypatch, bucket: str, tmp_path: Path) -> JobRunSpec:
     base = f"s3://{bucket}"
     storage.upload_dir(write_tiny_checkpoint(str(tmp_path / "model")), f"{base}/model")
     for name, rows, seed in (("train.jsonl", 64, 0), ("valid.jsonl", 8, 1)):
@@ -47,11 +39,7 @@ def _run_ep2_job(ray_address: str, bucket: str, tmp_path: Path) -> JobRunSpec:
                                "seq_len": 64},
                      parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2})
     run = JobRunSpec(job_id="ftjob-metrics", spec=spec, seed=3, output_uri=f"{base}/out/ftjob-metrics")
-    ray.init(address=ray_address)
-    try:
-        assert run_job(run, Reporter(run.job_id))
-    finally:
-        ray.shutdown()
+    assert run_in_process(run, ray_head, receiver, monkeypatch)
     return run
 
 
@@ -69,12 +57,10 @@ def _label_values(prometheus, definition: str, job_id: str, window: tuple[float,
 
 def test_every_dashboard_panel_has_data_from_a_real_ep2_job(prometheus, s3_bucket, ray_head, receiver, tmp_path,
                                                            monkeypatch):
-    monkeypatch.setenv(ENV_CALLBACK_URL, receiver.url)  # the driver forwards these to its workers
-    monkeypatch.setenv(ENV_JOB_TOKEN, "tok")
     monkeypatch.setenv(ENV_METRICS_PORT, "0")  # any free port: other jobs may run on this machine
     monkeypatch.setenv(ENV_METRICS_TARGETS_DIR, str(prometheus.targets_dir))
     started = time.time()
-    run = _run_ep2_job(ray_head.gcs_address, s3_bucket, tmp_path)
+    run = _run_ep2_job(ray_head, receiver, monkeypatch, s3_bucket, tmp_path)
     time.sleep(2 * SCRAPE_INTERVAL_S)  # let the last scrapes land
     window = (started, time.time())
     assert not list(prometheus.targets_dir.glob("*.json")), "workers must withdraw their file_sd targets"

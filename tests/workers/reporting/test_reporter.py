@@ -1,3 +1,4 @@
+from moetune.api.layout import result_from_summary
 from moetune.service.embedded import free_port
 from moetune.workers.reporting.reporter import Reporter
 
@@ -7,7 +8,7 @@ def test_posts_reports_with_the_job_token(receiver):
     assert r.event("Loading model")
     assert r.metrics(3, train_loss=1.5, total_steps=10)
     assert r.checkpoint(3, "s3://b/out/checkpoints/step-3", train_loss=1.5)
-    assert r.succeeded("s3://b/out/adapter", ["s3://b/out/metrics.jsonl"], trained_tokens=42)
+    assert r.send(result_from_summary("s3://b/out", {"trained_tokens": 42}))
     assert r.failed("invalid_training_file", "row 3: bad", "training_file")
     assert {req for req in receiver.requests} == {("/internal/v1/jobs/ftjob-1/reports", "Bearer secret")}
     kinds = [rep.report.kind for rep in receiver.reports]
@@ -28,6 +29,5 @@ def test_never_raises_when_the_control_plane_is_down():
     assert r.event("hi") is False
 
 
-def test_without_callback_url_only_logs(monkeypatch):
-    monkeypatch.delenv("MOETUNE_CALLBACK_URL", raising=False)
-    assert Reporter("j").event("hi") is False
+def test_without_callback_url_only_logs():
+    assert Reporter("j", callback_url=None, token=None).event("hi") is False

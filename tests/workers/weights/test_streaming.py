@@ -11,13 +11,16 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from moetune.api.models import ENV_S3_ENDPOINT_URL
+from moetune.api.environment import ENV_S3_ENDPOINT_URL
 from moetune.service.cli import main
-from tests.workers.weights.proxy import FaultProxy
-from moetune.workers.model import load_summary
+from tests.support.proxy import FaultProxy
+
 from moetune.workers.weights.cache import RangeCache
 from moetune.workers.weights.errors import WeightsError
-from moetune.workers.weights.loader import stream_model
+from moetune.workers.parallel.experts import ExpertParallelExperts
+from moetune.workers.parallel.placement import placement_at
+from moetune.workers.settings import WorkerSettings
+from moetune.workers.weights.loader import load_summary, stream_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -91,9 +94,11 @@ def test_push_inspect_and_stream_each_rank_only_its_bytes(tiny_dir, s3_bucket, p
             sizes.update({k: f.get_slice(k).get_shape() for k in f.keys()})  # noqa: SIM118 - safe_open is no dict
     expert_bytes = sum(4 * torch.Size(shape).numel() for k, shape in sizes.items() if ".experts." in k)
     tensor_bytes = sum(4 * torch.Size(shape).numel() for shape in sizes.values())
+    config = json.loads((pushed / "config.json").read_text())
     for rank in range(2):
         proxy.reset_counts()
-        part = stream_model(uri, CPU, F32, rank, 2, cache_dir="")
+        placement = placement_at(config, 2, rank)
+        part = stream_model(uri, CPU, F32, placement, cache_dir="")
         assert part.stats.bytes_needed == tensor_bytes - expert_bytes // 2 == report["bytes_per_rank"][rank]
         assert part.stats.bytes_from_storage <= 1.05 * part.stats.bytes_needed
         # What crossed the wire: the planned ranges, plus shard headers and the small JSON files.
@@ -103,14 +108,16 @@ def test_push_inspect_and_stream_each_rank_only_its_bytes(tiny_dir, s3_bucket, p
                 assert tensor.shape[0] == 4 and torch.equal(tensor, reference[name][4 * rank:4 * rank + 4])
             else:
                 assert torch.equal(tensor, reference[name])
+        # The expert-parallel module takes the streamed rows as they are (no copy, no full tensor).
         experts = part.model.model.layers[1].mlp.experts
-        assert experts.loaded_experts == slice(4 * rank, 4 * rank + 4)
+        ep_experts = ExpertParallelExperts(experts, placement)
+        assert ep_experts.gate_up_proj.data_ptr() == experts.gate_up_proj.data_ptr()
 
     # The local cache (keyed by ETag) serves a restarted load without reading the weights again.
     cache = str(tmp_path / "cache")
-    stream_model(uri, CPU, F32, 0, 2, cache_dir=cache)
+    stream_model(uri, CPU, F32, placement_at(config, 2, 0), cache_dir=cache)
     proxy.reset_counts()
-    again = stream_model(uri, CPU, F32, 0, 2, cache_dir=cache)
+    again = stream_model(uri, CPU, F32, placement_at(config, 2, 0), cache_dir=cache)
     assert again.stats.bytes_from_storage == 0 and again.stats.bytes_from_cache == again.stats.bytes_needed
     assert proxy.ranged_gets == 0
 
@@ -166,7 +173,7 @@ def test_missing_tensor_and_shape_mismatch_list_the_names(tiny_dir, tmp_path):
         stream_model(f"file://{broken}", CPU, F32, cache_dir="")
 
 
-def test_cache_stays_under_its_cap_and_keeps_what_fits(tiny_dir, s3_bucket, proxy, tmp_path, monkeypatch):
+def test_cache_stays_under_its_cap_and_keeps_what_fits(tiny_dir, s3_bucket, proxy, tmp_path):
     uri = f"s3://{s3_bucket}/tiny-capped"
     _push(tiny_dir, uri)  # several 300 KB shards: one cached object per shard
     root = tmp_path / "cache"
@@ -183,27 +190,25 @@ def test_cache_stays_under_its_cap_and_keeps_what_fits(tiny_dir, s3_bucket, prox
     # objects to admit others (that would evict each range just before it is needed again, for no hit at all),
     # so the same half serves every later load and the rest is read from storage without being cached.
     cap = total // 2
-    monkeypatch.setenv("MOETUNE_WEIGHTS_CACHE_MAX_GB", str(cap / 1e9))
     reference = _reference(tiny_dir)
     for _ in range(2):
         proxy.reset_counts()
-        out = stream_model(uri, CPU, F32, cache_dir=str(root))
+        out = stream_model(uri, CPU, F32, cache_dir=str(root), cache_max_bytes=cap)
         assert cached_bytes() <= cap and int((root / ".bytes").read_text()) == cached_bytes()
         assert 0 < out.stats.bytes_from_cache < out.stats.bytes_needed and out.stats.bytes_not_cached > 0
         assert out.stats.bytes_from_storage + out.stats.bytes_from_cache >= out.stats.bytes_needed
         state = out.model.state_dict()
         assert all(torch.equal(state[k], reference[k]) for k in reference)
 
-    monkeypatch.setenv("MOETUNE_WEIGHTS_CACHE_MAX_GB", "0")  # nothing fits: loads go on, uncached, and say so
-    shutil.rmtree(root)
-    out = stream_model(uri, CPU, F32, cache_dir=str(root))
+    shutil.rmtree(root)  # nothing fits (MOETUNE_WEIGHTS_CACHE_MAX_GB=0): loads go on, uncached, and say so
+    out = stream_model(uri, CPU, F32, cache_dir=str(root), cache_max_bytes=WorkerSettings.from_env(
+        {"MOETUNE_WEIGHTS_CACHE_MAX_GB": "0"}).weights_cache_max_bytes)
     assert out.stats.bytes_not_cached >= out.stats.bytes_needed and cached_bytes() == 0
     message, data = load_summary(out, ep_size=1)
     assert "not cached: the local weights cache is full" in message and data["bytes_not_cached"] > 0
 
-    monkeypatch.setenv("MOETUNE_WEIGHTS_CACHE_MAX_GB", "lots")
     with pytest.raises(ValueError, match="MOETUNE_WEIGHTS_CACHE_MAX_GB='lots': expected a size in GB"):
-        stream_model(uri, CPU, F32, cache_dir=str(root))
+        WorkerSettings.from_env({"MOETUNE_WEIGHTS_CACHE_MAX_GB": "lots"})
 
 
 def test_cache_keeps_a_free_space_floor_on_its_disk(tmp_path):

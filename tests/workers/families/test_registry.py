@@ -1,0 +1,44 @@
+"""The family registry: every family has both halves (torch-free facts for the control plane, a worker module with
+its FAMILY), and the facts agree with the real transformers model classes."""
+
+import importlib
+import pkgutil
+
+import pytest
+import torch
+
+from moetune.api.families import FAMILIES
+from moetune.workers import families
+from moetune.workers.families import REGISTRY, auto_model_class, family_for
+
+
+def test_every_family_module_has_facts_and_every_fact_a_module():
+    modules = {}
+    for info in pkgutil.iter_modules(families.__path__):
+        module = importlib.import_module(f"{families.__name__}.{info.name}")
+        if hasattr(module, "FAMILY"):
+            modules[info.name] = module.FAMILY
+    assert set(modules) == set(FAMILIES) == set(REGISTRY), "a family is registered in one place and not the other"
+    for name, fam in modules.items():
+        assert fam is REGISTRY[name] and fam.facts is FAMILIES[name] and fam.model_type == name
+
+
+def test_sub_model_types_find_their_family_and_unknown_ones_name_the_supported():
+    assert family_for({"model_type": "glm5_next_text"}) is REGISTRY["glm5_next"]
+    with pytest.raises(Exception, match="model_type 'llama' is not supported; supported: deepseek_v3, glm5_next"):
+        family_for({"model_type": "llama"})
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_facts_match_the_transformers_models(name):
+    """The control plane's pure-data facts agree with the real model classes (built on the meta device)."""
+    fam = REGISTRY[name]
+    config = fam.tiny_config()
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(config)
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and (fam.lora_scope is None or fam.lora_scope in f".{n}")}
+    assert linear - {"lm_head"} <= set(fam.facts.linear_names)
+    blocks = list(fam.moe_blocks(model))
+    assert blocks and all(getattr(b, fam.experts).num_experts == fam.facts.num_experts(config.to_dict())
+                          for _, b in blocks)
