@@ -6,8 +6,8 @@ free port instead and says so in a job event. With MOETUNE_METRICS_TARGETS_DIR s
 its address there as a Prometheus file_sd target file (removed when the worker ends), which is how a
 Prometheus outside Kubernetes finds workers on any port.
 
-A worker that is being scraped waits for one more scrape (at most two of the intervals it has seen + 1 s, never
-over SCRAPE_WAIT_MAX_S) twice: when training starts, so that counters are seen at 0 before the first step
+A worker that is being scraped (or announced for file_sd, whose first scrape may still be on its way) waits for one
+more scrape (at most two of the intervals it has seen + 1 s, never over SCRAPE_WAIT_MAX_S) twice: when training starts, so that counters are seen at 0 before the first step
 (rate() and increase() cannot count what happened before a series' first sample), and when it ends, so that
 the last steps' values, often the whole of a short job's counters, reach Prometheus.
 """
@@ -45,10 +45,11 @@ class ScrapeWatch:
             self.changed.notify_all()
         return []
 
-    def await_next(self) -> bool:
-        """Waits for a scrape that starts from now on; False at once if nothing has ever scraped."""
+    def await_next(self, expected: bool) -> bool:
+        """Waits for a scrape that starts from now on; False at once if nothing has ever scraped, unless a scrape
+        is `expected` (the worker announced itself for discovery: the first one may still be on its way)."""
         with self.changed:
-            if not self.scrapes:
+            if not self.scrapes and not expected:
                 return False
             seen = self.scrapes
             # two intervals and a second of slack for a late scrape
@@ -91,7 +92,7 @@ class Exporter:
 
     def await_scrape(self) -> bool:
         """Returns after the next scrape (True), or at once if nothing scrapes this worker (False)."""
-        return bool(self.server) and self.scrape_watch.await_next()
+        return bool(self.server) and self.scrape_watch.await_next(expected=self.target_file is not None)
 
     def close(self) -> None:
         """After a final scrape, withdraws the target and stops serving. A response still being written
