@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetune.api.models import SpecError
+from moetune.api.quantization import quantization_of
 
 # Linear module names every family shares (dense MLPs and shared experts).
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -47,17 +48,12 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
 )}
 
 
-def needs_model_config(spec) -> bool:
-    """Whether check_model_spec has anything to check for this resolved JobCreate."""
-    return (spec.parallelism.expert_parallel_size > 1 or spec.lora.train_experts
-            or isinstance(spec.lora.target_modules, list))
-
-
 def check_model_spec(config: dict, spec) -> None:
     """Rules that need the model's config.json; raises api.models.SpecError naming the field.
 
     `spec` is a resolved JobCreate. Used at submission (422) and again by the driver before workers start.
     """
+    quantization_of(config)  # an unsupported quantized format is refused before anything else
     par, lora = spec.parallelism, spec.lora
     facts = FAMILIES.get(config.get("model_type"))
     if facts is None:

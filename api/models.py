@@ -80,6 +80,9 @@ class TrainingSpec(_Strict):
     keep_checkpoints: int | None = Field(None, ge=1)
     # moetune's kernels (kernels/) replace the family's attention cores; False keeps transformers' own code.
     custom_kernels: bool = True
+    # A quantized checkpoint's frozen weights (FP8 block, INT4 pack-quantized) stay in their stored format and are
+    # dequantized a tile at a time inside the compute; "dequantized" expands them once at load instead.
+    base_weights: Literal["quantized", "dequantized"] = "quantized"
 
     @field_validator("micro_batch_size")
     @classmethod

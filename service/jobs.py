@@ -7,7 +7,7 @@ import json
 import secrets
 
 from moetune.api.errors import ErrorCode
-from moetune.api.families import check_model_spec, needs_model_config
+from moetune.api.families import check_model_spec
 from moetune.api.models import JobCreate, JobStatus, SpecError, resolve_spec
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.files import read_model_config
@@ -45,7 +45,7 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
     try:
         spec = resolve_spec(request)
         # Rules that need the model's config.json; when storage cannot answer now, the driver checks them.
-        if needs_model_config(spec) and (config := read_model_config(spec, settings.s3_endpoint_url)) is not None:
+        if (config := read_model_config(spec, settings.s3_endpoint_url)) is not None:
             check_model_spec(config, spec)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None

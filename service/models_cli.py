@@ -83,8 +83,8 @@ def inspect(uri: str, ep: int, as_json: bool) -> None:
         click.echo(json.dumps(report))
         return
     table = Table(show_header=False)
-    for key in ("uri", "model_type", "parameters", "expert_parameters", "moe_layers", "experts_per_layer",
-                "checkpoint_bytes", "manifest"):
+    for key in ("uri", "model_type", "quantization", "parameters", "expert_parameters", "moe_layers",
+                "experts_per_layer", "checkpoint_bytes", "manifest"):
         table.add_row(key, f"{report[key]:,}" if isinstance(report[key], int) and not isinstance(report[key], bool)
                       else str(report[key]))
     for rank, n in enumerate(report["bytes_per_rank"]):

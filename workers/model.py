@@ -8,7 +8,7 @@ from moetune.api.models import JobCreate
 from moetune.workers.errors import JobError
 from moetune.workers.families import family_for
 from moetune.workers.lora.peft_lora import apply_lora
-from moetune.workers.parallel import needs_expert_module, parallelize
+from moetune.workers.parallel import needs_expert_module, parallelize, quantized_experts
 from moetune.workers.parallel.placement import ExpertPlacement
 
 
@@ -35,6 +35,9 @@ def trainable_model(model, spec: JobCreate, placement: ExpertPlacement | None):
 
     Every rank must have drawn the same random state (LoRA init)."""
     peft_model = apply_lora(model, spec.lora)
-    if needs_expert_module(placement, spec.lora):
-        parallelize(peft_model, family_for(model.config), placement, spec.lora, spec.training.custom_kernels)
+    if placement is None:
+        return peft_model
+    family = family_for(model.config)
+    if needs_expert_module(placement, spec.lora) or quantized_experts(model, family):
+        parallelize(peft_model, family, placement, spec.lora, spec.training.custom_kernels)
     return peft_model

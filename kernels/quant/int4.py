@@ -3,7 +3,8 @@ the input dim, eight per int32 word, element i of a row at bits 4*(i%8) of word 
 on a little-endian host byte c//2 holds element c, low nibble for even c. An asymmetric scheme adds a zero point
 packed the same way along the output dim. Checkpoints also carry `weight_shape` ([out, in], int64), implied here.
 Reference: compressed_tensors/compressors/pack_quantized (pack_to_int32) and quantization/lifecycle/forward.py
-(_quantize/_dequantize: the product in the scale's dtype, bf16, rounded once)."""
+(_quantize/_dequantize: the product in the scale's dtype, bf16, rounded once; computed here exactly in fp32, then
+cast)."""
 
 from __future__ import annotations
 
@@ -45,12 +46,14 @@ class Int4PackedWeight(QuantizedWeight):
         return torch.Size((*self.weight_packed.shape[:-1], self.weight_packed.shape[-1] * 8))
 
     def _dense(self, start, stop):
-        scale = self.weight_scale[..., start:stop, :, None]
-        x = _unpack(self.weight_packed[..., start:stop, :]).unflatten(-1, (scale.shape[-2], -1)).to(scale.dtype)
+        # In fp32 the product of a 4-bit code and a bf16 scale is exact; cast to bf16 it rounds once, which is
+        # bit for bit compressed-tensors' product in bf16, and fp32 compute gets the exact value.
+        scale = self.weight_scale[..., start:stop, :, None].float()
+        x = _unpack(self.weight_packed[..., start:stop, :]).unflatten(-1, (scale.shape[-2], -1)).float()
         if self.weight_zero_point is not None:
             word = start // 8
             zp = _unpack(self.weight_zero_point[..., word:-(-stop // 8), :].transpose(-1, -2)).transpose(-1, -2)
-            x = x - zp[..., start - 8 * word:stop - 8 * word, :, None].to(scale.dtype)
+            x = x - zp[..., start - 8 * word:stop - 8 * word, :, None].float()
         return (x * scale).flatten(-2)
 
 

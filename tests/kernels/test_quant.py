@@ -46,7 +46,9 @@ def _int4_reference(q: Int4PackedWeight) -> torch.Tensor:
         zp = (_nibbles(q.weight_zero_point.transpose(-1, -2)) - 8).transpose(-1, -2)[..., :rows, :]
         values = values - zp.repeat_interleave(values.shape[-1] // groups, -1)
     scale = q.weight_scale.repeat_interleave(values.shape[-1] // groups, -1)
-    return values.to(torch.bfloat16) * scale  # one bf16 rounding, like compressed-tensors' _dequantize
+    # the exact product (a 4-bit code times a bf16 scale fits fp32); cast to bf16 it is compressed-tensors'
+    # _dequantize, the product in bf16 rounded once
+    return values.double() * scale.double()
 
 
 def _mxfp4_reference(q: Mxfp4Weight) -> torch.Tensor:

@@ -78,7 +78,8 @@ class _Worker:
         self.placement = job_placement(config, self.spec)
         # Each rank streams its own share of the weights (workers.weights): non-expert tensors, its experts.
         streamed = stream_model(self.spec.model, self.device, load_dtype(self.device), self.placement,
-                                self.settings.weights_cache_dir, self.settings.weights_cache_max_bytes)
+                                self.settings.weights_cache_dir, self.settings.weights_cache_max_bytes,
+                                self.t.base_weights)
         message, data = load_summary(streamed, ep_size)
         data["bytes_from_storage_all_ranks"] = int(self.collectives.all_sum(streamed.stats.bytes_from_storage)[0])
         self.event(message, data=data)

@@ -4,14 +4,21 @@
 from __future__ import annotations
 
 from moetune.api.models import JobCreate, LoraSpec
+from moetune.kernels.quant import held_names
 from moetune.workers.families.spec import Family
 from moetune.workers.parallel.experts import ExpertParallelExperts, trainable_experts_class
 from moetune.workers.parallel.placement import ExpertPlacement, expert_placement, placement_at
 
 
 def needs_expert_module(placement: ExpertPlacement | None, lora: LoraSpec) -> bool:
-    """Whether the routed experts leave transformers' module: they are sharded, or they get their own LoRA."""
+    """Whether the routed experts need the expert-parallel module's process groups: they are sharded, or they get
+    their own LoRA."""
     return placement is not None and (placement.sharded or lora.train_experts)
+
+
+def quantized_experts(model, family: Family) -> bool:
+    """Whether the loader left the frozen experts quantized (transformers' experts module cannot run them)."""
+    return any(held_names(getattr(block, family.experts)) for _, block in family.moe_blocks(model))
 
 
 def job_placement(config: dict, spec: JobCreate) -> ExpertPlacement | None:

@@ -2,7 +2,8 @@
 
 Two interchangeable functions with one contract: `fused_expert_forward` (kernels.moe: grouped GEMMs with fused
 LoRA, Triton on CUDA, torch's grouped_mm elsewhere; what jobs run with `training.custom_kernels`) and
-`grouped_expert_forward` (a per-expert PyTorch loop: kernels off, and the oracle the kernels are tested against).
+`grouped_expert_forward` (a per-expert PyTorch loop: kernels off, quantized frozen experts (each expert's weight
+dequantized a tile at a time, never all of them), and the oracle the kernels are tested against).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetune.kernels.moe import moe_lora_mlp
+from moetune.kernels.quant import QuantizedWeight, quantized_linear
 
 
 @dataclass
@@ -24,8 +26,9 @@ class ExpertLoraFactors:
 
 
 def _project(x, weight, a, b, scaling):
-    """x @ weightᵀ, plus the low-rank path computed from the factors (W + ΔW is never formed)."""
-    y = x @ weight.transpose(0, 1)
+    """x @ weightᵀ, plus the low-rank path computed from the factors (W + ΔW is never formed). A quantized weight
+    is dequantized a tile of rows at a time, forward and backward (kernels.quant)."""
+    y = quantized_linear(x, weight) if isinstance(weight, QuantizedWeight) else x @ weight.transpose(0, 1)
     if a is not None:
         y = y + scaling * ((x @ a.transpose(0, 1)) @ b.transpose(0, 1))
     return y
@@ -35,6 +38,10 @@ def _expert_factors(lora: ExpertLoraFactors | None, e: int) -> tuple:
     if lora is None:
         return None, None, None, None, 0.0
     return lora.gate_up_a[e], lora.gate_up_b[e], lora.down_a[e], lora.down_b[e], lora.scaling
+
+
+def _expert(weights, e: int):
+    return weights.expert(e) if isinstance(weights, QuantizedWeight) else weights[e]
 
 
 class GatedActivation:
@@ -61,8 +68,8 @@ def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activ
     outputs = []
     for e, xs in enumerate(torch.split(x_sorted, counts)):
         gu_a, gu_b, d_a, d_b, scaling = _expert_factors(lora, e)
-        hidden = activation(_project(xs, w_gate_up[e], gu_a, gu_b, scaling))
-        outputs.append(_project(hidden, w_down[e], d_a, d_b, scaling))
+        hidden = activation(_project(xs, _expert(w_gate_up, e), gu_a, gu_b, scaling))
+        outputs.append(_project(hidden, _expert(w_down, e), d_a, d_b, scaling))
     return torch.cat(outputs)
 
 

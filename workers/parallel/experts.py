@@ -19,6 +19,7 @@ from moetune.workers.parallel.compute import (
     fused_expert_forward,
     grouped_expert_forward,
 )
+from moetune.kernels.quant import held, held_names, hold
 from moetune.workers.parallel.placement import ExpertPlacement
 from moetune.workers.parallel.alltoall import AllToAllStats
 
@@ -73,7 +74,9 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, experts: nn.Module, ep: ExpertPlacement, lora_rank: int = 0, lora_alpha: float = 1.0,
                  fused_kernel: bool = True):
         nn.Module.__init__(self)  # not super(): the trainable subclass must skip AutoEPMoELayer's own __init__
-        self.compute = fused_expert_forward if fused_kernel else grouped_expert_forward
+        quantized = held_names(experts)  # a quantized base: the loader left the frozen experts in their format
+        # kernels.moe's grouped GEMMs take dense weights; quantized experts run one expert at a time
+        self.compute = fused_expert_forward if fused_kernel and not quantized else grouped_expert_forward
         self.num_experts = experts.num_experts
         if self.num_experts != ep.num_experts:
             raise ValueError(f"experts module has {self.num_experts} experts, the placement {ep.num_experts}")
@@ -84,10 +87,17 @@ class ExpertParallelExperts(nn.Module):
                                           getattr(experts, "swiglu_limit", None))
         # The streaming loader allocates only this rank's experts; a full module is sliced, and cloned: the full
         # tensors must not stay alive through a view.
-        own = ((lambda t: t.detach()) if experts.gate_up_proj.shape[0] == ep.count
-               else (lambda t: t.detach()[ep.local].clone()))
-        self.gate_up_proj = nn.Parameter(own(experts.gate_up_proj), requires_grad=False)
-        self.down_proj = nn.Parameter(own(experts.down_proj), requires_grad=False)
+        for name in ("gate_up_proj", "down_proj"):
+            if name in quantized:
+                qweight = held(experts, name)
+                if qweight.shape[0] != ep.count:
+                    qweight = qweight.with_tensors(**{k: t[ep.local].clone() for k, t in qweight.tensors().items()})
+                hold(self, name, qweight)
+            else:
+                weight = getattr(experts, name).detach()
+                own = weight if weight.shape[0] == ep.count else weight[ep.local].clone()
+                setattr(self, name, nn.Parameter(own, requires_grad=False))
+        self.quantized = bool(quantized)
         self.lora_rank, self.lora_scaling = lora_rank, lora_alpha / max(lora_rank, 1)
         if lora_rank:
             self._init_lora(ep.local)
@@ -101,14 +111,21 @@ class ExpertParallelExperts(nn.Module):
         """A like PEFT's kaiming-uniform init, B = 0. All experts' A are drawn on every rank (same seed gives
         the same adapter wherever an expert lives), then sliced."""
         r = self.lora_rank
-        two_i, hidden = self.gate_up_proj.shape[1:]
-        a_gate_up, a_down = init_expert_lora_a(self.num_experts, r, hidden, self.down_proj.shape[2],
-                                               self.gate_up_proj.dtype)
+        gate_up, down = self.base_weights()
+        two_i, hidden = gate_up.shape[1:]
+        # LoRA in the compute dtype: a quantized base has none of its own (CPU fp32; DeepSpeed's bf16 casts it)
+        dtype = torch.float32 if self.quantized else gate_up.dtype
+        a_gate_up, a_down = init_expert_lora_a(self.num_experts, r, hidden, down.shape[2], dtype)
         self.lora_gate_up_a = nn.Parameter(a_gate_up[local].clone())
         self.lora_down_a = nn.Parameter(a_down[local].clone())
-        dtype = self.gate_up_proj.dtype
         self.lora_gate_up_b = nn.Parameter(torch.zeros(self.num_local_experts, two_i, r, dtype=dtype))
         self.lora_down_b = nn.Parameter(torch.zeros(self.num_local_experts, hidden, r, dtype=dtype))
+
+    def base_weights(self) -> tuple:
+        """(gate_up, down): frozen dense parameters, or QuantizedWeights (a quantized base)."""
+        if self.quantized:
+            return held(self, "gate_up_proj"), held(self, "down_proj")
+        return self.gate_up_proj, self.down_proj
 
     def lora_factors(self) -> ExpertLoraFactors | None:
         if not self.lora_rank:
@@ -136,7 +153,7 @@ class ExpertParallelExperts(nn.Module):
 
         local_expert = torch.arange(n_local, device=recv.device).repeat(ep.size).repeat_interleave(recv.flatten())
         by_expert = torch.argsort(local_expert, stable=True)
-        y = self.compute(received[by_expert], recv.sum(0).tolist(), self.gate_up_proj, self.down_proj,
+        y = self.compute(received[by_expert], recv.sum(0).tolist(), *self.base_weights(),
                          self.activation, self.lora_factors())
         y = y[torch.argsort(by_expert)]  # back to (source rank, local expert) order
         returned = _exchange(y, in_splits, out_splits, ep, self.comm)

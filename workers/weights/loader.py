@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 from moetune.api import storage
 from moetune.api.environment import ENV_WEIGHTS_CACHE_MAX_GB
+from moetune.api.models import SpecError
+from moetune.api.quantization import Quantization, quantization_of
 from moetune.workers.families import auto_model_class, known_family
 from moetune.workers.parallel.placement import ExpertPlacement
 from moetune.workers.weights import manifest as manifest_file
 from moetune.workers.weights.cache import RangeCache
-from moetune.workers.weights.errors import WeightsError
-from moetune.workers.weights.fetch import FetchStats, RangeFetcher, Source
+from moetune.workers.weights.errors import WeightsError, tensor_list
+from moetune.workers.weights.fetch import FetchStats, RangeFetcher, Source, torch_dtype
+from moetune.workers.weights.formats import build, parse_storage_name
 from moetune.workers.weights.header import TensorInfo, read_header
 from moetune.workers.weights.mapping import NameMapper
 from moetune.workers.weights.plan import Plan, plan_rank
+from moetune.workers.weights.quantized import install
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 WEIGHT_FILES = (INDEX_FILE, ".safetensors", manifest_file.MANIFEST_FILE)
@@ -41,6 +46,14 @@ class Checkpoint:
     tensors: dict[str, dict[str, TensorInfo]]  # shard -> tensors
     manifest: dict | None
 
+    @property
+    def quantization(self) -> Quantization | None:
+        """The checkpoint's quantized format (config.json), or None; an unsupported one is an error."""
+        try:
+            return quantization_of(self.config)
+        except SpecError as e:
+            raise WeightsError(f"{self.uri}: {e.message.removeprefix('model: ')}") from None
+
 
 @dataclass
 class StreamedModel:
@@ -49,6 +62,8 @@ class StreamedModel:
     stats: FetchStats
     verified: bool  # every piece checked against the manifest
     seconds: float
+    quantization: str | None = None  # the checkpoint's quantized format (moetune.api.quantization)
+    quantized_bytes: int = 0  # frozen weights this rank holds still quantized
 
 
 def _read_json(fs, path: str, what: str) -> dict:
@@ -142,19 +157,22 @@ def plan_for(ckpt: Checkpoint, model, placement: ExpertPlacement | None = None) 
     persistent = model.state_dict(keep_vars=True)
     shapes.update({name: tuple(b.shape) for name, b in model.named_buffers() if name in persistent})
     digests = ckpt.manifest["tensors"] if ckpt.manifest else None
-    return plan_rank(ckpt.tensors, NameMapper(model), shapes, set(params), shares, aliases, digests)
+    return plan_rank(ckpt.tensors, NameMapper(model), shapes, set(params), shares, aliases, digests,
+                     ckpt.quantization)
 
 
-def _allocate(model, shapes_of: dict[str, tuple], device) -> dict:
+def _allocate(model, shapes_of: dict[str, tuple], plan: Plan, device) -> dict:
     """Replaces every meta parameter by an empty one of its allocated shape, keeping its attributes (tied
-    parameters stay tied); returns the tensors to fill by name."""
+    parameters stay tied), except quantized ones: their parts get storage tensors in the checkpoint's dtypes.
+    Returns the tensors to fill by name."""
     import torch
 
     fresh, targets = {}, {}
+    quantized = {parse_storage_name(name)[0] for name in plan.storage}
     names = {id(p): n for n, p in model.named_parameters()}
     for module in model.modules():
         for attr, param in list(module._parameters.items()):
-            if param is None:
+            if param is None or names[id(param)] in quantized:
                 continue
             if id(param) not in fresh:
                 name = names[id(param)]
@@ -166,24 +184,55 @@ def _allocate(model, shapes_of: dict[str, tuple], device) -> dict:
             module._parameters[attr] = fresh[id(param)]
     for name, buf in model.named_buffers():
         targets[name] = buf
+    for name, (shape, dtype) in plan.storage.items():
+        targets[name] = torch.empty(shape, dtype=torch_dtype(dtype), device=device)
     return targets
 
 
+def _install_quantized(model, plan: Plan, targets: dict, shapes_of: dict, quantization, dense_dtype) -> int:
+    """Builds each quantized parameter from its loaded parts and puts it in the model (see
+    workers.weights.quantized); returns the bytes of frozen quantized weights this rank now holds."""
+    parts = defaultdict(dict)
+    for name in plan.storage:
+        param, part = parse_storage_name(name)
+        parts[param][part] = targets[name]
+    held = 0
+    for param, tensors in parts.items():
+        try:
+            qweight = build(quantization, tensors)
+        except ValueError as e:
+            raise WeightsError(f"{param}: its quantized parts do not fit together ({e})") from None
+        if tuple(qweight.shape) != tuple(shapes_of[param]):
+            raise WeightsError(f"{param}: quantized weight of shape {list(qweight.shape)}, the model's is "
+                               f"{list(shapes_of[param])}")
+        install(model, param, qweight, dense_dtype)
+        held += qweight.nbytes
+    return held
+
+
 def stream_model(uri: str, device, dtype, placement: ExpertPlacement | None = None, cache_dir: str | None = None,
-                 cache_max_bytes: int | None = None, **fetch_options) -> StreamedModel:
+                 cache_max_bytes: int | None = None, base_weights: str = "quantized",
+                 **fetch_options) -> StreamedModel:
     """This rank's model from the checkpoint at `uri`: non-expert tensors in full, experts of its placement.
-    `cache_dir`: the node's weights cache (None or "": none), bounded by `cache_max_bytes` (None: by free disk)."""
+    `cache_dir`: the node's weights cache (None or "": none), bounded by `cache_max_bytes` (None: by free disk).
+    A quantized checkpoint's frozen weights stay in their stored format, unless `base_weights` is "dequantized"
+    (then each is dequantized once, into a dense parameter of `dtype`)."""
     started = time.perf_counter()
     cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir else None
     ckpt = open_checkpoint(uri, cache)
     model = empty_model(ckpt.config, dtype)
     plan = plan_for(ckpt, model, placement)
-    targets = _allocate(model, allocated_shapes(model, expert_shares(model, placement)), device)
+    shapes = allocated_shapes(model, expert_shares(model, placement))
+    targets = _allocate(model, shapes, plan, device)
     stats = RangeFetcher(ckpt.fs, ckpt.sources, cache, **fetch_options).load(plan.pieces, targets)
     stats.bytes_not_cached = cache.skipped_bytes if cache else 0
+    dense = dtype if base_weights == "dequantized" else None
+    quantized_bytes = _install_quantized(model, plan, targets, shapes, ckpt.quantization, dense) if plan.storage else 0
     model.to(device)  # the buffers; parameters are there already
     model.eval()  # as from_pretrained returns it
-    return StreamedModel(model, plan, stats, ckpt.manifest is not None, time.perf_counter() - started)
+    quantization = ckpt.quantization
+    return StreamedModel(model, plan, stats, ckpt.manifest is not None, time.perf_counter() - started,
+                         quantization.format if quantization else None, 0 if dense else quantized_bytes)
 
 
 def load_summary(streamed: StreamedModel, ep_size: int) -> tuple[str, dict]:
@@ -195,12 +244,21 @@ def load_summary(streamed: StreamedModel, ep_size: int) -> tuple[str, dict]:
             "throughput_mib_s": round(read / 2**20 / max(streamed.seconds, 1e-9), 1), "requests": s.requests,
             "retries": s.retries, "bytes_not_cached": s.bytes_not_cached,
             "integrity": "verified" if streamed.verified else "unverified",
-            "expert_parallel_size": ep_size}
+            "expert_parallel_size": ep_size, "quantization": streamed.quantization,
+            "quantized_bytes": streamed.quantized_bytes, "unexpected_tensors": streamed.plan.unexpected,
+            "quantization_metadata_tensors": len(streamed.plan.metadata)}
     message = (f"Weights streamed: {read / 2**20:.1f} MiB in {streamed.seconds:.2f}s "
                f"({data['throughput_mib_s']} MiB/s; {s.bytes_from_cache / 2**20:.1f} MiB from the local cache)")
     if s.bytes_not_cached:
         message += (f"; {s.bytes_not_cached / 2**20:.1f} MiB not cached: the local weights cache is full "
                     f"({ENV_WEIGHTS_CACHE_MAX_GB} or its disk's free-space floor)")
+    if streamed.quantization:
+        kept = (f"{streamed.quantized_bytes / 2**20:.1f} MiB kept quantized" if streamed.quantized_bytes
+                else "dequantized at load (training.base_weights)")
+        message += f"; {streamed.quantization} base: {kept}"
+    if streamed.plan.unexpected:
+        message += (f"; {len(streamed.plan.unexpected)} checkpoint tensors the model has no place for, ignored: "
+                    f"{tensor_list(streamed.plan.unexpected)}")
     if not streamed.verified:
         message += "; integrity unverified: the checkpoint has no moetune-manifest.json (push it with `moetune models push`)"
     return message, data

@@ -1,7 +1,8 @@
 """Which byte ranges of which shards one rank needs, and where each lands.
 
 A piece is one checkpoint tensor, or one expert's slice of a fused [E, ...] tensor, together with its
-destination: the parameter, the local expert index along dim 0, and the region of a concatenation. Experts
+destination: the parameter (or, for a quantized one, the storage tensor of one of its parts, see
+workers.weights.formats), the local expert index along dim 0, and the region of a concatenation. Experts
 outside this rank's share are never planned, so they are neither read nor allocated.
 """
 
@@ -9,11 +10,20 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from moetune.workers.weights.errors import WeightsError, tensor_list
+from moetune.api.quantization import Quantization
 from moetune.workers.parallel.placement import ExpertPlacement
+from moetune.workers.weights.errors import WeightsError, tensor_list
 from moetune.workers.weights.header import TensorInfo
+from moetune.workers.weights.formats import (
+    QUANTIZED_SUFFIXES,
+    Part,
+    parse_storage_name,
+    required_parts,
+    split,
+    storage_name,
+)
 from moetune.workers.weights.mapping import NameMapper
 
 
@@ -48,6 +58,9 @@ class Piece:
 class Plan:
     pieces: list[Piece]
     unexpected: list[str]  # checkpoint tensors the model has no place for (ignored, as transformers does)
+    # quantized parameters: storage name (`param:part`) -> (shape, safetensors dtype) of what this rank holds
+    storage: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    metadata: list[str] = field(default_factory=list)  # quantization metadata the shapes already imply
 
     @property
     def nbytes(self) -> int:
@@ -56,20 +69,28 @@ class Plan:
 
 def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shapes: dict[str, tuple[int, ...]],
               required: set[str], experts: dict[str, ExpertPlacement], aliases: dict[str, str],
-              digests: dict | None) -> Plan:
+              digests: dict | None, quantization: Quantization | None = None) -> Plan:
     """`shapes`: the allocated shape of every parameter/buffer that may be filled (expert parameters hold only
     this rank's share, `experts` says which); `required`: those the checkpoint must cover (the parameters);
-    `aliases` maps tied names to the one allocated; `digests`: the manifest's per-tensor checksums."""
-    raw, unexpected = [], []
+    `aliases` maps tied names to the one allocated; `digests`: the manifest's per-tensor checksums;
+    `quantization`: the checkpoint's format (its parameters' parts are planned into storage tensors)."""
+    raw, unexpected, metadata, quantized = [], [], [], defaultdict(set)
     for shard, tensors in shards.items():
         for info in tensors.values():
-            target = mapper.target(info.name)
+            part = _quantized_part(quantization, info)
+            target = mapper.target(part.param_key if part else info.name)
             if target is None:
                 unexpected.append(info.name)
                 continue
             param = aliases.get(target.param, target.param)
             digest = (digests or {}).get(info.name, {})
             share = experts.get(param)
+            if part is not None:
+                if part.part is None:
+                    metadata.append(info.name)
+                    continue
+                quantized[param].add(part.part)
+                param = storage_name(param, part.part)
             if target.expert is not None:  # a per-expert tensor merged into a fused parameter
                 if share is None:
                     raw.append((shard, info, param, target, target.expert, digest.get("sha256"), info.shape))
@@ -80,9 +101,59 @@ def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shap
                 raw.extend(_expert_slices(shard, info, param, target, share, digest))
             else:
                 raw.append((shard, info, param, target, None, digest.get("sha256"), info.shape))
+    _refuse_quantized_leftovers(unexpected, quantization)
     pieces = _place(raw)
-    _check(pieces, shapes, required)
-    return Plan(pieces, unexpected)
+    storage = _storage(pieces, shapes, quantized, quantization)
+    # a quantized parameter is covered once each of its parts' storage tensors is (every expert, every half)
+    _check(pieces, {**shapes, **{name: shape for name, (shape, _) in storage.items()}},
+           (required - set(quantized)) | set(storage))
+    return Plan(pieces, unexpected, storage, metadata)
+
+
+def _quantized_part(quantization: Quantization | None, info: TensorInfo) -> Part | None:
+    if quantization is not None:
+        return split(quantization, info.name, info.dtype)
+    if info.dtype.startswith("F8"):  # read as values, FP8 codes would be off by their block scales
+        raise WeightsError(f"tensor {info.name} is {info.dtype} but config.json has no quantization_config: "
+                           "an FP8 checkpoint needs its quantization_config (quant_method fp8 and block scales)")
+    return None
+
+
+def _refuse_quantized_leftovers(unexpected: list[str], quantization: Quantization | None) -> None:
+    """A scale, zero point or packed weight nothing reads would leave its weight silently wrong."""
+    leftovers = [name for name in unexpected if name.endswith(QUANTIZED_SUFFIXES)]
+    if leftovers:
+        what = f"a {quantization.format} checkpoint" if quantization else "config.json has no quantization_config"
+        raise WeightsError(f"quantization tensors that no weight of this model reads ({what}): "
+                           f"{tensor_list(leftovers)}")
+
+
+def _storage(pieces: list[Piece], shapes: dict[str, tuple[int, ...]], quantized: dict[str, set[str]],
+             quantization: Quantization | None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Shape and dtype of every part's storage tensor, from its pieces: expert slices lead with the parameter's
+    (local) expert count, concatenated pieces add up along their dim."""
+    missing = [f"{param} ({', '.join(sorted(required_parts(quantization) - parts))})"
+               for param, parts in quantized.items() if required_parts(quantization) - parts]
+    if missing:
+        raise WeightsError(f"quantized weights without all their parts: {tensor_list(missing)}")
+    storage = {}
+    for name, group in _by_param(pieces).items():
+        if (parsed := parse_storage_name(name)) is None:
+            continue
+        param, first = parsed[0], group[0]
+        shape = list(first.shape)
+        if first.dim is not None:
+            shape[first.dim] = max(p.offset + p.shape[p.dim] for p in group)
+        lead = [shapes[param][0]] if first.index is not None else []
+        storage[name] = (tuple(lead + shape), first.dtype)
+    return storage
+
+
+def _by_param(pieces: list[Piece]) -> dict[str, list[Piece]]:
+    groups = defaultdict(list)
+    for p in pieces:
+        groups[p.param].append(p)
+    return groups
 
 
 def _expert_slices(shard, info: TensorInfo, param, target, share: ExpertPlacement, digest):

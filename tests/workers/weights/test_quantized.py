@@ -1,0 +1,171 @@
+"""Quantized bases streamed and kept quantized: tiny FP8-block and INT4 pack-quantized checkpoints written in the
+public naming (tests/support/quantized.py) give the logits of transformers' own dequantized model, the LoRA
+gradients of the same model dequantized, each EP rank reads and holds only its quantized share, and anything the
+loader cannot read correctly is an error naming the tensor."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moetune.api.models import JobCreate
+from moetune.workers.families import REGISTRY
+from moetune.workers.model import trainable_model
+from moetune.workers.parallel.placement import placement_at
+from moetune.workers.weights.errors import WeightsError
+from moetune.workers.weights.loader import load_summary, stream_model
+from tests.support.families import batch
+from tests.support.quantized import quantize_checkpoint
+
+CPU, F32 = torch.device("cpu"), torch.float32
+SPEC = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
+                 lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True})
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory) -> str:
+    """A tiny random DeepSeek-V3 (the architecture of Kimi-K2) saved by transformers, routing spread out."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(REGISTRY["deepseek_v3"].tiny_config(), dtype=F32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    out = str(tmp_path_factory.mktemp("dense"))
+    model.save_pretrained(out, max_shard_size="100KB")
+    return out
+
+
+@pytest.fixture(scope="module", params=["fp8", "int4"])
+def quantized(request, dense_dir, tmp_path_factory) -> tuple[str, str]:
+    return request.param, quantize_checkpoint(dense_dir, str(tmp_path_factory.mktemp(request.param)), request.param)
+
+
+def _reference(fmt: str, path: str):
+    """transformers' own dequantization of the checkpoint (FP8: FineGrainedFP8; INT4: compressed-tensors)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
+
+    config = FineGrainedFP8Config(dequantize=True) if fmt == "fp8" else CompressedTensorsConfig(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=F32).eval()
+
+
+def _trainable(model):
+    torch.manual_seed(1)
+    return trainable_model(model, SPEC, placement_at(model.config.to_dict(), 1, 0))
+
+
+def _forward_backward(model) -> tuple[torch.Tensor, dict]:
+    inputs = batch(0, 0, vocab=272)
+    out = model(**inputs)
+    out.loss.backward()
+    grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return out.logits.detach(), grads
+
+
+def test_logits_and_lora_gradients_match_the_dequantized_model(quantized):
+    fmt, path = quantized
+    streamed = stream_model(f"file://{path}", CPU, F32, cache_dir="")
+    assert streamed.quantization == {"fp8": "fp8-block", "int4": "int4-pack-quantized"}[fmt]
+    kept = [m for m in streamed.model.modules() if type(m).__name__ == "QuantizedLinear"]
+    assert bool(kept) == (fmt == "fp8")  # INT4 (Kimi K2 Thinking) quantizes only the routed experts
+    reference = _reference(fmt, path)
+    # transformers keeps the decompressed INT4 experts in bf16 (whatever dtype it is asked for): bf16 tolerance
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if fmt == "fp8" else {"rtol": 2e-2, "atol": 2e-3}
+    with torch.no_grad():
+        torch.testing.assert_close(_trainable(streamed.model)(**batch(0, 0, vocab=272)).logits,
+                                   reference(**batch(0, 0, vocab=272)).logits, **tolerance)
+    # LoRA (linears and routed experts) trains the same on the quantized base as on the dequantized one
+    quant_logits, quant_grads = _forward_backward(_trainable(streamed.model))
+    dense = stream_model(f"file://{path}", CPU, F32, cache_dir="", base_weights="dequantized")
+    assert dense.quantized_bytes == 0 and not [m for m in dense.model.modules() if type(m).__name__ == "QuantizedLinear"]
+    dense_logits, dense_grads = _forward_backward(_trainable(dense.model))
+    torch.testing.assert_close(quant_logits, dense_logits, rtol=1e-4, atol=1e-5)
+    assert quant_grads.keys() == dense_grads.keys() and any(".experts.lora_" in n for n in quant_grads)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(quant_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _rank_share_bytes(path: str, rank: int, ep: int, num_experts: int) -> tuple[int, int]:
+    """Bytes of the checkpoint tensors EP rank `rank` needs (all but the other ranks' routed experts), and how many
+    of them are INT4 `weight_shape` metadata (implied by the other tensors: never read)."""
+    index = json.load(open(f"{path}/model.safetensors.index.json"))["weight_map"]
+    total = metadata = 0
+    for name, shard in index.items():
+        with safe_open(f"{path}/{shard}", framework="pt") as f:
+            tensor = f.get_slice(name)
+            nbytes = math.prod(tensor.get_shape()) * {"F8_E4M3": 1, "I32": 4, "I64": 8, "BF16": 2, "F32": 4}[
+                tensor.get_dtype()]
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            expert = int(parts[parts.index("experts") + 1])
+            if expert // (num_experts // ep) != rank:
+                continue
+        total += nbytes
+        metadata += nbytes if name.endswith("weight_shape") else 0
+    return total, metadata
+
+
+def test_each_ep_rank_reads_and_holds_only_its_quantized_share(quantized):
+    fmt, path = quantized
+    config = json.load(open(f"{path}/config.json"))
+    for rank in range(2):
+        # merge_gap=0: the tiny tensors lie closer together than the default gap a real load reads through
+        streamed = stream_model(f"file://{path}", CPU, F32, placement_at(config, 2, rank), cache_dir="", merge_gap=0)
+        share, shape_metadata = _rank_share_bytes(path, rank, 2, config["n_routed_experts"])
+        assert streamed.stats.bytes_needed == share - shape_metadata
+        assert streamed.stats.bytes_from_storage <= 1.05 * share
+        model = streamed.model
+        persistent = model.state_dict(keep_vars=True)  # the checkpoint's buffers (router bias), not rotary tables
+        dense = [p.nbytes for p in model.parameters()] + [b.nbytes for n, b in model.named_buffers() if n in persistent]
+        frozen = streamed.quantized_bytes + sum(dense)
+        assert frozen == share - shape_metadata, (frozen, share)
+        message, data = load_summary(streamed, 2)
+        assert f"{streamed.quantization} base" in message and data["quantized_bytes"] == streamed.quantized_bytes
+
+
+def _rewrite(path, tmp_path, config_update=None, drop=()) -> str:
+    """A copy of the checkpoint at `path` with config.json changed and some tensors left out."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "changed"
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    for key, value in (config_update or {}).items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    (out / "config.json").write_text(json.dumps(config))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    for shard in set(index["weight_map"].values()):
+        tensors = load_file(str(out / shard))
+        save_file({k: v for k, v in tensors.items() if not k.endswith(drop) or not drop}, str(out / shard),
+                  metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not drop or not k.endswith(drop)}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return f"file://{out}"
+
+
+def test_what_cannot_load_correctly_is_an_error_naming_the_tensor(quantized, tmp_path):
+    fmt, path = quantized
+    with pytest.raises(WeightsError, match="quant_method 'awq' is not supported"):
+        stream_model(_rewrite(path, tmp_path / "a", {"quantization_config": {"quant_method": "awq"}}), CPU, F32,
+                     cache_dir="")
+    no_config = _rewrite(path, tmp_path / "b", {"quantization_config": None})
+    expected = "is F8_E4M3 but config.json has no quantization_config" if fmt == "fp8" else \
+        "quantization tensors that no weight of this model reads .*config.json has no quantization_config.*weight_packed"
+    with pytest.raises(WeightsError, match=expected):
+        stream_model(no_config, CPU, F32, cache_dir="")
+    scale = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
+    with pytest.raises(WeightsError, match=f"lacks tensors for: .*experts.down_proj:{scale}"):  # one expert's scale
+        stream_model(_rewrite(path, tmp_path / "c", drop=(f"experts.3.down_proj.{scale}",)), CPU, F32, cache_dir="")
+    with pytest.raises(WeightsError, match=f"quantized weights without all their parts: .*down_proj.*{scale}"):
+        stream_model(_rewrite(path, tmp_path / "d", drop=(f"down_proj.{scale}",)), CPU, F32, cache_dir="")

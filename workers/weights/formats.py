@@ -1,0 +1,64 @@
+"""How a quantized checkpoint names the parts of one frozen weight, and how the loaded parts become a
+`kernels.quant` QuantizedWeight (the format itself is read from config.json: moetune.api.quantization).
+
+A quantized model parameter `P` (a linear's `....weight`, or a fused expert tensor) is stored as parts: FP8 keeps
+`P` itself (e4m3 codes) plus `P_scale_inv`; INT4 pack-quantized stores `P_packed`, `P_scale` (and, asymmetric,
+`P_zero_point`) plus `P_shape`, a metadata vector the logical shape already implies. Each part is planned like any
+checkpoint tensor (the same name mapping, expert slicing and concatenation as `P`), into a storage tensor named
+`P:<part>` that keeps the checkpoint's dtype; nothing dense is ever allocated for `P`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetune.api.quantization import FP8, INT4, Quantization
+from moetune.kernels.quant import Fp8BlockWeight, Int4PackedWeight, QuantizedWeight
+
+PART_SEPARATOR = ":"
+# Tensor-name endings that only quantized checkpoints have: met outside a format, they are never ignored silently.
+QUANTIZED_SUFFIXES = ("_scale_inv", "weight_scale", "weight_packed", "weight_zero_point", "weight_shape",
+                      "_blocks", "_scales")
+_FP8_CODES = ("F8_E4M3",)
+
+
+@dataclass(frozen=True)
+class Part:
+    param_key: str  # the checkpoint name the unquantized weight would have
+    part: str | None  # the QuantizedWeight field it fills; None for metadata read nowhere (INT4 weight_shape)
+
+
+def split(quantization: Quantization, key: str, dtype: str) -> Part | None:
+    """The quantized weight a checkpoint tensor is a part of, or None for an ordinary tensor."""
+    if quantization.format == FP8:
+        if key.endswith("_scale_inv"):
+            return Part(key.removesuffix("_scale_inv"), "weight_scale_inv")
+        return Part(key, "weight") if dtype in _FP8_CODES else None
+    if quantization.format == INT4:
+        for suffix, part in (("_packed", "weight_packed"), ("_scale", "weight_scale"),
+                             ("_zero_point", "weight_zero_point"), ("_shape", None)):
+            if key.endswith(".weight" + suffix):
+                return Part(key.removesuffix(suffix), part)
+    return None
+
+
+def storage_name(param: str, part: str) -> str:
+    return f"{param}{PART_SEPARATOR}{part}"
+
+
+def parse_storage_name(name: str) -> tuple[str, str] | None:
+    param, sep, part = name.rpartition(PART_SEPARATOR)
+    return (param, part) if sep else None
+
+
+def build(quantization: Quantization, parts: dict) -> QuantizedWeight:
+    """The QuantizedWeight of one parameter from its loaded parts (a ValueError names what does not fit)."""
+    if quantization.format == FP8:
+        return Fp8BlockWeight(parts["weight"], parts["weight_scale_inv"], quantization.block)
+    return Int4PackedWeight(parts["weight_packed"], parts["weight_scale"], parts.get("weight_zero_point"))
+
+
+def required_parts(quantization: Quantization) -> set[str]:
+    if quantization.format == FP8:
+        return {"weight", "weight_scale_inv"}
+    return {"weight_packed", "weight_scale"} | (set() if quantization.symmetric else {"weight_zero_point"})
