@@ -28,6 +28,8 @@ def control_plane(s3_endpoint, tmp_path_factory):
     s3.create_bucket(Bucket=bucket)
     s3.put_object(Bucket=bucket, Key="kimi/config.json", Body=REGISTRY["kimi_linear"].tiny_config().to_json_string())
     s3.put_object(Bucket=bucket, Key="llama/config.json", Body=json.dumps({"model_type": "llama"}))
+    awq = {**REGISTRY["deepseek_v3"].tiny_config().to_dict(), "quantization_config": {"quant_method": "awq"}}
+    s3.put_object(Bucket=bucket, Key="awq/config.json", Body=json.dumps(awq))
     tmp = tmp_path_factory.mktemp("ep-service")
     settings = Settings(database_url=f"sqlite:///{tmp}/moetune.db", api_tokens=API_TOKENS, scheduler_enabled=False,
                         default_output_uri=f"s3://{bucket}/out", s3_endpoint_url=s3_endpoint)
@@ -50,6 +52,7 @@ EP3_OF_6 = {"parallelism": {"num_workers": 6, "expert_parallel_size": 3}, "train
     ("llama", {"parallelism": {"num_workers": 2, "expert_parallel_size": 2}, "training": {"global_batch_size": 2}},
      "parallelism.expert_parallel_size", "'llama'"),
     ("llama", {"lora": {"train_experts": True}}, "lora.train_experts", "no expert-parallel support"),
+    ("awq", {}, "model", "quant_method 'awq' is not supported; supported: fp8 (block scales), compressed-tensors"),
 ])
 def test_config_dependent_rules_are_422_at_submission(control_plane, model, fields, param, words):
     response = _post(control_plane, model, **fields)

@@ -24,14 +24,14 @@ _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"
 _NOT_FP8 = ("lm_head.weight", "embed_tokens.weight", "mlp.gate.weight")
 
 
-def _fp8(name: str, tensor: torch.Tensor) -> dict:
+def _fp8(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> dict:
     if tensor.dim() != 2 or not name.endswith("proj.weight") or name.endswith(_NOT_FP8):
         return {name: tensor}
-    q = quantize_fp8_block(tensor, FP8_BLOCK)
+    q = quantize_fp8_block(tensor, block)
     return {name: q.weight, f"{name}_scale_inv": q.weight_scale_inv}
 
 
-def _int4(name: str, tensor: torch.Tensor) -> dict:
+def _int4(name: str, tensor: torch.Tensor, block=None) -> dict:
     if not _ROUTED_EXPERT.search(name):
         return {name: tensor}
     q = quantize_int4(tensor.to(torch.bfloat16), INT4_GROUP)
@@ -39,8 +39,7 @@ def _int4(name: str, tensor: torch.Tensor) -> dict:
             f"{name}_shape": torch.tensor(list(tensor.shape), dtype=torch.int64)}
 
 
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-              "weight_block_size": list(FP8_BLOCK)}
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 INT4_CONFIG = {
     "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
     "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
@@ -54,9 +53,11 @@ INT4_CONFIG = {
 FORMATS = {"fp8": (_fp8, FP8_CONFIG), "int4": (_int4, INT4_CONFIG)}
 
 
-def quantize_checkpoint(dense_dir: str, out_dir: str, fmt: str) -> str:
+def quantize_checkpoint(dense_dir: str, out_dir: str, fmt: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> str:
     """Rewrites the dense checkpoint at `dense_dir` (save_pretrained output) as an `fmt` one in `out_dir`."""
     quantize, config_entry = FORMATS[fmt]
+    if fmt == "fp8":
+        config_entry = {**config_entry, "weight_block_size": list(fp8_block)}
     os.makedirs(out_dir, exist_ok=True)
     index_path = os.path.join(dense_dir, "model.safetensors.index.json")
     shards = sorted(set(json.load(open(index_path))["weight_map"].values())) if os.path.exists(index_path) \
@@ -65,7 +66,7 @@ def quantize_checkpoint(dense_dir: str, out_dir: str, fmt: str) -> str:
     for shard in shards:
         tensors = {}
         for name, tensor in load_file(os.path.join(dense_dir, shard)).items():
-            tensors.update(quantize(name, tensor))
+            tensors.update(quantize(name, tensor, fp8_block))
         save_file(tensors, os.path.join(out_dir, shard), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, shard))
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:

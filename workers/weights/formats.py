@@ -42,6 +42,15 @@ def split(quantization: Quantization, key: str, dtype: str) -> Part | None:
     return None
 
 
+def weight_of(key: str) -> str:
+    """The weight a checkpoint tensor belongs to, whatever the format: `X.weight` for `X.weight_scale_inv`,
+    `X.weight_packed`, ...; the key itself for an ordinary tensor."""
+    for suffix in ("_scale_inv", "_packed", "_scale", "_zero_point", "_shape", "_blocks", "_scales"):
+        if key.endswith(suffix):
+            return key.removesuffix(suffix)
+    return key
+
+
 def storage_name(param: str, part: str) -> str:
     return f"{param}{PART_SEPARATOR}{part}"
 

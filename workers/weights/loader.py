@@ -110,13 +110,28 @@ def open_checkpoint(uri: str, cache: RangeCache | None = None, progress=None) ->
 
 
 def empty_model(config: dict, dtype):
-    """The model with parameters on the meta device and real buffers."""
-    from accelerate import init_empty_weights
+    """The model with its parameters and persistent buffers on the meta device (nothing allocated, whatever the
+    model's size), and its non-persistent buffers (rotary tables) computed on the CPU.
+
+    Built with meta as the default device, so even a fused [E, ...] expert tensor is never created on the host
+    (accelerate's init_empty_weights moves each parameter to meta only after creating it there: 62.5 GB for one
+    seed-scale gate_up); the non-persistent buffers are then rebuilt the way transformers' from_pretrained does,
+    by the model's own `_init_weights` (on a module whose parameters are still meta, that touches nothing else)."""
+    import torch
     from transformers import AutoConfig
 
     hf_config = AutoConfig.for_model(**config)
-    with init_empty_weights(include_buffers=False):
-        return auto_model_class(hf_config).from_config(hf_config, dtype=dtype)
+    with torch.device("meta"):
+        model = auto_model_class(hf_config).from_config(hf_config, dtype=dtype)
+    owners = set()
+    for name, buffer in model.named_non_persistent_buffers():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._buffers[attr] = torch.empty_like(buffer, device="cpu")
+        owners.add(module_name)
+    for module_name in sorted(owners):
+        model._init_weights(model.get_submodule(module_name))
+    return model
 
 
 def fused_expert_params(model) -> dict[str, int]:
@@ -182,6 +197,13 @@ def _allocate(model, shapes_of: dict[str, tuple], plan: Plan, device) -> dict:
                 fresh[id(param)] = new
                 targets[name] = new.detach()
             module._parameters[attr] = fresh[id(param)]
+    loaded = {p.param for p in plan.pieces}
+    for module_name, module in model.named_modules():
+        meta = [attr for attr, buf in module._buffers.items() if buf is not None and buf.device.type == "meta"]
+        for attr in meta:  # persistent buffers, built on meta like the parameters
+            module._buffers[attr] = torch.empty_like(module._buffers[attr], device=device)
+        if any(f"{module_name}.{attr}".lstrip(".") not in loaded for attr in meta):
+            model._init_weights(module)  # a buffer the checkpoint does not hold keeps its initial value
     for name, buf in model.named_buffers():
         targets[name] = buf
     for name, (shape, dtype) in plan.storage.items():

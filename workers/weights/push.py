@@ -19,6 +19,7 @@ from collections.abc import Callable
 from moetune.api import storage
 from moetune.workers.parallel.placement import placement_at
 from moetune.workers.weights import manifest as manifest_file
+from moetune.workers.weights.formats import weight_of
 from moetune.workers.weights.header import TensorInfo, read_header
 from moetune.workers.weights.loader import (
     INDEX_FILE,
@@ -57,13 +58,18 @@ def local_tensors(local_dir: str) -> dict[str, tuple[str, TensorInfo]]:
 
 
 def _shard_plan(tensors: dict[str, tuple[str, TensorInfo]], shard_bytes: int) -> list[list[str]]:
+    """Tensors in natural order, cut into shards of about `shard_bytes`; a quantized weight's parts (codes, scales)
+    always land in one shard together, so that one rank's read of a weight never spans two objects."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(tensors, key=lambda n: (_natural(weight_of(n)), n)):
+        groups.setdefault(weight_of(name), []).append(name)
     shards, size = [[]], 0
-    for name in sorted(tensors, key=_natural):
-        n = tensors[name][1].nbytes
+    for names in groups.values():
+        n = sum(tensors[name][1].nbytes for name in names)
         if shards[-1] and size + n > shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(name)
+        shards[-1].extend(names)
         size += n
     return shards
 

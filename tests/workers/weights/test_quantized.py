@@ -169,3 +169,22 @@ def test_what_cannot_load_correctly_is_an_error_naming_the_tensor(quantized, tmp
         stream_model(_rewrite(path, tmp_path / "c", drop=(f"experts.3.down_proj.{scale}",)), CPU, F32, cache_dir="")
     with pytest.raises(WeightsError, match=f"quantized weights without all their parts: .*down_proj.*{scale}"):
         stream_model(_rewrite(path, tmp_path / "d", drop=(f"down_proj.{scale}",)), CPU, F32, cache_dir="")
+
+
+def test_push_keeps_a_quantized_checkpoint_quantized_and_inspect_names_its_format(quantized, tmp_path):
+    from moetune.workers.weights.formats import weight_of
+    from moetune.workers.weights.push import inspect, push
+
+    fmt, path = quantized
+    pushed = f"file://{tmp_path / 'pushed'}"
+    push(path, pushed, shard_bytes=40_000)
+    index = json.loads((tmp_path / "pushed" / "model.safetensors.index.json").read_text())["weight_map"]
+    shards_of = {}
+    for name, shard in index.items():  # every weight's parts (codes, scales) share one shard
+        shards_of.setdefault(weight_of(name), set()).add(shard)
+    assert len(set(index.values())) > 2 and all(len(s) == 1 for s in shards_of.values())
+    report = inspect(pushed, ep=2)
+    assert report["quantization"] == {"fp8": "fp8-block", "int4": "int4-pack-quantized"}[fmt]
+    streamed = stream_model(pushed, CPU, F32, cache_dir="")
+    assert streamed.verified and streamed.stats.verified_pieces == len(streamed.plan.pieces)
+    assert streamed.quantized_bytes == stream_model(f"file://{path}", CPU, F32, cache_dir="").quantized_bytes

@@ -1,0 +1,89 @@
+"""Real jobs on quantized bases (2 Ray workers, EP=2, expert LoRA, ZeRO-2): FP8-block and INT4 pack-quantized
+checkpoints train with their frozen weights kept quantized, and the exported adapter, loaded with plain PEFT onto
+transformers' own dequantized model, reproduces the job's validation loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetune.api import storage
+from moetune.api.layout import adapter_uri
+from moetune.api.models import JobCreate, JobRunSpec
+from moetune.workers.data.rows import load_rows
+from moetune.workers.families import REGISTRY
+from moetune.workers.methods.batch import IGNORE
+from moetune.workers.methods.sft import collate, tokenize_rows
+from moetune.workers.tiny import write_tiny_dataset, write_tiny_tokenizer
+from tests.support.jobs import run_in_process
+from tests.support.quantized import quantize_checkpoint
+
+pytestmark = pytest.mark.ray_job
+
+
+def _checkpoints(tmp_path) -> dict[str, str]:
+    """The tiny DeepSeek-V3 (Kimi-K2's architecture) with the demo's byte tokenizer, dense and quantized."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dense = tmp_path / "dense"
+    write_tiny_tokenizer(str(dense))
+    tokenizer = AutoTokenizer.from_pretrained(str(dense))
+    config = REGISTRY["deepseek_v3"].tiny_config(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                                 eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+        model.lm_head.weight.normal_(0.0, 0.1)
+    model.save_pretrained(str(dense), max_shard_size="100KB")
+    return {fmt: quantize_checkpoint(str(dense), str(tmp_path / fmt), fmt) for fmt in ("fp8", "int4")}
+
+
+def _reference_valid_loss(fmt: str, checkpoint: str, adapter: str, validation_file: str, seq_len: int) -> float:
+    """Token-weighted validation loss of the adapter on transformers' dequantized model, loaded with plain PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig, FineGrainedFP8Config
+
+    quantization = FineGrainedFP8Config(dequantize=True) if fmt == "fp8" else CompressedTensorsConfig(dequantize=True)
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=quantization, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    examples, _ = tokenize_rows(tokenizer, load_rows(validation_file, "validation_file"), seq_len)
+    total = count = 0.0
+    with torch.no_grad():
+        for e in examples:
+            b = collate([e], tokenizer.pad_token_id)
+            n = (b.labels[:, 1:] != IGNORE).sum().item()
+            total += model(**b.inputs, labels=b.labels).loss.item() * n
+            count += n
+    return total / count
+
+
+def test_jobs_train_on_fp8_and_int4_bases_kept_quantized(s3_bucket, ray_head, receiver, tmp_path, monkeypatch):
+    base = f"s3://{s3_bucket}"
+    for name, rows, seed in (("train.jsonl", 32, 0), ("valid.jsonl", 8, 1)):
+        write_tiny_dataset(str(tmp_path / name), rows, seed=seed)
+        storage.write_bytes(f"{base}/{name}", (tmp_path / name).read_bytes())
+    for fmt, checkpoint in _checkpoints(tmp_path).items():
+        storage.upload_dir(checkpoint, f"{base}/{fmt}")
+        spec = JobCreate(model=f"{base}/{fmt}", training_file=f"{base}/train.jsonl",
+                         validation_file=f"{base}/valid.jsonl",
+                         lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True},
+                         training={"max_steps": 3, "learning_rate": 3e-3, "global_batch_size": 4,
+                                   "micro_batch_size": 2, "seq_len": 64},
+                         parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2})
+        run = JobRunSpec(job_id=f"ftjob-{fmt}", spec=spec, seed=5, output_uri=f"{base}/out/{fmt}")
+        receiver.reports.clear()
+        assert run_in_process(run, ray_head, receiver, monkeypatch), receiver.of_kind("result")
+        (loaded,) = [e for e in receiver.of_kind("event") if e.message.startswith("Weights streamed")]
+        expected = {"fp8": "fp8-block", "int4": "int4-pack-quantized"}[fmt]
+        assert loaded.data["quantization"] == expected and loaded.data["quantized_bytes"] > 0, loaded.message
+        assert f"{expected} base" in loaded.message
+        metrics = receiver.metrics()
+        assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+        adapter = storage.download_dir(adapter_uri(run.output_uri), str(tmp_path / f"adapter-{fmt}"))
+        reproduced = _reference_valid_loss(fmt, checkpoint, adapter, str(tmp_path / "valid.jsonl"), 64)
+        # INT4: transformers keeps the decompressed experts in bf16, moetune computes them exactly in fp32
+        assert reproduced == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3 if fmt == "fp8" else 2e-2)
