@@ -1,6 +1,6 @@
-"""Quantized frozen bases: the same tiny-but-wide MoE (DeepSeek-V3 architecture, experts ~97 % of the weights) as
-bf16, FP8-block and INT4 pack-quantized checkpoints on the local S3-compatible server, streamed and trained by two
-gloo ranks with EP=2 (expert LoRA, ZeRO-2, bf16 compute on CPU), one format after the other in the same run.
+"""Quantized frozen bases: the same tiny-but-wide MoE (DeepSeek-V3 architecture, routed experts ~98 % of the weights,
+about Kimi-K2's share) as bf16, FP8-block and INT4 pack-quantized checkpoints on the local S3-compatible server,
+streamed and trained by two gloo ranks with EP=2 (expert LoRA, ZeRO-2, bf16 compute on CPU), one format after the other in the same run.
 
 Per format and rank: frozen-weight bytes resident (dense parameters + quantized buffers) over the bf16 figure,
 bytes streamed from storage over the rank's share of that checkpoint, and the LoRA step time over bf16's.
@@ -28,7 +28,7 @@ from tests.support.quantized import quantize_checkpoint
 from tests.workers.parallel.harness import launch
 
 FORMATS = ("bf16", "fp8", "int4")
-WIDE = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256, "n_routed_experts": 16,
+WIDE = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 512, "n_routed_experts": 128,
         "num_experts_per_tok": 2, "num_hidden_layers": 3, "first_k_dense_replace": 1, "q_lora_rank": 64,
         "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32}
 

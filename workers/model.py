@@ -34,10 +34,15 @@ def trainable_model(model, spec: JobCreate, placement: ExpertPlacement | None):
     """PEFT LoRA, then (with expert parallelism or `train_experts`) this rank's share of the routed experts.
 
     Every rank must have drawn the same random state (LoRA init)."""
+    dtype = model.dtype  # the compute dtype: that of the dense weights (a quantized base keeps some: embeddings)
     peft_model = apply_lora(model, spec.lora)
-    if placement is None:
-        return peft_model
-    family = family_for(model.config)
-    if needs_expert_module(placement, spec.lora) or quantized_experts(model, family):
-        parallelize(peft_model, family, placement, spec.lora, spec.training.custom_kernels)
+    if placement is not None:
+        family = family_for(model.config)
+        if needs_expert_module(placement, spec.lora) or quantized_experts(model, family):
+            parallelize(peft_model, family, placement, spec.lora, spec.training.custom_kernels)
+    # PEFT puts a linear's LoRA in its weight's dtype; a quantized weight has no such dtype, so LoRA joins the
+    # compute dtype here, like every other trainable tensor
+    for param in peft_model.parameters():
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
     return peft_model

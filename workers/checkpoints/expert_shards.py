@@ -1,4 +1,5 @@
-"""Expert-LoRA state across ranks: per-rank shards in checkpoints, and the all-expert gather for the adapter.
+"""Expert-LoRA state across ranks: per-rank shards in checkpoints, and the adapter's all-expert tensors written a
+slab at a time.
 
 Ranks that hold the same experts (a replica group) hold the same expert LoRA, so the first rank of each
 replica group writes its EP rank's shard. Under ZeRO-3 a shard may be partitioned across its replica group;
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import os
 
-from moetune.workers.lora.expert_layout import peft_expert_state
+import torch
+import torch.distributed as dist
+
+from moetune.workers.lora.expert_layout import a_to_peft, expert_keys
 from moetune.workers.parallel.experts import ExpertParallelExperts
 
 EXPERT_DIR = "expert_lora"
@@ -42,7 +46,6 @@ def _shard_file(local_dir: str, ep) -> str:
 
 def save_expert_shards(engine, local_dir: str) -> None:
     """Every rank calls this; one rank per replica group writes its EP rank's shard."""
-    import torch.distributed as dist
     from safetensors.torch import save_file
 
     modules = expert_modules(engine.module)
@@ -61,7 +64,6 @@ def restore_expert_shards(engine, local_dir: str) -> None:
     but the module's weights from rank 0's model file: without this, every rank would run its first
     resumed step with rank 0's expert LoRA. (ZeRO-3 restores partitioned weights per rank.)
     """
-    import torch
     from safetensors.torch import load_file
 
     modules = expert_modules(engine.module)
@@ -78,20 +80,54 @@ def restore_expert_shards(engine, local_dir: str) -> None:
         raise RuntimeError("resumed expert LoRA differs from this rank's saved shard")
 
 
-def gather_expert_adapter(engine) -> dict:
-    """All experts' LoRA in PEFT's adapter layout (see workers.ep_adapter); a collective on every rank."""
-    import torch
-    import torch.distributed as dist
+SLAB_BYTES = 16 * 2**20  # what one rank sends the adapter's writer per collective
 
-    state, shard = {}, _local_shard(engine)
+
+def _slabs(rows: int, row_bytes: int):
+    step = max(1, SLAB_BYTES // max(1, row_bytes))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def _gather(slab, ep):
+    """Every EP rank's `slab` on the EP group's first rank (in EP-rank order), None elsewhere; a collective."""
+    if ep.size == 1:
+        return [slab]
+    first = dist.get_global_rank(ep.group, 0)
+    parts = [torch.empty_like(slab) for _ in range(ep.size)] if dist.get_rank() == first else None
+    dist.gather(slab.contiguous(), parts, dst=first, group=ep.group)
+    return parts
+
+
+def expert_adapter_entries(engine) -> dict:
+    """PEFT adapter key -> (dtype, shape) of every expert-LoRA tensor, all experts (see workers.lora.expert_layout)."""
+    entries = {}
     for name, module in expert_modules(engine.module):
-        factors = {}
-        for factor in _lora_params(module):
-            local = shard[f"{name}.{factor}"]
-            if module.ep.size > 1:
-                parts = [torch.empty_like(local) for _ in range(module.ep.size)]
-                dist.all_gather(parts, local.contiguous(), group=module.ep.group)
-                local = torch.cat(parts)
-            factors[factor] = local
-        state.update(peft_expert_state(name, factors))
-    return state
+        for a_name, b_name, key_a, key_b in expert_keys(name):
+            a, b = getattr(module, a_name), getattr(module, b_name)
+            (_, r, fan_in), (_, out, _) = (getattr(p, "ds_shape", p.shape) for p in (a, b))  # ZeRO-3: partitioned
+            entries[key_a] = (a.dtype, (module.num_experts * r, fan_in))  # (E·r, in), expert-major
+            entries[key_b] = (b.dtype, (out, r * module.num_experts))  # (out, r·E), expert-minor
+    return entries
+
+
+def write_expert_adapter(engine, writer) -> None:
+    """Streams all experts' LoRA into `writer` (a SafetensorsWriter on the chief, None elsewhere), a slab of rows
+    at a time: no rank ever holds more than its own experts' factors plus one slab from each EP rank. Every rank
+    calls it (the slabs travel by gather within each EP group, on the communication device)."""
+    import deepspeed
+
+    for name, module in expert_modules(engine.module):
+        ep, params = module.ep, _lora_params(module)
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+            for a_name, b_name, key_a, key_b in expert_keys(name):
+                a = a_to_peft(params[a_name].detach())  # (E_local·r, in): rank k's rows follow rank k-1's
+                for rows in _slabs(a.shape[0], a[0].nbytes):
+                    parts = _gather(a[rows], ep)
+                    for k, part in enumerate(parts if writer else ()):
+                        writer.write(key_a, (k * a.shape[0] + rows.start) * a.shape[1], part)
+                b = params[b_name].detach()  # (E_local, out, r); PEFT's row o is (r, E) with the experts fastest
+                for rows in _slabs(b.shape[1], b.shape[0] * b[0, 0].nbytes):
+                    parts = _gather(b[:, rows].permute(1, 2, 0), ep)  # (rows, r, E_local)
+                    if writer:
+                        writer.write(key_b, rows.start * b.shape[2] * module.num_experts, torch.cat(parts, -1))

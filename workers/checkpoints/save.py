@@ -6,39 +6,47 @@ import os
 from contextlib import contextmanager
 
 from moetune.workers.checkpoints.expert_shards import (
-    gather_expert_adapter,
+    expert_adapter_entries,
     restore_expert_shards,
     save_expert_shards,
+    write_expert_adapter,
 )
+from moetune.workers.checkpoints.safetensors_writer import SafetensorsWriter
 from moetune.workers.lora.expert_layout import loadable_adapter_config
 
 
 def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
     """Writes the PEFT adapter (adapter_config.json + adapter_model.safetensors) from `is_writer`.
 
-    Expert LoRA goes in as `target_parameters` on the fused expert tensors, and the config is one that
-    PeftModel.from_pretrained on the plain transformers model loads as trained (see loadable_adapter_config).
-    Every rank must call this: gathering is a collective.
+    Expert LoRA goes in as `target_parameters` on the fused expert tensors, streamed a slab at a time (no rank holds
+    all experts' factors), and the config is one that PeftModel.from_pretrained on the plain transformers model
+    loads as trained (see loadable_adapter_config). Every rank must call this: gathering is a collective.
     """
     import deepspeed
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
     peft_model = engine.module
-    expert_state = gather_expert_adapter(engine)
     lora_params = [p for p in peft_model.parameters() if p.requires_grad]
     with deepspeed.zero.GatheredParameters(lora_params, modifier_rank=None):
-        if not is_writer:
-            return
         # PEFT picks every key containing "lora_", the expert factors included: those go in PEFT's layout instead.
         state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(peft_model).items()
-                 if ".experts.lora_" not in k}
-    config = loadable_adapter_config(peft_model.peft_config["default"], peft_model.config.model_type,
-                                     has_expert_lora=bool(expert_state))
-    os.makedirs(local_dir, exist_ok=True)
-    config.save_pretrained(local_dir)
-    save_file({**state, **expert_state}, os.path.join(local_dir, "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+                 if ".experts.lora_" not in k} if is_writer else {}
+    experts = expert_adapter_entries(engine)
+    writer = None
+    if is_writer:
+        config = loadable_adapter_config(peft_model.peft_config["default"], peft_model.config.model_type,
+                                         has_expert_lora=bool(experts))
+        os.makedirs(local_dir, exist_ok=True)
+        config.save_pretrained(local_dir)
+        writer = SafetensorsWriter(os.path.join(local_dir, "adapter_model.safetensors"),
+                                   {**{k: (v.dtype, tuple(v.shape)) for k, v in state.items()}, **experts})
+        for key, value in state.items():
+            writer.write(key, 0, value)
+    try:
+        write_expert_adapter(engine, writer)
+    finally:
+        if writer:
+            writer.close()
 
 
 @contextmanager

@@ -31,12 +31,18 @@ def b_from_peft(weight, num_experts: int):
     return weight.reshape(weight.shape[0], -1, num_experts).permute(2, 0, 1)
 
 
+def expert_keys(experts_key: str):
+    """(A factor, B factor, PEFT key of A, PEFT key of B) of one MoE block's experts module, per adapted tensor."""
+    for a_name, b_name, infix in _LAYOUT:
+        yield a_name, b_name, f"{experts_key}.{infix}lora_A.weight", f"{experts_key}.{infix}lora_B.weight"
+
+
 def peft_expert_state(experts_key: str, factors: dict) -> dict:
     """PEFT adapter entries for one MoE block from its full (all-expert) factors keyed by our names."""
     state = {}
-    for a_name, b_name, infix in _LAYOUT:
-        state[f"{experts_key}.{infix}lora_A.weight"] = a_to_peft(factors[a_name]).contiguous()
-        state[f"{experts_key}.{infix}lora_B.weight"] = b_to_peft(factors[b_name]).contiguous()
+    for a_name, b_name, key_a, key_b in expert_keys(experts_key):
+        state[key_a] = a_to_peft(factors[a_name]).contiguous()
+        state[key_b] = b_to_peft(factors[b_name]).contiguous()
     return state
 
 

@@ -36,15 +36,19 @@ def tag_expert_param(param: nn.Parameter, ep: ExpertPlacement) -> None:
     param.ds_zero_partition_process_group = ep.replica_group
 
 
-def init_expert_lora_a(num_experts: int, rank: int, hidden: int, intermediate: int, dtype):
-    """LoRA A of every expert of one block (gate_up, then down), drawn from the global RNG like PEFT's
-    kaiming_uniform(a=√5): U(-1/√fan_in, 1/√fan_in)."""
+def init_expert_lora_a(experts: range, rank: int, hidden: int, intermediate: int, dtype):
+    """LoRA A of `experts` (global indices) of one block, gate_up then down, like PEFT's kaiming_uniform(a=√5):
+    U(-1/√fan_in, 1/√fan_in). The block draws one seed from the global RNG (the same on every rank); expert e draws
+    from its own generator seeded from it, so a rank draws only its own experts, and an expert's A is the same
+    whatever the EP size."""
+    block_seed = int(torch.randint(0, 2**62, ()))
 
-    def uniform(fan_in):
+    def uniform(fan_in, which):
         bound = 1.0 / math.sqrt(fan_in)
-        return torch.empty(num_experts, rank, fan_in, dtype=dtype).uniform_(-bound, bound)
+        return torch.stack([torch.empty(rank, fan_in, dtype=dtype).uniform_(
+            -bound, bound, generator=torch.Generator().manual_seed(block_seed + 2 * e + which)) for e in experts])
 
-    return uniform(hidden), uniform(intermediate)
+    return uniform(hidden, 0), uniform(intermediate, 1)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -108,16 +112,15 @@ class ExpertParallelExperts(nn.Module):
         self.comm = AllToAllStats()  # this layer's token exchanges (read by workers.metrics)
 
     def _init_lora(self, local: slice) -> None:
-        """A like PEFT's kaiming-uniform init, B = 0. All experts' A are drawn on every rank (same seed gives
-        the same adapter wherever an expert lives), then sliced."""
+        """A like PEFT's kaiming-uniform init (this rank's experts only, see init_expert_lora_a), B = 0."""
         r = self.lora_rank
         gate_up, down = self.base_weights()
         two_i, hidden = gate_up.shape[1:]
-        # LoRA in the compute dtype: a quantized base has none of its own (CPU fp32; DeepSpeed's bf16 casts it)
+        # a quantized base has no dtype of its own: fp32, until the model joins its compute dtype (workers.model)
         dtype = torch.float32 if self.quantized else gate_up.dtype
-        a_gate_up, a_down = init_expert_lora_a(self.num_experts, r, hidden, down.shape[2], dtype)
-        self.lora_gate_up_a = nn.Parameter(a_gate_up[local].clone())
-        self.lora_down_a = nn.Parameter(a_down[local].clone())
+        a_gate_up, a_down = init_expert_lora_a(range(local.start, local.stop), r, hidden, down.shape[2], dtype)
+        self.lora_gate_up_a = nn.Parameter(a_gate_up)
+        self.lora_down_a = nn.Parameter(a_down)
         self.lora_gate_up_b = nn.Parameter(torch.zeros(self.num_local_experts, two_i, r, dtype=dtype))
         self.lora_down_b = nn.Parameter(torch.zeros(self.num_local_experts, hidden, r, dtype=dtype))
 

@@ -161,7 +161,7 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
     for name, block in fam.moe_blocks(peft_model.base_model.model):
         experts = getattr(block, fam.experts)
         e, two_i, hidden = experts.gate_up_proj.shape
-        a_gate_up, a_down = init_expert_lora_a(e, r, hidden, two_i // 2, experts.gate_up_proj.dtype)
+        a_gate_up, a_down = init_expert_lora_a(range(e), r, hidden, two_i // 2, experts.gate_up_proj.dtype)
         factors = {"lora_gate_up_a": a_gate_up, "lora_down_a": a_down,
                    "lora_gate_up_b": torch.zeros(e, two_i, r), "lora_down_b": torch.zeros(e, hidden, r)}
         state.update(peft_expert_state(f"base_model.model.{name}.{fam.experts}", factors))
