@@ -12,7 +12,6 @@ bytes_ratio=...` (bytes_ratio: the worst over formats and ranks).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
+from bench.step_args import step_arguments
 from tests.support.families import batch
 from tests.support.quantized import quantize_checkpoint
 from tests.workers.parallel.harness import launch
@@ -92,12 +92,7 @@ def _rank(rank: int, world: int, uris: dict, args, out_dir: str) -> None:
 def main() -> None:
     from moetune.service.embedded import local_s3_server, s3_env
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per format")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--micro", type=int, default=4, help="sequences per rank and step")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    args = parser.parse_args()
+    args = step_arguments(__doc__, steps=4, warmup=1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as work, local_s3_server() as s3_url:
         os.environ.update(s3_env(s3_url))

@@ -20,7 +20,6 @@ The last line is `RESULT speedup=<x> moetune_tok_s=<a> baseline_tok_s=<b>`.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 
+from bench.step_args import step_arguments
 from tests.support.families import batch, plain_model
 from tests.workers.parallel.harness import launch, spec
 
@@ -153,12 +153,7 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--micro", type=int, default=4, help="sequences per worker and step")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    args = parser.parse_args()
+    args = step_arguments(__doc__, steps=8, warmup=2)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     world = 2
     out_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moetune-bench-train-step-{os.getpid()}.pt")

@@ -46,10 +46,15 @@ def adapter_valid_loss(run: JobRunSpec, checkpoint: str, tmp_path) -> float:
 
     adapter = storage.download_dir(adapter_uri(run.output_uri), str(tmp_path / "adapter"))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapter).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    examples, _ = tokenize_rows(tokenizer, load_rows(run.spec.validation_file, "validation_file"),
-                                run.spec.training.seq_len)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapter)
+    return valid_loss(model, AutoTokenizer.from_pretrained(checkpoint), run.spec.validation_file,
+                      run.spec.training.seq_len)
+
+
+def valid_loss(model, tokenizer, validation_file: str, seq_len: int) -> float:
+    """Token-weighted loss of `model` over the rows of `validation_file`, as the job computes it."""
+    model.eval()
+    examples, _ = tokenize_rows(tokenizer, load_rows(validation_file, "validation_file"), seq_len)
     total = count = 0.0
     with torch.no_grad():
         for e in examples:

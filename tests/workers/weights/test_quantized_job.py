@@ -10,12 +10,9 @@ import torch
 from moetune.api import storage
 from moetune.api.layout import adapter_uri
 from moetune.api.models import JobCreate, JobRunSpec
-from moetune.workers.data.rows import load_rows
 from moetune.workers.families import REGISTRY
-from moetune.workers.methods.batch import IGNORE
-from moetune.workers.methods.sft import collate, tokenize_rows
 from moetune.workers.tiny import write_tiny_dataset, write_tiny_tokenizer
-from tests.support.jobs import run_in_process
+from tests.support.jobs import run_in_process, valid_loss
 from tests.support.quantized import quantize_checkpoint
 
 pytestmark = pytest.mark.ray_job
@@ -48,17 +45,8 @@ def _reference_valid_loss(fmt: str, checkpoint: str, adapter: str, validation_fi
 
     quantization = FineGrainedFP8Config(dequantize=True) if fmt == "fp8" else CompressedTensorsConfig(dequantize=True)
     base = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=quantization, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapter).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    examples, _ = tokenize_rows(tokenizer, load_rows(validation_file, "validation_file"), seq_len)
-    total = count = 0.0
-    with torch.no_grad():
-        for e in examples:
-            b = collate([e], tokenizer.pad_token_id)
-            n = (b.labels[:, 1:] != IGNORE).sum().item()
-            total += model(**b.inputs, labels=b.labels).loss.item() * n
-            count += n
-    return total / count
+    return valid_loss(PeftModel.from_pretrained(base, adapter), AutoTokenizer.from_pretrained(checkpoint),
+                      validation_file, seq_len)
 
 
 def test_jobs_train_on_fp8_and_int4_bases_kept_quantized(s3_bucket, ray_head, receiver, tmp_path, monkeypatch):
