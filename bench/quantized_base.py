@@ -1,6 +1,7 @@
 """Quantized frozen bases: the same tiny-but-wide MoE (DeepSeek-V3 architecture, routed experts ~98 % of the weights,
 about Kimi-K2's share) as bf16, FP8-block and INT4 pack-quantized checkpoints on the local S3-compatible server,
-streamed and trained by two gloo ranks with EP=2 (expert LoRA, ZeRO-2, bf16 compute on CPU), one format after the other in the same run.
+streamed and trained by two gloo ranks with EP=2 (expert LoRA, ZeRO-2, bf16 compute on CPU), one format after
+the other in the same run.
 
 Per format and rank: frozen-weight bytes resident (dense parameters + quantized buffers) over the bf16 figure,
 bytes streamed from storage over the rank's share of that checkpoint, and the LoRA step time over bf16's.

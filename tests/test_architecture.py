@@ -16,7 +16,8 @@ def test_import_contracts_hold():
 def test_control_plane_import_does_not_load_the_training_stack():
     code = (
         "import sys, moetune.service.app, moetune.service.cli, moetune.api.client\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'deepspeed', 'peft', 'moetune.workers') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'deepspeed', 'peft', 'moetune.workers')"
+        " if m in sys.modules)\n"
         "print(','.join(heavy))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

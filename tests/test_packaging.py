@@ -22,7 +22,8 @@ def test_hugging_face_kernels_imports_beside_moetune(tmp_path):
     """Run where the repository is not on sys.path, as a user's process is."""
     code = ("import importlib.util, json, kernels, moetune.kernels.kda\n"
             "print(json.dumps({'hf': kernels.__file__, 'ours': moetune.kernels.kda.__file__,"
-            " 'api': importlib.util.find_spec('api') is None, 'workers': importlib.util.find_spec('workers') is None}))")
+            " 'api': importlib.util.find_spec('api') is None,"
+            " 'workers': importlib.util.find_spec('workers') is None}))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          check=True)

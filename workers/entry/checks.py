@@ -45,7 +45,8 @@ def read_remote_config(model_uri: str) -> dict:
     except FileNotFoundError:
         raise JobError(ErrorCode.model_not_found, f"model {model_uri}: no config.json there", "model") from None
     except (OSError, ValueError) as e:
-        raise JobError(ErrorCode.invalid_model, f"model {model_uri}: config.json cannot be read ({e})", "model") from None
+        raise JobError(ErrorCode.invalid_model, f"model {model_uri}: config.json cannot be read ({e})",
+                       "model") from None
     try:
         AutoConfig.for_model(**config)
     except (KeyError, ValueError, TypeError) as e:

@@ -23,8 +23,8 @@ micro-batch has produced no gradient anywhere; the finished ones keep theirs, wh
 restart of the step would recompute. Limit: an OOM during a backward or inside a forward's collective
 (expert-parallel all-to-all, a ZeRO-3 gather) cannot be agreed on before the peers enter their next
 collective; it fails the rank like a lost worker. The headroom prediction exists to keep the tuner away from it,
-and the failing rank first records its micro-batch size in storage (workers.checkpoints.run_state.record_oom): the restarted
-group never uses that size again, so it does not run into the same OOM until its restarts are spent.
+and the failing rank first records its micro-batch size in storage (workers.checkpoints.run_state.record_oom): the
+restarted group never uses that size again, so it does not run into the same OOM until its restarts are spent.
 """
 
 from __future__ import annotations

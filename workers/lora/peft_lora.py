@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import JobCreate, LoraSpec
+from moetune.api.models import LoraSpec
 from moetune.workers.errors import JobError
 from moetune.workers.families import auto_model_class, known_family
 

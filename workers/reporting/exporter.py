@@ -7,9 +7,10 @@ its address there as a Prometheus file_sd target file (removed when the worker e
 Prometheus outside Kubernetes finds workers on any port.
 
 A worker that is being scraped (or announced for file_sd, whose first scrape may still be on its way) waits for one
-more scrape (at most two of the intervals it has seen + 1 s, never over SCRAPE_WAIT_MAX_S) twice: when training starts, so that counters are seen at 0 before the first step
-(rate() and increase() cannot count what happened before a series' first sample), and when it ends, so that
-the last steps' values, often the whole of a short job's counters, reach Prometheus.
+more scrape (at most two of the intervals it has seen + 1 s, never over SCRAPE_WAIT_MAX_S) twice: when training
+starts, so that counters are seen at 0 before the first step (rate() and increase() cannot count what happened
+before a series' first sample), and when it ends, so that the last steps' values, often the whole of a short job's
+counters, reach Prometheus.
 """
 
 from __future__ import annotations

@@ -282,5 +282,6 @@ def load_summary(streamed: StreamedModel, ep_size: int) -> tuple[str, dict]:
         message += (f"; {len(streamed.plan.unexpected)} checkpoint tensors the model has no place for, ignored: "
                     f"{tensor_list(streamed.plan.unexpected)}")
     if not streamed.verified:
-        message += "; integrity unverified: the checkpoint has no moetune-manifest.json (push it with `moetune models push`)"
+        message += ("; integrity unverified: the checkpoint has no moetune-manifest.json (push it with "
+                    "`moetune models push`)")
     return message, data

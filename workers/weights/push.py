@@ -155,7 +155,8 @@ def inspect(uri: str, ep: int = 1, progress=None) -> dict:
     total_bytes = sum(info.nbytes for shard in ckpt.tensors.values() for info in shard.values())
     ranks = [plan_for(ckpt, model, placement_at(ckpt.config, ep, rank)).nbytes for rank in range(ep)]
     quantization = ckpt.quantization
-    return {"uri": uri, "model_type": ckpt.config.get("model_type"), "parameters": sum(p.numel() for p in params.values()),
+    return {"uri": uri, "model_type": ckpt.config.get("model_type"),
+            "parameters": sum(p.numel() for p in params.values()),
             "quantization": quantization.format if quantization else None,
             "expert_parameters": expert_params, "moe_layers": len({n.rsplit(".", 1)[0] for n in experts}),
             "experts_per_layer": max(experts.values(), default=0),

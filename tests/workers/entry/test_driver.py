@@ -43,7 +43,8 @@ def test_malformed_row_fails_before_any_worker_starts(assets, receiver):
     run = _run_spec(assets, "ftjob-badrow", {"max_steps": 2}, zero_stage=2)
 
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "moetune.workers.entry.driver"], env={**os.environ, **driver_env(run, receiver)},
+    proc = subprocess.run([sys.executable, "-m", "moetune.workers.entry.driver"],
+                          env={**os.environ, **driver_env(run, receiver)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert time.monotonic() - started < 30  # no Ray, no model download

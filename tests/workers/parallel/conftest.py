@@ -7,8 +7,8 @@ from tests.workers.parallel.harness import launch, run_cases
 
 @pytest.fixture(scope="session")
 def ep_runs(tmp_path_factory):
-    """Runs every case of tests.workers.parallel.cases in one start of two processes; returns case id -> (out dir, per-rank
-    results)."""
+    """Runs every case of tests.workers.parallel.cases in one start of two processes; returns case id -> (out dir,
+    per-rank results)."""
     out = tmp_path_factory.mktemp("ep-runs")
     cases = [(case, "train", fam, job.model_dump_json(), skew) for case, (fam, job, skew) in TRAIN_CASES.items()]
     cases += [(case, "resume", fam, job.model_dump_json(), False) for case, (fam, job) in RESUME_CASES.items()]

@@ -1,7 +1,8 @@
 """EP engine vs the plain single-process transformers + PEFT reference on the same batches (fp32, gloo).
 
 All two-rank engine runs share one start of two processes (conftest.ep_runs); each test checks one case
-against the reference computed here. Tolerances: first loss 1e-5 and later losses 1e-4 absolute, gradients 1e-4 relative.
+against the reference computed here. Tolerances: first loss 1e-5 and later losses 1e-4 absolute, gradients 1e-4
+relative.
 """
 
 import pytest

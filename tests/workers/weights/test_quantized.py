@@ -83,7 +83,8 @@ def test_logits_and_lora_gradients_match_the_dequantized_model(quantized):
     # LoRA (linears and routed experts) trains the same on the quantized base as on the dequantized one
     quant_logits, quant_grads = _forward_backward(_trainable(streamed.model))
     dense = stream_model(f"file://{path}", CPU, F32, cache_dir="", base_weights="dequantized")
-    assert dense.quantized_bytes == 0 and not [m for m in dense.model.modules() if type(m).__name__ == "QuantizedLinear"]
+    assert dense.quantized_bytes == 0
+    assert not [m for m in dense.model.modules() if type(m).__name__ == "QuantizedLinear"]
     dense_logits, dense_grads = _forward_backward(_trainable(dense.model))
     torch.testing.assert_close(quant_logits, dense_logits, rtol=1e-4, atol=1e-5)
     assert quant_grads.keys() == dense_grads.keys() and any(".experts.lora_" in n for n in quant_grads)
@@ -161,7 +162,8 @@ def test_what_cannot_load_correctly_is_an_error_naming_the_tensor(quantized, tmp
                      cache_dir="")
     no_config = _rewrite(path, tmp_path / "b", {"quantization_config": None})
     expected = "is F8_E4M3 but config.json has no quantization_config" if fmt == "fp8" else \
-        "quantization tensors that no weight of this model reads .*config.json has no quantization_config.*weight_packed"
+        ("quantization tensors that no weight of this model reads .*config.json has no quantization_config"
+         ".*weight_packed")
     with pytest.raises(WeightsError, match=expected):
         stream_model(no_config, CPU, F32, cache_dir="")
     scale = "weight_scale_inv" if fmt == "fp8" else "weight_scale"

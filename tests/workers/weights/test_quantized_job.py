@@ -25,7 +25,8 @@ def _checkpoints(tmp_path) -> dict[str, str]:
     dense = tmp_path / "dense"
     write_tiny_tokenizer(str(dense))
     tokenizer = AutoTokenizer.from_pretrained(str(dense))
-    config = REGISTRY["deepseek_v3"].tiny_config(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+    config = REGISTRY["deepseek_v3"].tiny_config(pad_token_id=tokenizer.pad_token_id,
+                                                 bos_token_id=tokenizer.bos_token_id,
                                                  eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,6 +1,7 @@
 """GLM-5-Next, text path: KDA + DSA sparse MLA, sigmoid router with bias correction, a shared expert, SwiGLU
-with clamping (`swiglu_limit`). The checkpoint is multimodal; the vision tower stays frozen and without LoRA. Its indexed attention runs on
-kernels/sparse_attention (sparse_attention.py) with a query-chunked indexer (indexer.py)."""
+with clamping (`swiglu_limit`). The checkpoint is multimodal; the vision tower stays frozen and without LoRA.
+Its indexed attention runs on kernels/sparse_attention (sparse_attention.py) with a query-chunked indexer
+(indexer.py)."""
 
 from moetune.api.families import FAMILIES
 from moetune.workers.families.glm5_next.sparse_attention import apply_sparse_attention_kernels
