@@ -68,7 +68,7 @@ class TrainingSpec(_Strict):
     warmup_ratio: float = Field(0.03, ge=0.0, le=1.0)
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     global_batch_size: int = Field(8, ge=1)
-    # "auto": the online tuner picks it from measured memory headroom (workers/microbatch_tuner.py).
+    # "auto": the online tuner picks it from measured memory headroom (workers/loop/tuner.py).
     micro_batch_size: int | Literal["auto"] = 1
     # Memory one worker may use, in MB (10^6 bytes), for micro_batch_size "auto". GPU: peak allocated device
     # memory (default 90% of the device); CPU: activation bytes saved for backward (default: no limit).
