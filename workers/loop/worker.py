@@ -75,9 +75,9 @@ class _Worker:
         with open(os.path.join(model_dir, "config.json")) as f:
             config = json.load(f)
         ep_size = self.spec.parallelism.expert_parallel_size
-        self.placement = job_placement(config, self.spec)
+        placement = job_placement(config, self.spec)
         # Each rank streams its own share of the weights (workers.weights): non-expert tensors, its experts.
-        streamed = stream_model(self.spec.model, self.device, load_dtype(self.device), self.placement,
+        streamed = stream_model(self.spec.model, self.device, load_dtype(self.device), placement,
                                 self.settings.weights_cache_dir, self.settings.weights_cache_max_bytes,
                                 self.t.base_weights)
         message, data = load_summary(streamed, ep_size)
@@ -88,7 +88,7 @@ class _Worker:
             swapped = {name: n for name, n in apply_kernel_swaps(model).items() if n}
             if swapped:
                 self.event("Custom kernels swapped in: " + ", ".join(f"{k} ({n} modules)" for k, n in swapped.items()))
-        self.model = trainable_model(model, self.spec, self.placement)
+        self.model = trainable_model(model, self.spec, placement)
         total = sum(p.numel() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.event(f"Model loaded: {total:,} parameters, {trainable:,} trainable (LoRA)",
