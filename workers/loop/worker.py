@@ -19,6 +19,7 @@ import torch
 from moetune.api import storage
 from moetune.api.layout import ADAPTER_DIR, adapter_uri, checkpoint_uri, metrics_uri, step_dir, summary_uri
 from moetune.api.models import JobRunSpec
+from moetune.kernels.quant import held, held_names
 from moetune.workers.checkpoints import run_state
 from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
 from moetune.workers.data.rows import load_rows
@@ -89,7 +90,9 @@ class _Worker:
             if swapped:
                 self.event("Custom kernels swapped in: " + ", ".join(f"{k} ({n} modules)" for k, n in swapped.items()))
         self.model = trainable_model(model, self.spec, placement)
-        total = sum(p.numel() for p in self.model.parameters())
+        # frozen weights kept quantized are buffers: counted by their dense shapes, like the rest
+        total = sum(p.numel() for p in self.model.parameters()) + sum(
+            held(m, name).shape.numel() for m in self.model.modules() for name in held_names(m))
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.event(f"Model loaded: {total:,} parameters, {trainable:,} trainable (LoRA)",
                    data={"parameters": total, "trainable_parameters": trainable})

@@ -18,8 +18,9 @@ from tests.support.quantized import quantize_checkpoint
 pytestmark = pytest.mark.ray_job
 
 
-def _checkpoints(tmp_path) -> dict[str, str]:
-    """The tiny DeepSeek-V3 (Kimi-K2's architecture) with the demo's byte tokenizer, dense and quantized."""
+def _checkpoints(tmp_path) -> tuple[dict[str, str], int]:
+    """The tiny DeepSeek-V3 (Kimi-K2's architecture) with the demo's byte tokenizer, quantized; and the parameters one
+    of two EP ranks holds (all but the other rank's routed experts)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dense = tmp_path / "dense"
@@ -36,7 +37,9 @@ def _checkpoints(tmp_path) -> dict[str, str]:
                 param.normal_(0.0, 0.5)
         model.lm_head.weight.normal_(0.0, 0.1)
     model.save_pretrained(str(dense), max_shard_size="100KB")
-    return {fmt: quantize_checkpoint(str(dense), str(tmp_path / fmt), fmt) for fmt in ("fp8", "int4")}
+    formats = {fmt: quantize_checkpoint(str(dense), str(tmp_path / fmt), fmt) for fmt in ("fp8", "int4")}
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    return formats, sum(p.numel() for p in model.parameters()) - routed // 2
 
 
 def _reference_valid_loss(fmt: str, checkpoint: str, adapter: str, validation_file: str, seq_len: int) -> float:
@@ -55,7 +58,8 @@ def test_jobs_train_on_fp8_and_int4_bases_kept_quantized(s3_bucket, ray_head, re
     for name, rows, seed in (("train.jsonl", 32, 0), ("valid.jsonl", 8, 1)):
         write_tiny_dataset(str(tmp_path / name), rows, seed=seed)
         storage.write_bytes(f"{base}/{name}", (tmp_path / name).read_bytes())
-    for fmt, checkpoint in _checkpoints(tmp_path).items():
+    checkpoints, rank_parameters = _checkpoints(tmp_path)
+    for fmt, checkpoint in checkpoints.items():
         storage.upload_dir(checkpoint, f"{base}/{fmt}")
         spec = JobCreate(model=f"{base}/{fmt}", training_file=f"{base}/train.jsonl",
                          validation_file=f"{base}/valid.jsonl",
@@ -70,6 +74,9 @@ def test_jobs_train_on_fp8_and_int4_bases_kept_quantized(s3_bucket, ray_head, re
         expected = {"fp8": "fp8-block", "int4": "int4-pack-quantized"}[fmt]
         assert loaded.data["quantization"] == expected and loaded.data["quantized_bytes"] > 0, loaded.message
         assert f"{expected} base" in loaded.message
+        (built,) = [e for e in receiver.of_kind("event") if e.message.startswith("Model loaded")]
+        # weights kept quantized count by their dense shapes (the chief's: its half of the experts)
+        assert built.data["parameters"] - built.data["trainable_parameters"] == rank_parameters
         metrics = receiver.metrics()
         assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
         adapter = storage.download_dir(adapter_uri(run.output_uri), str(tmp_path / f"adapter-{fmt}"))
