@@ -45,9 +45,9 @@ def split(quantization: Quantization, key: str, dtype: str) -> Part | None:
 def weight_of(key: str) -> str:
     """The weight a checkpoint tensor belongs to, whatever the format: `X.weight` for `X.weight_scale_inv`,
     `X.weight_packed`, ...; the key itself for an ordinary tensor."""
-    for suffix in ("_scale_inv", "_packed", "_scale", "_zero_point", "_shape", "_blocks", "_scales"):
+    for suffix in QUANTIZED_SUFFIXES:
         if key.endswith(suffix):
-            return key.removesuffix(suffix)
+            return key.removesuffix(suffix.removeprefix("weight"))  # "X.weight_packed" -> "X.weight"
     return key
 
 

@@ -7,6 +7,7 @@ only, and filled in place by the range fetcher. No rank ever holds the full mode
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import defaultdict
@@ -46,7 +47,7 @@ class Checkpoint:
     tensors: dict[str, dict[str, TensorInfo]]  # shard -> tensors
     manifest: dict | None
 
-    @property
+    @functools.cached_property
     def quantization(self) -> Quantization | None:
         """The checkpoint's quantized format (config.json), or None; an unsupported one is an error."""
         try:
