@@ -41,6 +41,8 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
                 ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj",
                  "shared_expert_gate") + _MLP),
     FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP),
+    # Every layer is MoE (no dense MLP); the router is not a linear; experts carry biases.
+    FamilyFacts("gpt_oss", ("num_local_experts",), ("q_proj", "k_proj", "v_proj", "o_proj")),
     # Text path only (KDA + DSA sparse MLA with its indexer wq_b / wk / weights_proj); no LoRA on the vision tower.
     FamilyFacts("glm5_next", ("n_routed_experts",),
                 _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",

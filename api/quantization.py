@@ -3,7 +3,7 @@ the control plane refuses an unsupported one at submission; the workers' loader 
 
 - "fp8": FP8 e4m3 with per-block `weight_scale_inv` (DeepSeek-V3/V3.2, Kimi-K2, Qwen3-FP8);
 - "compressed-tensors", format "pack-quantized", 4-bit int weights in groups (Kimi K2 Thinking / K2.5);
-- "mxfp4" (gpt-oss) is recognised and refused until the gpt_oss family is supported.
+- "mxfp4": e2m1 codes in groups of 32 with e8m0 scales (gpt-oss's routed experts).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ FP8, INT4, MXFP4 = "fp8-block", "int4-pack-quantized", "mxfp4"
 
 @dataclass(frozen=True)
 class Quantization:
-    format: str  # FP8 | INT4
+    format: str  # FP8 | INT4 | MXFP4
     block: tuple[int, int] | None = None  # FP8: weight_block_size
     group_size: int | None = None  # INT4: input channels per scale
     symmetric: bool = True  # INT4: no zero point
@@ -59,6 +59,6 @@ def quantization_of(config: dict) -> Quantization | None:
     if method == "compressed-tensors":
         return _int4(qc)
     if method == "mxfp4":
-        raise _refuse("MXFP4 checkpoints (gpt-oss) are not supported yet")
+        return Quantization(MXFP4, group_size=32)
     raise _refuse(f"quantization_config.quant_method {method!r} is not supported; supported: fp8 (block scales), "
-                  "compressed-tensors (pack-quantized INT4)")
+                  "compressed-tensors (pack-quantized INT4), mxfp4")

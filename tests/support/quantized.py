@@ -4,7 +4,10 @@ its saved shards (DeepSeek's per-expert naming, as `save_pretrained` writes it):
 - FP8 block (DeepSeek-V3 / Kimi-K2): every linear weight but lm_head becomes float8_e4m3fn + `weight_scale_inv`
   (router, norms and embeddings stay as they are); quantization_config {"quant_method": "fp8", ...};
 - INT4 pack-quantized (Kimi K2 Thinking): only the routed experts become `weight_packed` / `weight_scale` /
-  `weight_shape`, with compressed-tensors' quantization_config (attention, dense MLP, shared experts stay dense).
+  `weight_shape`, with compressed-tensors' quantization_config (attention, dense MLP, shared experts stay dense);
+- MXFP4 (gpt-oss, from a gpt_oss model): the fused experts' `gate_up_proj` / `down_proj` ([E, in, out]) become
+  `<proj>_blocks` [E, out, in/32, 16] and `<proj>_scales` [E, out, in/32] (uint8); their biases, attention, router,
+  embeddings stay bf16, as in the released checkpoints.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import re
 import torch
 from safetensors.torch import load_file, save_file
 
-from moetune.kernels.quant import quantize_fp8_block, quantize_int4
+from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
 
 FP8_BLOCK = (8, 8)  # divides every dimension of the tiny models (transformers' CPU dequant needs that)
 INT4_GROUP = 32
@@ -39,6 +42,13 @@ def _int4(name: str, tensor: torch.Tensor, block=None) -> dict:
             f"{name}_shape": torch.tensor(list(tensor.shape), dtype=torch.int64)}
 
 
+def _mxfp4(name: str, tensor: torch.Tensor, block=None) -> dict:
+    if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return {name: tensor.to(torch.bfloat16)}
+    q = quantize_mxfp4(tensor.transpose(1, 2))  # stored [E, out, in]: rows are output features
+    return {f"{name}_blocks": q.blocks, f"{name}_scales": q.scales}
+
+
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 INT4_CONFIG = {
     "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
@@ -50,7 +60,11 @@ INT4_CONFIG = {
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
     "kv_cache_scheme": None,
 }
-FORMATS = {"fp8": (_fp8, FP8_CONFIG), "int4": (_int4, INT4_CONFIG)}
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+FORMATS = {"fp8": (_fp8, FP8_CONFIG), "int4": (_int4, INT4_CONFIG), "mxfp4": (_mxfp4, MXFP4_CONFIG)}
+# the family each format's test checkpoint is made from (gpt-oss is the MXFP4 family)
+FAMILY_OF = {"fp8": "deepseek_v3", "int4": "deepseek_v3", "mxfp4": "gpt_oss"}
 
 
 def quantize_checkpoint(dense_dir: str, out_dir: str, fmt: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> str:

@@ -12,9 +12,10 @@ from moetune.api.families import FamilyFacts
 @dataclass(frozen=True)
 class Family:
     """Every supported family stores its routed experts as one transformers `*Experts` module with fused 3D
-    `gate_up_proj` (experts, 2·moe_intermediate, hidden) and `down_proj` (experts, hidden, moe_intermediate),
-    called as `experts(hidden, top_k_index, top_k_weights)`; expert parallelism replaces exactly that module, so
-    the family's own router (top-k, scoring, bias correction, scaling) runs unchanged."""
+    `gate_up_proj` (experts, 2·moe_intermediate, hidden) and `down_proj` (experts, hidden, moe_intermediate) (or
+    their transposes, where the module says `is_transposed`; optionally with `*_bias` tensors), called as
+    `experts(hidden, top_k_index, top_k_weights)`; expert parallelism replaces exactly that module, so the
+    family's own router (top-k, scoring, bias correction, scaling) runs unchanged."""
 
     facts: FamilyFacts
     moe_block: str  # class name of the family's MoE block (router + routed experts [+ shared experts])
@@ -27,6 +28,8 @@ class Family:
     # Kernel swaps in the order they are applied; each changes the given model's modules and returns how many.
     swaps: tuple[Callable[[object], int], ...] = ()
     model_type_aliases: tuple[str, ...] = ()  # config model_types of the family's sub-models (e.g. its text model)
+    # gate_up -> activation of the experts module, where it is not act_fn(gate) · up over [gate; up] halves
+    expert_activation: Callable[[object], Callable] | None = None
 
     @property
     def model_type(self) -> str:

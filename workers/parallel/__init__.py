@@ -38,5 +38,6 @@ def parallelize(model, family: Family, placement: ExpertPlacement, lora: LoraSpe
     blocks = list(family.moe_blocks(model))
     for _, block in blocks:
         experts = getattr(block, family.experts)
-        setattr(block, family.experts, cls(experts, placement, rank, lora.alpha, fused_kernel))
+        activation = family.expert_activation(experts) if family.expert_activation else None
+        setattr(block, family.experts, cls(experts, placement, rank, lora.alpha, fused_kernel, activation))
     return len(blocks)

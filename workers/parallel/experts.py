@@ -76,21 +76,25 @@ class ExpertParallelExperts(nn.Module):
     """Drop-in for a family's `*Experts` module: same call, only this rank's experts stored."""
 
     def __init__(self, experts: nn.Module, ep: ExpertPlacement, lora_rank: int = 0, lora_alpha: float = 1.0,
-                 fused_kernel: bool = True):
+                 fused_kernel: bool = True, activation=None):
         nn.Module.__init__(self)  # not super(): the trainable subclass must skip AutoEPMoELayer's own __init__
         quantized = held_names(experts)  # a quantized base: the loader left the frozen experts in their format
-        # kernels.moe's grouped GEMMs take dense weights; quantized experts run one expert at a time
-        self.compute = fused_expert_forward if fused_kernel and not quantized else grouped_expert_forward
+        biased = getattr(experts, "has_bias", False)
+        # kernels.moe's grouped GEMMs take dense, unbiased weights; other experts run one expert at a time
+        self.compute = fused_expert_forward if fused_kernel and not quantized and not biased else grouped_expert_forward
         self.num_experts = experts.num_experts
         if self.num_experts != ep.num_experts:
             raise ValueError(f"experts module has {self.num_experts} experts, the placement {ep.num_experts}")
         self.num_local_experts = ep.count
         self.ep, self.ep_group_name = ep, ep.group_name
-        # Families without an act_fn attribute (GLM) hard-code SiLU; swiglu_limit is GLM's clamp.
-        self.activation = GatedActivation(getattr(experts, "act_fn", nn.functional.silu),
-                                          getattr(experts, "swiglu_limit", None))
+        # `activation`: the family's own (parallel.compute's contract); else act_fn(gate) · up, where families
+        # without an act_fn attribute (GLM) hard-code SiLU and swiglu_limit is GLM's clamp.
+        self.activation = activation or GatedActivation(getattr(experts, "act_fn", nn.functional.silu),
+                                                        getattr(experts, "swiglu_limit", None))
         # The streaming loader allocates only this rank's experts; a full module is sliced, and cloned: the full
-        # tensors must not stay alive through a view.
+        # tensors must not stay alive through a view. Weights are kept [E, out, in] (transposed families' dense
+        # tensors are turned; quantized ones are stored that way), gate_up's columns in the checkpoint's order.
+        transposed = getattr(experts, "is_transposed", False)
         for name in ("gate_up_proj", "down_proj"):
             if name in quantized:
                 qweight = held(experts, name)
@@ -100,6 +104,13 @@ class ExpertParallelExperts(nn.Module):
             else:
                 weight = getattr(experts, name).detach()
                 own = weight if weight.shape[0] == ep.count else weight[ep.local].clone()
+                own = own.transpose(1, 2).contiguous() if transposed else own
+                setattr(self, name, nn.Parameter(own, requires_grad=False))
+        self.biased = biased
+        if biased:
+            for name in ("gate_up_proj_bias", "down_proj_bias"):
+                bias = getattr(experts, name).detach()
+                own = bias if bias.shape[0] == ep.count else bias[ep.local].clone()
                 setattr(self, name, nn.Parameter(own, requires_grad=False))
         self.quantized = bool(quantized)
         self.lora_rank, self.lora_scaling = lora_rank, lora_alpha / max(lora_rank, 1)
@@ -156,8 +167,9 @@ class ExpertParallelExperts(nn.Module):
 
         local_expert = torch.arange(n_local, device=recv.device).repeat(ep.size).repeat_interleave(recv.flatten())
         by_expert = torch.argsort(local_expert, stable=True)
+        biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.biased else None
         y = self.compute(received[by_expert], recv.sum(0).tolist(), *self.base_weights(),
-                         self.activation, self.lora_factors())
+                         self.activation, self.lora_factors(), biases)
         y = y[torch.argsort(by_expert)]  # back to (source rank, local expert) order
         returned = _exchange(y, in_splits, out_splits, ep, self.comm)
 

@@ -3,7 +3,8 @@
 
 A quantized model parameter `P` (a linear's `....weight`, or a fused expert tensor) is stored as parts: FP8 keeps
 `P` itself (e4m3 codes) plus `P_scale_inv`; INT4 pack-quantized stores `P_packed`, `P_scale` (and, asymmetric,
-`P_zero_point`) plus `P_shape`, a metadata vector the logical shape already implies. Each part is planned like any
+`P_zero_point`) plus `P_shape`, a metadata vector the logical shape already implies; MXFP4 (gpt-oss experts)
+stores `P_blocks` and `P_scales`. Each part is planned like any
 checkpoint tensor (the same name mapping, expert slicing and concatenation as `P`), into a storage tensor named
 `P:<part>` that keeps the checkpoint's dtype; nothing dense is ever allocated for `P`.
 """
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moetune.api.quantization import FP8, INT4, Quantization
-from moetune.kernels.quant import Fp8BlockWeight, Int4PackedWeight, QuantizedWeight
+from moetune.api.quantization import FP8, INT4, MXFP4, Quantization
+from moetune.kernels.quant import Fp8BlockWeight, Int4PackedWeight, Mxfp4Weight, QuantizedWeight
 
 PART_SEPARATOR = ":"
 # Tensor-name endings that only quantized checkpoints have: met outside a format, they are never ignored silently.
@@ -39,6 +40,10 @@ def split(quantization: Quantization, key: str, dtype: str) -> Part | None:
                              ("_zero_point", "weight_zero_point"), ("_shape", None)):
             if key.endswith(".weight" + suffix):
                 return Part(key.removesuffix(suffix), part)
+    if quantization.format == MXFP4:
+        for suffix in ("_blocks", "_scales"):
+            if key.endswith(suffix):
+                return Part(key.removesuffix(suffix), suffix[1:])
     return None
 
 
@@ -64,10 +69,14 @@ def build(quantization: Quantization, parts: dict) -> QuantizedWeight:
     """The QuantizedWeight of one parameter from its loaded parts (a ValueError names what does not fit)."""
     if quantization.format == FP8:
         return Fp8BlockWeight(parts["weight"], parts["weight_scale_inv"], quantization.block)
+    if quantization.format == MXFP4:
+        return Mxfp4Weight(parts["blocks"], parts["scales"])
     return Int4PackedWeight(parts["weight_packed"], parts["weight_scale"], parts.get("weight_zero_point"))
 
 
 def required_parts(quantization: Quantization) -> set[str]:
     if quantization.format == FP8:
         return {"weight", "weight_scale_inv"}
+    if quantization.format == MXFP4:
+        return {"blocks", "scales"}
     return {"weight_packed", "weight_scale"} | (set() if quantization.symmetric else {"weight_zero_point"})

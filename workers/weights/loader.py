@@ -27,7 +27,7 @@ from moetune.workers.weights.formats import build, parse_storage_name
 from moetune.workers.weights.header import TensorInfo, read_header
 from moetune.workers.weights.mapping import NameMapper
 from moetune.workers.weights.plan import Plan, plan_rank
-from moetune.workers.weights.quantized import install
+from moetune.workers.weights.quantized import install, quantized_shape
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 WEIGHT_FILES = (INDEX_FILE, ".safetensors", manifest_file.MANIFEST_FILE)
@@ -225,9 +225,9 @@ def _install_quantized(model, plan: Plan, targets: dict, shapes_of: dict, quanti
             qweight = build(quantization, tensors)
         except ValueError as e:
             raise WeightsError(f"{param}: its quantized parts do not fit together ({e})") from None
-        if tuple(qweight.shape) != tuple(shapes_of[param]):
+        if tuple(qweight.shape) != (expected := quantized_shape(model, param, shapes_of[param])):
             raise WeightsError(f"{param}: quantized weight of shape {list(qweight.shape)}, the model's is "
-                               f"{list(shapes_of[param])}")
+                               f"{list(expected)} ([..., out, in])")
         install(model, param, qweight, dense_dtype)
         held += qweight.nbytes
     return held

@@ -2,7 +2,7 @@
 
 from tests.workers.parallel.harness import STEPS, spec
 
-FAMILIES = ("kimi_linear", "qwen3_moe", "deepseek_v3", "qwen3_next", "glm5_next")
+FAMILIES = ("kimi_linear", "qwen3_moe", "deepseek_v3", "qwen3_next", "glm5_next", "gpt_oss")
 CURVE_STEPS = 20
 
 # case id -> (family, job, skew routing to the first half of the experts); checked against the reference

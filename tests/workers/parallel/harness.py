@@ -63,7 +63,7 @@ def expert_bytes(model) -> int:
     total = 0
     for module in model.modules():
         if isinstance(module, ExpertParallelExperts):
-            for p in (module.gate_up_proj, module.down_proj):
+            for p in (p for name, p in module.named_parameters() if not name.startswith("lora_")):
                 stored = getattr(p, "ds_tensor", p)
                 total += stored.numel() * stored.element_size()
     return total
@@ -161,6 +161,8 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
     for name, block in fam.moe_blocks(peft_model.base_model.model):
         experts = getattr(block, fam.experts)
         e, two_i, hidden = experts.gate_up_proj.shape
+        if getattr(experts, "is_transposed", False):  # stored [E, in, out] (gpt-oss)
+            hidden, two_i = two_i, hidden
         a_gate_up, a_down = init_expert_lora_a(range(e), r, hidden, two_i // 2, experts.gate_up_proj.dtype)
         factors = {"lora_gate_up_a": a_gate_up, "lora_down_a": a_down,
                    "lora_gate_up_b": torch.zeros(e, two_i, r), "lora_down_b": torch.zeros(e, hidden, r)}

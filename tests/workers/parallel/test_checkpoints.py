@@ -12,7 +12,8 @@ from tests.workers.parallel.harness import SAVE_AFTER
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_resume_is_exact_and_adapter_loads_into_peft(ep_runs, case):
-    from peft import PeftModel
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
 
     from moetune.workers.families import REGISTRY
 
@@ -23,6 +24,9 @@ def test_resume_is_exact_and_adapter_loads_into_peft(ep_runs, case):
     assert sorted(os.listdir(out / "ckpt" / "expert_lora")) == ["ep-0-of-2.safetensors", "ep-1-of-2.safetensors"]
 
     model = PeftModel.from_pretrained(plain_model(fam), str(out / "adapter")).eval()
+    # every adapter tensor has its place in the plain model, and every LoRA tensor there is in the file
+    assert load_file(str(out / "adapter" / "adapter_model.safetensors")).keys() == \
+        get_peft_model_state_dict(model).keys()
     assert any(".experts.base_layer.lora_B" in n for n, _ in model.named_parameters())
     if fam.shared_experts:  # PEFT kept the shared experts' LoRA where the engine trained it
         assert any(f".{fam.shared_experts}." in n and "lora_B" in n for n, _ in model.named_parameters())

@@ -1,5 +1,5 @@
-"""Quantized bases streamed and kept quantized: tiny FP8-block and INT4 pack-quantized checkpoints written in the
-public naming (tests/support/quantized.py) give the logits of transformers' own dequantized model, the LoRA
+"""Quantized bases streamed and kept quantized: tiny FP8-block and INT4 pack-quantized (DeepSeek-V3) and MXFP4
+(gpt-oss) checkpoints written in the public naming (tests/support/quantized.py) give the logits of transformers' own dequantized model, the LoRA
 gradients of the same model dequantized, each EP rank reads and holds only its quantized share, and anything the
 loader cannot read correctly is an error naming the tensor."""
 
@@ -13,45 +13,44 @@ import torch
 from safetensors import safe_open
 
 from moetune.api.models import JobCreate
+from moetune.api.families import FAMILIES
 from moetune.workers.families import REGISTRY
 from moetune.workers.model import trainable_model
 from moetune.workers.parallel.placement import placement_at
 from moetune.workers.weights.errors import WeightsError
 from moetune.workers.weights.loader import load_summary, stream_model
-from tests.support.families import batch
-from tests.support.quantized import quantize_checkpoint
+from tests.support.families import batch, plain_model
+from tests.support.quantized import FAMILY_OF, quantize_checkpoint
 
 CPU, F32 = torch.device("cpu"), torch.float32
+FORMAT_NAMES = {"fp8": "fp8-block", "int4": "int4-pack-quantized", "mxfp4": "mxfp4"}
 SPEC = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
                  lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True})
 
 
 @pytest.fixture(scope="module")
-def dense_dir(tmp_path_factory) -> str:
-    """A tiny random DeepSeek-V3 (the architecture of Kimi-K2) saved by transformers, routing spread out."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(REGISTRY["deepseek_v3"].tiny_config(), dtype=F32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
-    out = str(tmp_path_factory.mktemp("dense"))
-    model.save_pretrained(out, max_shard_size="100KB")
+def dense_dirs(tmp_path_factory) -> dict[str, str]:
+    """Tiny random DeepSeek-V3 (the architecture of Kimi-K2) and gpt-oss models saved by transformers, routing
+    spread out (gpt-oss: random expert biases too)."""
+    out = {}
+    for family in sorted(set(FAMILY_OF.values())):
+        out[family] = str(tmp_path_factory.mktemp(f"dense-{family}"))
+        plain_model(REGISTRY[family]).save_pretrained(out[family], max_shard_size="100KB")
     return out
 
 
-@pytest.fixture(scope="module", params=["fp8", "int4"])
-def quantized(request, dense_dir, tmp_path_factory) -> tuple[str, str]:
-    return request.param, quantize_checkpoint(dense_dir, str(tmp_path_factory.mktemp(request.param)), request.param)
+@pytest.fixture(scope="module", params=["fp8", "int4", "mxfp4"])
+def quantized(request, dense_dirs, tmp_path_factory) -> tuple[str, str]:
+    fmt = request.param
+    return fmt, quantize_checkpoint(dense_dirs[FAMILY_OF[fmt]], str(tmp_path_factory.mktemp(fmt)), fmt)
 
 
 def _reference(fmt: str, path: str):
-    """transformers' own dequantization of the checkpoint (FP8: FineGrainedFP8; INT4: compressed-tensors)."""
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
+    """transformers' own dequantization of the checkpoint (FP8: FineGrainedFP8; INT4: compressed-tensors; MXFP4:
+    its Mxfp4 integration)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config, Mxfp4Config
 
-    config = FineGrainedFP8Config(dequantize=True) if fmt == "fp8" else CompressedTensorsConfig(dequantize=True)
+    config = {"fp8": FineGrainedFP8Config, "int4": CompressedTensorsConfig, "mxfp4": Mxfp4Config}[fmt](dequantize=True)
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=F32).eval()
 
 
@@ -71,17 +70,16 @@ def _forward_backward(model) -> tuple[torch.Tensor, dict]:
 def test_logits_and_lora_gradients_match_the_dequantized_model(quantized):
     fmt, path = quantized
     streamed = stream_model(f"file://{path}", CPU, F32, cache_dir="")
-    assert streamed.quantization == {"fp8": "fp8-block", "int4": "int4-pack-quantized"}[fmt]
+    assert streamed.quantization == FORMAT_NAMES[fmt]
     kept = [m for m in streamed.model.modules() if type(m).__name__ == "QuantizedLinear"]
-    assert bool(kept) == (fmt == "fp8")  # INT4 (Kimi K2 Thinking) quantizes only the routed experts
+    assert bool(kept) == (fmt == "fp8")  # INT4 (Kimi K2 Thinking) and MXFP4 quantize only the routed experts
     reference = _reference(fmt, path)
     # transformers keeps the decompressed INT4 experts in bf16 (whatever dtype it is asked for): bf16 tolerance
-    tolerance = {"rtol": 1e-4, "atol": 1e-5} if fmt == "fp8" else {"rtol": 2e-2, "atol": 2e-3}
-    with torch.no_grad():
-        torch.testing.assert_close(_trainable(streamed.model)(**batch(0, 0, vocab=272)).logits,
-                                   reference(**batch(0, 0, vocab=272)).logits, **tolerance)
-    # LoRA (linears and routed experts) trains the same on the quantized base as on the dequantized one
+    tolerance = {"rtol": 2e-2, "atol": 2e-3} if fmt == "int4" else {"rtol": 1e-4, "atol": 1e-5}
     quant_logits, quant_grads = _forward_backward(_trainable(streamed.model))
+    with torch.no_grad():  # LoRA B = 0: the base model's logits
+        torch.testing.assert_close(quant_logits, reference(**batch(0, 0, vocab=272)).logits, **tolerance)
+    # LoRA (linears and routed experts) trains the same on the quantized base as on the dequantized one
     dense = stream_model(f"file://{path}", CPU, F32, cache_dir="", base_weights="dequantized")
     assert dense.quantized_bytes == 0
     assert not [m for m in dense.model.modules() if type(m).__name__ == "QuantizedLinear"]
@@ -93,20 +91,23 @@ def test_logits_and_lora_gradients_match_the_dequantized_model(quantized):
 
 
 def _rank_share_bytes(path: str, rank: int, ep: int, num_experts: int) -> tuple[int, int]:
-    """Bytes of the checkpoint tensors EP rank `rank` needs (all but the other ranks' routed experts), and how many
-    of them are INT4 `weight_shape` metadata (implied by the other tensors: never read)."""
+    """Bytes of the checkpoint tensors EP rank `rank` needs (all but the other ranks' routed experts: per-expert
+    tensors, or rows of fused ones), and how many of them are INT4 `weight_shape` metadata (implied by the other
+    tensors: never read)."""
     index = json.load(open(f"{path}/model.safetensors.index.json"))["weight_map"]
     total = metadata = 0
     for name, shard in index.items():
         with safe_open(f"{path}/{shard}", framework="pt") as f:
             tensor = f.get_slice(name)
-            nbytes = math.prod(tensor.get_shape()) * {"F8_E4M3": 1, "I32": 4, "I64": 8, "BF16": 2, "F32": 4}[
-                tensor.get_dtype()]
+            nbytes = math.prod(tensor.get_shape()) * {"F8_E4M3": 1, "I32": 4, "I64": 8, "BF16": 2, "F32": 4,
+                                                       "U8": 1}[tensor.get_dtype()]
         parts = name.split(".")
         if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
             expert = int(parts[parts.index("experts") + 1])
             if expert // (num_experts // ep) != rank:
                 continue
+        elif "experts" in parts:  # fused [E, ...]
+            nbytes //= ep
         total += nbytes
         metadata += nbytes if name.endswith("weight_shape") else 0
     return total, metadata
@@ -115,10 +116,12 @@ def _rank_share_bytes(path: str, rank: int, ep: int, num_experts: int) -> tuple[
 def test_each_ep_rank_reads_and_holds_only_its_quantized_share(quantized):
     fmt, path = quantized
     config = json.load(open(f"{path}/config.json"))
+    dense_dtype = torch.bfloat16 if fmt == "mxfp4" else F32  # that of the checkpoint's dense tensors
     for rank in range(2):
         # merge_gap=0: the tiny tensors lie closer together than the default gap a real load reads through
-        streamed = stream_model(f"file://{path}", CPU, F32, placement_at(config, 2, rank), cache_dir="", merge_gap=0)
-        share, shape_metadata = _rank_share_bytes(path, rank, 2, config["n_routed_experts"])
+        streamed = stream_model(f"file://{path}", CPU, dense_dtype, placement_at(config, 2, rank), cache_dir="",
+                                merge_gap=0)
+        share, shape_metadata = _rank_share_bytes(path, rank, 2, FAMILIES[config["model_type"]].num_experts(config))
         assert streamed.stats.bytes_needed == share - shape_metadata
         assert streamed.stats.bytes_from_storage <= 1.05 * share
         model = streamed.model
@@ -161,16 +164,18 @@ def test_what_cannot_load_correctly_is_an_error_naming_the_tensor(quantized, tmp
         stream_model(_rewrite(path, tmp_path / "a", {"quantization_config": {"quant_method": "awq"}}), CPU, F32,
                      cache_dir="")
     no_config = _rewrite(path, tmp_path / "b", {"quantization_config": None})
-    expected = "is F8_E4M3 but config.json has no quantization_config" if fmt == "fp8" else \
-        ("quantization tensors that no weight of this model reads .*config.json has no quantization_config"
-         ".*weight_packed")
+    unread = "quantization tensors that no weight of this model reads .*config.json has no quantization_config"
+    expected = {"fp8": "is F8_E4M3 but config.json has no quantization_config", "int4": f"{unread}.*weight_packed",
+                "mxfp4": f"{unread}.*_blocks"}[fmt]
     with pytest.raises(WeightsError, match=expected):
         stream_model(no_config, CPU, F32, cache_dir="")
-    scale = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
-    with pytest.raises(WeightsError, match=f"lacks tensors for: .*experts.down_proj:{scale}"):  # one expert's scale
-        stream_model(_rewrite(path, tmp_path / "c", drop=(f"experts.3.down_proj.{scale}",)), CPU, F32, cache_dir="")
-    with pytest.raises(WeightsError, match=f"quantized weights without all their parts: .*down_proj.*{scale}"):
-        stream_model(_rewrite(path, tmp_path / "d", drop=(f"down_proj.{scale}",)), CPU, F32, cache_dir="")
+    scale = {"fp8": ".weight_scale_inv", "int4": ".weight_scale", "mxfp4": "_scales"}[fmt]
+    if fmt != "mxfp4":  # gpt-oss's experts are fused: no one expert's scale to lose
+        with pytest.raises(WeightsError, match=f"lacks tensors for: .*experts.down_proj:{scale[1:]}"):
+            stream_model(_rewrite(path, tmp_path / "c", drop=(f"experts.3.down_proj{scale}",)), CPU, F32,
+                         cache_dir="")
+    with pytest.raises(WeightsError, match=f"quantized weights without all their parts: .*down_proj.*{scale[1:]}"):
+        stream_model(_rewrite(path, tmp_path / "d", drop=(f"down_proj{scale}",)), CPU, F32, cache_dir="")
 
 
 def test_push_keeps_a_quantized_checkpoint_quantized_and_inspect_names_its_format(quantized, tmp_path):
@@ -186,7 +191,7 @@ def test_push_keeps_a_quantized_checkpoint_quantized_and_inspect_names_its_forma
         shards_of.setdefault(weight_of(name), set()).add(shard)
     assert len(set(index.values())) > 2 and all(len(s) == 1 for s in shards_of.values())
     report = inspect(pushed, ep=2)
-    assert report["quantization"] == {"fp8": "fp8-block", "int4": "int4-pack-quantized"}[fmt]
+    assert report["quantization"] == FORMAT_NAMES[fmt]
     streamed = stream_model(pushed, CPU, F32, cache_dir="")
     assert streamed.verified and streamed.stats.verified_pieces == len(streamed.plan.pieces)
     assert streamed.quantized_bytes == stream_model(f"file://{path}", CPU, F32, cache_dir="").quantized_bytes
