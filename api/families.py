@@ -55,15 +55,13 @@ def check_model_spec(config: dict, spec) -> None:
 
     `spec` is a resolved JobCreate. Used at submission (422) and again by the driver before workers start.
     """
-    quantization_of(config)  # an unsupported quantized format is refused before anything else
-    par, lora = spec.parallelism, spec.lora
-    facts = FAMILIES.get(config.get("model_type"))
+    model_type = config.get("model_type")
+    facts = FAMILIES.get(model_type)
     if facts is None:
-        if par.expert_parallel_size > 1 or lora.train_experts:
-            field = "parallelism.expert_parallel_size" if par.expert_parallel_size > 1 else "lora.train_experts"
-            raise SpecError(field, f"model_type {config.get('model_type')!r} has no expert-parallel support; "
-                                   f"supported: {', '.join(sorted(FAMILIES))}")
-        return
+        raise SpecError("model", f"model: model_type {model_type!r} is not supported; supported: "
+                                 f"{', '.join(sorted(FAMILIES))}")
+    quantization_of(config)  # an unsupported quantized format is refused before the family's own rules
+    par, lora = spec.parallelism, spec.lora
     experts = facts.num_experts(config)
     if experts is not None and experts % par.expert_parallel_size:
         raise SpecError("parallelism.expert_parallel_size",

@@ -75,6 +75,15 @@ def write_bytes(uri: str, data: bytes, *, endpoint_url: Endpoint = FROM_ENV) -> 
     fs.pipe_file(path, data)
 
 
+def check_writable(uri: str, *, endpoint_url: Endpoint = FROM_ENV, quick: bool = False) -> None:
+    """Writes and deletes one empty probe object under `uri`: FileNotFoundError when its bucket does not exist,
+    PermissionError when writing there is denied (other storage errors propagate as they are)."""
+    fs, path = filesystem(uri, endpoint_url, quick=quick)
+    probe = f"{path.rstrip('/')}/.moetune-write-check-{os.urandom(6).hex()}"
+    fs.pipe_file(probe, b"")
+    fs.rm_file(probe)
+
+
 def exists(uri: str, *, endpoint_url: Endpoint = FROM_ENV) -> bool:
     fs, path = filesystem(uri, endpoint_url)
     return fs.exists(path)

@@ -7,7 +7,7 @@ import json
 
 from moetune.api import storage
 from moetune.api.errors import ErrorCode
-from moetune.api.models import ErrorInfo, JobCreate
+from moetune.api.models import ErrorInfo, JobCreate, SpecError
 
 
 def _filesystem(uri: str, s3_endpoint_url: str | None, quick: bool = False):
@@ -47,15 +47,53 @@ def missing_input(spec: JobCreate, s3_endpoint_url: str | None) -> ErrorInfo | N
 def read_json(uri: str, s3_endpoint_url: str | None) -> dict | None:
     """A small JSON object from storage, or None when it cannot be read now (missing, unreachable, not JSON)."""
     try:
+        return _read_object(uri, s3_endpoint_url)
+    except SpecError:
+        return None
+
+
+def _read_object(uri: str, s3_endpoint_url: str | None) -> dict | None:
+    """A small JSON object from storage; None when storage cannot give it now; SpecError when it is not one."""
+    try:
         fs, path = _filesystem(uri, s3_endpoint_url, quick=True)
         with fs.open(path, "rb") as f:
-            value = json.loads(f.read(1_000_000))
+            raw = f.read(1_000_000)
     except Exception:  # noqa: BLE001 - callers treat any storage trouble as "not there (yet)"
         return None
-    return value if isinstance(value, dict) else None
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise SpecError("model", f"model: {uri} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise SpecError("model", f"model: {uri} is not a JSON object")
+    return value
 
 
 def read_model_config(spec: JobCreate, s3_endpoint_url: str | None) -> dict | None:
     """The model's config.json, or None when it cannot be read now: then the file check before queueing and
-    the driver's own check report it instead (it never fails the submission)."""
-    return read_json(storage.join(spec.model, "config.json"), s3_endpoint_url)
+    the driver's own check report it instead. A config.json that is there but not a JSON object is a SpecError."""
+    return _read_object(storage.join(spec.model, "config.json"), s3_endpoint_url)
+
+
+def model_files(spec: JobCreate, s3_endpoint_url: str | None) -> list[str] | None:
+    """Names of the files directly in the model folder; None when storage cannot list it now."""
+    try:
+        fs, path = _filesystem(spec.model, s3_endpoint_url, quick=True)
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+    except Exception:  # noqa: BLE001 - the driver lists it again
+        return None
+
+
+def check_output_writable(output_uri: str, s3_endpoint_url: str | None, default: bool = False) -> None:
+    """SpecError (param output_uri) when the output location's bucket does not exist or refuses writes; storage
+    that does not answer now is left to the driver, which checks again before any worker starts. `default`: the
+    job named no output_uri (the location is the server's MOETUNE_DEFAULT_OUTPUT_URI)."""
+    where = f"{output_uri} (the server's default output location)" if default else output_uri
+    try:
+        storage.check_writable(output_uri, endpoint_url=s3_endpoint_url, quick=True)
+    except FileNotFoundError:
+        raise SpecError("output_uri", f"output_uri: {where}: its bucket does not exist") from None
+    except PermissionError:
+        raise SpecError("output_uri", f"output_uri: writing to {where} was denied") from None
+    except Exception:  # noqa: BLE001 - unreachable now: the driver's check decides
+        return

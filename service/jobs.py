@@ -6,11 +6,12 @@ import hashlib
 import json
 import secrets
 
+from moetune.api.checkpoint_files import check_tokenizer_files
 from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec
 from moetune.api.models import JobCreate, JobStatus, SpecError, resolve_spec
 from moetune.service.errors import APIException, invalid_request
-from moetune.service.files import read_model_config
+from moetune.service.files import check_output_writable, model_files, read_model_config
 from moetune.service.settings import Settings
 from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
 from moetune.service.uri_policy import check_job_uris
@@ -42,14 +43,19 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
     digest = request_hash(request)
     if idempotency_key is not None and (existing := store.find_by_idempotency_key(tenant, idempotency_key)):
         return _replay(existing, digest)
+    job_id = new_job_id()
+    output_uri = f"{(request.output_uri or settings.default_output_uri).rstrip('/')}/{job_id}"
     try:
         spec = resolve_spec(request)
-        # Rules that need the model's config.json; when storage cannot answer now, the driver checks them.
+        # Rules that need storage (the model's files, the output location); what storage cannot answer now, the
+        # driver checks before any worker starts.
         if (config := read_model_config(spec, settings.s3_endpoint_url)) is not None:
             check_model_spec(config, spec)
+            if (names := model_files(spec, settings.s3_endpoint_url)) is not None:
+                check_tokenizer_files(names, spec.model)
+        check_output_writable(output_uri, settings.s3_endpoint_url, default=request.output_uri is None)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
-    job_id = new_job_id()
     row = JobRow(
         id=job_id,
         tenant=tenant,
@@ -57,7 +63,7 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
         priority=spec.priority,
         spec=spec.model_dump(mode="json"),
         seed=spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED + 1),
-        output_uri=f"{(spec.output_uri or settings.default_output_uri).rstrip('/')}/{job_id}",
+        output_uri=output_uri,
         result_files=[],
         progress={},
         idempotency_key=idempotency_key,

@@ -1,7 +1,9 @@
-"""Job specs that the model's config makes invalid: 422 at submission (control plane reads config.json from
-S3), and the same rule in the driver's fail-fast check."""
+"""Job specs that the model's files or the output location make invalid: 422 at submission with the field (the
+control plane reads config.json and lists the checkpoint folder on S3, and probes the output bucket), and the same
+rules in the driver's fail-fast check."""
 
 import json
+import os
 import uuid
 
 import boto3
@@ -12,6 +14,7 @@ from moetune.api.models import JobCreate
 from moetune.workers.errors import JobError
 from moetune.workers.entry.checks import check_supported
 from moetune.workers.families import REGISTRY
+from moetune.workers.tiny import write_tiny_tokenizer
 from tests.support.control_plane import API_TOKENS, run_service
 
 JOBS = "/v1/fine_tuning/jobs"
@@ -20,17 +23,24 @@ JOBS = "/v1/fine_tuning/jobs"
 @pytest.fixture(scope="module")
 def control_plane(s3_endpoint, tmp_path_factory):
     """A real control plane that reads model configs from the session's S3 server; a bucket with the seed
-    family's tiny config.json (8 routed experts) and one of a non-MoE model."""
+    family's tiny checkpoint files (config.json with 8 routed experts, the tokenizer), the same without its
+    tokenizer, a config.json that is not JSON, and models whose config the checks refuse."""
     from moetune.service.settings import Settings
 
     bucket = f"t-{uuid.uuid4().hex[:12]}"
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     s3.create_bucket(Bucket=bucket)
-    s3.put_object(Bucket=bucket, Key="kimi/config.json", Body=REGISTRY["kimi_linear"].tiny_config().to_json_string())
-    s3.put_object(Bucket=bucket, Key="llama/config.json", Body=json.dumps({"model_type": "llama"}))
-    awq = {**REGISTRY["deepseek_v3"].tiny_config().to_dict(), "quantization_config": {"quant_method": "awq"}}
-    s3.put_object(Bucket=bucket, Key="awq/config.json", Body=json.dumps(awq))
     tmp = tmp_path_factory.mktemp("ep-service")
+    write_tiny_tokenizer(str(tmp / "tokenizer"))
+    for name in os.listdir(tmp / "tokenizer"):
+        s3.put_object(Bucket=bucket, Key=f"kimi/{name}", Body=(tmp / "tokenizer" / name).read_bytes())
+    configs = {"kimi": REGISTRY["kimi_linear"].tiny_config().to_json_string(),
+               "no-tokenizer": REGISTRY["kimi_linear"].tiny_config().to_json_string(),
+               "llama": json.dumps({"model_type": "llama"}), "not-json": "{'model_type': 'kimi_linear'",
+               "awq": json.dumps({**REGISTRY["deepseek_v3"].tiny_config().to_dict(),
+                                  "quantization_config": {"quant_method": "awq"}})}
+    for model, config in configs.items():
+        s3.put_object(Bucket=bucket, Key=f"{model}/config.json", Body=config)
     settings = Settings(database_url=f"sqlite:///{tmp}/moetune.db", api_tokens=API_TOKENS, scheduler_enabled=False,
                         default_output_uri=f"s3://{bucket}/out", s3_endpoint_url=s3_endpoint)
     with run_service(settings) as running:
@@ -49,9 +59,10 @@ EP3_OF_6 = {"parallelism": {"num_workers": 6, "expert_parallel_size": 3}, "train
 @pytest.mark.parametrize("model, fields, param, words", [
     ("kimi", EP3_OF_6, "parallelism.expert_parallel_size", "8 routed experts"),
     ("kimi", {"lora": {"target_modules": ["q_proj", "wq"]}}, "lora.target_modules", "'wq'"),
-    ("llama", {"parallelism": {"num_workers": 2, "expert_parallel_size": 2}, "training": {"global_batch_size": 2}},
-     "parallelism.expert_parallel_size", "'llama'"),
-    ("llama", {"lora": {"train_experts": True}}, "lora.train_experts", "no expert-parallel support"),
+    ("kimi", {"output_uri": "s3://no-such-bucket-here/out"}, "output_uri", "its bucket does not exist"),
+    ("llama", {}, "model", "model_type 'llama' is not supported; supported: deepseek_v3, glm5_next, gpt_oss"),
+    ("not-json", {}, "model", "config.json is not JSON"),
+    ("no-tokenizer", {}, "model", "has no tokenizer files (one of tokenizer.json, tokenizer.model"),
     ("awq", {}, "model", "quant_method 'awq' is not supported; supported: fp8 (block scales), compressed-tensors"),
 ])
 def test_config_dependent_rules_are_422_at_submission(control_plane, model, fields, param, words):
@@ -74,3 +85,23 @@ def test_unreadable_config_defers_to_the_driver(control_plane):
     with pytest.raises(JobError) as err:
         check_supported(spec, REGISTRY["kimi_linear"].tiny_config().to_dict())
     assert err.value.param == "parallelism.expert_parallel_size" and "8 routed experts" in err.value.message
+
+
+def test_the_driver_checks_the_tokenizer_and_the_output_again(control_plane):
+    """What storage did not answer at submission, the driver's checks refuse before any worker starts: a checkpoint
+    without a tokenizer, a tokenizer that is not the model's (vocab_size 4x its size), an output bucket that is
+    not there."""
+    from moetune.workers.entry.checks import check_output, check_tokenizer
+
+    _, bucket = control_plane
+    config = REGISTRY["kimi_linear"].tiny_config().to_dict()
+    check_tokenizer(f"s3://{bucket}/kimi", config)
+    check_output(f"s3://{bucket}/out/ftjob-1")
+    cases = [(lambda: check_tokenizer(f"s3://{bucket}/no-tokenizer", config), "model", "has no tokenizer files"),
+             (lambda: check_tokenizer(f"s3://{bucket}/kimi", {**config, "vocab_size": 4 * config["vocab_size"]}),
+              "model", "it is not this model's tokenizer"),
+             (lambda: check_output("s3://no-such-bucket-here/out"), "output_uri", "is not writable")]
+    for check, param, words in cases:
+        with pytest.raises(JobError) as err:
+            check()
+        assert err.value.param == param and words in err.value.message

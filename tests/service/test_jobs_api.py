@@ -24,9 +24,15 @@ def test_create_returns_an_openai_shaped_job(service):
     assert [e["message"] for e in events] == ["Job created", "Validating files"]
 
 
-def test_seed_and_output_uri_are_kept_when_given(service):
-    job = service.create_job(seed=7, output_uri="s3://mine/out/")
-    assert job["seed"] == 7 and job["output_uri"] == f"s3://mine/out/{job['id']}"
+def test_seed_and_output_uri_are_kept_when_given(service, s3_bucket):
+    job = service.create_job(seed=7, output_uri=f"s3://{s3_bucket}/out/")
+    assert job["seed"] == 7 and job["output_uri"] == f"s3://{s3_bucket}/out/{job['id']}"
+
+
+def test_an_output_bucket_that_does_not_exist_is_422(service):
+    reply = service.http().post(JOBS, json={"model": "s3://models/tiny", "training_file": "s3://data/t.jsonl",
+                                            "output_uri": "s3://no-such-output-bucket/out"})
+    assert reply.status_code == 422 and reply.json()["error"]["param"] == "output_uri", reply.text
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -18,8 +18,9 @@ JOBS = "/v1/fine_tuning/jobs"
 def inputs(s3_endpoint, s3_bucket):
     """URIs of a model folder and training/validation files that exist in a real bucket."""
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    for key in ("model/config.json", "train.jsonl", "valid.jsonl"):
+    for key in ("model/tokenizer.json", "train.jsonl", "valid.jsonl"):
         s3.put_object(Bucket=s3_bucket, Key=key, Body=b"{}")
+    s3.put_object(Bucket=s3_bucket, Key="model/config.json", Body=b'{"model_type": "kimi_linear"}')
     return {"model": f"s3://{s3_bucket}/model", "training_file": f"s3://{s3_bucket}/train.jsonl",
             "validation_file": f"s3://{s3_bucket}/valid.jsonl"}
 

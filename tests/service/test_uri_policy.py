@@ -7,7 +7,12 @@ GOOD = {"model": "s3://models/tiny", "training_file": "s3://data-a/train.jsonl"}
 
 
 @pytest.fixture
-def policed(start_service):
+def policed(start_service, s3_endpoint):
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    if "data-a" not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:
+        s3.create_bucket(Bucket="data-a")  # the jobs' output location
     return start_service(uri_allow_list=ALLOW)
 
 

@@ -1,17 +1,23 @@
 """What the driver checks before any worker starts: the rules of submission again (the control plane skips those
-it cannot check when storage is unreachable), the model's config, the LoRA targets and every data row."""
+it cannot check when storage is unreachable), the model's config and tokenizer, the LoRA targets, the output
+location and every data row."""
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 from moetune.api import storage
+from moetune.api.checkpoint_files import check_tokenizer_files, check_tokenizer_size
 from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec
 from moetune.api.models import JobCreate, JobRunSpec, SpecError
 from moetune.workers.data.rows import load_rows
 from moetune.workers.errors import JobError
 from moetune.workers.lora.peft_lora import check_targets_on_config
+from moetune.workers.model import load_tokenizer
+from moetune.workers.weights.loader import is_weight_file
 
 
 def validate(run: JobRunSpec) -> int:
@@ -20,10 +26,31 @@ def validate(run: JobRunSpec) -> int:
     config = read_remote_config(spec.model)
     check_supported(spec, config)
     check_targets_on_config(config, spec.lora)
+    check_tokenizer(spec.model, config)
+    check_output(run.output_uri)
     rows = len(load_rows(spec.training_file, "training_file"))
     if spec.validation_file:
         load_rows(spec.validation_file, "validation_file")
     return rows
+
+
+def check_tokenizer(model_uri: str, config: dict) -> None:
+    """The checkpoint's tokenizer loads (its files, as the workers fetch them) and fits the model's vocabulary."""
+    with tempfile.TemporaryDirectory() as local:
+        storage.download_dir(model_uri, local, skip=is_weight_file)
+        try:
+            check_tokenizer_files(os.listdir(local), model_uri)
+            check_tokenizer_size(len(load_tokenizer(local)), config, model_uri)
+        except SpecError as e:
+            raise JobError(ErrorCode.invalid_model, e.message, e.param) from None
+
+
+def check_output(output_uri: str) -> None:
+    try:
+        storage.check_writable(output_uri)
+    except (FileNotFoundError, PermissionError) as e:
+        raise JobError(ErrorCode.invalid_request, f"output_uri: {output_uri} is not writable ({e})",
+                       "output_uri") from None
 
 
 def check_supported(spec: JobCreate, config: dict) -> None:
