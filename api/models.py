@@ -48,8 +48,11 @@ class LoraSpec(_Strict):
     rank: int = Field(16, ge=1, le=1024)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    # "all-linear" or explicit module names (matched as in PEFT: exact or suffix).
-    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    # A preset, resolved per layer type of the model (workers/lora/coverage.py): "all-linear" (every linear but
+    # lm_head and the router), "attention" (linear, full and sparse attention), "mlp" (dense MLPs and shared
+    # experts), "experts" (shared and routed experts: sets train_experts); or explicit module names (matched as in
+    # PEFT: exact or suffix).
+    target_modules: Literal["all-linear", "attention", "mlp", "experts"] | list[str] = "all-linear"
     # Per-expert low-rank adapters on the routed experts (see the expert-parallel engine).
     train_experts: bool = False
 
@@ -57,8 +60,15 @@ class LoraSpec(_Strict):
     @classmethod
     def _non_empty(cls, v):
         if isinstance(v, list) and (not v or any(not name.strip() for name in v)):
-            raise ValueError("must be 'all-linear' or a non-empty list of module names")
+            raise ValueError("must be a preset ('all-linear', 'attention', 'mlp', 'experts') or a non-empty list "
+                             "of module names")
         return v
+
+    @model_validator(mode="after")
+    def _experts_preset(self):
+        if self.target_modules == "experts":
+            self.train_experts = True  # the preset's point: the routed experts
+        return self
 
 
 class TrainingSpec(_Strict):

@@ -66,17 +66,32 @@ def push(local_dir: str, uri: str, shard_size: str) -> None:
 @models.command()
 @click.argument("uri")
 @click.option("--ep", default=1, show_default=True, type=click.IntRange(1), help="Expert-parallel size to plan for.")
+@click.option("--lora", "targets", default=None,
+              help="LoRA targets: a preset (all-linear, attention, mlp, experts) or comma-separated module names; "
+                   "prints which modules of each layer type they adapt.")
+@click.option("--train-experts", is_flag=True, help="With --lora: routed experts get LoRA too (lora.train_experts).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def inspect(uri: str, ep: int, as_json: bool) -> None:
+def inspect(uri: str, ep: int, targets: str | None, train_experts: bool, as_json: bool) -> None:
     """Family, parameter counts, experts and bytes each rank reads at EP=N, from headers only."""
+    from pydantic import ValidationError
+
+    from moetune.api.models import LoraSpec
     from moetune.workers.errors import JobError
     from moetune.workers.weights.push import inspect as inspect_checkpoint
+
+    lora = None
+    if targets is not None:
+        names = targets if targets in ("all-linear", "attention", "mlp", "experts") else targets.split(",")
+        try:
+            lora = LoraSpec(target_modules=names, train_experts=train_experts)
+        except ValidationError as e:
+            raise click.BadParameter(e.errors()[0]["msg"], param_hint="--lora") from None
 
     with Progress(TextColumn("reading shard headers"), BarColumn(), TextColumn("{task.completed} shards"),
                   console=console, transient=True) as bar:
         task = bar.add_task("headers", total=None)
         try:
-            report = inspect_checkpoint(uri, ep, progress=lambda shard: bar.advance(task))
+            report = inspect_checkpoint(uri, ep, progress=lambda shard: bar.advance(task), lora=lora)
         except JobError as e:
             raise click.ClickException(str(e)) from None
     if as_json:
@@ -90,3 +105,17 @@ def inspect(uri: str, ep: int, as_json: bool) -> None:
     for rank, n in enumerate(report["bytes_per_rank"]):
         table.add_row(f"rank {rank} of EP={ep} reads", f"{n:,} bytes ({n / report['checkpoint_bytes']:.1%})")
     console.print(table)
+    if report["lora"]:
+        _print_lora(report["lora"], report["parameters"])
+
+
+def _print_lora(lora: dict, parameters: int) -> None:
+    table = Table("layer type", "layers adapted", "LoRA on", "not adapted", "trainable", title="LoRA coverage")
+    for row in lora["rows"]:
+        table.add_row(row["layer_type"], f"{row['adapted_layers']}/{row['layers']}", ", ".join(row["adapted"]) or "-",
+                      ", ".join(row["not_adapted"]) or "-", f"{row['trainable_parameters']:,}")
+    console.print(table)
+    share = lora["trainable_parameters"] / max(parameters, 1)
+    console.print(f"{lora['trainable_parameters']:,} trainable parameters ({share:.4%} of {parameters:,})")
+    for warning in lora["warnings"]:
+        console.print(f"[yellow]warning:[/yellow] {warning}")

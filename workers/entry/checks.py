@@ -15,23 +15,24 @@ from moetune.api.families import check_model_spec
 from moetune.api.models import JobCreate, JobRunSpec, SpecError
 from moetune.workers.data.rows import load_rows
 from moetune.workers.errors import JobError
+from moetune.workers.lora.coverage import Coverage
 from moetune.workers.lora.peft_lora import check_targets_on_config
 from moetune.workers.model import load_tokenizer
 from moetune.workers.weights.loader import is_weight_file
 
 
-def validate(run: JobRunSpec) -> int:
-    """Fails fast, before any worker starts: returns the number of training rows."""
+def validate(run: JobRunSpec) -> tuple[int, Coverage]:
+    """Fails fast, before any worker starts: returns the number of training rows and what LoRA adapts."""
     spec = run.spec
     config = read_remote_config(spec.model)
     check_supported(spec, config)
-    check_targets_on_config(config, spec.lora)
+    lora = check_targets_on_config(config, spec.lora)
     check_tokenizer(spec.model, config)
     check_output(run.output_uri)
     rows = len(load_rows(spec.training_file, "training_file"))
     if spec.validation_file:
         load_rows(spec.validation_file, "validation_file")
-    return rows
+    return rows, lora
 
 
 def check_tokenizer(model_uri: str, config: dict) -> None:

@@ -8,7 +8,8 @@ from contextlib import contextmanager
 from moetune.api.errors import ErrorCode
 from moetune.api.models import LoraSpec
 from moetune.workers.errors import JobError
-from moetune.workers.families import auto_model_class, known_family
+from moetune.workers.families import auto_model_class, family_for, known_family
+from moetune.workers.lora.coverage import Coverage, coverage, modules, peft_targets
 
 
 def _linear_names(model) -> list[str]:
@@ -21,9 +22,11 @@ def _linear_names(model) -> list[str]:
             if isinstance(module, torch.nn.Linear) and (scope is None or scope in f".{name}")]
 
 
-def _scoped_targets(model, targets):
-    """PEFT targets restricted to the family's LoRA scope, as full module names ("all-linear" minus lm_head)."""
+def _scoped_targets(model, lora: LoraSpec):
+    """PEFT targets (a layer-type preset resolved, see workers.lora.coverage) restricted to the family's LoRA
+    scope, as full module names ("all-linear" minus lm_head)."""
     fam = known_family(model.config)
+    targets = lora.target_modules if fam is None else peft_targets(modules(model, fam), lora)
     if fam is None or fam.lora_scope is None:
         return targets
     linear = [n for n in _linear_names(model) if not n.endswith("lm_head")]
@@ -46,15 +49,23 @@ def _check_targets(model, targets: list[str]) -> None:
         )
 
 
-def check_targets_on_config(config: dict, spec: LoraSpec) -> None:
-    """The target check without weights: the model is built on the meta device (no memory, no I/O)."""
+def check_targets_on_config(config: dict, spec: LoraSpec) -> Coverage:
+    """The target check without weights, and what the targets adapt: the model is built on the meta device (no
+    memory, no I/O)."""
     import torch
     from transformers import AutoConfig
 
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(AutoConfig.for_model(**config))
     if isinstance(spec.target_modules, list):
-        with torch.device("meta"):
-            model = auto_model_class(config).from_config(AutoConfig.for_model(**config))
         _check_targets(model, spec.target_modules)
+    found = coverage(modules(model, family_for(model.config)), spec)
+    if not found.targets:  # PEFT wraps at least one linear; the routed experts' LoRA lives outside it
+        raise JobError(ErrorCode.invalid_target_modules,
+                       f"lora.target_modules: the {spec.target_modules!r} preset matches no linear of a "
+                       f"{model.config.model_type} model; name some with lora.train_experts: true instead "
+                       "(e.g. ['o_proj'])", "lora.target_modules")
+    return found
 
 
 @contextmanager
@@ -86,7 +97,7 @@ def apply_lora(model, spec: LoraSpec):
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
         # "all-linear" leaves out lm_head; the router is no nn.Linear
-        target_modules=_scoped_targets(model, spec.target_modules),
+        target_modules=_scoped_targets(model, spec),
         bias="none",
     )
     with _no_v4_target_conversion(model):

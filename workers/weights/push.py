@@ -17,6 +17,9 @@ import tempfile
 from collections.abc import Callable
 
 from moetune.api import storage
+from moetune.api.models import LoraSpec
+from moetune.workers.families import family_for
+from moetune.workers.lora.coverage import coverage, modules
 from moetune.workers.parallel.placement import placement_at
 from moetune.workers.weights import manifest as manifest_file
 from moetune.workers.weights.formats import weight_of
@@ -143,12 +146,14 @@ def push(local_dir: str, uri: str, shard_bytes: int, progress: Progress | None =
     return {"shards": len(plan), "tensors": len(tensors), "bytes": total}
 
 
-def inspect(uri: str, ep: int = 1, progress=None) -> dict:
-    """Family, parameter counts, experts, and the bytes each rank reads at expert_parallel_size=`ep`."""
+def inspect(uri: str, ep: int = 1, progress=None, lora: LoraSpec | None = None) -> dict:
+    """Family, parameter counts, experts, the bytes each rank reads at expert_parallel_size=`ep`, and, with
+    `lora`, which modules of each layer type it adapts (workers.lora.coverage)."""
     import torch
 
     ckpt = open_checkpoint(uri, progress=progress)
     model = empty_model(ckpt.config, torch.float32)
+    adapted = coverage(modules(model, family_for(model.config)), lora) if lora else None
     params = dict(model.named_parameters())
     experts = fused_expert_params(model)
     expert_params = sum(params[name].numel() for name in experts)
@@ -161,4 +166,6 @@ def inspect(uri: str, ep: int = 1, progress=None) -> dict:
             "expert_parameters": expert_params, "moe_layers": len({n.rsplit(".", 1)[0] for n in experts}),
             "experts_per_layer": max(experts.values(), default=0),
             "checkpoint_bytes": total_bytes, "expert_parallel_size": ep, "bytes_per_rank": ranks,
-            "manifest": ckpt.manifest is not None}
+            "manifest": ckpt.manifest is not None,
+            "lora": None if adapted is None else {"rows": adapted.rows(), "trainable_parameters": adapted.trainable,
+                                                  "warnings": [m for _, m in adapted.warnings(lora)]}}

@@ -84,6 +84,10 @@ def test_jobs_train_on_fp8_int4_and_mxfp4_bases_kept_quantized(s3_bucket, ray_he
         (built,) = [e for e in receiver.of_kind("event") if e.message.startswith("Model loaded")]
         # weights kept quantized count by their dense shapes (the chief's: its half of the experts)
         assert built.data["parameters"] - built.data["trainable_parameters"] == rank_parameters
+        (lora,) = [e for e in receiver.of_kind("event") if e.message.startswith("LoRA coverage")]
+        rows = {row["layer_type"]: row for row in lora.data["lora_coverage"]}
+        assert rows["routed experts"]["adapted_layers"] == rows["routed experts"]["layers"] > 0
+        assert not [e.message for e in receiver.of_kind("event") if e.level == "warning"]  # every layer type adapted
         metrics = receiver.metrics()
         assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
         adapter = storage.download_dir(adapter_uri(run.output_uri), str(tmp_path / f"adapter-{fmt}"))

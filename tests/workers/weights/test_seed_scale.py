@@ -1,6 +1,7 @@
 """The seed-scale model (examples/seed-model.config.json: kimi_linear shape, 2.78T parameters, 896 experts, top-16)
 without seed-scale memory: its empty model is built on the meta device, and `moetune models inspect` of a
-header-only sparse checkpoint of it (every tensor's bytes a hole in the file) reports it in < 2 GiB."""
+header-only sparse checkpoint of it (every tensor's bytes a hole in the file) reports it in < 2 GiB, with what the
+seed's own LoRA recipe adapts on it."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def test_models_inspect_reports_the_seed_model_in_under_2_gib(tmp_path):
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", code, "models", "inspect", f"file://{tmp_path}", "--ep", "64",
-                          "--json"], capture_output=True, text=True, timeout=300, check=True)
+                          "--lora", "q_proj,v_proj,gate_proj", "--json"], capture_output=True, text=True, timeout=300,
+                         check=True)
     report, peak = json.loads(out.stdout), int(out.stderr.strip().splitlines()[-1])
     assert peak < 2 * 2**30, f"inspect peaked at {peak / 2**30:.2f} GiB"
     assert report["parameters"] == parameters and report["quantization"] is None
@@ -70,5 +72,13 @@ def test_models_inspect_reports_the_seed_model_in_under_2_gib(tmp_path):
     non_expert = report["checkpoint_bytes"] - expert_bytes
     assert len(report["bytes_per_rank"]) == 64
     assert all(n == non_expert + expert_bytes // 64 for n in report["bytes_per_rank"])
+    # the seed recipe adapts the 45 KDA layers' q/v and the shared experts, no MLA layer and no routed expert
+    lora = {row["layer_type"]: row for row in report["lora"]["rows"]}
+    assert (lora["linear attention"]["adapted_layers"], lora["linear attention"]["adapted"]) == (45, ["q_proj", "v_proj"])
+    assert (lora["full attention"]["layers"], lora["full attention"]["adapted_layers"]) == (15, 0)
+    assert lora["shared experts"]["adapted_layers"] == 59 and lora["routed experts"]["adapted_layers"] == 0
+    assert [w.split(" module")[0] for w in report["lora"]["warnings"]] == [
+        "LoRA adapts no full attention", "LoRA adapts no routed experts"]
+    assert report["lora"]["trainable_parameters"] / parameters < 2e-5  # 0.0011 %
     print(f"seed model: {parameters:,} parameters; inspect peak RSS {peak / 2**20:.0f} MiB; "
           f"{report['bytes_per_rank'][0] / 1e9:.1f} GB per rank at EP=64")

@@ -1,0 +1,169 @@
+"""Which modules of each layer type a LoRA spec adapts, and the presets that name layer types.
+
+Every linear LoRA may adapt (the family's scope: a multimodal model's text path) has one layer type: the attention
+of its decoder layer (by the config's `layer_types`: linear, full, sliding-window or sparse attention), a dense
+MLP, or, inside a MoE block, its shared experts or its router (frozen: never adapted). Each MoE block's routed
+experts are one more module, adapted by the expert-parallel module's own LoRA (`train_experts`). The same table
+is a job's first LoRA event and `moetune models inspect --lora`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from moetune.api.models import LoraSpec
+from moetune.workers.families.spec import Family
+
+ROUTER, ROUTED_EXPERTS, SHARED_EXPERTS, DENSE_MLP = "router", "routed experts", "shared experts", "dense MLP"
+_ATTENTION_OF = {"linear_attention": "linear attention", "full_attention": "full attention",
+                 "sliding_attention": "sliding-window attention", "indexed_attention": "sparse attention"}
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+_ORDER = ("linear attention", "full attention", "sliding-window attention", "sparse attention", "attention", DENSE_MLP,
+          SHARED_EXPERTS, ROUTED_EXPERTS, ROUTER)
+PRESETS = {"attention": lambda kind: kind.endswith("attention"),
+           "mlp": lambda kind: kind in (DENSE_MLP, SHARED_EXPERTS),
+           "experts": lambda kind: kind in (SHARED_EXPERTS, ROUTED_EXPERTS),
+           "all-linear": lambda kind: kind not in (ROUTER, ROUTED_EXPERTS)}
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # full module name in the model
+    kind: str  # its layer type
+    layer: int | None  # decoder layer index
+    lora_parameters: int  # LoRA parameters it gets at rank 1
+
+
+@dataclass
+class KindCoverage:
+    layers: set = field(default_factory=set)  # decoder layers holding this kind
+    adapted_layers: set = field(default_factory=set)
+    adapted_names: set = field(default_factory=set)  # leaf names adapted
+    frozen_names: set = field(default_factory=set)
+    trainable: int = 0
+
+
+@dataclass
+class Coverage:
+    kinds: dict[str, KindCoverage]
+    targets: list[str]  # the PEFT target module names (full names)
+    train_experts: bool
+
+    @property
+    def trainable(self) -> int:
+        return sum(k.trainable for k in self.kinds.values())
+
+    def unadapted(self) -> list[str]:
+        """Layer types that no module of any layer adapts (the router is meant to stay frozen)."""
+        return [kind for kind, c in self.kinds.items() if kind != ROUTER and not c.adapted_layers]
+
+    def warnings(self, lora: LoraSpec) -> list[tuple[str, str]]:
+        """(layer type, message) for each linear layer type the spec leaves unadapted everywhere, and the routed
+        experts when a list names MLP projections (they then match only dense MLPs and shared experts)."""
+        names = lora.target_modules if isinstance(lora.target_modules, list) else []
+        names_mlp = any(t.rsplit(".", 1)[-1] in _MLP_NAMES for t in names)
+        hint = {ROUTED_EXPERTS: f"{', '.join(n for n in names if n.rsplit('.', 1)[-1] in _MLP_NAMES)} match dense "
+                                "MLPs and shared experts only; lora.train_experts or the 'experts' preset adapts "
+                                "the routed experts"}
+        return [(kind, f"LoRA adapts no {kind} module in any layer (lora.target_modules: {lora.target_modules}); "
+                       + hint.get(kind, "the presets 'attention', 'mlp', 'experts' and 'all-linear' name layer types"))
+                for kind in self.unadapted() if kind != ROUTED_EXPERTS or names_mlp]
+
+    def rows(self) -> list[dict]:
+        return [{"layer_type": kind, "layers": len(c.layers), "adapted_layers": len(c.adapted_layers),
+                 "adapted": sorted(c.adapted_names), "not_adapted": sorted(c.frozen_names - c.adapted_names),
+                 "trainable_parameters": c.trainable} for kind, c in self.kinds.items()]
+
+    def summary(self) -> str:
+        parts = [f"{kind} {len(c.adapted_layers)}/{len(c.layers)} layers"
+                 + (f" ({', '.join(sorted(c.adapted_names))})" if c.adapted_names else "")
+                 for kind, c in self.kinds.items() if kind != ROUTER]
+        return f"LoRA coverage: {'; '.join(parts)}; {self.trainable:,} trainable parameters"
+
+
+def _layer_of(parts: list[str]) -> int | None:
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts and parts[-1] != "layers" else None
+
+
+def _attention_kinds(config) -> list[str] | None:
+    text = getattr(config, "text_config", None) or config
+    types = getattr(text, "layer_types", None)
+    return [_ATTENTION_OF.get(t, t.replace("_", " ")) for t in types] if types else None
+
+
+def modules(model, family: Family) -> list[Module]:
+    """Every linear LoRA may adapt and every MoE block's routed experts, with its layer type."""
+    import torch
+
+    blocks = dict(family.moe_blocks(model))
+    attention = _attention_kinds(model.config)
+    found = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        layer = _layer_of(parts)
+        if name in blocks:
+            found.append(Module(f"{name}.{family.router}", ROUTER, layer, 0))
+            found.append(Module(f"{name}.{family.experts}", ROUTED_EXPERTS, layer,
+                                _expert_lora_width(getattr(module, family.experts))))
+            continue
+        if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head") or layer is None:
+            continue
+        if family.lora_scope and family.lora_scope not in f".{name}":
+            continue
+        block = next((b for b in blocks if name.startswith(b + ".")), None)
+        if block is not None:
+            if name.startswith(f"{block}.{family.router}"):
+                continue  # a linear router: listed once above, frozen
+            kind = SHARED_EXPERTS
+        elif parts[parts.index("layers") + 2] == "mlp":
+            kind = DENSE_MLP
+        else:
+            kind = attention[layer] if attention else "attention"
+        found.append(Module(name, kind, layer, module.in_features + module.out_features))
+    return found
+
+
+def _expert_lora_width(experts) -> int:
+    """Rank-1 LoRA parameters of all of a block's experts: gate_up (in H, out 2I) and down (in I, out H)."""
+    e, two_i, hidden = experts.gate_up_proj.shape
+    if getattr(experts, "is_transposed", False):  # stored [E, in, out]
+        two_i, hidden = hidden, two_i
+    return e * (2 * hidden + 3 * two_i // 2)
+
+
+def _matches(name: str, targets: list[str]) -> bool:
+    """PEFT's rule for a list of names: the full name, or a suffix at a module boundary."""
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def peft_targets(found: list[Module], lora: LoraSpec) -> list[str] | str:
+    """What PEFT is given: a layer-type preset as the full names of its linears; "all-linear" (PEFT's own rule:
+    every linear but the output layer, and no router is an nn.Linear) and a list of names as they are."""
+    if isinstance(lora.target_modules, list) or lora.target_modules == "all-linear":
+        return lora.target_modules
+    wanted = PRESETS[lora.target_modules]
+    return [m.name for m in found if m.kind != ROUTED_EXPERTS and wanted(m.kind)]
+
+
+def coverage(found: list[Module], lora: LoraSpec) -> Coverage:
+    targets = peft_targets(found, lora)
+    kinds: dict[str, KindCoverage] = defaultdict(KindCoverage)
+    for m in found:
+        c = kinds[m.kind]
+        c.layers.add(m.layer)
+        leaf = m.name.rsplit(".", 1)[-1]
+        if m.kind == ROUTED_EXPERTS:
+            adapted = lora.train_experts
+        elif isinstance(targets, str):  # "all-linear"
+            adapted = PRESETS[targets](m.kind)
+        else:
+            adapted = m.kind != ROUTER and _matches(m.name, targets)
+        if adapted:
+            c.adapted_layers.add(m.layer)
+            c.adapted_names.add(leaf)
+            c.trainable += lora.rank * m.lora_parameters
+        else:
+            c.frozen_names.add(leaf)
+    ordered = sorted(kinds, key=lambda k: _ORDER.index(k) if k in _ORDER else _ORDER.index("attention"))
+    return Coverage({k: kinds[k] for k in ordered}, targets, lora.train_experts)
