@@ -1,28 +1,34 @@
 """The expert compute with LoRA, y = xW + s·(xA)B per expert, and its backend choice: the Triton kernels on CUDA,
-torch's grouped_mm elsewhere. W is frozen in every path: it never receives a gradient and W + ΔW is never formed."""
+torch's grouped_mm elsewhere. W is frozen in every path: it never receives a gradient and W + ΔW is never formed.
+A quantized W (kernels.quant) is dequantized tile by tile inside the Triton kernel, or expert by expert in torch."""
 
 from __future__ import annotations
 
 import torch
 
 from moetune.kernels.moe.torch_impl import moe_lora_grouped_torch
+from moetune.kernels.quant import Int4PackedWeight, QuantizedWeight
 
 
 def moe_lora_grouped(x_sorted, counts, w, lora_a, lora_b, scale: float, backend: str | None = None) -> torch.Tensor:
     """x_sorted [N, Din]: the routed token copies grouped by local expert (counts[e] rows for expert e, in expert
-    order; zero is fine); w [E, Din, Dout] (frozen; a transposed view of a [E, Dout, Din] weight works as is);
-    lora_a [E, Din, r]; lora_b [E, r, Dout] (both None: no adapter). Returns [N, Dout]; gradients flow to x_sorted,
-    lora_a and lora_b. backend: None (by device), "triton" or "torch"."""
+    order; zero is fine); w [E, Din, Dout] (frozen; a transposed view of a [E, Dout, Din] weight works as is), or a
+    QuantizedWeight in its own [E, Dout, Din] layout; lora_a [E, Din, r]; lora_b [E, r, Dout] (both None: no
+    adapter). Returns [N, Dout]; gradients flow to x_sorted, lora_a and lora_b. backend: None (by device),
+    "triton" or "torch"."""
     experts = [t.shape[0] for t in (w, lora_a, lora_b) if t is not None]
     if counts.numel() != w.shape[0] or len(set(experts)) != 1 or (lora_a is None) != (lora_b is None):
         raise ValueError(f"counts ({counts.numel()}), w, lora_a and lora_b must agree on the number of experts "
                          f"({experts}) and lora_a/lora_b come together")
     if backend is None:
         backend = "triton" if x_sorted.device.type == "cuda" else "torch"
+    if backend == "triton" and isinstance(w, Int4PackedWeight) and w.weight_zero_point is not None:
+        backend = "torch"  # the kernel reads symmetric INT4 only (the MoE checkpoints); a zero point runs per expert
     if backend == "torch":
         return moe_lora_grouped_torch(x_sorted, counts, w, lora_a, lora_b, scale)
     if backend == "triton":
         from moetune.kernels.moe.triton_impl import MoeLoraFn
 
-        return MoeLoraFn.apply(x_sorted.contiguous(), counts, w.detach(), lora_a, lora_b, scale)
+        frozen = w if isinstance(w, QuantizedWeight) else w.detach()
+        return MoeLoraFn.apply(x_sorted.contiguous(), counts, frozen, lora_a, lora_b, scale)
     raise ValueError(f"unknown MoE backend {backend!r} (expected 'triton' or 'torch')")

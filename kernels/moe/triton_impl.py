@@ -5,6 +5,8 @@ rows, its expert and first row; tiles past the real count exit at once, and expe
   _grouped_lora_mm:  Y[rows] = X[rows] W_e (+ s (X[rows] A_e) B_e), the rank-r product accumulated in the same K loop
   _grouped_outer:    OUT_e = s * L[rows of e]^T R[rows of e]  (the per-expert reductions behind dA and dB)
 The backward reuses _grouped_lora_mm on transposed views: dX = dY W^T + s (dY B^T) A^T.
+W may be a frozen QuantizedWeight (FP8 block, INT4 pack-quantized, MXFP4; kernels.quant): _grouped_lora_mm then
+reads its codes and scales and dequantizes each [BLOCK_K, BLOCK_N] tile in registers, so no dense W ever exists.
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from moetune.kernels.quant import Fp8BlockWeight, Int4PackedWeight, Mxfp4Weight, QuantizedWeight
+from moetune.kernels.quant.mxfp4 import GROUP as MXFP4_GROUP
+
 BLOCK_M = 64
+DENSE, FP8, INT4, MXFP4 = map(tl.constexpr, range(4))  # _grouped_lora_mm's FMT (constexpr: read by the kernel)
 
 
 def interpreting() -> bool:
@@ -23,13 +29,45 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def _dequant_tile(W, WS, e, kk, nn, mask, sw_e, sw_r, sw_c, ss_e, ss_r, ss_c,
+                  FMT: tl.constexpr, W_T: tl.constexpr, GROUP_R: tl.constexpr, GROUP_C: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile (rows kk, columns nn) of the logical [K, N] operand in fp32, from the stored
+    [out, in] codes W and scales WS of expert e (bit layouts: kernels.quant). Element (k, n) is stored at
+    (row, col) = (k, n), or (n, k) with W_T: the forward reads the weight transposed (K = in), dX as it is."""
+    if W_T:
+        row, col = nn[None, :], kk[:, None]
+    else:
+        row, col = kk[:, None], nn[None, :]
+    codes = W + e * sw_e + row * sw_r
+    scales = WS + e * ss_e + (row // GROUP_R) * ss_r + (col // GROUP_C) * ss_c  # one scale per GROUP_R x GROUP_C
+    if FMT == FP8:
+        w = tl.load(codes + col * sw_c, mask=mask, other=0.0).to(tl.float32) * tl.load(scales, mask=mask, other=0.0)
+    elif FMT == INT4:  # eight codes per int32 word, element c at bits 4 (c % 8), stored as q + 8
+        word = tl.load(codes + (col // 8) * sw_c, mask=mask, other=0)
+        q = ((word >> 4 * (col % 8)) & 0xF) - 8
+        w = q.to(tl.float32) * tl.load(scales, mask=mask, other=0.0).to(tl.float32)  # exact in fp32
+    else:  # MXFP4: two e2m1 codes per byte, low nibble first; one e8m0 scale per 32 elements
+        code = (tl.load(codes + (col // 2) * sw_c, mask=mask, other=0).to(tl.int32) >> 4 * (col % 2)) & 0xF
+        exponent, mantissa = (code >> 1) & 3, (code & 1).to(tl.float32)
+        # e2m1: exponent 0 is subnormal (m / 2), else (1 + m / 2) * 2**(exponent - 1); bit 3 is the sign
+        magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * ((1 << exponent) >> 1))
+        # e8m0 s is a bare fp32 exponent field: 2**(s - 127) has the bits s << 23 (s = 0: the subnormal 2**-127)
+        s = tl.load(scales, mask=mask, other=127).to(tl.int32)
+        w = tl.where(code >= 8, -magnitude, magnitude) * tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+    return w
+
+
+@triton.jit
 def _grouped_lora_mm(
-    X, W, A, B, Y, TILE_EXPERT, TILE_ROW, OFFS,
+    X, W, WS, A, B, Y, TILE_EXPERT, TILE_ROW, OFFS,
     d_in, d_out, rank, scale,
-    sx_n, sx_k, sw_e, sw_k, sw_n, sa_e, sa_k, sa_r, sb_e, sb_r, sb_n, sy_n, sy_m,
+    sx_n, sx_k, sw_e, sw_r, sw_c, ss_e, ss_r, ss_c, sa_e, sa_k, sa_r, sb_e, sb_r, sb_n, sy_n, sy_m,
+    FMT: tl.constexpr, W_T: tl.constexpr, GROUP_R: tl.constexpr, GROUP_C: tl.constexpr,
     HAS_LORA: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
+    """FMT DENSE: W [E, K, N] by its strides (sw_r over K, sw_c over N), WS unused. Otherwise W and WS are a
+    quantized weight's codes and scales, dequantized tile by tile (_dequant_tile)."""
     tile = tl.program_id(0)
     e = tl.load(TILE_EXPERT + tile).to(tl.int64)
     if e < 0:
@@ -45,19 +83,23 @@ def _grouped_lora_mm(
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < d_in
         x = tl.load(X + rows[:, None] * sx_n + kk[None, :] * sx_k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(W + e * sw_e + kk[:, None] * sw_k + cols[None, :] * sw_n, mask=k_mask[:, None] & col_mask[None, :],
-                    other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        if FMT == DENSE:
+            w = tl.load(W + e * sw_e + kk[:, None] * sw_r + cols[None, :] * sw_c, mask=w_mask, other=0.0)
+        else:  # rounded once to the compute dtype, as kernels.quant's dequantize(dtype=x.dtype) rounds
+            w = _dequant_tile(W, WS, e, kk, cols, w_mask, sw_e, sw_r, sw_c, ss_e, ss_r, ss_c,
+                              FMT, W_T, GROUP_R, GROUP_C).to(X.dtype.element_ty)
         if DOT_FP32:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(x, w)
         if HAS_LORA:
-            a = tl.load(A + e * sa_e + kk[:, None] * sa_k + r[None, :] * sa_r, mask=k_mask[:, None] & (r[None, :] < rank),
-                        other=0.0)
+            a = tl.load(A + e * sa_e + kk[:, None] * sa_k + r[None, :] * sa_r,
+                        mask=k_mask[:, None] & (r[None, :] < rank), other=0.0)
             xa += tl.dot(x, a.to(x.dtype))
     if HAS_LORA:
-        b = tl.load(B + e * sb_e + r[:, None] * sb_r + cols[None, :] * sb_n, mask=(r[:, None] < rank) & col_mask[None, :],
-                    other=0.0)
+        b = tl.load(B + e * sb_e + r[:, None] * sb_r + cols[None, :] * sb_n,
+                    mask=(r[:, None] < rank) & col_mask[None, :], other=0.0)
         if DOT_FP32:
             b = b.to(tl.float32)
         acc += scale * tl.dot(xa.to(b.dtype), b)  # the rank-r product rounds like the unfused (xA)B would
@@ -113,21 +155,41 @@ def tile_map(counts: torch.Tensor, n_rows: int):
     return torch.where(expert < counts.numel(), expert, -1).to(torch.int32), first_row, offs
 
 
-def grouped_lora_mm(x, w, a, b, scale: float, tiles, out_dtype=None):
-    """x [N, K] sorted by expert, w [E, K, M] (any strides), a [E, K, r] / b [E, r, M] or None -> [N, M]."""
+def _operand(w, transpose: bool):
+    """The [E, K, N] operand of _grouped_lora_mm: (W, WS and their strides, constexprs, K, N). A dense w is [E, K, N]
+    by its strides (transpose: its [E, N, K] view); a QuantizedWeight is [E, out, in], read transposed (K = in) in
+    the forward and as stored (K = out) for dX."""
+    if not isinstance(w, QuantizedWeight):
+        w = w.transpose(1, 2) if transpose else w
+        return (w, w, *w.stride(), 0, 0, 0), dict(FMT=DENSE, W_T=False, GROUP_R=1, GROUP_C=1), *w.shape[1:]
+    if isinstance(w, Fp8BlockWeight):
+        fmt, codes, scales, group = FP8, w.weight, w.weight_scale_inv, w.block
+    elif isinstance(w, Int4PackedWeight) and w.weight_zero_point is None:
+        fmt, codes, scales, group = INT4, w.weight_packed, w.weight_scale, (1, w.shape[2] // w.weight_scale.shape[2])
+    elif isinstance(w, Mxfp4Weight):
+        fmt, codes, scales, group = MXFP4, w.blocks.flatten(-2), w.scales, (1, MXFP4_GROUP)  # a row's in/2 bytes
+    else:
+        raise TypeError(f"no kernel reads {type(w).__name__} (asymmetric INT4 runs on the torch backend)")
+    out, d_in = w.shape[1:]
+    meta = dict(FMT=fmt, W_T=transpose, GROUP_R=group[0], GROUP_C=group[1])
+    return (codes, scales, *codes.stride(), *scales.stride()), meta, *((d_in, out) if transpose else (out, d_in))
+
+
+def grouped_lora_mm(x, w, a, b, scale: float, tiles, out_dtype=None, transpose: bool = False):
+    """x [N, K] sorted by expert, w the [E, K, M] operand (_operand), a [E, K, r] / b [E, r, M] or None -> [N, M]."""
     expert, first_row, offs = tiles
-    d_out = w.shape[2]
+    w_args, w_meta, d_in, d_out = _operand(w, transpose)
     y = torch.empty(x.shape[0], d_out, dtype=out_dtype or x.dtype, device=x.device)
     has_lora = a is not None
-    a_, b_ = (a, b) if has_lora else (w, w)  # unused pointers when there is no LoRA
+    a_, b_ = (a, b) if has_lora else w_args[:2]  # unused pointers when there is no LoRA
     rank = a.shape[2] if has_lora else 0
     block_n = _block(d_out, 128)
     grid = (expert.numel(), triton.cdiv(d_out, block_n))
     _grouped_lora_mm[grid](
-        x, w, a_, b_, y, expert, first_row, offs, w.shape[1], d_out, rank, scale,
-        x.stride(0), x.stride(1), *w.stride(), *a_.stride(), *b_.stride(), y.stride(0), y.stride(1),
+        x, *w_args[:2], a_, b_, y, expert, first_row, offs, d_in, d_out, rank, scale,
+        x.stride(0), x.stride(1), *w_args[2:], *a_.stride(), *b_.stride(), y.stride(0), y.stride(1), **w_meta,
         HAS_LORA=has_lora, DOT_FP32=interpreting() and x.dtype == torch.bfloat16, BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n, BLOCK_K=_block(w.shape[1], 64), BLOCK_R=_rank_block(rank), num_warps=4, num_stages=3)
+        BLOCK_N=block_n, BLOCK_K=_block(d_in, 64), BLOCK_R=_rank_block(rank), num_warps=4, num_stages=3)
     return y
 
 
@@ -145,21 +207,26 @@ def grouped_outer(left, right, offs, scale: float, out_dtype):
 
 
 class MoeLoraFn(torch.autograd.Function):
+    """y = x W + s (x A) B per expert; w dense [E, Din, Dout] or a QuantizedWeight [E, Dout, Din]; frozen either way."""
+
     @staticmethod
     def forward(ctx, x, counts, w, a, b, scale):
         tiles = tile_map(counts, x.shape[0])
-        ctx.save_for_backward(x, w, a, b, *tiles)
+        ctx.qweight = w if isinstance(w, QuantizedWeight) else None  # no tensor: held like kernels.quant's linear
+        ctx.save_for_backward(x, None if ctx.qweight is not None else w, a, b, *tiles)
         ctx.scale = scale
-        return grouped_lora_mm(x, w, a, b, scale, tiles)
+        return grouped_lora_mm(x, w, a, b, scale, tiles, transpose=ctx.qweight is not None)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, a, b, *tiles = ctx.saved_tensors
+        # dX multiplies by W^T: the dense [E, Din, Dout] transposed, the quantized [E, Dout, Din] as stored
+        w, transpose = (w, True) if ctx.qweight is None else (ctx.qweight, False)
         dy = dy.contiguous()
         s = ctx.scale
         if a is None:
-            return grouped_lora_mm(dy, w.transpose(1, 2), None, None, s, tiles), None, None, None, None, None
-        dx = grouped_lora_mm(dy, w.transpose(1, 2), b.transpose(1, 2), a.transpose(1, 2), s, tiles)
+            return grouped_lora_mm(dy, w, None, None, s, tiles, transpose=transpose), None, None, None, None, None
+        dx = grouped_lora_mm(dy, w, b.transpose(1, 2), a.transpose(1, 2), s, tiles, transpose=transpose)
         dy_bt = grouped_lora_mm(dy, b.transpose(1, 2), None, None, 1.0, tiles)  # dY B^T  [N, r]
         xa = grouped_lora_mm(x, a, None, None, 1.0, tiles)  # X A  [N, r]
         offs = tiles[2]
@@ -168,19 +235,33 @@ class MoeLoraFn(torch.autograd.Function):
         return dx, None, None, da, db, None
 
 
-def compile_sm90(d_in: int, d_out: int, rank: int) -> dict:
-    """Shared memory (bytes) of both kernels built for sm_90 in bf16 at these widths: a compile-only check."""
+# per weight format, for the sm_90 builds: FMT, the W and WS pointer types, a scale block
+_SM90_WEIGHTS = {"dense": (DENSE, "*bf16", "*bf16", (1, 1)), "fp8": (FP8, "*fp8e4nv", "*fp32", (128, 128)),
+                 "int4": (INT4, "*i32", "*bf16", (1, 32)), "mxfp4": (MXFP4, "*u8", "*u8", (1, MXFP4_GROUP))}
+
+
+def compile_sm90(d_in: int, d_out: int, rank: int, weight: str = "dense") -> dict:
+    """Shared memory (bytes) of the kernels built for sm_90 in bf16 at these widths, a compile-only check: for a
+    dense weight both kernels; for a quantized one ("fp8", "int4", "mxfp4") the grouped GEMM, forward and dX."""
     from moetune.kernels.testing import compile_for_sm90
 
-    mm_types = {name: "*bf16" for name in ("X", "W", "A", "B", "Y")}
-    mm_types.update(TILE_EXPERT="*i32", TILE_ROW="*i64", OFFS="*i64", scale="fp32")
-    mm_types.update({n: "i32" for n in _grouped_lora_mm.arg_names if n not in mm_types})
-    mm_meta = {"HAS_LORA": True, "DOT_FP32": False, "BLOCK_M": BLOCK_M, "BLOCK_N": _block(d_out, 128),
-               "BLOCK_K": _block(d_in, 64), "BLOCK_R": _rank_block(rank)}
+    fmt, w_type, ws_type, group = _SM90_WEIGHTS[weight]
+
+    def mm(w_t: bool, k: int, n: int) -> int:
+        types = {name: "*bf16" for name in ("X", "A", "B", "Y")}
+        types.update(W=w_type, WS=ws_type, TILE_EXPERT="*i32", TILE_ROW="*i64", OFFS="*i64", scale="fp32")
+        types.update({n: "i32" for n in _grouped_lora_mm.arg_names if n not in types})
+        meta = {"FMT": fmt, "W_T": w_t, "GROUP_R": group[0], "GROUP_C": group[1], "HAS_LORA": True,
+                "DOT_FP32": False, "BLOCK_M": BLOCK_M, "BLOCK_N": _block(n, 128), "BLOCK_K": _block(k, 64),
+                "BLOCK_R": _rank_block(rank)}
+        return compile_for_sm90(_grouped_lora_mm, types, meta, num_stages=3).metadata.shared
+
+    if weight != "dense":
+        return {"grouped_lora_mm": mm(True, d_in, d_out), "grouped_lora_mm_dx": mm(False, d_out, d_in)}
     outer_types = {"L": "*bf16", "R": "*bf16", "OUT": "*bf16", "OFFS": "*i64", "scale": "fp32"}
     outer_types.update({n: "i32" for n in _grouped_outer.arg_names if n not in outer_types})
     outer_meta = {"DOT_FP32": False, "BLOCK_T": 64, "BLOCK_P": _block(d_in, 64), "BLOCK_Q": _block(rank, 64)}
     return {
-        "grouped_lora_mm": compile_for_sm90(_grouped_lora_mm, mm_types, mm_meta, num_stages=3).metadata.shared,
+        "grouped_lora_mm": mm(False, d_in, d_out),
         "grouped_outer": compile_for_sm90(_grouped_outer, outer_types, outer_meta, num_stages=3).metadata.shared,
     }

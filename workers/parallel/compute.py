@@ -2,8 +2,9 @@
 
 Two interchangeable functions with one contract: `fused_expert_forward` (kernels.moe: grouped GEMMs with fused
 LoRA, Triton on CUDA, torch's grouped_mm elsewhere; what jobs run with `training.custom_kernels`) and
-`grouped_expert_forward` (a per-expert PyTorch loop: kernels off, quantized frozen experts (each expert's weight
-dequantized a tile at a time, never all of them), biased experts, and the oracle the kernels are tested against).
+`grouped_expert_forward` (kernels.moe's per-expert PyTorch loop: kernels off, biased experts, and the oracle the
+kernels are tested against). Both take quantized frozen experts, never dequantized whole: the Triton kernel
+dequantizes tile by tile, the loops (also kernels.moe's torch backend) a tile of one expert's rows at a time.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetune.kernels.moe import moe_lora_mlp
-from moetune.kernels.quant import QuantizedWeight, quantized_linear
+from moetune.kernels.moe.torch_impl import moe_lora_per_expert
 
 
 @dataclass
@@ -23,27 +24,6 @@ class ExpertLoraFactors:
     down_a: object  # (experts, r, intermediate)
     down_b: object  # (experts, hidden, r)
     scaling: float
-
-
-def _project(x, weight, a, b, scaling, bias=None):
-    """x @ weightᵀ (+ bias), plus the low-rank path computed from the factors (W + ΔW is never formed). A quantized
-    weight is dequantized a tile of rows at a time, forward and backward (kernels.quant)."""
-    y = quantized_linear(x, weight) if isinstance(weight, QuantizedWeight) else x @ weight.transpose(0, 1)
-    if bias is not None:
-        y = y + bias
-    if a is not None:
-        y = y + scaling * ((x @ a.transpose(0, 1)) @ b.transpose(0, 1))
-    return y
-
-
-def _expert_factors(lora: ExpertLoraFactors | None, e: int) -> tuple:
-    if lora is None:
-        return None, None, None, None, 0.0
-    return lora.gate_up_a[e], lora.gate_up_b[e], lora.down_a[e], lora.down_b[e], lora.scaling
-
-
-def _expert(weights, e: int):
-    return weights.expert(e) if isinstance(weights, QuantizedWeight) else weights[e]
 
 
 class GatedActivation:
@@ -66,15 +46,11 @@ def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activ
 
     Every local expert runs, also with zero tokens, so every weight is part of every step's graph.
     """
-    import torch
-
-    outputs = []
-    for e, xs in enumerate(torch.split(x_sorted, counts)):
-        gu_a, gu_b, d_a, d_b, scaling = _expert_factors(lora, e)
-        gu_bias, d_bias = (biases[0][e], biases[1][e]) if biases is not None else (None, None)
-        hidden = activation(_project(xs, _expert(w_gate_up, e), gu_a, gu_b, scaling, gu_bias))
-        outputs.append(_project(hidden, _expert(w_down, e), d_a, d_b, scaling, d_bias))
-    return torch.cat(outputs)
+    gate_up_bias, down_bias = biases if biases is not None else (None, None)
+    factors = (None,) * 4 if lora is None else (lora.gate_up_a, lora.gate_up_b, lora.down_a, lora.down_b)
+    scaling = 0.0 if lora is None else lora.scaling
+    hidden = activation(moe_lora_per_expert(x_sorted, counts, w_gate_up, *factors[:2], scaling, gate_up_bias))
+    return moe_lora_per_expert(hidden, counts, w_down, *factors[2:], scaling, down_bias)
 
 
 def fused_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activation,

@@ -80,8 +80,8 @@ class ExpertParallelExperts(nn.Module):
         nn.Module.__init__(self)  # not super(): the trainable subclass must skip AutoEPMoELayer's own __init__
         quantized = held_names(experts)  # a quantized base: the loader left the frozen experts in their format
         biased = getattr(experts, "has_bias", False)
-        # kernels.moe's grouped GEMMs take dense, unbiased weights; other experts run one expert at a time
-        self.compute = fused_expert_forward if fused_kernel and not quantized and not biased else grouped_expert_forward
+        # kernels.moe's grouped GEMMs take unbiased weights, dense or quantized; biased experts run one at a time
+        self.compute = fused_expert_forward if fused_kernel and not biased else grouped_expert_forward
         self.num_experts = experts.num_experts
         if self.num_experts != ep.num_experts:
             raise ValueError(f"experts module has {self.num_experts} experts, the placement {ep.num_experts}")
