@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from moetune.api.models import LoraSpec
+from moetune.kernels.quant import held, held_names
 from moetune.workers.families.spec import Family
 
 ROUTER, ROUTED_EXPERTS, SHARED_EXPERTS, DENSE_MLP = "router", "routed experts", "shared experts", "dense MLP"
@@ -126,9 +127,12 @@ def modules(model, family: Family) -> list[Module]:
 
 def _expert_lora_width(experts) -> int:
     """Rank-1 LoRA parameters of all of a block's experts: gate_up (in H, out 2I) and down (in I, out H)."""
-    e, two_i, hidden = experts.gate_up_proj.shape
-    if getattr(experts, "is_transposed", False):  # stored [E, in, out]
-        two_i, hidden = hidden, two_i
+    if "gate_up_proj" in held_names(experts):  # a quantized base: [E, out, in] whatever the module's layout
+        e, two_i, hidden = held(experts, "gate_up_proj").shape
+    else:
+        e, two_i, hidden = experts.gate_up_proj.shape
+        if getattr(experts, "is_transposed", False):  # stored [E, in, out]
+            two_i, hidden = hidden, two_i
     return e * (2 * hidden + 3 * two_i // 2)
 
 
