@@ -37,8 +37,10 @@ def _wait_for(predicate, timeout: float, what: str):
 
 def test_sigkill_restart_loses_and_duplicates_nothing(s3_endpoint, ray_head, s3_bucket, tmp_path):
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    for key in ("model/config.json", "train.jsonl", "fail-train.jsonl"):
+    for key in ("model/tokenizer.json", "train.jsonl", "fail-train.jsonl"):
         s3.put_object(Bucket=s3_bucket, Key=key, Body=b"{}")
+    # what submission reads: a supported model_type and a tokenizer file (the stub driver trains nothing)
+    s3.put_object(Bucket=s3_bucket, Key="model/config.json", Body=b'{"model_type": "kimi_linear"}')
     secret = f"secret-{uuid.uuid4().hex}"  # the S3 secret the control plane hands its Ray jobs
     port = free_port()
     env = {**control_plane_env(s3_endpoint, ray_head, tmp_path, port), "AWS_SECRET_ACCESS_KEY": secret,
