@@ -207,9 +207,30 @@ def _allocate(model, shapes_of: dict[str, tuple], plan: Plan, device) -> dict:
             model._init_weights(module)  # a buffer the checkpoint does not hold keeps its initial value
     for name, buf in model.named_buffers():
         targets[name] = buf
-    for name, (shape, dtype) in plan.storage.items():
+    for name, (shape, dtype) in {**plan.storage, **plan.staged}.items():
         targets[name] = torch.empty(shape, dtype=torch_dtype(dtype), device=device)
     return targets
+
+
+def _run_conversions(model, plan: Plan, targets: dict) -> None:
+    """transformers' own converters on the staged whole tensors (workers.weights.mapping); each output is copied
+    into its parameter, and the staging tensors are dropped."""
+    import copy
+
+    import torch
+
+    for layer, (conv, sources) in plan.conversions.items():
+        converter = copy.copy(conv.converter)  # fresh collected tensors: the mapper's converter is shared
+        converter.collected_tensors, converter.layer_targets = defaultdict(list), defaultdict(set)
+        for key, stage in sources:
+            converter.add_tensor(layer, key, conv.pattern, targets.pop(stage))
+        with torch.no_grad():
+            for name, tensor in converter.convert(layer, model=model, config=model.config).items():
+                tensor = tensor[0] if isinstance(tensor, list) else tensor
+                if name not in targets or targets[name].shape != tensor.shape:
+                    raise WeightsError(f"{layer}: its conversion gave {name} {list(tensor.shape)}, which the model "
+                                       "does not have in that shape")
+                targets[name].copy_(tensor)
 
 
 def _install_quantized(model, plan: Plan, targets: dict, shapes_of: dict, quantization, dense_dtype) -> int:
@@ -249,6 +270,7 @@ def stream_model(uri: str, device, dtype, placement: ExpertPlacement | None = No
     targets = _allocate(model, shapes, plan, device)
     stats = RangeFetcher(ckpt.fs, ckpt.sources, cache, **fetch_options).load(plan.pieces, targets)
     stats.bytes_not_cached = cache.skipped_bytes if cache else 0
+    _run_conversions(model, plan, targets)
     dense = dtype if base_weights == "dequantized" else None
     quantized_bytes = _install_quantized(model, plan, targets, shapes, ckpt.quantization, dense) if plan.storage else 0
     model.to(device)  # the buffers; parameters are there already

@@ -1,7 +1,9 @@
 """Checkpoint tensor names -> model parameters, by transformers' own conversion rules for the model's family
 (renamings, per-expert tensors merged into fused [E, ...] parameters, concatenations), so that any checkpoint
-transformers loads maps exactly as it would. Only the structural operations are supported: merging a module
-list along dim 0 and concatenating; a family needing another operation is named in the error."""
+transformers loads maps exactly as it would. The structural operations (merging a module list along dim 0,
+concatenating) are planned as byte ranges; any other conversion (e.g. a vision tower's fused qkv chunked and
+permuted for RoPE) is run by transformers' own converter on the whole source tensors once they are loaded, which
+is refused only for tensors that expert parallelism shards."""
 
 from __future__ import annotations
 
@@ -16,6 +18,15 @@ class Target:
     expert: int | None = None  # global expert index (a per-expert checkpoint tensor merged into [E, ...])
     concat_dim: int | None = None  # dim of the (expert) slice along which several sources are concatenated
     part: int = 0  # this source's position in that concatenation
+    conversion: Conversion | None = None  # a conversion run in memory after loading (see the module docstring)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    converter: object  # transformers' WeightConverter
+    layer: str  # the name transformers converts it under (its first target)
+    pattern: str  # the source pattern this checkpoint tensor matched
+    targets: tuple[str, ...]  # the model parameters it produces
 
 
 def _numbers(key: str) -> list[int]:
@@ -62,8 +73,12 @@ class NameMapper:
         rest = ops[1:] if merge else ops
         concat = rest[0] if len(rest) == 1 and isinstance(rest[0], Concatenate) else None
         if len(rest) > 1 or (rest and concat is None) or (len(converter.source_patterns) > 1 and concat is None):
-            raise WeightsError(f"tensor {key}: conversion {ops} of this model family is not supported by the "
-                               "streaming loader")
+            if merge:  # per-expert tensors: planned per expert or not at all
+                raise WeightsError(f"tensor {key}: conversion {ops} of this model family is not supported by the "
+                                   "streaming loader")
+            first = converter.target_patterns[0]
+            targets = tuple(name.replace(first, t) for t in converter.target_patterns)
+            return Target(name, conversion=Conversion(converter, name, pattern, targets))
         expert = _expert_index(apply_renamings(key, self.renamings), name) if merge else None
         dim = None if concat is None else concat.dim - (1 if merge else 0)
         return Target(name, expert, dim, converter.source_patterns.index(pattern))

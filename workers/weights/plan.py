@@ -27,6 +27,9 @@ from moetune.workers.weights.formats import (
 from moetune.workers.weights.mapping import NameMapper
 
 
+STAGED = "#staged"  # suffix of a staging tensor's name (a checkpoint tensor converted after loading)
+
+
 @dataclass(frozen=True)
 class Piece:
     shard: str
@@ -61,6 +64,10 @@ class Plan:
     # quantized parameters: storage name (`param:part`) -> (shape, safetensors dtype) of what this rank holds
     storage: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     metadata: list[str] = field(default_factory=list)  # quantization metadata the shapes already imply
+    # tensors loaded whole into a staging tensor (name -> (shape, safetensors dtype)), then converted in memory:
+    # conversion layer name -> (its Conversion, [(checkpoint tensor, staging name)])
+    staged: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    conversions: dict[str, tuple[object, list[tuple[str, str]]]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +82,7 @@ def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shap
     `aliases` maps tied names to the one allocated; `digests`: the manifest's per-tensor checksums;
     `quantization`: the checkpoint's format (its parameters' parts are planned into storage tensors)."""
     raw, unexpected, metadata, quantized = [], [], [], defaultdict(set)
+    staged, conversions = {}, {}
     for shard, tensors in shards.items():
         for info in tensors.values():
             part = _quantized_part(quantization, info)
@@ -85,6 +93,16 @@ def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shap
             param = aliases.get(target.param, target.param)
             digest = (digests or {}).get(info.name, {})
             share = experts.get(param)
+            if target.conversion is not None:
+                conv = target.conversion
+                if part is not None or any(t in experts for t in conv.targets):
+                    raise WeightsError(f"tensor {info.name}: conversion {conv.converter.operations} of a quantized "
+                                       "or expert-parallel tensor is not supported by the streaming loader")
+                stage = f"{info.name}{STAGED}"
+                staged[stage] = (info.shape, info.dtype)
+                conversions.setdefault(conv.layer, (conv, []))[1].append((info.name, stage))
+                raw.append((shard, info, stage, target, None, digest.get("sha256"), info.shape))
+                continue
             if part is not None:
                 if part.part is None:
                     metadata.append(info.name)
@@ -105,9 +123,10 @@ def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shap
     pieces = _place(raw)
     storage = _storage(pieces, shapes, quantized, quantization)
     # a quantized parameter is covered once each of its parts' storage tensors is (every expert, every half)
-    _check(pieces, {**shapes, **{name: shape for name, (shape, _) in storage.items()}},
-           (required - set(quantized)) | set(storage))
-    return Plan(pieces, unexpected, storage, metadata)
+    converted = {t for conv, _ in conversions.values() for t in conv.targets}
+    _check(pieces, {**shapes, **{name: shape for name, (shape, _) in {**storage, **staged}.items()}},
+           (required - set(quantized) - converted) | set(storage) | set(staged))
+    return Plan(pieces, unexpected, storage, metadata, staged, conversions)
 
 
 def _quantized_part(quantization: Quantization | None, info: TensorInfo) -> Part | None:
