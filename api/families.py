@@ -45,6 +45,8 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
                 ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                  "out_proj", "shared_expert_gate") + _MLP, text_config_key="text_config"),
     FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP),
+    # DeepSeek-V3.2: DeepSeek-V3 plus the DSA indexer's own linears
+    FamilyFacts("deepseek_v32", ("n_routed_experts",), _MLA + _MLP + ("wq_b", "wk", "weights_proj")),
     # Kimi K2.5: a DeepSeek-V3 text model (MLA + MoE) under a vision tower; text path only.
     FamilyFacts("kimi_k25", ("n_routed_experts",), _MLA + _MLP, text_config_key="text_config"),
     # Every layer is MoE (no dense MLP); the router is not a linear; experts carry biases.
