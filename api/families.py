@@ -47,6 +47,11 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
     FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP),
     # DeepSeek-V3.2: DeepSeek-V3 plus the DSA indexer's own linears
     FamilyFacts("deepseek_v32", ("n_routed_experts",), _MLA + _MLP + ("wq_b", "wk", "weights_proj")),
+    # Nemotron-H: Mamba2 mixers (in_proj; PEFT refuses their out_proj), attention, and latent MoE (plain up/down
+    # experts working at moe_latent_size between fc1/fc2_latent_proj; a shared expert)
+    FamilyFacts("nemotron_h", ("n_routed_experts",),
+                ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj", "fc1_latent_proj",
+                 "fc2_latent_proj")),
     # Kimi K2.5: a DeepSeek-V3 text model (MLA + MoE) under a vision tower; text path only.
     FamilyFacts("kimi_k25", ("n_routed_experts",), _MLA + _MLP, text_config_key="text_config"),
     # Every layer is MoE (no dense MLP); the router is not a linear; experts carry biases.

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 from moetune.workers.checkpoints.expert_shards import (
     expert_adapter_entries,
+    expert_modules,
     restore_expert_shards,
     save_expert_shards,
     write_expert_adapter,
@@ -34,8 +35,8 @@ def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
     experts = expert_adapter_entries(engine)
     writer = None
     if is_writer:
-        config = loadable_adapter_config(peft_model.peft_config["default"], peft_model.config.model_type,
-                                         has_expert_lora=bool(experts))
+        in_proj = next((m.in_proj for _, m in expert_modules(engine.module)), None) if experts else None
+        config = loadable_adapter_config(peft_model.peft_config["default"], peft_model.config.model_type, in_proj)
         os.makedirs(local_dir, exist_ok=True)
         config.save_pretrained(local_dir)
         writer = SafetensorsWriter(os.path.join(local_dir, "adapter_model.safetensors"),

@@ -15,6 +15,7 @@ from moetune.api.families import check_model_spec
 from moetune.api.models import JobCreate, JobRunSpec, SpecError
 from moetune.workers.data.rows import load_rows
 from moetune.workers.errors import JobError
+from moetune.workers.families import hf_config
 from moetune.workers.lora.coverage import Coverage
 from moetune.workers.lora.peft_lora import check_targets_on_config
 from moetune.workers.model import load_tokenizer
@@ -65,8 +66,6 @@ def check_supported(spec: JobCreate, config: dict) -> None:
 
 def read_remote_config(model_uri: str) -> dict:
     """config.json of the checkpoint at `model_uri`, checked to be a model transformers can build."""
-    from transformers import AutoConfig
-
     uri = storage.join(model_uri, "config.json")
     try:
         config = json.loads(storage.read_text(uri))
@@ -76,7 +75,7 @@ def read_remote_config(model_uri: str) -> dict:
         raise JobError(ErrorCode.invalid_model, f"model {model_uri}: config.json cannot be read ({e})",
                        "model") from None
     try:
-        AutoConfig.for_model(**config)
+        hf_config(config)
     except (KeyError, ValueError, TypeError) as e:
         raise JobError(ErrorCode.invalid_model, f"model {model_uri}: unsupported config.json ({e})", "model") from None
     return config

@@ -36,6 +36,14 @@ def family_for(config) -> Family:
     return found
 
 
+def hf_config(config: dict):
+    """The transformers config of a config.json's dict, decoded as `from_pretrained` decodes the file (floats it
+    cannot write as JSON, like nemotron_h's `time_step_limit` infinity, are `{"__float__": "Infinity"}` there)."""
+    from transformers import AutoConfig, PreTrainedConfig
+
+    return AutoConfig.for_model(**PreTrainedConfig._decode_special_floats(config))
+
+
 def auto_model_class(config):
     import transformers
 

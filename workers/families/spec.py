@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from moetune.api.families import FamilyFacts
+from moetune.kernels.quant import held_names
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class Family:
     # Kernel swaps in the order they are applied; each changes the given model's modules and returns how many.
     swaps: tuple[Callable[[object], int], ...] = ()
     model_type_aliases: tuple[str, ...] = ()  # config model_types of the family's sub-models (e.g. its text model)
+    # linear leaf names PEFT refuses to adapt in this family (nemotron_h's Mamba out_proj): never LoRA targets
+    lora_unsupported: tuple[str, ...] = ()
     # gate_up -> activation of the experts module, where it is not act_fn(gate) · up over [gate; up] halves
     expert_activation: Callable[[object], Callable] | None = None
 
@@ -44,3 +47,12 @@ class Family:
         """{swap name: modules changed}. A swap changes only the module instances it is given: other models in
         the same process keep the stock code path, which is also how "kernels off" is expressed (do not call it)."""
         return {swap.__name__: swap(model) for swap in self.swaps}
+
+
+def in_proj_name(experts) -> str:
+    """The experts module's first projection: `gate_up_proj` (gated: the activation combines its two halves), or
+    `up_proj` (nemotron_h's plain MLP experts: act(x W_up) W_down). A quantized base holds it as buffers."""
+    from moetune.kernels.quant import held_names
+
+    names = {*dict(experts.named_parameters(recurse=False)), *held_names(experts)}
+    return "up_proj" if "up_proj" in names else "gate_up_proj"

@@ -1,10 +1,11 @@
 """Which modules of each layer type a LoRA spec adapts, and the presets that name layer types.
 
 Every linear LoRA may adapt (the family's scope: a multimodal model's text path) has one layer type: the attention
-of its decoder layer (by the config's `layer_types`: linear, full, sliding-window or sparse attention), a dense
-MLP, or, inside a MoE block, its shared experts or its router (frozen: never adapted). Each MoE block's routed
-experts are one more module, adapted by the expert-parallel module's own LoRA (`train_experts`). The same table
-is a job's first LoRA event and `moetune models inspect --lora`.
+of its decoder layer (by the config's `layer_types`: linear (also Mamba), full, sliding-window or sparse
+attention), a dense MLP, or, inside a MoE block, its shared experts, its latent projections (nemotron_h) or its
+router (frozen: never adapted). Each MoE block's routed experts are one more module, adapted by the
+expert-parallel module's own LoRA (`train_experts`). The same table is a job's first LoRA event and `moetune
+models inspect --lora`.
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ from dataclasses import dataclass, field
 
 from moetune.api.models import LoraSpec
 from moetune.kernels.quant import held, held_names
-from moetune.workers.families.spec import Family
+from moetune.workers.families.spec import Family, in_proj_name
 
 ROUTER, ROUTED_EXPERTS, SHARED_EXPERTS, DENSE_MLP = "router", "routed experts", "shared experts", "dense MLP"
-_ATTENTION_OF = {"linear_attention": "linear attention", "full_attention": "full attention",
-                 "sliding_attention": "sliding-window attention", "indexed_attention": "sparse attention"}
+LATENT = "latent projections"  # nemotron_h: a MoE block's projections to and from its experts' latent width
+# config `layer_types` values -> layer type of the layer's non-MoE linears (transformers calls Mamba mixers
+# linear attention too; nemotron_h's plain MLP layers are "mlp")
+_LAYER_KINDS = {"linear_attention": "linear attention", "full_attention": "full attention",
+                "sliding_attention": "sliding-window attention", "indexed_attention": "sparse attention",
+                "mlp": DENSE_MLP}
 _MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _ORDER = ("linear attention", "full attention", "sliding-window attention", "sparse attention", "attention", DENSE_MLP,
-          SHARED_EXPERTS, ROUTED_EXPERTS, ROUTER)
+          SHARED_EXPERTS, LATENT, ROUTED_EXPERTS, ROUTER)
 PRESETS = {"attention": lambda kind: kind.endswith("attention"),
            "mlp": lambda kind: kind in (DENSE_MLP, SHARED_EXPERTS),
-           "experts": lambda kind: kind in (SHARED_EXPERTS, ROUTED_EXPERTS),
+           "experts": lambda kind: kind in (SHARED_EXPERTS, ROUTED_EXPERTS, LATENT),
            "all-linear": lambda kind: kind not in (ROUTER, ROUTED_EXPERTS)}
 
 
@@ -90,7 +95,7 @@ def _layer_of(parts: list[str]) -> int | None:
 def _attention_kinds(config) -> list[str] | None:
     text = getattr(config, "text_config", None) or config
     types = getattr(text, "layer_types", None)
-    return [_ATTENTION_OF.get(t, t.replace("_", " ")) for t in types] if types else None
+    return [_LAYER_KINDS.get(t, t.replace("_", " ")) for t in types] if types else None
 
 
 def modules(model, family: Family) -> list[Module]:
@@ -110,13 +115,15 @@ def modules(model, family: Family) -> list[Module]:
             continue
         if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head") or layer is None:
             continue
-        if family.lora_scope and family.lora_scope not in f".{name}":
+        out_of_scope = family.lora_scope and family.lora_scope not in f".{name}"
+        if out_of_scope or name.rsplit(".", 1)[-1] in family.lora_unsupported:
             continue
         block = next((b for b in blocks if name.startswith(b + ".")), None)
         if block is not None:
             if name.startswith(f"{block}.{family.router}"):
                 continue  # a linear router: listed once above, frozen
-            kind = SHARED_EXPERTS
+            shared = family.shared_experts and name.startswith(f"{block}.{family.shared_experts}")
+            kind = SHARED_EXPERTS if shared or "shared" in name.rsplit(".", 1)[-1] else LATENT
         elif parts[parts.index("layers") + 2] == "mlp":
             kind = DENSE_MLP
         else:
@@ -126,14 +133,12 @@ def modules(model, family: Family) -> list[Module]:
 
 
 def _expert_lora_width(experts) -> int:
-    """Rank-1 LoRA parameters of all of a block's experts: gate_up (in H, out 2I) and down (in I, out H)."""
-    if "gate_up_proj" in held_names(experts):  # a quantized base: [E, out, in] whatever the module's layout
-        e, two_i, hidden = held(experts, "gate_up_proj").shape
-    else:
-        e, two_i, hidden = experts.gate_up_proj.shape
-        if getattr(experts, "is_transposed", False):  # stored [E, in, out]
-            two_i, hidden = hidden, two_i
-    return e * (2 * hidden + 3 * two_i // 2)
+    """Rank-1 LoRA parameters of all of a block's experts: in + out of each projection (gate_up or up, down),
+    whatever the layout."""
+    held_here = held_names(experts)
+    shapes = [held(experts, n).shape if n in held_here else getattr(experts, n).shape
+              for n in (in_proj_name(experts), "down_proj")]
+    return sum(shape[0] * (shape[1] + shape[2]) for shape in shapes)
 
 
 def _matches(name: str, targets: list[str]) -> bool:
@@ -141,17 +146,18 @@ def _matches(name: str, targets: list[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
-def peft_targets(found: list[Module], lora: LoraSpec) -> list[str] | str:
+def peft_targets(found: list[Module], lora: LoraSpec, family: Family) -> list[str] | str:
     """What PEFT is given: a layer-type preset as the full names of its linears; "all-linear" (PEFT's own rule:
-    every linear but the output layer, and no router is an nn.Linear) and a list of names as they are."""
-    if isinstance(lora.target_modules, list) or lora.target_modules == "all-linear":
+    every linear but the output layer, and no router is an nn.Linear; resolved here where PEFT would pick a linear
+    it then refuses) and a list of names as they are."""
+    if isinstance(lora.target_modules, list) or lora.target_modules == "all-linear" and not family.lora_unsupported:
         return lora.target_modules
     wanted = PRESETS[lora.target_modules]
     return [m.name for m in found if m.kind != ROUTED_EXPERTS and wanted(m.kind)]
 
 
-def coverage(found: list[Module], lora: LoraSpec) -> Coverage:
-    targets = peft_targets(found, lora)
+def coverage(found: list[Module], lora: LoraSpec, family: Family) -> Coverage:
+    targets = peft_targets(found, lora, family)
     kinds: dict[str, KindCoverage] = defaultdict(KindCoverage)
     for m in found:
         c = kinds[m.kind]

@@ -8,7 +8,12 @@ lora_B as (out, r·E), expert-minor; ΔW_e = scaling · B_e A_e, the same low-ra
 
 from __future__ import annotations
 
-TARGET_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def target_parameters(in_proj: str = "gate_up_proj") -> list[str]:
+    """PEFT's `target_parameters` of expert LoRA, the first projection (gate_up_proj, or up_proj) first."""
+    return [f"experts.{in_proj}", "experts.down_proj"]
+
 # (our factor names, PEFT key infix under the experts module)
 _LAYOUT = (("lora_gate_up_a", "lora_gate_up_b", "base_layer."), ("lora_down_a", "lora_down_b", ""))
 
@@ -64,7 +69,7 @@ def _v4_converted_names(model_type: str | None) -> set[str]:
     return set(conversion._MOE_TARGET_MODULE_MAPPING.get(pattern, {}))
 
 
-def loadable_adapter_config(config, model_type: str | None, has_expert_lora: bool):
+def loadable_adapter_config(config, model_type: str | None, expert_in_proj: str | None):
     """A copy of the trained LoRA config that `PeftModel.from_pretrained` loads onto the plain model as trained.
 
     Linears whose names PEFT would rewrite (shared experts, dense MLPs of qwen3_next / deepseek_v3) are listed
@@ -78,7 +83,7 @@ def loadable_adapter_config(config, model_type: str | None, has_expert_lora: boo
     converted = _v4_converted_names(model_type)
     targets = set(config.target_modules or ())  # PEFT resolved "all-linear" into names when it wrapped the model
     moved = sorted(t for t in targets if t.rsplit(".", 1)[-1] in converted)
-    parameters = [f"{t}.weight" for t in moved] + (TARGET_PARAMETERS if has_expert_lora else [])
+    parameters = [f"{t}.weight" for t in moved] + (target_parameters(expert_in_proj) if expert_in_proj else [])
     if parameters:
         config.target_modules = sorted(targets - set(moved)) or None
         config.target_parameters = parameters

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from moetune.api.errors import ErrorCode
 from moetune.api.models import LoraSpec
 from moetune.workers.errors import JobError
-from moetune.workers.families import auto_model_class, family_for, known_family
+from moetune.workers.families import auto_model_class, family_for, hf_config, known_family
 from moetune.workers.lora.coverage import Coverage, coverage, modules, peft_targets
 
 
@@ -26,7 +26,7 @@ def _scoped_targets(model, lora: LoraSpec):
     """PEFT targets (a layer-type preset resolved, see workers.lora.coverage) restricted to the family's LoRA
     scope, as full module names ("all-linear" minus lm_head)."""
     fam = known_family(model.config)
-    targets = lora.target_modules if fam is None else peft_targets(modules(model, fam), lora)
+    targets = lora.target_modules if fam is None else peft_targets(modules(model, fam), lora, fam)
     if fam is None or fam.lora_scope is None:
         return targets
     linear = [n for n in _linear_names(model) if not n.endswith("lm_head")]
@@ -53,13 +53,13 @@ def check_targets_on_config(config: dict, spec: LoraSpec) -> Coverage:
     """The target check without weights, and what the targets adapt: the model is built on the meta device (no
     memory, no I/O)."""
     import torch
-    from transformers import AutoConfig
 
     with torch.device("meta"):
-        model = auto_model_class(config).from_config(AutoConfig.for_model(**config))
+        model = auto_model_class(config).from_config(hf_config(config))
     if isinstance(spec.target_modules, list):
         _check_targets(model, spec.target_modules)
-    found = coverage(modules(model, family_for(model.config)), spec)
+    fam = family_for(model.config)
+    found = coverage(modules(model, fam), spec, fam)
     if not found.targets:  # PEFT wraps at least one linear; the routed experts' LoRA lives outside it
         raise JobError(ErrorCode.invalid_target_modules,
                        f"lora.target_modules: the {spec.target_modules!r} preset matches no linear of a "

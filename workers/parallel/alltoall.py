@@ -14,12 +14,13 @@ from contextlib import contextmanager
 class AllToAllStats:
     def __init__(self):
         self.sent_bytes = 0  # to other ranks only: the part of the exchange that crosses the network
+        self.row_bytes = 0  # one token's bytes in the last exchange (a latent MoE's tokens travel at latent width)
         self.seconds = 0.0
         self._pending = []  # CUDA (start, end) event pairs not yet resolved
 
     @contextmanager
     def timed(self, x, in_splits: list[int], me: int):
-        row_bytes = x[:1].numel() * x.element_size()
+        self.row_bytes = row_bytes = x[:1].numel() * x.element_size()
         self.sent_bytes += (sum(in_splits) - in_splits[me]) * row_bytes
         if x.is_cuda:
             import torch

@@ -20,6 +20,7 @@ from moetune.workers.parallel.compute import (
     grouped_expert_forward,
 )
 from moetune.kernels.quant import held, held_names, hold
+from moetune.workers.families.spec import in_proj_name
 from moetune.workers.parallel.placement import ExpertPlacement
 from moetune.workers.parallel.alltoall import AllToAllStats
 
@@ -95,7 +96,8 @@ class ExpertParallelExperts(nn.Module):
         # tensors must not stay alive through a view. Weights are kept [E, out, in] (transposed families' dense
         # tensors are turned; quantized ones are stored that way), gate_up's columns in the checkpoint's order.
         transposed = getattr(experts, "is_transposed", False)
-        for name in ("gate_up_proj", "down_proj"):
+        self.in_proj = in_proj_name(experts)
+        for name in (self.in_proj, "down_proj"):
             if name in quantized:
                 qweight = held(experts, name)
                 if qweight.shape[0] != ep.count:
@@ -136,10 +138,10 @@ class ExpertParallelExperts(nn.Module):
         self.lora_down_b = nn.Parameter(torch.zeros(self.num_local_experts, hidden, r, dtype=dtype))
 
     def base_weights(self) -> tuple:
-        """(gate_up, down): frozen dense parameters, or QuantizedWeights (a quantized base)."""
+        """(gate_up or up, down): frozen dense parameters, or QuantizedWeights (a quantized base)."""
         if self.quantized:
-            return held(self, "gate_up_proj"), held(self, "down_proj")
-        return self.gate_up_proj, self.down_proj
+            return held(self, self.in_proj), held(self, "down_proj")
+        return getattr(self, self.in_proj), self.down_proj
 
     def lora_factors(self) -> ExpertLoraFactors | None:
         if not self.lora_rank:

@@ -17,7 +17,7 @@ from moetune.api import storage
 from moetune.api.environment import ENV_WEIGHTS_CACHE_MAX_GB
 from moetune.api.models import SpecError
 from moetune.api.quantization import Quantization, quantization_of
-from moetune.workers.families import auto_model_class, known_family
+from moetune.workers.families import auto_model_class, hf_config, known_family
 from moetune.workers.parallel.placement import ExpertPlacement
 from moetune.workers.weights import manifest as manifest_file
 from moetune.workers.weights.cache import RangeCache
@@ -119,11 +119,9 @@ def empty_model(config: dict, dtype):
     seed-scale gate_up); the non-persistent buffers are then rebuilt the way transformers' from_pretrained does,
     by the model's own `_init_weights` (on a module whose parameters are still meta, that touches nothing else)."""
     import torch
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.for_model(**config)
+    config = hf_config(config)
     with torch.device("meta"):
-        model = auto_model_class(hf_config).from_config(hf_config, dtype=dtype)
+        model = auto_model_class(config).from_config(config, dtype=dtype)
     owners = set()
     for name, buffer in model.named_non_persistent_buffers():
         module_name, _, attr = name.rpartition(".")

@@ -25,7 +25,7 @@ def test_every_family_module_has_facts_and_every_fact_a_module():
 
 def test_sub_model_types_find_their_family_and_unknown_ones_name_the_supported():
     assert family_for({"model_type": "glm5_next_text"}) is REGISTRY["glm5_next"]
-    with pytest.raises(Exception, match="model_type 'llama' is not supported; supported: deepseek_v3, glm5_next"):
+    with pytest.raises(Exception, match="model_type 'llama' is not supported; supported: deepseek_v3, deepseek_v32, glm5_next"):
         family_for({"model_type": "llama"})
 
 
@@ -38,7 +38,8 @@ def test_family_facts_match_the_transformers_models(name):
         model = auto_model_class(config).from_config(config)
     linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and (fam.lora_scope is None or fam.lora_scope in f".{n}")}
-    assert linear - {"lm_head"} <= set(fam.facts.linear_names)
+    assert linear - {"lm_head", *fam.lora_unsupported} <= set(fam.facts.linear_names)
+    assert not set(fam.lora_unsupported) & set(fam.facts.linear_names)  # refused at submission
     blocks = list(fam.moe_blocks(model))
     assert blocks and all(getattr(b, fam.experts).num_experts == fam.facts.num_experts(config.to_dict())
                           for _, b in blocks)

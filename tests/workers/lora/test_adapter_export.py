@@ -24,7 +24,7 @@ def test_shared_expert_and_dense_mlp_lora_load_as_trained(tmp_path, family_name)
         for name, param in trained.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, 0.1)
-    config = loadable_adapter_config(trained.peft_config["default"], trained.config.model_type, has_expert_lora=False)
+    config = loadable_adapter_config(trained.peft_config["default"], trained.config.model_type, expert_in_proj=None)
     config.save_pretrained(tmp_path)
     save_file(get_peft_model_state_dict(trained), tmp_path / "adapter_model.safetensors")
 

@@ -15,7 +15,7 @@ EXPECTED = {"attention": {"linear attention", "full attention", "sliding-window 
                           "attention"},
             "mlp": {"dense MLP", "shared experts"},
             "all-linear": {"linear attention", "full attention", "sliding-window attention", "sparse attention",
-                           "attention", "dense MLP", "shared experts"}}
+                           "attention", "dense MLP", "shared experts", "latent projections"}}
 
 
 @pytest.mark.parametrize("family", sorted(REGISTRY))
@@ -27,7 +27,7 @@ def test_a_preset_adapts_its_layer_types_and_peft_wraps_exactly_those(family, pr
         model = auto_model_class(config).from_config(config)
     spec = LoraSpec(rank=2, target_modules=preset)
     found = modules(model, fam)
-    table = coverage(found, spec)
+    table = coverage(found, spec, fam)
     kinds = set(table.kinds)
     assert "router" in kinds and "routed experts" in kinds
     for kind, c in table.kinds.items():  # a kind is adapted in every layer it has, or in none

@@ -114,8 +114,9 @@ def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir:
         engine.step()
         losses.append(loss.item())
     routed = sum(m.tokens_per_expert for m in engine.module.modules() if hasattr(m, "tokens_per_expert"))
-    torch.save({"losses": losses, "grads": grads, "expert_bytes": expert_bytes(engine.module), "routed": routed},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    row_bytes = {m.comm.row_bytes for m in engine.module.modules() if hasattr(m, "comm")}  # token width exchanged
+    torch.save({"losses": losses, "grads": grads, "expert_bytes": expert_bytes(engine.module), "routed": routed,
+                "a2a_row_bytes": row_bytes}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
@@ -152,7 +153,8 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
         set_peft_model_state_dict,
     )
 
-    from moetune.workers.lora.expert_layout import TARGET_PARAMETERS, peft_expert_state
+    from moetune.workers.families.spec import in_proj_name
+    from moetune.workers.lora.expert_layout import peft_expert_state, target_parameters
     from moetune.workers.parallel.experts import init_expert_lora_a
     from moetune.workers.lora.peft_lora import _no_v4_target_conversion
 
@@ -160,16 +162,18 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
     r = job.lora.rank
     for name, block in fam.moe_blocks(peft_model.base_model.model):
         experts = getattr(block, fam.experts)
-        e, two_i, hidden = experts.gate_up_proj.shape
+        first = getattr(experts, in_proj_name(experts))  # gate_up_proj, or up_proj (nemotron_h: no gate)
+        e, two_i, hidden = first.shape
         if getattr(experts, "is_transposed", False):  # stored [E, in, out] (gpt-oss)
             hidden, two_i = two_i, hidden
-        a_gate_up, a_down = init_expert_lora_a(range(e), r, hidden, two_i // 2, experts.gate_up_proj.dtype)
+        intermediate = experts.down_proj.shape[1 if getattr(experts, "is_transposed", False) else 2]
+        a_gate_up, a_down = init_expert_lora_a(range(e), r, hidden, intermediate, first.dtype)
         factors = {"lora_gate_up_a": a_gate_up, "lora_down_a": a_down,
                    "lora_gate_up_b": torch.zeros(e, two_i, r), "lora_down_b": torch.zeros(e, hidden, r)}
         state.update(peft_expert_state(f"base_model.model.{name}.{fam.experts}", factors))
     old = peft_model.peft_config["default"]
     config = LoraConfig(r=r, lora_alpha=old.lora_alpha, lora_dropout=0.0, target_modules=old.target_modules,
-                        target_parameters=TARGET_PARAMETERS)
+                        target_parameters=target_parameters(in_proj_name(getattr(block, fam.experts))))
     model = plain_model(fam, skew_to_first_half=skew)
     with _no_v4_target_conversion(model):
         reference_model = get_peft_model(model, config)

@@ -8,6 +8,7 @@ relative.
 import pytest
 import torch
 
+from moetune.workers.families import REGISTRY
 from tests.workers.parallel.cases import TRAIN_CASES
 from tests.workers.parallel.harness import launch, reference, run_cases, spec
 
@@ -56,6 +57,10 @@ def test_engine_matches_plain_transformers_peft(ep_runs, case):
         assert any(".experts.lora_gate_up_b" in n for n in ref["grads"])
     if ep == 2:  # each rank stores exactly half of the routed experts' bytes
         assert [r["expert_bytes"] for r in ranks] == [ref["expert_bytes"] // 2] * 2
+        config = REGISTRY[family].tiny_config()
+        width = getattr(config, "moe_latent_size", None) or config.get_text_config().hidden_size
+        # tokens cross the all-to-all in fp32 at the experts' width: nemotron_h's latent size (half its hidden)
+        assert all(r["a2a_row_bytes"] == {4 * width} for r in ranks), (ranks[0]["a2a_row_bytes"], width)
     elif not job.lora.train_experts:  # EP=1 without expert LoRA keeps the plain experts module
         assert [r["expert_bytes"] for r in ranks] == [0, 0]
     else:
