@@ -52,7 +52,5 @@ class Family:
 def in_proj_name(experts) -> str:
     """The experts module's first projection: `gate_up_proj` (gated: the activation combines its two halves), or
     `up_proj` (nemotron_h's plain MLP experts: act(x W_up) W_down). A quantized base holds it as buffers."""
-    from moetune.kernels.quant import held_names
-
     names = {*dict(experts.named_parameters(recurse=False)), *held_names(experts)}
     return "up_proj" if "up_proj" in names else "gate_up_proj"

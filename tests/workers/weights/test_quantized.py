@@ -1,7 +1,7 @@
 """Quantized bases streamed and kept quantized: tiny FP8-block and INT4 pack-quantized (DeepSeek-V3) and MXFP4
-(gpt-oss) checkpoints written in the public naming (tests/support/quantized.py) give the logits of transformers' own dequantized model, the LoRA
-gradients of the same model dequantized, each EP rank reads and holds only its quantized share, and anything the
-loader cannot read correctly is an error naming the tensor."""
+(gpt-oss) checkpoints written in the public naming (tests/support/quantized.py) give the logits of transformers'
+own dequantized model, the LoRA gradients of the same model dequantized, each EP rank reads and holds only its
+quantized share, and anything the loader cannot read correctly is an error naming the tensor."""
 
 from __future__ import annotations
 

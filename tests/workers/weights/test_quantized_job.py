@@ -1,6 +1,6 @@
 """Real jobs on quantized bases (2 Ray workers, EP=2, expert LoRA, ZeRO-2): FP8-block and INT4 pack-quantized
-(DeepSeek-V3) and MXFP4 (gpt-oss) checkpoints train with their frozen weights kept quantized, and the exported adapter, loaded with plain PEFT onto
-transformers' own dequantized model, reproduces the job's validation loss."""
+(DeepSeek-V3) and MXFP4 (gpt-oss) checkpoints train with their frozen weights kept quantized, and the exported
+adapter, loaded with plain PEFT onto transformers' own dequantized model, reproduces the job's validation loss."""
 
 from __future__ import annotations
 

@@ -74,7 +74,8 @@ def test_models_inspect_reports_the_seed_model_in_under_2_gib(tmp_path):
     assert all(n == non_expert + expert_bytes // 64 for n in report["bytes_per_rank"])
     # the seed recipe adapts the 45 KDA layers' q/v and the shared experts, no MLA layer and no routed expert
     lora = {row["layer_type"]: row for row in report["lora"]["rows"]}
-    assert (lora["linear attention"]["adapted_layers"], lora["linear attention"]["adapted"]) == (45, ["q_proj", "v_proj"])
+    kda = lora["linear attention"]
+    assert (kda["adapted_layers"], kda["adapted"]) == (45, ["q_proj", "v_proj"])
     assert (lora["full attention"]["layers"], lora["full attention"]["adapted_layers"]) == (15, 0)
     assert lora["shared experts"]["adapted_layers"] == 59 and lora["routed experts"]["adapted_layers"] == 0
     assert [w.split(" module")[0] for w in report["lora"]["warnings"]] == [
