@@ -7,6 +7,7 @@ synchronous, so host time is the exchange time.
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 
@@ -20,7 +21,7 @@ class AllToAllStats:
 
     @contextmanager
     def timed(self, x, in_splits: list[int], me: int):
-        self.row_bytes = row_bytes = x[:1].numel() * x.element_size()
+        self.row_bytes = row_bytes = math.prod(x.shape[1:]) * x.element_size()  # also when x has no row
         self.sent_bytes += (sum(in_splits) - in_splits[me]) * row_bytes
         if x.is_cuda:
             import torch
