@@ -106,7 +106,7 @@ def test_quantized_expert_mlp_is_the_expert_parallel_compute(fmt, backend):
 
 
 def test_quantized_kernels_compile_for_sm90():
-    shapes = [(2048, 768, 16), (7168, 2048, 64), (1000, 3008, 8)]
+    shapes = [(7168, 2048, 64)]  # the seed's widths at rank 64: the widest tiles (every width caps them the same)
     shared = compile_in_subprocess(
         f"[importlib.import_module('moetune.kernels.moe.triton_impl').compile_sm90(*s, weight=f) for s in {shapes} "
         "for f in ('fp8', 'int4', 'mxfp4')]")
