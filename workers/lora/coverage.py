@@ -53,8 +53,7 @@ class KindCoverage:
 @dataclass
 class Coverage:
     kinds: dict[str, KindCoverage]
-    targets: list[str]  # the PEFT target module names (full names)
-    train_experts: bool
+    targets: list[str] | str  # what PEFT is given (peft_targets)
 
     @property
     def trainable(self) -> int:
@@ -176,4 +175,4 @@ def coverage(found: list[Module], lora: LoraSpec, family: Family) -> Coverage:
         else:
             c.frozen_names.add(leaf)
     ordered = sorted(kinds, key=lambda k: _ORDER.index(k) if k in _ORDER else _ORDER.index("attention"))
-    return Coverage({k: kinds[k] for k in ordered}, targets, lora.train_experts)
+    return Coverage({k: kinds[k] for k in ordered}, targets)

@@ -35,4 +35,5 @@ RESUME_CASES = {
        for family in FAMILIES},
     **{f"{family}-zero3": (family, spec(ep=2, zero=3, steps=STEPS, train_experts=True, lr=3e-2))
        for family in ("kimi_linear", "qwen3_moe")},
+    "qwen3_moe-zero1": ("qwen3_moe", spec(ep=2, zero=1, steps=STEPS, train_experts=True, lr=3e-2)),
 }
