@@ -2,7 +2,8 @@
 
 A piece is one checkpoint tensor, or one expert's slice of a fused [E, ...] tensor, together with its
 destination: the parameter (or, for a quantized one, the storage tensor of one of its parts, see
-workers.weights.formats), the local expert index along dim 0, and the region of a concatenation. Experts
+workers.weights.formats; for one converted in memory, a staging tensor, see workers.weights.mapping), the local
+expert index along dim 0, and the region of a concatenation. Experts
 outside this rank's share are never planned, so they are neither read nor allocated.
 """
 
