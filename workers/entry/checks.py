@@ -19,7 +19,7 @@ from moetune.workers.families import hf_config
 from moetune.workers.lora.coverage import Coverage
 from moetune.workers.lora.peft_lora import check_targets_on_config
 from moetune.workers.model import load_tokenizer
-from moetune.workers.weights.loader import is_weight_file
+from moetune.workers.weights.loader import streamed_or_unused
 
 
 def validate(run: JobRunSpec) -> tuple[int, Coverage]:
@@ -36,15 +36,10 @@ def validate(run: JobRunSpec) -> tuple[int, Coverage]:
     return rows, lora
 
 
-def _not_tokenizer_side(relative: str) -> bool:
-    """Files the tokenizer check does not need: weights of any kind and subfolders (e.g. `original/` copies)."""
-    return "/" in relative or is_weight_file(relative) or relative.endswith((".bin", ".pth", ".pt", ".gguf"))
-
-
 def check_tokenizer(model_uri: str, config: dict) -> None:
     """The checkpoint's tokenizer loads (its files, as the workers fetch them) and fits the model's vocabulary."""
     with tempfile.TemporaryDirectory() as local:
-        storage.download_dir(model_uri, local, skip=_not_tokenizer_side)
+        storage.download_dir(model_uri, local, skip=streamed_or_unused)
         try:
             check_tokenizer_files(os.listdir(local), model_uri)
             check_tokenizer_size(len(load_tokenizer(local)), config, model_uri)

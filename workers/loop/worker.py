@@ -37,7 +37,7 @@ from moetune.workers.parallel import job_placement
 from moetune.workers.reporting.metrics import WorkerMetrics
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.settings import enter_worker_env
-from moetune.workers.weights.loader import is_weight_file, load_summary, stream_model
+from moetune.workers.weights.loader import load_summary, stream_model, streamed_or_unused
 
 
 class _Worker:
@@ -70,7 +70,7 @@ class _Worker:
         self.event("Loading model", data={"model": self.spec.model})
         if self.node_leader:
             shutil.rmtree(self.node_dir, ignore_errors=True)
-            storage.download_dir(self.spec.model, model_dir, skip=is_weight_file)  # tokenizer + config only
+            storage.download_dir(self.spec.model, model_dir, skip=streamed_or_unused)  # tokenizer + config only
         self.collectives.barrier()
         self.tokenizer = load_tokenizer(model_dir)
         with open(os.path.join(model_dir, "config.json")) as f:

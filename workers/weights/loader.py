@@ -37,6 +37,13 @@ def is_weight_file(name: str) -> bool:
     return name.endswith(WEIGHT_FILES)
 
 
+def streamed_or_unused(relative: str) -> bool:
+    """Files of a checkpoint folder nobody downloads whole: the weights (streamed), other weight formats
+    (`.bin`, `.pth`, `.gguf`) and subfolders (e.g. `original/` copies). What is left is config, tokenizer and
+    processor files."""
+    return "/" in relative or is_weight_file(relative) or relative.endswith((".bin", ".pth", ".pt", ".gguf"))
+
+
 @dataclass
 class Checkpoint:
     """What a checkpoint URI holds, read without any tensor data: config, shard headers, manifest."""
