@@ -8,7 +8,6 @@ import functools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetune.kernels.quant import (
     Fp8BlockWeight,
@@ -20,6 +19,7 @@ from moetune.kernels.quant import (
     quantized_linear,
 )
 from moetune.kernels.testing import rmse_ratio
+from tests.support.allocations import Allocations
 
 EXPERTS, OUT, IN = 3, 70, 96  # FP8 blocks of 16x40 leave partial edge blocks in both dims; 70 rows: a padded zp word
 
@@ -221,22 +221,6 @@ def test_quantized_linear_in_bf16(fmt):
     assert rmse_ratio(got_dx, grad.float() @ w) < 0.01
 
 
-class _Allocations(TorchDispatchMode):
-    """The largest tensor any op returns (in elements) and the number of matmuls run."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest, self.matmuls = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.matmuls += func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_linear_holds_one_tile_of_dense_weight_at_most(fmt):
     out, cols, tile = 256, 128, 64
@@ -244,11 +228,11 @@ def test_quantized_linear_holds_one_tile_of_dense_weight_at_most(fmt):
     q = quantize_fp8_block(w, block=(32, 32)) if fmt == "fp8" else FORMATS[fmt][0](w)  # blocks that tile exactly
     x = torch.randn(4, cols, requires_grad=True)
     saved = []
-    with _Allocations() as seen, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+    with Allocations() as seen, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         quantized_linear(x, q, tile_rows=tile).backward(torch.ones(4, out))
     assert seen.matmuls == 2 * out // tile  # forward and backward both ran under the recorder, tile by tile
     assert seen.largest <= tile * cols < out * cols, seen.largest
     assert saved == []  # nothing kept for the backward: the tiles are dequantized again
-    with _Allocations() as dense:
+    with Allocations() as dense:
         q.dequantize()
     assert dense.largest == out * cols  # the recorder does see a whole dense weight

@@ -7,7 +7,6 @@ import types
 
 import torch
 from safetensors.torch import load_file
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetune.workers.checkpoints import expert_shards
 from moetune.workers.checkpoints.safetensors_writer import SafetensorsWriter
@@ -16,6 +15,7 @@ from moetune.workers.lora.expert_layout import peft_expert_state
 from moetune.workers.parallel.experts import ExpertParallelExperts
 from moetune.workers.parallel.placement import placement_at
 from tests.support.families import plain_model
+from tests.support.allocations import Allocations
 
 FAMILY = REGISTRY["kimi_linear"]
 
@@ -40,23 +40,6 @@ def test_each_rank_draws_only_its_experts_and_the_values_do_not_depend_on_ep():
     assert not torch.equal(whole[0].lora_gate_up_a, whole[1].lora_gate_up_a)  # blocks draw their own seeds
 
 
-class _LargestOutput(TorchDispatchMode):
-    """The largest tensor any op allocates (views and aliases of its inputs are not allocations)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in (*args, *(kwargs or {}).values())
-                  if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_the_adapter_is_written_a_slab_at_a_time_in_peft_layout(tmp_path, monkeypatch):
     model = plain_model(FAMILY)
     config = model.config.to_dict()
@@ -71,7 +54,7 @@ def test_the_adapter_is_written_a_slab_at_a_time_in_peft_layout(tmp_path, monkey
     monkeypatch.setattr(expert_shards, "SLAB_BYTES", 512)  # several slabs per tensor even at this size
     entries = expert_shards.expert_adapter_entries(engine)
     writer = SafetensorsWriter(str(tmp_path / "adapter.safetensors"), entries)
-    with _LargestOutput() as recorder:
+    with Allocations() as recorder:
         expert_shards.write_expert_adapter(engine, writer)
     writer.close()
     written = load_file(str(tmp_path / "adapter.safetensors"))

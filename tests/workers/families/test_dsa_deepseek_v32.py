@@ -8,10 +8,10 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetune.workers.families import REGISTRY, apply_kernel_swaps, auto_model_class
 from moetune.workers.families.deepseek_v32 import dsa
+from tests.support.allocations import Allocations
 
 
 def _model(**overrides):
@@ -53,19 +53,6 @@ def test_swapped_model_matches_transformers():
         torch.testing.assert_close(grads[name], ref, rtol=1e-3, atol=1e-6, msg=name)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the bytes of the largest storage any op allocates."""
-
-    largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return out
-
-
 @pytest.mark.parametrize("swap", [True, False])
 def test_no_txt_tensor_at_2048_tokens(monkeypatch, swap):
     """The recorder sees transformers' own T×T mask (the sabotage: no swap), and nothing that large with it."""
@@ -75,6 +62,6 @@ def test_no_txt_tensor_at_2048_tokens(monkeypatch, swap):
         apply_kernel_swaps(model.base_model.model)
         monkeypatch.setattr(dsa, "ROW_ELEMENTS", 1 << 16)  # blocks of 16 query rows
     ids = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad(), _LargestTensor() as recorder:
+    with torch.no_grad(), Allocations() as recorder:
         model(input_ids=ids, attention_mask=torch.ones_like(ids))
-    assert (recorder.largest < seq_len * seq_len) == swap, recorder.largest
+    assert (recorder.largest_bytes < seq_len * seq_len) == swap, recorder.largest_bytes

@@ -8,12 +8,12 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.support.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
 from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.families.glm5_next import indexer as glm5_next_indexer
 from moetune.workers.families.glm5_next.sparse_attention import apply_sparse_attention_kernels
+from tests.support.allocations import Allocations
 
 TEXT = {
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
@@ -123,31 +123,18 @@ def test_chunked_indexer_selects_what_transformers_selects(monkeypatch, kpool, t
     assert (want >= 0).any(-1)[:, 10:].all() and (want < 0).any()  # non-trivial: selections and -1 slots
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the bytes of the largest storage any op allocates (views share their base's storage)."""
-
-    largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return out
-
-
 def test_chunked_indexer_never_builds_a_txt_tensor(monkeypatch):
     seq_len = 2048
     stock, chunked = _indexers(index_kpool=2)
     inputs = _indexer_inputs(stock.config, seq_len, batch=1)
     monkeypatch.setattr(glm5_next_indexer, "CHUNK_ELEMENTS", 1 << 18)
-    with _LargestTensor() as stock_seen:
+    with Allocations() as stock_seen:
         want = stock(*inputs, cache=None)
-    with _LargestTensor() as chunked_seen:
+    with Allocations() as chunked_seen:
         got = chunked(*inputs, cache=None)
-    assert stock_seen.largest >= seq_len * seq_len  # the hook sees transformers' T×T boolean mask
+    assert stock_seen.largest_bytes >= seq_len * seq_len  # the hook sees transformers' T×T boolean mask
     # at most CHUNK_ELEMENTS per block intermediate, 8 bytes each (the stock tail helper counts visible keys in int64)
-    assert chunked_seen.largest <= 8 * (1 << 18) < seq_len * seq_len, chunked_seen.largest
+    assert chunked_seen.largest_bytes <= 8 * (1 << 18) < seq_len * seq_len, chunked_seen.largest_bytes
     assert (got.sort(-1).values == want.sort(-1).values).all()
 
 
