@@ -162,18 +162,19 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
     r = job.lora.rank
     for name, block in fam.moe_blocks(peft_model.base_model.model):
         experts = getattr(block, fam.experts)
-        first = getattr(experts, in_proj_name(experts))  # gate_up_proj, or up_proj (nemotron_h: no gate)
+        in_proj = in_proj_name(experts)  # gate_up_proj, or up_proj (nemotron_h: no gate)
+        first, transposed = getattr(experts, in_proj), getattr(experts, "is_transposed", False)
         e, two_i, hidden = first.shape
-        if getattr(experts, "is_transposed", False):  # stored [E, in, out] (gpt-oss)
+        if transposed:  # stored [E, in, out] (gpt-oss)
             hidden, two_i = two_i, hidden
-        intermediate = experts.down_proj.shape[1 if getattr(experts, "is_transposed", False) else 2]
+        intermediate = experts.down_proj.shape[1 if transposed else 2]
         a_gate_up, a_down = init_expert_lora_a(range(e), r, hidden, intermediate, first.dtype)
         factors = {"lora_gate_up_a": a_gate_up, "lora_down_a": a_down,
                    "lora_gate_up_b": torch.zeros(e, two_i, r), "lora_down_b": torch.zeros(e, hidden, r)}
         state.update(peft_expert_state(f"base_model.model.{name}.{fam.experts}", factors))
     old = peft_model.peft_config["default"]
     config = LoraConfig(r=r, lora_alpha=old.lora_alpha, lora_dropout=0.0, target_modules=old.target_modules,
-                        target_parameters=target_parameters(in_proj_name(getattr(block, fam.experts))))
+                        target_parameters=target_parameters(in_proj))
     model = plain_model(fam, skew_to_first_half=skew)
     with _no_v4_target_conversion(model):
         reference_model = get_peft_model(model, config)
