@@ -60,7 +60,7 @@ EP3_OF_6 = {"parallelism": {"num_workers": 6, "expert_parallel_size": 3}, "train
     ("kimi", EP3_OF_6, "parallelism.expert_parallel_size", "8 routed experts"),
     ("kimi", {"lora": {"target_modules": ["q_proj", "wq"]}}, "lora.target_modules", "'wq'"),
     ("kimi", {"output_uri": "s3://no-such-bucket-here/out"}, "output_uri", "its bucket does not exist"),
-    ("llama", {}, "model", "model_type 'llama' is not supported; supported: deepseek_v3, deepseek_v32, glm5_next"),
+    ("llama", {}, "model", "model_type 'llama' is not supported; supported: deepseek_v3, deepseek_v32, deepseek_v4, glm5_next"),
     ("not-json", {}, "model", "config.json is not JSON"),
     ("no-tokenizer", {}, "model", "has no tokenizer files (one of tokenizer.json, tokenizer.model"),
     ("awq", {}, "model", "quant_method 'awq' is not supported; supported: fp8 (block scales), compressed-tensors"),

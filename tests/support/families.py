@@ -24,6 +24,9 @@ def plain_model(family, seed: int = 0, skew_to_first_half: bool = False, config=
             for name, param in getattr(block, family.experts).named_parameters():
                 if name.endswith("_bias"):  # biased experts (gpt-oss) initialise them to zero
                     param.normal_(0.0, 0.1)
+            if hasattr(router, "tid2eid"):  # hash routing (deepseek_v4): each token id its own distinct experts
+                table = torch.rand(router.tid2eid.shape[0], router.num_experts).argsort(-1)[:, :router.top_k]
+                router.tid2eid.copy_(table)
             if skew_to_first_half:
                 half = router.e_score_correction_bias.numel() // 2
                 router.e_score_correction_bias[:half] = 100.0

@@ -89,9 +89,9 @@ class ExpertParallelExperts(nn.Module):
         self.num_local_experts = ep.count
         self.ep, self.ep_group_name = ep, ep.group_name
         # `activation`: the family's own (parallel.compute's contract); else act_fn(gate) · up, where families
-        # without an act_fn attribute (GLM) hard-code SiLU and swiglu_limit is GLM's clamp.
-        self.activation = activation or GatedActivation(getattr(experts, "act_fn", nn.functional.silu),
-                                                        getattr(experts, "swiglu_limit", None))
+        # without an act_fn attribute (GLM) hard-code SiLU; the clamp is GLM's swiglu_limit or DeepSeek-V4's limit.
+        limit = getattr(experts, "swiglu_limit", getattr(experts, "limit", None))
+        self.activation = activation or GatedActivation(getattr(experts, "act_fn", nn.functional.silu), limit)
         # The streaming loader allocates only this rank's experts; a full module is sliced, and cloned: the full
         # tensors must not stay alive through a view. Weights are kept [E, out, in] (transposed families' dense
         # tensors are turned; quantized ones are stored that way), gate_up's columns in the checkpoint's order.

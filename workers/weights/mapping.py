@@ -63,6 +63,10 @@ class NameMapper:
         )
 
         name, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.state)
+        if name not in self.state and key in self.state:
+            # as transformers' loader: a name some rule renames away (deepseek_v4's `.norm.` -> `.kv_norm.` hits
+            # model.norm) keeps its own name when the model has it
+            name, pattern = rename_source_key(key, [], [], self.prefix, self.state)
         if name not in self.state:
             return None
         if pattern is None:

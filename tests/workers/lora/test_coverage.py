@@ -10,12 +10,11 @@ from moetune.workers.families import REGISTRY, auto_model_class
 from moetune.workers.lora.coverage import coverage, modules
 from moetune.workers.lora.peft_lora import apply_lora, check_targets_on_config
 
-# preset -> the layer types it must adapt wherever the family has them
-EXPECTED = {"attention": {"linear attention", "full attention", "sliding-window attention", "sparse attention",
-                          "attention"},
-            "mlp": {"dense MLP", "shared experts"},
-            "all-linear": {"linear attention", "full attention", "sliding-window attention", "sparse attention",
-                           "attention", "dense MLP", "shared experts", "latent projections"}}
+# preset -> the layer types it must adapt wherever the family has them (deepseek_v4: compressed attentions)
+ATTENTION = {"linear attention", "full attention", "sliding-window attention", "sparse attention", "attention",
+             "compressed sparse attention", "heavily compressed attention"}
+EXPECTED = {"attention": ATTENTION, "mlp": {"dense MLP", "shared experts"},
+            "all-linear": ATTENTION | {"dense MLP", "shared experts", "latent projections"}}
 
 
 @pytest.mark.parametrize("family", sorted(REGISTRY))

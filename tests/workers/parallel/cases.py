@@ -3,7 +3,7 @@
 from tests.workers.parallel.harness import STEPS, spec
 
 FAMILIES = ("kimi_linear", "qwen3_moe", "deepseek_v3", "qwen3_next", "glm5_next", "gpt_oss", "qwen3_5_moe",
-            "kimi_k25", "deepseek_v32", "nemotron_h")
+            "kimi_k25", "deepseek_v32", "nemotron_h", "deepseek_v4")
 # the ZeRO-3 and EP=1 engine paths, checked on the first five families (they exercise the engine, not the family)
 ENGINE_FAMILIES = FAMILIES[:5]
 # kimi_k25's text model is deepseek_v3's, whose curve is checked. Its own random weights (drawn after the vision
