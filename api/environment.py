@@ -13,6 +13,10 @@ ENV_WEIGHTS_CACHE_MAX_GB = "MOETUNE_WEIGHTS_CACHE_MAX_GB"  # its size cap
 ENV_METRICS_PORT = "MOETUNE_METRICS_PORT"  # workers' Prometheus port base (+ local rank), 0 = any, "off"
 ENV_METRICS_TARGETS_DIR = "MOETUNE_METRICS_TARGETS_DIR"  # where workers announce themselves for file_sd
 ENV_INJECT_FAULTS = "MOETUNE_INJECT_FAULTS"  # tests only: faults a worker raises on purpose (workers.loop.faults)
+# The driver's checks of the images inside the data files: the tenant's storage access (api.uri_access.UriAccess as
+# JSON; unset: any URI, for a driver started by hand) and the operator's image limits (api.images.ImageLimits).
+ENV_URI_ACCESS = "MOETUNE_URI_ACCESS"
+ENV_IMAGE_LIMITS = "MOETUNE_IMAGE_LIMITS"
 
 # Storage credentials and run-time switches the control plane copies into a job by default (its setting
 # worker_env_passthrough can name others).

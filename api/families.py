@@ -23,6 +23,7 @@ class FamilyFacts:
     expert_count_keys: tuple[str, ...]  # config.json keys holding the routed expert count, first present wins
     linear_names: tuple[str, ...]  # LoRA target names PEFT can match (leaf names of nn.Linear modules)
     text_config_key: str | None = None  # multimodal checkpoints: the text model's config lives under this key
+    images: bool = False  # moetune feeds image rows through the family's processor (checkpoints with a vision tower)
 
     def num_experts(self, config: dict) -> int | None:
         config = config.get(self.text_config_key) or {} if self.text_config_key else config
@@ -65,6 +66,17 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
                 _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
                                "wq_b", "wk", "weights_proj"), text_config_key="text_config"),
 )}
+
+
+def images_refusal(config: dict) -> str | None:
+    """Why this checkpoint cannot train on rows with images, phrased to follow "but"; None when it can."""
+    model_type = config.get("model_type")
+    facts = FAMILIES.get(model_type)
+    if facts is None or not facts.images:
+        return f"moetune trains {model_type!r} models on text only (no image input for this family)"
+    if "vision_config" not in config:
+        return "the model has no vision tower (its config.json has no vision_config)"
+    return None
 
 
 def check_model_spec(config: dict, spec) -> None:

@@ -10,11 +10,12 @@ from moetune.api.checkpoint_files import check_tokenizer_files
 from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec
 from moetune.api.models import JobCreate, JobStatus, SpecError, resolve_spec
+from moetune.service.data_files import check_data_images
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.files import check_output_writable, model_files, read_model_config
 from moetune.service.settings import Settings
 from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
-from moetune.service.uri_policy import check_job_uris
+from moetune.service.uri_policy import check_job_uris, tenant_access
 
 MAX_SEED = 2**31 - 1
 
@@ -53,6 +54,7 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
             check_model_spec(config, spec)
             if (names := model_files(spec, settings.s3_endpoint_url)) is not None:
                 check_tokenizer_files(names, spec.model)
+        check_data_images(spec, config, tenant_access(tenant, settings), settings)
         check_output_writable(output_uri, settings.s3_endpoint_url, default=request.output_uri is None)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None

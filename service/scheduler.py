@@ -12,7 +12,14 @@ import threading
 
 from moetune.api.errors import ErrorCode
 from moetune.api.layout import result_from_summary, summary_uri
-from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
+from moetune.api.environment import (
+    ENV_CALLBACK_URL,
+    ENV_IMAGE_LIMITS,
+    ENV_JOB_TOKEN,
+    ENV_RUN_SPEC,
+    ENV_S3_ENDPOINT_URL,
+    ENV_URI_ACCESS,
+)
 from moetune.api.models import (
     ErrorInfo,
     JobCreate,
@@ -26,6 +33,7 @@ from moetune.service.lifecycle import SLOT_STATUSES, finish_job
 from moetune.service.ray_jobs import RayJobs, RayUnavailable
 from moetune.service.settings import Settings
 from moetune.service.store import JobRow, Store
+from moetune.service.uri_policy import tenant_access
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +166,9 @@ class Scheduler:
             ENV_RUN_SPEC: run_spec.model_dump_json(),
             ENV_CALLBACK_URL: self.settings.callback_url,
             ENV_JOB_TOKEN: token,
+            # the driver checks the image URIs inside the data files against the same access as the job's fields
+            ENV_URI_ACCESS: tenant_access(job.tenant, self.settings).model_dump_json(),
+            ENV_IMAGE_LIMITS: self.settings.image_limits.model_dump_json(),
         })
         if self.settings.s3_endpoint_url:
             env[ENV_S3_ENDPOINT_URL] = self.settings.s3_endpoint_url

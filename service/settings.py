@@ -9,6 +9,7 @@ from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from moetune.api.environment import PASSTHROUGH_ENV
+from moetune.api.images import ImageLimits
 from moetune.api.models import URI_SCHEMES
 
 
@@ -33,6 +34,12 @@ class Settings(BaseSettings):
     uri_allow_list: dict[str, list[str]] = {}
     # file:// lets a job read and write the workers' disks: only for single-user setups (the demo turns it on).
     allow_file_uris: bool = False
+    # Images in chat rows, as JSON, e.g. {"max_image_bytes": 5000000, "max_images_per_row": 4, "max_image_pixels":
+    # 16000000}; the driver checks every image against them before any worker starts (api/images.py).
+    image_limits: ImageLimits = ImageLimits()
+    # At submission the control plane scans data files up to this size for image URIs (allow-list, vision tower);
+    # the driver scans every file again, whatever its size.
+    submission_scan_max_mb: float = 64.0
 
     @field_validator("worker_env_passthrough", mode="before")
     @classmethod

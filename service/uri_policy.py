@@ -2,12 +2,14 @@
 
 Jobs name objects as `s3://bucket/key` and always reach them through the operator's one S3 endpoint
 (MOETUNE_S3_ENDPOINT_URL): a URI cannot point the workers at another endpoint or host. `file://` reads the
-workers' own disks, so it is refused unless the operator turns it on (MOETUNE_ALLOW_FILE_URIS).
+workers' own disks, so it is refused unless the operator turns it on (MOETUNE_ALLOW_FILE_URIS). The same rules
+cover the image URIs inside a job's data files (api/uri_access.py: the driver gets the tenant's access).
 """
 
 from __future__ import annotations
 
 from moetune.api.models import JobCreate
+from moetune.api.uri_access import UriAccess
 from moetune.service.errors import invalid_request
 from moetune.service.settings import Settings
 
@@ -15,23 +17,15 @@ ANY_TENANT = "*"
 _URI_FIELDS = ("model", "training_file", "validation_file", "output_uri")
 
 
-def _within(uri: str, prefix: str) -> bool:
-    """Prefix match on whole path segments: `s3://data` covers `s3://data/x`, not `s3://data-b/x`."""
-    prefix = prefix.rstrip("/")
-    return uri == prefix or uri.startswith(prefix + "/")
+def tenant_access(tenant: str, settings: Settings) -> UriAccess:
+    prefixes = settings.uri_allow_list.get(tenant, []) + settings.uri_allow_list.get(ANY_TENANT, [])
+    return UriAccess(prefixes=prefixes if settings.uri_allow_list else None, allow_file_uris=settings.allow_file_uris)
 
 
 def check_job_uris(request: JobCreate, tenant: str, settings: Settings) -> None:
     """Raises a 422 naming the first URI field the tenant may not use."""
-    allowed = settings.uri_allow_list.get(tenant, []) + settings.uri_allow_list.get(ANY_TENANT, [])
+    access = tenant_access(tenant, settings)
     for field in _URI_FIELDS:
         uri = getattr(request, field)
-        if uri is None:
-            continue
-        if uri.startswith("file://") and not settings.allow_file_uris:
-            raise invalid_request(f"{field}: file:// URIs are disabled on this server; use s3://", field)
-        if ".." in uri.split("/"):
-            raise invalid_request(f"{field}: '..' path segments are not allowed", field)
-        if settings.uri_allow_list and not any(_within(uri, prefix) for prefix in allowed):
-            raise invalid_request(f"{field}: {uri} is outside this tenant's storage locations "
-                                  f"({', '.join(allowed) or 'none'})", field)
+        if uri is not None and (problem := access.problem(uri)):
+            raise invalid_request(f"{field}: {problem}", field)

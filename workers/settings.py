@@ -7,12 +7,15 @@ import os
 import sys
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moetune.api import environment as env
+from moetune.api.images import ImageLimits
+from moetune.api.uri_access import UriAccess
 
 DEFAULT_MAX_WORKER_FAILURES = 3
 DEFAULT_METRICS_PORT = 9470  # + local rank
+_ANY_URI = '{"allow_file_uris": true}'  # a driver started without a control plane reads what its data names
 
 
 def _cache_max_bytes(value: str) -> int | None:
@@ -39,6 +42,9 @@ class WorkerSettings:
     metrics_targets_dir: str | None = None
     inject_faults: str = ""  # tests only (workers.loop.faults)
     run_spec: str | None = None  # the driver's job (JobRunSpec as JSON)
+    # The driver's: what the image URIs of the data files may reach (unset: anything), and the image limits.
+    uri_access: UriAccess = field(default_factory=lambda: UriAccess.model_validate_json(_ANY_URI))
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerSettings:
@@ -56,6 +62,8 @@ class WorkerSettings:
             metrics_targets_dir=environ.get(env.ENV_METRICS_TARGETS_DIR) or None,
             inject_faults=environ.get(env.ENV_INJECT_FAULTS, ""),
             run_spec=environ.get(env.ENV_RUN_SPEC),
+            uri_access=UriAccess.model_validate_json(environ.get(env.ENV_URI_ACCESS) or _ANY_URI),
+            image_limits=ImageLimits.model_validate_json(environ.get(env.ENV_IMAGE_LIMITS) or "{}"),
         )
 
 

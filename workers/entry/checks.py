@@ -1,6 +1,6 @@
 """What the driver checks before any worker starts: the rules of submission again (the control plane skips those
 it cannot check when storage is unreachable), the model's config and tokenizer, the LoRA targets, the output
-location and every data row."""
+location and every data row, with every image it names."""
 
 from __future__ import annotations
 
@@ -11,28 +11,32 @@ import tempfile
 from moetune.api import storage
 from moetune.api.checkpoint_files import check_tokenizer_files, check_tokenizer_size
 from moetune.api.errors import ErrorCode
-from moetune.api.families import check_model_spec
+from moetune.api.families import check_model_spec, images_refusal
 from moetune.api.models import JobCreate, JobRunSpec, SpecError
+from moetune.workers.data.images import ImageCheck
 from moetune.workers.data.rows import load_rows
 from moetune.workers.errors import JobError
 from moetune.workers.families import hf_config
 from moetune.workers.lora.coverage import Coverage
 from moetune.workers.lora.peft_lora import check_targets_on_config
 from moetune.workers.model import load_tokenizer
+from moetune.workers.settings import WorkerSettings
 from moetune.workers.weights.loader import streamed_or_unused
 
 
-def validate(run: JobRunSpec) -> tuple[int, Coverage]:
-    """Fails fast, before any worker starts: returns the number of training rows and what LoRA adapts."""
+def validate(run: JobRunSpec, settings: WorkerSettings) -> tuple[int, Coverage]:
+    """Fails fast, before any worker starts: returns the number of training rows and what LoRA adapts. `settings`:
+    the tenant's storage access and the image limits, for the images the data files name."""
     spec = run.spec
     config = read_remote_config(spec.model)
     check_supported(spec, config)
     lora = check_targets_on_config(config, spec.lora)
     check_tokenizer(spec.model, config)
     check_output(run.output_uri)
-    rows = len(load_rows(spec.training_file, "training_file"))
+    images = ImageCheck(settings.uri_access, settings.image_limits, images_refusal(config))
+    rows = len(load_rows(spec.training_file, "training_file", images))
     if spec.validation_file:
-        load_rows(spec.validation_file, "validation_file")
+        load_rows(spec.validation_file, "validation_file", images)
     return rows, lora
 
 

@@ -69,7 +69,7 @@ def build_trainer(run: JobRunSpec, attempt: str, reporter: Reporter, settings: W
 def run_job(run: JobRunSpec, reporter: Reporter, settings: WorkerSettings) -> bool:
     """Runs the whole job and sends its ResultReport; True on success or pause."""
     try:
-        rows, lora = validate(run)
+        rows, lora = validate(run, settings)
         reporter.event(f"Files validated: {rows} training rows")
         reporter.event(lora.summary(), data={"lora_coverage": lora.rows(), "trainable_parameters": lora.trainable})
         for kind, message in lora.warnings(run.spec.lora):

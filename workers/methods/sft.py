@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetune.api.chat_content import joined_text
 from moetune.api.errors import ErrorCode
 from moetune.workers.errors import JobError
 from moetune.workers.methods.batch import IGNORE, Batch
@@ -75,7 +76,9 @@ def tokenize_row(tokenizer, row: dict, seq_len: int) -> Example:
         ids = tokenizer(row["text"])["input_ids"] + [tokenizer.eos_token_id]
         ids = ids[:seq_len]
         return Example(ids, list(ids))
-    text, spans = _assistant_spans(tokenizer, row["messages"])
+    # Text-only parts render as the equivalent string would, whether or not the template takes a list of parts.
+    messages = [{**m, "content": joined_text(m["content"])} for m in row["messages"]]
+    text, spans = _assistant_spans(tokenizer, messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"][:seq_len]
     labels = [

@@ -28,7 +28,7 @@ GOOD_CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role":
     (json.dumps({"text": ""}), "row 3: 'text' must be a non-empty string"),
     (json.dumps({"messages": []}), "row 3: 'messages' must be a non-empty list"),
     (json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 5}]}),
-     "row 3: 'messages[1].content' must be a string"),
+     "row 3: 'messages[1].content' must be a string or a non-empty list of content parts"),
     (json.dumps({"messages": [{"role": "robot", "content": "q"}]}), "row 3: 'messages[0].role' must be one of"),
     (json.dumps({"messages": [{"role": "user", "content": "q"}]}), "row 3: 'messages' must contain an assistant"),
 ])
@@ -70,6 +70,19 @@ def test_text_rows_train_every_token_plus_eos(tokenizer):
     assert example.labels == example.input_ids
     assert example.input_ids[-1] == tokenizer.eos_token_id
     assert _trained_text(tokenizer, example) == "abc abc</s>"
+
+
+def test_text_parts_train_exactly_as_the_equivalent_string(tokenizer, tmp_path):
+    """OpenAI's list-of-parts content without images renders as its text parts joined, as templates that loop over
+    parts render them; this tokenizer's template takes strings only, so the join is all it sees."""
+    as_parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what does "},
+                                                          {"type": "text", "text": "ada like?"}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": "ada likes red."}]}]}
+    as_string = {"messages": [{"role": "user", "content": "what does ada like?"},
+                              {"role": "assistant", "content": "ada likes red."}]}
+    assert load_rows(_write(tmp_path, [json.dumps(as_parts)]), "training_file") == [as_parts]
+    assert tokenize_row(tokenizer, as_parts, seq_len=256) == tokenize_row(tokenizer, as_string, seq_len=256)
+    assert _trained_text(tokenizer, tokenize_row(tokenizer, as_parts, seq_len=256)) == "ada likes red.<|end|>"
 
 
 def test_chat_rows_train_only_assistant_turns(tokenizer):

@@ -1,0 +1,49 @@
+"""At submission, a quick scan of a job's data files for the images their rows name: every image URI within the
+tenant's storage access, and images only for a model that takes them (a 422 naming the file, row and field).
+
+Files over MOETUNE_SUBMISSION_SCAN_MAX_MB, and files storage cannot give now, are left to the driver, which checks
+every row, reads every image object and decodes every image before any worker starts (workers/data/images.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+from moetune.api import storage
+from moetune.api.chat_content import image_url_refusal, image_urls
+from moetune.api.families import images_refusal
+from moetune.api.images import MB
+from moetune.api.models import JobCreate, SpecError
+from moetune.api.uri_access import UriAccess
+from moetune.service.settings import Settings
+
+_DATA_FIELDS = ("training_file", "validation_file")
+
+
+def _text(uri: str, settings: Settings) -> str | None:
+    """The file's text, or None when it is too large to scan here or storage cannot give it now."""
+    try:
+        fs, path = storage.filesystem(uri, settings.s3_endpoint_url, quick=True, listings_cache=False)
+        if fs.size(path) > settings.submission_scan_max_mb * MB:
+            return None
+        return fs.cat_file(path).decode("utf-8")
+    except Exception:  # noqa: BLE001 - missing, unreachable or not text: the file check and the driver report it
+        return None
+
+
+def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, settings: Settings) -> None:
+    """Raises SpecError at the first image URL refused before reading (api.chat_content.image_url_refusal): outside
+    the tenant's storage, or any image when the model (`config`; None: storage could not give it) takes none."""
+    refusal = images_refusal(config) if config is not None else None
+    for param in _DATA_FIELDS:
+        uri = getattr(spec, param)
+        if uri is None or (text := _text(uri, settings)) is None:
+            continue
+        for number, line in enumerate(text.splitlines(), start=1):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # the driver names malformed rows
+            for where, url in image_urls(row):
+                if problem := image_url_refusal(url, access, refusal):
+                    raise SpecError(param, f"{param} {uri} row {number}: '{where}' {problem}")
