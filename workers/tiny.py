@@ -21,8 +21,21 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_tokenizer(local_dir: str) -> None:
-    """A byte-level BPE without merges: 256 byte tokens, then the special tokens."""
+# The multimodal checkpoints' extra special tokens (Qwen's names; config.json holds their ids) and a template that
+# renders an image part as the family's placeholder, which its processor expands to one token per merged patch.
+IMAGE_TOKENS = {"vision_start_token_id": "<|vision_start|>", "image_token_id": "<|image_pad|>",
+                "vision_end_token_id": "<|vision_end|>", "video_token_id": "<|video_pad|>"}
+MULTIMODAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}"
+    "{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}{% endif %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_tiny_tokenizer(local_dir: str, extra_tokens: tuple[str, ...] = (),
+                         chat_template: str = CHAT_TEMPLATE) -> None:
+    """A byte-level BPE without merges: 256 byte tokens, then the special tokens (and `extra_tokens`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -30,13 +43,13 @@ def write_tiny_tokenizer(local_dir: str) -> None:
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([PAD, BOS, EOS, END, *ROLE_TOKENS])
+    tok.add_special_tokens([PAD, BOS, EOS, END, *ROLE_TOKENS, *extra_tokens])
     PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
         bos_token=BOS,
         eos_token=EOS,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=4096,
     ).save_pretrained(local_dir)
 
@@ -102,6 +115,31 @@ def write_tiny_checkpoint(local_dir: str, seed: int = 0) -> str:
     return local_dir
 
 
+def write_tiny_multimodal_checkpoint(local_dir: str, tiny_config, seed: int = 0) -> str:
+    """A Qwen-style vision-language checkpoint: random weights of `tiny_config()`'s *ForConditionalGeneration, the
+    byte tokenizer with the image tokens and a template that places them, and the family's image processor config
+    (16-pixel patches merged 2x2: a 32x32 image is one image token, 64x64 four). Returns the dir."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    os.makedirs(local_dir, exist_ok=True)
+    write_tiny_tokenizer(local_dir, tuple(IMAGE_TOKENS.values()), MULTIMODAL_CHAT_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(local_dir)
+    config = tiny_config(vocab_size=(len(tokenizer) + 7) // 8 * 8, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    for key, token in IMAGE_TOKENS.items():
+        setattr(config, key, tokenizer.convert_tokens_to_ids(token))
+    vision = config.vision_config
+    Qwen2VLImageProcessorPil(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                             merge_size=vision.spatial_merge_size,
+                             size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64}).save_pretrained(local_dir)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(local_dir,
+                                                                                        max_shard_size="200KB")
+    return local_dir
+
+
 # ------------------------------------------------------------------ dataset
 
 _NAMES = ["ada", "bob", "cy", "dee", "eve", "fox", "gus", "hal"]
@@ -128,6 +166,35 @@ def _chat_row(rng: random.Random) -> dict:
 def tiny_rows(n_rows: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [_chat_row(rng) if i % 2 else _text_row(rng) for i in range(n_rows)]
+
+
+_RGB = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230), "yellow": (240, 220, 40)}
+
+
+def solid_png(colour: str, size: int = 32) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (size, size), _RGB[colour]).save(out, format="PNG")
+    return out.getvalue()
+
+
+def tiny_image_rows(n_rows: int, seed: int) -> list[dict]:
+    """Chat rows asking for the colour of a solid-colour image (inline as a data: URL); the answer is its name."""
+    import base64
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n_rows):
+        colour = rng.choice(list(_RGB))
+        url = "data:image/png;base64," + base64.b64encode(solid_png(colour, rng.choice((32, 64)))).decode()
+        rows.append({"messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what colour is this?"}]},
+            {"role": "assistant", "content": colour}]})
+    return rows
 
 
 def write_tiny_dataset(path: str, n_rows: int, seed: int = 0) -> str:

@@ -71,21 +71,25 @@ def _assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[i
     return full, spans
 
 
+def chat_example(tokenizer, messages: list[dict]) -> Example:
+    """The conversation rendered by the chat template and tokenized, loss on the assistant replies; untruncated."""
+    text, spans = _assistant_spans(tokenizer, messages)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [
+        token if any(lo <= start < hi for lo, hi in spans) else IGNORE
+        for token, (start, _) in zip(encoded["input_ids"], encoded["offset_mapping"])
+    ]
+    return Example(encoded["input_ids"], labels)
+
+
 def tokenize_row(tokenizer, row: dict, seq_len: int) -> Example:
     if "text" in row:
         ids = tokenizer(row["text"])["input_ids"] + [tokenizer.eos_token_id]
         ids = ids[:seq_len]
         return Example(ids, list(ids))
     # Text-only parts render as the equivalent string would, whether or not the template takes a list of parts.
-    messages = [{**m, "content": joined_text(m["content"])} for m in row["messages"]]
-    text, spans = _assistant_spans(tokenizer, messages)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = encoded["input_ids"][:seq_len]
-    labels = [
-        token if any(lo <= start < hi for lo, hi in spans) else IGNORE
-        for token, (start, _) in zip(ids, encoded["offset_mapping"])
-    ]
-    return Example(ids, labels)
+    example = chat_example(tokenizer, [{**m, "content": joined_text(m["content"])} for m in row["messages"]])
+    return Example(example.input_ids[:seq_len], example.labels[:seq_len])
 
 
 def tokenize_rows(tokenizer, rows: list[dict], seq_len: int) -> tuple[list[Example], int]:

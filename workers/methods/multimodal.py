@@ -1,0 +1,90 @@
+"""Rows with images, through the family's own image processor loaded from the checkpoint folder (its
+preprocessor_config.json; nothing from a hub). The chat template places one image token per image part; the
+processor's grid says how many tokens that image becomes (one per merged patch), and the token is repeated as
+transformers' processor repeats it. The batch carries pixel_values and the family's grid inputs (Qwen's
+image_grid_thw and mm_token_type_ids) into `model(**inputs)`. Image tokens never carry loss, and a row that does not
+fit seq_len with its images is refused, never truncated through an image."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+from moetune.api import storage
+from moetune.api.chat_content import DATA_URL_PREFIX, image_urls
+from moetune.api.images import data_url_bytes
+from moetune.workers.errors import DatasetError
+from moetune.workers.methods.batch import IGNORE, Batch
+from moetune.workers.methods.sft import Example, SupervisedMethod, chat_example, collate, tokenize_row
+
+
+@dataclass
+class ImageExample(Example):
+    pixel_values: object = None  # [patches, channels x temporal patch x patch x patch], this row's images in order
+    image_grid_thw: object = None  # [images, 3]: each image's (frames, rows, columns) of patches
+
+
+def load_image(url: str):
+    """A PIL image from a data: URL or storage (the driver checked every one before any worker started)."""
+    from PIL import Image
+
+    data = data_url_bytes(url) if url.startswith(DATA_URL_PREFIX) else storage.read_bytes(url)
+    return Image.open(io.BytesIO(data))
+
+
+class ImageRows:
+    """Tokenizes chat rows with images as the family's processor does (Qwen3-VL's, for qwen3_5_moe)."""
+
+    def __init__(self, local_dir: str, tokenizer, image_token_id: int):
+        from transformers import AutoImageProcessor
+
+        self.tokenizer, self.image_token_id = tokenizer, image_token_id
+        self.image_processor = AutoImageProcessor.from_pretrained(local_dir)
+        self.tokens_per_patch = self.image_processor.merge_size ** 2  # merged patches: one token each
+
+    def example(self, row: dict, seq_len: int, param: str = "training_file") -> Example:
+        urls = [url for _, url in image_urls(row)]
+        if not urls:
+            return tokenize_row(self.tokenizer, row, seq_len)
+        vision = self.image_processor(images=[load_image(url) for url in urls], return_tensors="pt")
+        counts = iter((vision["image_grid_thw"].prod(-1) // self.tokens_per_patch).tolist())
+        text = chat_example(self.tokenizer, row["messages"])
+        ids, labels = [], []
+        for token, label in zip(text.input_ids, text.labels):
+            n = next(counts) if token == self.image_token_id else 1
+            ids += [token] * n
+            labels += [IGNORE if token == self.image_token_id else label] * n
+        if len(ids) > seq_len:
+            raise DatasetError(param, f"{param}: a row with {len(urls)} image(s) is {len(ids)} tokens with its image "
+                                      f"tokens, over training.seq_len {seq_len}; rows are never cut through an image")
+        return ImageExample(ids, labels, vision["pixel_values"], vision["image_grid_thw"])
+
+
+def collate_with_images(examples: list[Example], pad_id: int, image_token_id: int) -> Batch:
+    """The text batch plus, when any row has images, their pixels and grids (rows in order) and the token types
+    (1 on image tokens) from which the model computes its multimodal rotary positions."""
+    import torch
+
+    batch = collate(examples, pad_id)
+    with_images = [e for e in examples if isinstance(e, ImageExample)]
+    if with_images:
+        batch.inputs["pixel_values"] = torch.cat([e.pixel_values for e in with_images])
+        batch.inputs["image_grid_thw"] = torch.cat([e.image_grid_thw for e in with_images])
+        batch.inputs["mm_token_type_ids"] = (batch.inputs["input_ids"] == image_token_id).int()
+    return batch
+
+
+class SupervisedImageMethod(SupervisedMethod):
+    """SFT on a mix of text and image rows (`ImageRows`); the loss is SFT's, on assistant tokens."""
+
+    def __init__(self, tokenizer, seq_len: int, images: ImageRows):
+        super().__init__(tokenizer, seq_len)
+        self.images = images
+
+    def examples(self, rows: list[dict]) -> tuple[list[Example], int]:
+        examples = [self.images.example(row, self.seq_len) for row in rows]
+        kept = [e for e in examples if e.trained_tokens]
+        return kept, len(examples) - len(kept)
+
+    def collate(self, examples: list[Example]) -> Batch:
+        return collate_with_images(examples, self.tokenizer.pad_token_id, self.images.image_token_id)
