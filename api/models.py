@@ -6,6 +6,7 @@ moetune-specific lives in the `lora`, `training` and `parallelism` sections.
 
 from __future__ import annotations
 
+import math
 import re
 from enum import StrEnum
 from typing import Any, Generic, Literal, TypeVar
@@ -71,6 +72,21 @@ class LoraSpec(_Strict):
         return self
 
 
+class SeqLenStage(_Strict):
+    """One stage of a staged context length: `seq_len` until optimizer step `until_step` (inclusive) or until that
+    fraction `until` of training; the last stage has neither and runs to the end."""
+
+    seq_len: int = Field(..., ge=8, le=1_048_576)
+    until_step: int | None = Field(None, ge=1)
+    until: float | None = Field(None, gt=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _one_end(self):
+        if self.until_step is not None and self.until is not None:
+            raise ValueError("set either until_step or until (a fraction of training), not both")
+        return self
+
+
 class TrainingSpec(_Strict):
     max_steps: int | None = Field(None, ge=1)
     n_epochs: int | None = Field(None, ge=1, le=1000)
@@ -83,7 +99,12 @@ class TrainingSpec(_Strict):
     # Memory one worker may use, in MB (10^6 bytes), for micro_batch_size "auto". GPU: peak allocated device
     # memory (default 90% of the device); CPU: activation bytes saved for backward (default: no limit).
     memory_budget_mb: float | None = Field(None, gt=0)
-    seq_len: int = Field(512, ge=8, le=1_048_576)
+    seq_len: int = Field(512, ge=8, le=1_048_576)  # with seq_len_schedule: its longest stage (set from it)
+    # Staged context length, shortest first, e.g. [{"until_step": 200, "seq_len": 8192}, {"seq_len": 131072}].
+    seq_len_schedule: list[SeqLenStage] | None = Field(None, min_length=1)
+    # Recompute each decoder layer in the backward instead of keeping its activations; "auto": when the memory plan
+    # says the job does not fit without it.
+    activation_checkpointing: bool | Literal["auto"] = "auto"
     eval_every: int | None = Field(None, ge=1)
     checkpoint_every: int | None = Field(None, ge=1)
     # Keep only the newest N complete checkpoints (older ones are deleted from storage and the list); None: all.
@@ -106,6 +127,34 @@ class TrainingSpec(_Strict):
         if self.max_steps is not None and self.n_epochs is not None:
             raise ValueError("set either max_steps or n_epochs, not both")
         return self
+
+    @model_validator(mode="after")
+    def _schedule(self):
+        stages = self.seq_len_schedule
+        if not stages:
+            return self
+        *early, last = stages
+        if last.until_step is not None or last.until is not None:
+            raise ValueError("seq_len_schedule: the last stage runs to the end (no until_step / until)")
+        if any(s.until_step is None and s.until is None for s in early):
+            raise ValueError("seq_len_schedule: every stage but the last needs until_step or until")
+        lengths = [s.seq_len for s in stages]
+        if lengths != sorted(lengths):
+            raise ValueError("seq_len_schedule: seq_len must not shrink from one stage to the next")
+        for kind in ("until_step", "until"):
+            ends = [getattr(s, kind) for s in early if getattr(s, kind) is not None]
+            if ends != sorted(set(ends)):
+                raise ValueError(f"seq_len_schedule: {kind} must increase from one stage to the next")
+        self.seq_len = last.seq_len
+        return self
+
+    def seq_len_at(self, step: int, total_steps: int) -> int:
+        """The context length of optimizer step `step` (1-based) of `total_steps`."""
+        for stage in self.seq_len_schedule or ():
+            end = stage.until_step if stage.until is None else math.ceil(stage.until * total_steps)
+            if end is None or step <= end:
+                return stage.seq_len
+        return self.seq_len
 
 
 class ParallelismSpec(_Strict):

@@ -10,6 +10,7 @@ from moetune.workers.families import family_for
 from moetune.workers.lora.peft_lora import apply_lora
 from moetune.workers.parallel import needs_expert_module, parallelize, quantized_experts
 from moetune.workers.parallel.placement import ExpertPlacement
+from moetune.workers.recompute import enable_activation_checkpointing
 
 
 def load_tokenizer(local_dir: str):
@@ -33,8 +34,11 @@ def load_dtype(device):
 def trainable_model(model, spec: JobCreate, placement: ExpertPlacement | None):
     """PEFT LoRA, then (with expert parallelism or `train_experts`) this rank's share of the routed experts.
 
-    Every rank must have drawn the same random state (LoRA init)."""
+    Every rank must have drawn the same random state (LoRA init). `training.activation_checkpointing: true`
+    checkpoints every decoder layer ("auto" is resolved to true or false before this is called)."""
     dtype = model.dtype  # the compute dtype: that of the dense weights (a quantized base keeps some: embeddings)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.use_cache = False  # training: no KV cache is built, none is kept
     peft_model = apply_lora(model, spec.lora)
     if placement is not None:
         family = family_for(model.config)
@@ -45,4 +49,6 @@ def trainable_model(model, spec: JobCreate, placement: ExpertPlacement | None):
     for param in peft_model.parameters():
         if param.requires_grad and param.dtype != dtype:
             param.data = param.data.to(dtype)
+    if spec.training.activation_checkpointing is True:
+        enable_activation_checkpointing(peft_model)
     return peft_model

@@ -17,7 +17,7 @@ def evaluate(engine, method, valid_set: list, micro_batch_size: int, rank: int, 
             real = [valid_set[i] for i in indices if i is not None]
             # A rank whose share ran out still runs a forward: under ZeRO-3 it is a collective.
             batch = method.collate(real or valid_set[:1]).to(device)
-            loss = method.loss_sum(engine(**batch.inputs), batch)
+            loss = method.loss_sum(engine, batch)
             if real:
                 loss_sum += loss.item()
                 count += sum(e.loss_tokens for e in real)

@@ -38,11 +38,12 @@ class StepRunner:
     """Runs every optimizer step of a worker; `micro_batch_size` / `grad_accum_steps` are the sizes in use."""
 
     def __init__(self, engine, method, training: TrainingSpec, place: RankPlace, collectives: Collectives,
-                 event: Callable[..., object], faults: FaultHook = NO_FAULTS,
+                 event: Callable[..., object], total_steps: int, faults: FaultHook = NO_FAULTS,
                  on_uncaught_oom: Callable[[int, int], None] | None = None):
         """`on_uncaught_oom(step, micro_batch_size)`: called before an OOM the tuner cannot recover from (in a
         backward) takes the rank down, so that later worker groups avoid that size."""
         self.engine, self.method, self.t, self.place = engine, method, training, place
+        self.total_steps, self.seq_len = total_steps, None  # the context length in use (seq_len_schedule)
         self.collectives, self.event, self.faults, self.on_uncaught_oom = collectives, event, faults, on_uncaught_oom
         self.per_rank = training.global_batch_size // place.world
         self.tuner = None
@@ -74,7 +75,7 @@ class StepRunner:
         """Token-summed loss, or None after an OOM (the partial graph is dropped with the exception)."""
         try:
             self.faults.before_forward(step, last)
-            return self.method.loss_sum(self.engine(**batch.inputs), batch)
+            return self.method.loss_sum(self.engine, batch)
         except torch.OutOfMemoryError:
             if not self.tuner:
                 raise
@@ -102,10 +103,12 @@ class StepRunner:
         by the loss tokens of the whole global batch, so neither the loss nor the gradient depends on the cut.
         """
         p, t = self.place, self.t
+        self._context_stage(step)
         torch.manual_seed(step_rng_seed(p.seed, step, p.rank))
         indices = step_examples(len(train_set), step - 1, t.global_batch_size, p.rank, p.world, p.seed)
-        examples = [train_set[i] for i in indices]
+        examples = [train_set[i].truncated(self.seq_len) for i in indices]
         (loss_tokens,) = self.collectives.all_sum(sum(e.loss_tokens for e in examples))
+        loss_tokens = max(loss_tokens, 1)  # an early stage can cut a batch's every answer: a zero loss, no NaN
         scale = p.world / loss_tokens  # DeepSpeed averages gradients over ranks: this makes it a global token mean
         loss_sum = tokens = fixed = per_token = 0.0
         done = 0
@@ -135,6 +138,24 @@ class StepRunner:
             self._tune(step, *self.collectives.all_max(fixed, per_token))
         loss_sum, tokens = self.collectives.all_sum(loss_sum, tokens)
         return loss_sum, loss_tokens, tokens
+
+    def _context_stage(self, step: int) -> None:
+        """The context length of `step`; a new stage of training.seq_len_schedule is announced, and the tuner
+        measures afresh at its length (not at the first step run: a resumed tuner keeps its state)."""
+        seq_len, first = self.t.seq_len_at(step, self.total_steps), self.seq_len is None
+        if seq_len == self.seq_len:
+            return
+        self.seq_len = seq_len
+        if self.tuner and first:
+            self.tuner.seq_len = seq_len
+        elif self.tuner:
+            self.tuner.new_stage(seq_len)
+            self._switch(self.tuner.size)
+        if self.t.seq_len_schedule:
+            self.event(f"Context length {seq_len:,} tokens from step {step}"
+                       + (f" (micro-batch size measured afresh from {self.micro_batch_size})"
+                          if self.tuner and not first else ""),
+                       data={"step": step, "seq_len": seq_len, "micro_batch_size": self.micro_batch_size})
 
     def state(self) -> dict | None:
         """What a checkpoint keeps ("auto" only): resuming must not climb from 1 again, nor forget an OOM."""

@@ -98,6 +98,11 @@ class MicroBatchTuner:
             return "grow"
         return None
 
+    def new_stage(self, seq_len: int) -> None:
+        """A longer context from now on: climb again from the smallest size, measuring at the new length (a size
+        that ran out of memory at a shorter one stays excluded)."""
+        self.seq_len, self.size = seq_len, self.sizes[0]
+
     def state(self) -> dict:
         return {"size": self.size, "ceiling": self.ceiling}
 

@@ -90,6 +90,9 @@ class _Worker:
             if swapped:
                 self.event("Custom kernels swapped in: " + ", ".join(f"{k} ({n} modules)" for k, n in swapped.items()))
         self.model = trainable_model(model, self.spec, placement)
+        if self.t.activation_checkpointing is True:
+            self.event("Activation checkpointing: each decoder layer keeps its inputs only and is recomputed in "
+                       "the backward")
         # frozen weights kept quantized are buffers: counted by their dense shapes, like the rest
         total = sum(p.numel() for p in self.model.parameters()) + sum(
             held(m, name).shape.numel() for m in self.model.modules() for name in held_names(m))
@@ -181,12 +184,13 @@ class _Worker:
         """Runs the steps left after the newest complete checkpoint; False when it stopped for a pause."""
         t = self.t
         steps = total_steps(len(self.train_set), t.global_batch_size, t.max_steps, t.n_epochs)
+        self.method.prepare(self.model)
         self.engine, scheduler = build_engine(self.model, self.spec, self.world, steps,
                                               bf16=self.device.type == "cuda")
         self.steps = StepRunner(self.engine, self.method, t, RankPlace(self.rank, self.world, self.run.seed,
                                                                         self.device),
-                                self.collectives, self.event, fault_hook(self.settings.inject_faults, self.rank),
-                                self._record_oom)
+                                self.collectives, self.event, steps,
+                                fault_hook(self.settings.inject_faults, self.rank), self._record_oom)
         self.event(f"Training started: {steps} steps on {self.world} workers, {self.steps.describe()}",
                    data={"total_steps": steps, "train_examples": len(self.train_set), "workers": self.world})
         self.history, self.resumed_tuner = [], None

@@ -12,6 +12,7 @@ from moetune.api.chat_content import joined_text
 from moetune.api.errors import ErrorCode
 from moetune.workers.errors import JobError
 from moetune.workers.methods.batch import IGNORE, Batch
+from moetune.workers.methods.loss_head import install_loss_head
 
 # Used only when the checkpoint's tokenizer has no chat template of its own.
 FALLBACK_CHAT_TEMPLATE = (
@@ -28,6 +29,10 @@ class Example:
     @property
     def trained_tokens(self) -> int:
         return sum(label != IGNORE for label in self.labels)
+
+    def truncated(self, seq_len: int) -> Example:
+        """This example within a shorter context (a staged context length's early stage)."""
+        return self if len(self.input_ids) <= seq_len else Example(self.input_ids[:seq_len], self.labels[:seq_len])
 
     @property
     def loss_tokens(self) -> int:
@@ -100,7 +105,9 @@ def tokenize_rows(tokenizer, rows: list[dict], seq_len: int) -> tuple[list[Examp
 
 
 def collate(examples: list[Example], pad_id: int) -> Batch:
-    """Right-padded input_ids, attention_mask and labels (IGNORE on padding)."""
+    """Right-padded input_ids, attention_mask and labels (IGNORE on padding). Without padding there is no
+    attention_mask: the model's attention is then plainly causal, with no [T, T] mask built (and saved for the
+    backward) from an all-ones one."""
     import torch
 
     width = max(len(e.input_ids) for e in examples)
@@ -112,8 +119,10 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
         input_ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, :n] = torch.tensor(e.labels)
         attention_mask[i, :n] = 1
-    return Batch({"input_ids": input_ids, "attention_mask": attention_mask}, labels,
-                 sum(len(e.input_ids) for e in examples))
+    inputs = {"input_ids": input_ids}
+    if not bool(attention_mask.all()):
+        inputs["attention_mask"] = attention_mask
+    return Batch(inputs, labels, sum(len(e.input_ids) for e in examples))
 
 
 def token_loss_sum(logits, labels):
@@ -131,6 +140,7 @@ class SupervisedMethod:
 
     def __init__(self, tokenizer, seq_len: int):
         self.tokenizer, self.seq_len = tokenizer, seq_len
+        self.head = None
 
     def examples(self, rows: list[dict]) -> tuple[list[Example], int]:
         """Examples that carry loss, and how many rows were dropped for carrying none within seq_len."""
@@ -139,6 +149,13 @@ class SupervisedMethod:
     def collate(self, examples: list[Example]) -> Batch:
         return collate(examples, self.tokenizer.pad_token_id)
 
-    def loss_sum(self, outputs, batch: Batch):
+    def prepare(self, model) -> None:
+        """Before the engine wraps the model: its output layer computes the loss itself (methods.loss_head)."""
+        self.head = install_loss_head(model)
+
+    def loss_sum(self, model, batch: Batch):
         """The micro-batch's loss summed over its loss tokens (the step divides by the global batch's count)."""
-        return token_loss_sum(outputs.logits, batch.labels)
+        if self.head is None:
+            return token_loss_sum(model(**batch.inputs).logits, batch.labels)
+        with self.head.armed(batch.labels):
+            return model(**batch.inputs).logits

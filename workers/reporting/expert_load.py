@@ -24,6 +24,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from moetune.workers.parallel.experts import ExpertParallelExperts
+from moetune.workers.recompute import recomputing
 
 
 HOT_EXPERTS = 4
@@ -53,7 +54,7 @@ class ExpertLoad:
 
     def _hook(self, layer: int):
         def record(module, args, kwargs, output):
-            if not module.training:  # evaluation forwards are not training load
+            if not module.training or recomputing():  # neither evaluation nor a checkpoint's rerun is load
                 return
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
             weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]

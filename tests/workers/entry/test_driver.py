@@ -99,7 +99,8 @@ def _expected_first_loss(run: JobRunSpec, checkpoint: str) -> float:
         for rank in range(world):
             for indices in step_micro_batches(len(examples), 0, t.global_batch_size, t.micro_batch_size,
                                               rank, world, run.seed):
-                batch = collate([examples[i] for i in indices], tokenizer.pad_token_id)
+                batch = collate([examples[i].truncated(t.seq_len_at(1, t.max_steps)) for i in indices],
+                                tokenizer.pad_token_id)
                 counts.append((batch.labels[:, 1:] != IGNORE).sum().item())
                 losses.append(model(**batch.inputs, labels=batch.labels).loss.item() * counts[-1])
     return sum(losses) / sum(counts)
@@ -163,12 +164,22 @@ def test_zero2_job_through_the_jobs_api(assets, ray_head, receiver, tiny_checkpo
 
 @pytest.mark.ray_job
 def test_zero3_job_resumes_exactly(assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
-    """ZeRO-3 as a whole job (ZeRO-1's checkpoints and resume are checked in process: tests/workers/parallel)."""
+    """ZeRO-3 as a whole job (ZeRO-1's checkpoints and resume are checked in process: tests/workers/parallel), with
+    activation checkpointing and a staged context length (32 tokens for steps 1-2, then 128)."""
     zero_stage = 3
-    run = _run_spec(assets, f"ftjob-zero{zero_stage}", {"max_steps": 4, "checkpoint_every": 2}, zero_stage=zero_stage)
+    stages = [{"until_step": 2, "seq_len": 32}, {"seq_len": 128}]
+    run = _run_spec(assets, f"ftjob-zero{zero_stage}", {"max_steps": 4, "checkpoint_every": 2,
+                                                        "activation_checkpointing": True, "seq_len_schedule": stages},
+                    zero_stage=zero_stage)
     assert run_in_process(run, ray_head, receiver, monkeypatch)
+    messages = [e.message for e in receiver.of_kind("event")]
+    assert any(m.startswith("Activation checkpointing: each decoder layer") for m in messages)
+    assert [m for m in messages if m.startswith("Context length")] == [
+        "Context length 32 tokens from step 1", "Context length 128 tokens from step 3"]
     metrics = receiver.metrics()
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    tokens = [b["trained_tokens"] - a["trained_tokens"] for a, b in zip([{"trained_tokens": 0}] + metrics, metrics)]
+    assert max(tokens[:2]) <= 8 * 32 < min(tokens[2:])  # 8 rows a step, cut to 32 tokens, then longer
     assert metrics[0]["train_loss"] == pytest.approx(_expected_first_loss(run, tiny_checkpoint), abs=1e-4)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"] and math.isfinite(metrics[-1]["valid_loss"])
     assert adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)

@@ -18,7 +18,7 @@ from moetune.api.environment import ENV_INJECT_FAULTS
 from moetune.workers.data.rows import load_rows
 from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.loop.tuner import MemoryProbe
-from moetune.workers.methods.sft import collate, token_loss_sum, tokenize_rows
+from moetune.workers.methods.sft import SupervisedMethod, tokenize_rows
 from moetune.workers.model import trainable_model
 from moetune.workers.tiny import tiny_rows, write_tiny_checkpoint
 from tests.support.jobs import run_in_process
@@ -52,12 +52,14 @@ def _activation_bytes(checkpoint: str, training_file: str, sizes: tuple[int, ...
     model = trainable_model(model, spec, None).train()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     examples, _ = tokenize_rows(tokenizer, load_rows(training_file, "training_file"), SEQ_LEN)
+    method = SupervisedMethod(tokenizer, SEQ_LEN)
+    method.prepare(model)  # the loss through the output layer, as the job computes it
     probe, measured = MemoryProbe(model, torch.device("cpu")), {}
     for size in sizes:
-        batch = collate(examples[:size], tokenizer.pad_token_id)
+        batch = method.collate(examples[:size])
         assert batch.labels.shape == (size, SEQ_LEN)
         probe.begin()
-        token_loss_sum(model(**batch.inputs).logits, batch.labels).backward()
+        method.loss_sum(model, batch).backward()
         probe.end()
         measured[size] = probe.activation
     return measured

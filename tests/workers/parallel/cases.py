@@ -24,6 +24,10 @@ TRAIN_CASES = {
     **{f"{family}-experts-ep2-zero2": (family, spec(ep=2, zero=2, steps=4, train_experts=True), False)
        for family in FAMILIES},
     "kimi_linear-experts-ep1-zero2": ("kimi_linear", spec(ep=1, zero=2, steps=3, train_experts=True), False),
+    # activation checkpointing: every decoder layer, the all-to-all with it, rerun in the backward
+    **{f"{family}-experts-ep2-zero{zero}-checkpointing": (
+        family, spec(ep=2, zero=zero, steps=3, train_experts=True, checkpointing=True), False)
+       for family, zero in (("kimi_linear", 2), ("qwen3_moe", 3), ("deepseek_v4", 2))},
     # custom_kernels off: the local experts run the per-expert loop instead of kernels.moe's grouped GEMMs
     "kimi_linear-experts-ep2-zero2-expert-loop": (
         "kimi_linear", spec(ep=2, zero=2, steps=3, train_experts=True, kernels=False), False),

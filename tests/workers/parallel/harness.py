@@ -20,12 +20,12 @@ SAVE_AFTER, STEPS = 2, 4  # checkpoint tests: save after step 2 of 4
 
 
 def spec(ep: int, zero: int, train_experts: bool = False, world: int = 2, steps: int = 1, micro: int = 2,
-         lr: float = 1e-2, targets="all-linear", kernels: bool = True) -> JobCreate:
+         lr: float = 1e-2, targets="all-linear", kernels: bool = True, checkpointing: bool = False) -> JobCreate:
     return JobCreate(model="file:///unused", training_file="file:///unused",
                      lora={**LORA, "train_experts": train_experts, "target_modules": targets},
                      training={"max_steps": steps, "global_batch_size": micro * world, "micro_batch_size": micro,
                                "learning_rate": lr, "warmup_ratio": 0.0, "lr_scheduler": "constant",
-                               "custom_kernels": kernels},
+                               "custom_kernels": kernels, "activation_checkpointing": checkpointing},
                      parallelism={"num_workers": world, "expert_parallel_size": ep, "zero_stage": zero})
 
 
@@ -99,23 +99,29 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, str, str, str, bool]
 
 
 def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
-    """The moetune engine on this rank: per-step loss, first-step full LoRA gradients, expert bytes."""
+    """The moetune engine on this rank: per-step loss, first-step full LoRA gradients and expert-load count, expert
+    bytes."""
     from deepspeed.utils import safe_get_full_grad
+
+    from moetune.workers.reporting.expert_load import ExpertLoad
 
     job = JobCreate.model_validate_json(spec_json)
     os.makedirs(out_dir, exist_ok=True)
     engine = make_engine(rank, world, family_name, job, skew)
+    load = ExpertLoad(engine.module)
     losses, grads = [], {}
     for step in range(job.training.max_steps):
         loss = engine(**batch(rank, step, job.training.micro_batch_size)).loss
         engine.backward(loss)
         if step == 0:
             grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+            load_first_step = float(load.totals[0].sum())  # assignments the metrics counted (a rerun must not)
         engine.step()
         losses.append(loss.item())
     routed = sum(m.tokens_per_expert for m in engine.module.modules() if hasattr(m, "tokens_per_expert"))
     row_bytes = {m.comm.row_bytes for m in engine.module.modules() if hasattr(m, "comm")}  # token width exchanged
     torch.save({"losses": losses, "grads": grads, "expert_bytes": expert_bytes(engine.module), "routed": routed,
+                "load_first_step": load_first_step,
                 "a2a_row_bytes": row_bytes}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -61,6 +61,8 @@ def test_engine_matches_plain_transformers_peft(ep_runs, case):
         width = getattr(config, "moe_latent_size", None) or config.get_text_config().hidden_size
         # tokens cross the all-to-all in fp32 at the experts' width: nemotron_h's latent size (half its hidden)
         assert all(r["a2a_row_bytes"] == {4 * width} for r in ranks), (ranks[0]["a2a_row_bytes"], width)
+        for r in ranks:  # the expert-load metrics count each token assignment once, also when a layer is rerun
+            assert r["load_first_step"] == float(r["routed"].sum()) > 0
     elif not job.lora.train_experts:  # EP=1 without expert LoRA keeps the plain experts module
         assert [r["expert_bytes"] for r in ranks] == [0, 0]
     else:
