@@ -41,10 +41,10 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
     FamilyFacts("qwen3_next", ("num_experts",),
                 ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj",
                  "shared_expert_gate") + _MLP),
-    # Text path of the multimodal checkpoint (Gated DeltaNet + gated attention); no LoRA on the vision tower.
+    # Gated DeltaNet + gated attention under a vision tower (frozen); image rows go through its image processor.
     FamilyFacts("qwen3_5_moe", ("num_experts",),
                 ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                 "out_proj", "shared_expert_gate") + _MLP, text_config_key="text_config"),
+                 "out_proj", "shared_expert_gate") + _MLP, text_config_key="text_config", images=True),
     FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP),
     # DeepSeek-V3.2: DeepSeek-V3 plus the DSA indexer's own linears
     FamilyFacts("deepseek_v32", ("n_routed_experts",), _MLA + _MLP + ("wq_b", "wk", "weights_proj")),

@@ -3,9 +3,23 @@ Supervised fine-tuning is the first; a new method is one module here plus its na
 
 from __future__ import annotations
 
+import json
+import os
+
+from moetune.api.families import images_refusal
 from moetune.api.models import JobCreate
+from moetune.workers.methods.multimodal import ImageRows, SupervisedImageMethod
 from moetune.workers.methods.sft import SupervisedMethod
 
 
-def method_for(spec: JobCreate, tokenizer) -> SupervisedMethod:
+def method_for(spec: JobCreate, tokenizer, model_dir: str | None = None) -> SupervisedMethod:
+    """SFT; on a checkpoint that takes images (api.families.images_refusal), SFT whose rows may carry them, through
+    the processor files in `model_dir` (the downloaded model folder)."""
+    config = {}
+    if model_dir and os.path.exists(path := os.path.join(model_dir, "config.json")):
+        with open(path) as f:
+            config = json.load(f)
+    if config and images_refusal(config) is None:
+        return SupervisedImageMethod(tokenizer, spec.training.seq_len,
+                                     ImageRows(model_dir, tokenizer, config["image_token_id"]))
     return SupervisedMethod(tokenizer, spec.training.seq_len)

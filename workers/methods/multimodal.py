@@ -8,6 +8,7 @@ fit seq_len with its images is refused, never truncated through an image."""
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
 
 from moetune.api import storage
@@ -22,6 +23,22 @@ from moetune.workers.methods.sft import Example, SupervisedMethod, chat_example,
 class ImageExample(Example):
     pixel_values: object = None  # [patches, channels x temporal patch x patch x patch], this row's images in order
     image_grid_thw: object = None  # [images, 3]: each image's (frames, rows, columns) of patches
+    image_starts: tuple[int, ...] = ()  # where each image's run of tokens starts in input_ids
+    tokens_per_patch: int = 4  # patches merged into one token (merge_size squared)
+
+    def truncated(self, seq_len: int) -> Example:
+        """Within a shorter context (a staged context length's early stage), cut before the first image that
+        does not fit whole: an image is never cut, and its pixels go with the images kept."""
+        if len(self.input_ids) <= seq_len:
+            return self
+        counts = (self.image_grid_thw.prod(-1) // self.tokens_per_patch).tolist()
+        kept = sum(start + n <= seq_len for start, n in zip(self.image_starts, counts))
+        cut = min(seq_len, self.image_starts[kept]) if kept < len(counts) else seq_len
+        if not kept:
+            return Example(self.input_ids[:cut], self.labels[:cut])
+        patches = int(self.image_grid_thw[:kept].prod(-1).sum())
+        return ImageExample(self.input_ids[:cut], self.labels[:cut], self.pixel_values[:patches],
+                            self.image_grid_thw[:kept], self.image_starts[:kept], self.tokens_per_patch)
 
 
 def load_image(url: str):
@@ -36,11 +53,24 @@ class ImageRows:
     """Tokenizes chat rows with images as the family's processor does (Qwen3-VL's, for qwen3_5_moe)."""
 
     def __init__(self, local_dir: str, tokenizer, image_token_id: int):
-        from transformers import AutoImageProcessor
+        self.local_dir, self.tokenizer, self.image_token_id = local_dir, tokenizer, image_token_id
+        self._processor = None
 
-        self.tokenizer, self.image_token_id = tokenizer, image_token_id
-        self.image_processor = AutoImageProcessor.from_pretrained(local_dir)
-        self.tokens_per_patch = self.image_processor.merge_size ** 2  # merged patches: one token each
+    @property
+    def image_processor(self):
+        """Loaded on the first image row: a text-only job needs no processor file."""
+        if self._processor is None:
+            from transformers import AutoImageProcessor
+
+            if not os.path.exists(os.path.join(self.local_dir, "preprocessor_config.json")):
+                raise DatasetError("training_file", "rows have images but the model folder has no "
+                                                    "preprocessor_config.json (the checkpoint's image processor)")
+            self._processor = AutoImageProcessor.from_pretrained(self.local_dir)
+        return self._processor
+
+    @property
+    def tokens_per_patch(self) -> int:
+        return self.image_processor.merge_size ** 2  # merged patches: one token each
 
     def example(self, row: dict, seq_len: int, param: str = "training_file") -> Example:
         urls = [url for _, url in image_urls(row)]
@@ -49,15 +79,17 @@ class ImageRows:
         vision = self.image_processor(images=[load_image(url) for url in urls], return_tensors="pt")
         counts = iter((vision["image_grid_thw"].prod(-1) // self.tokens_per_patch).tolist())
         text = chat_example(self.tokenizer, row["messages"])
-        ids, labels = [], []
+        ids, labels, starts = [], [], []
         for token, label in zip(text.input_ids, text.labels):
             n = next(counts) if token == self.image_token_id else 1
+            starts += [len(ids)] if token == self.image_token_id else []
             ids += [token] * n
             labels += [IGNORE if token == self.image_token_id else label] * n
         if len(ids) > seq_len:
             raise DatasetError(param, f"{param}: a row with {len(urls)} image(s) is {len(ids)} tokens with its image "
                                       f"tokens, over training.seq_len {seq_len}; rows are never cut through an image")
-        return ImageExample(ids, labels, vision["pixel_values"], vision["image_grid_thw"])
+        return ImageExample(ids, labels, vision["pixel_values"], vision["image_grid_thw"], tuple(starts),
+                            self.tokens_per_patch)
 
 
 def collate_with_images(examples: list[Example], pad_id: int, image_token_id: int) -> Batch:

@@ -105,3 +105,84 @@ def test_mixed_batch_runs_through_the_model(tiny_vl, image_rows, reference):
     assert torch.allclose(logits[0][0, :n_text], logits[1][0, :n_text], atol=1e-5)
     assert not torch.allclose(logits[0][1], logits[1][1])
     assert torch.isfinite(logits[0]).all()
+
+
+# ------------------------------------------------------------------ the method a job gets
+
+
+def test_method_for_takes_images_only_on_a_checkpoint_that_does(tiny_vl, tmp_path):
+    from transformers import AutoTokenizer
+
+    from moetune.workers.methods import method_for
+    from moetune.workers.methods.multimodal import SupervisedImageMethod
+    from moetune.workers.tiny import write_tiny_checkpoint
+    from tests.workers.parallel.harness import spec
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
+    assert type(method_for(spec(ep=1, zero=2), tokenizer, tiny_vl)) is SupervisedImageMethod
+    text_dir = write_tiny_checkpoint(str(tmp_path / "text"))
+    assert type(method_for(spec(ep=1, zero=2), tokenizer, text_dir)).__name__ == "SupervisedMethod"
+    assert type(method_for(spec(ep=1, zero=2), tokenizer)).__name__ == "SupervisedMethod"
+
+
+def test_mixed_batch_loss_through_the_loss_head(tiny_vl, image_rows):
+    """A text row, a chat row and two image rows in one micro-batch through the job's interface (prepare installs
+    the loss head, loss_sum takes the model): the stock model's cross-entropy over its logits, on assistant and text
+    tokens only, and the same gradients."""
+    import copy
+
+    from transformers import AutoModelForImageTextToText
+
+    from moetune.workers.methods.multimodal import SupervisedImageMethod
+    from moetune.workers.methods.sft import token_loss_sum
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    plain = copy.deepcopy(model)
+    method = SupervisedImageMethod(image_rows.tokenizer, 512, image_rows)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    rows = [{"text": "1 2 3 4"}, chat, *tiny_image_rows(2, seed=5)]
+    examples, dropped = method.examples(rows)
+    assert dropped == 0 and [type(e).__name__ for e in examples] == ["Example"] * 2 + ["ImageExample"] * 2
+    batch = method.collate(examples)
+    assert batch.inputs["image_grid_thw"].shape[0] == 2 and "attention_mask" in batch.inputs
+    want = token_loss_sum(plain(**batch.inputs).logits, batch.labels)
+    want.backward()
+    method.prepare(model)
+    assert method.head is not None
+    got = method.loss_sum(model, batch)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        if q.grad is not None and "lm_head" not in name:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_shorter_stage_never_cuts_an_image(image_rows):
+    """Staged context length: a cut through an image ends the example before that image, its pixels dropped with
+    it; a cut after every image keeps them all."""
+    from moetune.workers.methods.multimodal import ImageExample
+
+    example = image_rows.example(ROWS[0], seq_len=512)  # images of 1 and 4 tokens
+    first, second = example.image_starts
+    after_first = example.truncated(second + 2)  # through the second image
+    assert isinstance(after_first, ImageExample) and len(after_first.input_ids) == second
+    assert after_first.image_grid_thw.tolist() == [[1, 2, 2]] and after_first.pixel_values.shape[0] == 4
+    assert after_first.input_ids.count(image_rows.image_token_id) == 1
+    none = example.truncated(first)
+    assert type(none).__name__ == "Example" and image_rows.image_token_id not in none.input_ids
+    whole = example.truncated(second + 4)
+    assert torch.equal(whole.pixel_values, example.pixel_values) and len(whole.input_ids) == second + 4
+    batch = collate_with_images([after_first, none], image_rows.tokenizer.pad_token_id, image_rows.image_token_id)
+    assert int(batch.inputs["mm_token_type_ids"].sum()) == 1  # tokens and pixels agree: the model can run it
+
+
+def test_image_rows_without_a_processor_file_are_refused(tiny_vl, tmp_path, image_rows):
+    import shutil
+
+    bare = shutil.copytree(tiny_vl, tmp_path / "bare")
+    (bare / "preprocessor_config.json").unlink()
+    rows = ImageRows(str(bare), image_rows.tokenizer, image_rows.image_token_id)
+    assert rows.example({"text": "no image"}, 64).input_ids  # a text row needs no processor
+    with pytest.raises(DatasetError, match="no preprocessor_config.json"):
+        rows.example(ROWS[1], 512)
