@@ -105,9 +105,7 @@ def tokenize_rows(tokenizer, rows: list[dict], seq_len: int) -> tuple[list[Examp
 
 
 def collate(examples: list[Example], pad_id: int) -> Batch:
-    """Right-padded input_ids, attention_mask and labels (IGNORE on padding). Without padding there is no
-    attention_mask: the model's attention is then plainly causal, with no [T, T] mask built (and saved for the
-    backward) from an all-ones one."""
+    """Right-padded input_ids, attention_mask and labels (IGNORE on padding)."""
     import torch
 
     width = max(len(e.input_ids) for e in examples)
@@ -119,10 +117,8 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
         input_ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, :n] = torch.tensor(e.labels)
         attention_mask[i, :n] = 1
-    inputs = {"input_ids": input_ids}
-    if not bool(attention_mask.all()):
-        inputs["attention_mask"] = attention_mask
-    return Batch(inputs, labels, sum(len(e.input_ids) for e in examples))
+    return Batch({"input_ids": input_ids, "attention_mask": attention_mask}, labels,
+                 sum(len(e.input_ids) for e in examples))
 
 
 def token_loss_sum(logits, labels):

@@ -38,8 +38,3 @@ def test_a_stage_cuts_examples_and_the_tuner_starts_over():
     tuner.new_stage(256)
     assert (tuner.seq_len, tuner.size, tuner.ceiling) == (256, 1, 4)
 
-
-def test_collate_without_padding_has_no_attention_mask():
-    same = [Example([1, 2, 3], [1, 2, 3]), Example([4, 5, 6], [4, 5, 6])]
-    assert set(collate(same, pad_id=0).inputs) == {"input_ids"}  # plainly causal: no [T, T] mask is built
-    assert set(collate([same[0], Example([7], [7])], pad_id=0).inputs) == {"input_ids", "attention_mask"}
