@@ -1,0 +1,67 @@
+"""The qwen3_5_moe image tests' shared parts: the tiny multimodal model (spread-out router, same weights on every
+call), mixed text and image micro-batches through the job's method, and the EP=2 rank run of those batches."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moetune.api.models import JobCreate
+
+FAMILY = "qwen3_5_moe"
+
+
+def image_method(model_dir: str, seq_len: int = 512):
+    from transformers import AutoTokenizer
+
+    from moetune.workers.methods import method_for
+    from tests.workers.parallel.harness import spec
+
+    job = spec(ep=1, zero=2)
+    job.training.seq_len = seq_len
+    return method_for(job, AutoTokenizer.from_pretrained(model_dir), model_dir)
+
+
+def image_model(model_dir: str):
+    """The stock transformers Qwen3_5MoeForConditionalGeneration of the checkpoint's config (fp32)."""
+    from transformers import AutoConfig
+
+    from moetune.workers.families import REGISTRY
+    from tests.support.families import plain_model
+
+    return plain_model(REGISTRY[FAMILY], config=AutoConfig.from_pretrained(model_dir))
+
+
+def image_batch(method, rank: int):
+    """A micro-batch of one text-only chat row and two image rows (32- and 64-pixel images), other rows per rank."""
+    from moetune.workers.tiny import tiny_image_rows
+
+    chat = {"messages": [{"role": "user", "content": f"say {rank}"}, {"role": "assistant", "content": f"{rank}!"}]}
+    examples, _ = method.examples([chat, *tiny_image_rows(2, seed=10 + rank)])
+    return method.collate(examples)
+
+
+def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir: str) -> None:
+    """This rank's moetune engine (kernel swaps, EP LoRA model, loss head) on its image batch: first loss sum and
+    full LoRA gradients."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from moetune.workers.engine.deepspeed import build_engine
+    from moetune.workers.families import apply_kernel_swaps
+    from moetune.workers.model import trainable_model
+    from moetune.workers.parallel import job_placement
+
+    job = JobCreate.model_validate_json(spec_json)
+    method, model = image_method(model_dir), image_model(model_dir)
+    apply_kernel_swaps(model)
+    torch.manual_seed(1)
+    model = trainable_model(model, job, job_placement(model.config.to_dict(), job))
+    method.prepare(model)
+    assert any(type(m).__name__ == "ExpertParallelExperts" for m in model.modules())  # this rank's half
+    engine, _ = build_engine(model, job, world, 1, bf16=False)
+    loss = method.loss_sum(engine, image_batch(method, rank))
+    engine.backward(loss)
+    grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save({"loss": loss.item(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
