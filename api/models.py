@@ -56,6 +56,8 @@ class LoraSpec(_Strict):
     target_modules: Literal["all-linear", "attention", "mlp", "experts"] | list[str] = "all-linear"
     # Per-expert low-rank adapters on the routed experts (see the expert-parallel engine).
     train_experts: bool = False
+    # A model with a vision tower: LoRA on none of it (frozen, the default), its projector only, or all of it.
+    vision: Literal["none", "projector", "all"] = "none"
 
     @field_validator("target_modules")
     @classmethod

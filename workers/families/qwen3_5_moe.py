@@ -21,4 +21,5 @@ def tiny_config(**overrides):
 
 FAMILY = Family(FAMILIES["qwen3_5_moe"], moe_block="Qwen3_5MoeSparseMoeBlock", shared_experts="shared_expert",
                 tiny_config=tiny_config, auto_class="AutoModelForImageTextToText", lora_scope=".language_model.",
+                vision_scopes=(".visual.", ".visual.merger."),
                 model_type_aliases=("qwen3_5_moe_text",))

@@ -26,6 +26,8 @@ class Family:
     experts: str = "experts"
     auto_class: str = "AutoModelForCausalLM"  # the transformers auto class that builds the trainable model
     lora_scope: str | None = None  # only linears whose name contains this get LoRA (text path of a multimodal model)
+    # name parts of the vision tower and of its projector, for lora.vision (multimodal families moetune feeds images)
+    vision_scopes: tuple[str, str] | None = None
     # Kernel swaps in the order they are applied; each changes the given model's modules and returns how many.
     swaps: tuple[Callable[[object], int], ...] = ()
     model_type_aliases: tuple[str, ...] = ()  # config model_types of the family's sub-models (e.g. its text model)

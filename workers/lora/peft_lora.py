@@ -27,12 +27,27 @@ def _scoped_targets(model, lora: LoraSpec):
     scope, as full module names ("all-linear" minus lm_head)."""
     fam = known_family(model.config)
     targets = lora.target_modules if fam is None else peft_targets(modules(model, fam), lora, fam)
+    vision = _vision_targets(model, fam, lora.vision)
     if fam is None or fam.lora_scope is None:
         return targets
     linear = [n for n in _linear_names(model) if not n.endswith("lm_head")]
-    if targets == "all-linear":
-        return linear
-    return [n for n in linear if any(n == t or n.endswith("." + t) for t in targets)]
+    if targets != "all-linear":
+        linear = [n for n in linear if any(n == t or n.endswith("." + t) for t in targets)]
+    return linear + vision
+
+
+def _vision_targets(model, fam, vision: str) -> list[str]:
+    """lora.vision: the vision tower's linears that get LoRA; none by default (the tower stays frozen)."""
+    import torch
+
+    if vision == "none":
+        return []
+    if fam is None or fam.vision_scopes is None:
+        raise JobError(ErrorCode.invalid_target_modules, f"lora.vision: {vision!r} needs a model whose vision tower "
+                       f"moetune trains; {model.config.model_type} models take text only", "lora.vision")
+    tower, projector = fam.vision_scopes
+    part = projector if vision == "projector" else tower
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and part in f".{n}."]
 
 
 def _check_targets(model, targets: list[str]) -> None:

@@ -1,0 +1,37 @@
+"""lora.vision on qwen3_5_moe's tiny model: the vision tower frozen and without LoRA by default, LoRA on its
+projector (merger) only, or on every vision linear; refused on a family without image input."""
+
+import pytest
+
+from moetune.workers.errors import JobError
+from moetune.workers.families import REGISTRY
+from moetune.workers.lora.peft_lora import apply_lora
+from tests.support.families import plain_model
+from tests.workers.parallel.harness import spec
+
+
+def _lora(family: str, vision: str):
+    job = spec(ep=1, zero=2)
+    job.lora.vision = vision
+    return apply_lora(plain_model(REGISTRY[family]), job.lora)
+
+
+@pytest.mark.parametrize("vision,adapted", [
+    ("none", set()),
+    ("projector", {"merger.linear_fc1", "merger.linear_fc2"}),
+    ("all", {"merger.linear_fc1", "merger.linear_fc2", "blocks.0.attn.qkv", "blocks.0.attn.proj",
+             "blocks.0.mlp.linear_fc1", "blocks.0.mlp.linear_fc2"}),
+])
+def test_lora_vision_picks_the_vision_linears(vision, adapted):
+    model = _lora("qwen3_5_moe", vision)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    visual = {n.split(".visual.")[1].rsplit(".lora_", 1)[0] for n in trainable if ".visual." in n}
+    assert visual == adapted
+    assert all(".lora_" in n for n in trainable)  # the tower's own weights stay frozen
+    assert any(".language_model." in n for n in trainable)  # the text path keeps its LoRA
+
+
+def test_lora_vision_is_refused_without_a_vision_tower():
+    with pytest.raises(JobError, match="lora.vision: 'all' needs a model whose vision tower moetune trains; "
+                                       "kimi_linear models take text only"):
+        _lora("kimi_linear", "all")
