@@ -49,6 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestLatencyMiddleware, histogram=metrics.request_latency)
     app.include_router(routes.router)
+    app.include_router(routes.plans)
     app.include_router(internal.router)
 
     @app.get("/healthz", tags=["ops"])

@@ -14,10 +14,13 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from moetune.api.client import APIError, Client
+from moetune.api import storage
 from moetune.api.models import JobCreate, JobStatus
+from moetune.api.plans import parse_cluster
 from moetune.service.app import create_app
 from moetune.service.demo import run_demo
 from moetune.service.models_cli import models
+from moetune.service.plan_view import plan_summary, plan_table
 from moetune.service.progress import follow
 
 console = Console()
@@ -171,6 +174,35 @@ def jobs_events(ctx: click.Context, job_id: str, follow: bool, timeout: float) -
         if not page.has_more:
             return
         after = page.last_id
+
+
+@main.command()
+@click.argument("spec_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--cluster", "cluster_text", required=True,
+              help="The GPUs, e.g. nodes=8,gpus_per_node=8,gpu_memory=141GB,nic=400Gbps.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
+    """Per-GPU memory of the job in SPEC_FILE on a cluster, and the smallest layout that fits (model built on the
+    meta device from its config.json; nothing is submitted)."""
+    from moetune.workers.errors import JobError
+    from moetune.workers.planner.plan import plan as plan_job
+
+    try:
+        spec = JobCreate.model_validate(yaml.safe_load(spec_file.read_text()) or {})
+        cluster = parse_cluster(cluster_text)
+    except (yaml.YAMLError, ValidationError) as e:
+        raise click.ClickException(f"{spec_file if isinstance(e, yaml.YAMLError) else '--cluster'}: {e}") from None
+    try:
+        config = json.loads(storage.read_text(storage.join(spec.model, "config.json")))
+        result = plan_job(config, spec, cluster)
+    except (OSError, ValueError, JobError) as e:  # storage, config.json not JSON, the spec, the model
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    console.print(plan_table(result))
+    for line in plan_summary(result):
+        console.print(line)
 
 
 @main.command()

@@ -13,6 +13,7 @@ from moetune.api.models import JobCreate, JobStatus, SpecError, resolve_spec
 from moetune.service.data_files import check_data_images
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.files import check_output_writable, model_files, read_model_config
+from moetune.service.planning import check_fits
 from moetune.service.settings import Settings
 from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
 from moetune.service.uri_policy import check_job_uris, tenant_access
@@ -52,6 +53,7 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
         # driver checks before any worker starts.
         if (config := read_model_config(spec, settings.s3_endpoint_url)) is not None:
             check_model_spec(config, spec)
+            check_fits(config, spec, settings)
             if (names := model_files(spec, settings.s3_endpoint_url)) is not None:
                 check_tokenizer_files(names, spec.model)
         check_data_images(spec, config, tenant_access(tenant, settings), settings)

@@ -8,13 +8,16 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from moetune.api.models import Checkpoint, ErrorResponse, Job, JobCreate, JobEvent, ListPage
+from moetune.api.models import Checkpoint, ErrorResponse, Job, JobCreate, JobEvent, ListPage, SpecError, resolve_spec
+from moetune.api.plans import PlanRequest
 from moetune.service import jobs as job_service
-from moetune.service import lifecycle
+from moetune.service import lifecycle, planning
 from moetune.service.deps import StoreDep, Tenant
 from moetune.service.errors import invalid_request, job_not_found
+from moetune.service.files import read_model_config
 from moetune.service.store import JobRow, Store
 from moetune.service.streaming import job_event_stream
+from moetune.service.uri_policy import check_job_uris
 from moetune.service.views import (
     CHECKPOINT_ID_PREFIX,
     EVENT_ID_PREFIX,
@@ -33,6 +36,7 @@ _ERRORS = {code: {"model": ErrorResponse, "description": what} for code, what in
     (422, "Invalid request; `error.param` names the field"),
 )}
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], responses=_ERRORS)
+plans = APIRouter(prefix="/v1/fine_tuning/plans", tags=["fine-tuning"], responses=_ERRORS)
 
 Limit = Annotated[int, Query(ge=1, le=100)]
 
@@ -132,3 +136,18 @@ def list_checkpoints(job_id: str, tenant: Tenant, store: StoreDep, after: str | 
                      limit: Limit = 10) -> ListPage[Checkpoint]:
     job = _own_job(store, tenant, job_id)
     return _page(*store.list_checkpoints(job.id, limit, _cursor(after, CHECKPOINT_ID_PREFIX)), checkpoint_view)
+
+
+@plans.post("", responses={503: {"model": ErrorResponse, "description": "The memory planner did not answer"}})
+def create_plan(request: Request, body: PlanRequest, tenant: Tenant) -> dict:
+    """Per-GPU memory of a job on a described cluster and the smallest layout that fits (workers.planner)."""
+    settings = request.app.state.settings
+    check_job_uris(body.job, tenant, settings)
+    try:
+        spec = resolve_spec(body.job)
+        config = read_model_config(spec, settings.s3_endpoint_url)
+    except SpecError as e:
+        raise invalid_request(e.message, e.param) from None
+    if config is None:
+        raise invalid_request(f"job.model: cannot read {spec.model.rstrip('/')}/config.json", "job.model")
+    return planning.plan_or_error(config, spec, body.cluster)

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from moetune.api.environment import PASSTHROUGH_ENV
 from moetune.api.images import ImageLimits
 from moetune.api.models import URI_SCHEMES
+from moetune.api.plans import parse_cluster
 
 
 class Settings(BaseSettings):
@@ -34,6 +35,9 @@ class Settings(BaseSettings):
     uri_allow_list: dict[str, list[str]] = {}
     # file:// lets a job read and write the workers' disks: only for single-user setups (the demo turns it on).
     allow_file_uris: bool = False
+    # The GPUs jobs run on, "nodes=8,gpus_per_node=8,gpu_memory=141GB,nic=400Gbps" (api.plans.parse_cluster):
+    # submission then refuses a GPU job whose parallelism cannot fit them (service/planning.py). Unset: no check.
+    cluster: str | None = None
     # Images in chat rows, as JSON, e.g. {"max_image_bytes": 5000000, "max_images_per_row": 4, "max_image_pixels":
     # 16000000}; the driver checks every image against them before any worker starts (api/images.py).
     image_limits: ImageLimits = ImageLimits()
@@ -63,6 +67,13 @@ class Settings(BaseSettings):
                 if not prefix.startswith(URI_SCHEMES) or not prefix.split("://", 1)[1].strip("/"):
                     raise ValueError(f"uri_allow_list[{tenant!r}]: {prefix!r} must be a URI with a bucket or "
                                      f"folder, starting with one of {', '.join(URI_SCHEMES)}")
+        return value
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cluster(value)
         return value
 
     @field_validator("max_running_jobs")

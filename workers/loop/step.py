@@ -48,7 +48,8 @@ class StepRunner:
         self.per_rank = training.global_batch_size // place.world
         self.tuner = None
         if training.micro_batch_size == "auto":
-            self.tuner = MicroBatchTuner(self.per_rank, training.seq_len, self._budget_bytes())
+            self.tuner = MicroBatchTuner.planned(engine.module, self.per_rank, training, self._budget_bytes(),
+                                                 place.device)
             self.probe = MemoryProbe(engine.module, place.device)
             self._switch(self.tuner.size)
         else:

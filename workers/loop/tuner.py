@@ -29,7 +29,10 @@ restarted group never uses that size again, so it does not run into the same OOM
 
 from __future__ import annotations
 
-GPU_DEFAULT_BUDGET = 0.9  # of device memory: headroom for the allocator's fragmentation and comm buffers
+from moetune.workers.planner import starting_micro_batch
+from moetune.workers.planner.memory import USABLE_FRACTION
+
+GPU_DEFAULT_BUDGET = USABLE_FRACTION  # of device memory: headroom for the allocator's fragmentation and comm buffers
 
 
 class MemoryProbe:
@@ -76,6 +79,18 @@ class MicroBatchTuner:
         self.sizes = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
         self.seq_len, self.budget, self.size = seq_len, budget_bytes, size
         self.ceiling = per_rank  # sizes above it failed with an OOM
+
+    @classmethod
+    def planned(cls, model, per_rank: int, training, budget_bytes: float | None, device) -> MicroBatchTuner:
+        """Starts at the planner's micro-batch size on GPUs (what is allocated now plus the planned activations
+        of each size, workers.planner); at 1 on CPU, whose measure is the saved activations alone."""
+        size = 1
+        if device.type == "cuda" and budget_bytes is not None:
+            import torch
+
+            free = budget_bytes - torch.cuda.memory_allocated(device)
+            size = starting_micro_batch(model, training, per_rank, free)
+        return cls(per_rank, training.seq_len, budget_bytes, size)
 
     def predicted(self, size: int, fixed: float, per_token: float) -> float:
         return fixed + per_token * size * self.seq_len

@@ -1,0 +1,92 @@
+"""The memory planner for the control plane, which stays free of the training stack: the planner runs in a child
+process (`python -m moetune.workers.planner`) with a time limit. Used by POST /v1/fine_tuning/plans and by
+submission, which refuses a job whose parallelism cannot fit the configured cluster (MOETUNE_CLUSTER)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+from moetune.api.errors import ErrorCode
+from moetune.api.models import JobCreate
+from moetune.api.plans import ClusterSpec, parse_cluster
+from moetune.service.errors import APIException, invalid_request
+from moetune.service.settings import Settings
+
+log = logging.getLogger("moetune.planning")
+TIMEOUT_S = 120.0
+
+
+class PlannerUnavailable(Exception):
+    """The planner child did not answer (the training stack is not installed here, it crashed or ran too long)."""
+
+
+def run_planner(config: dict, job: JobCreate, cluster: ClusterSpec, timeout_s: float = TIMEOUT_S) -> dict:
+    """The plan; an APIException (422) for what the planner refuses in the request, PlannerUnavailable when it
+    gives no answer."""
+    body = json.dumps({"config": config, "job": job.model_dump(mode="json"), "cluster": cluster.model_dump()})
+    try:
+        done = subprocess.run([sys.executable, "-m", "moetune.workers.planner"], input=body, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise PlannerUnavailable(f"the planner took more than {timeout_s:g} s") from None
+    try:
+        answer = json.loads(done.stdout)
+    except ValueError:
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise PlannerUnavailable(f"the planner exited with status {done.returncode}: {tail[0]}") from None
+    if "error" in answer:
+        error = answer["error"]
+        raise invalid_request(error["message"], error.get("param"))
+    return answer["plan"]
+
+
+def plan_or_error(config: dict, job: JobCreate, cluster: ClusterSpec) -> dict:
+    """For the plans route: a planner that gives no answer is a 503 saying why."""
+    try:
+        return run_planner(config, job, cluster)
+    except PlannerUnavailable as e:
+        raise APIException(503, ErrorCode.internal_error, f"The memory planner is unavailable: {e}.") from None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def _layout(fit: dict) -> str:
+    return (f"{fit['world']} GPUs, expert_parallel_size {fit['expert_parallel_size']}, zero_stage "
+            f"{fit['zero_stage']}, activation_checkpointing {str(fit['activation_checkpointing']).lower()}")
+
+
+def _breakdown(fit: dict) -> str:
+    parts = []
+    for name, value in fit["bytes"].items():
+        amount = sum(value.values()) if isinstance(value, dict) else value
+        if amount:
+            parts.append(f"{name.replace('_', ' ')} {_gib(amount)}")
+    return ", ".join(parts)
+
+
+def check_fits(config: dict, spec: JobCreate, settings: Settings) -> None:
+    """422 (param `parallelism`) for a GPU job that cannot fit the configured cluster's GPUs, with the plan's
+    breakdown and the smallest layout that would fit; nothing to check for CPU jobs or without MOETUNE_CLUSTER.
+    A planner that gives no answer leaves the job to the workers."""
+    if spec.parallelism.gpus_per_worker == 0 or not settings.cluster:
+        return
+    try:
+        plan = run_planner(config, spec, parse_cluster(settings.cluster))
+    except PlannerUnavailable as e:
+        log.warning("memory plan skipped for a submission: %s", e)
+        return
+    submitted = plan["submitted"]
+    if submitted["fits"]:
+        return
+    fit = plan["recommended"] or plan["fewest_gpus"]
+    fix = (f"the smallest layout that fits is {_layout(fit)} ({_gib(fit['total_bytes'])} per GPU)" if fit
+           else "no layout on this cluster fits it")
+    raise invalid_request(
+        f"parallelism: the job needs {_gib(submitted['total_bytes'])} per GPU, more than the usable "
+        f"{_gib(plan['cluster']['usable_bytes_per_gpu'])} of the cluster's GPUs ({_layout(submitted)}: "
+        f"{_breakdown(submitted)}); {fix}", "parallelism")

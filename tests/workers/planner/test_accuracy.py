@@ -1,0 +1,83 @@
+"""The planner against what the workers really hold, at small scale on CPU (fp32, as CPU jobs train): LoRA parameter
+and gradient bytes of the model the workers build (workers.model.trainable_model), per EP rank, exactly; optimizer
+state exactly as torch AdamW's state after one step (the client optimizer DeepSpeed wraps) plus its fp32 master
+copy; and activation bytes per sequence within 10 % of the bytes autograd saves (the tuner's CPU measure,
+MemoryProbe), for four families and two sequence lengths."""
+
+import pytest
+import torch
+
+from moetune.api.models import JobCreate
+from moetune.workers.families import REGISTRY
+from moetune.workers.loop.tuner import MemoryProbe
+from moetune.workers.methods.sft import token_loss_sum
+from moetune.workers.model import trainable_model
+from moetune.workers.parallel.placement import placement_at
+from moetune.workers.planner.memory import Layout, breakdown
+from moetune.workers.planner.model import model_facts
+from tests.support.families import plain_model
+
+FAMILIES = ("kimi_linear", "qwen3_moe", "deepseek_v3", "gpt_oss")
+
+
+def _spec(seq_len: int = 64, train_experts: bool = False, targets="all-linear") -> JobCreate:
+    return JobCreate(model="file:///unused", training_file="file:///unused",
+                     lora={"rank": 8, "target_modules": targets, "train_experts": train_experts},
+                     training={"seq_len": seq_len, "activation_checkpointing": False},
+                     parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 1})
+
+
+def _worker_model(name: str, spec: JobCreate, ep: int):
+    """The model a rank trains, built as the workers build it (kernel swaps, LoRA, its share of the experts)."""
+    model = plain_model(REGISTRY[name])
+    REGISTRY[name].apply_kernel_swaps(model)
+    return trainable_model(model, spec, placement_at(model.config.to_dict(), ep, 0)).train()
+
+
+def _facts(name: str, spec: JobCreate):
+    return model_facts(REGISTRY[name].tiny_config().to_dict(), spec, torch.float32)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("train_experts, targets", [(False, "all-linear"), (True, ["o_proj"])])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_lora_parameters_and_gradients_are_exact(name, train_experts, targets, ep):
+    spec = _spec(train_experts=train_experts, targets=targets)
+    model = _worker_model(name, spec, ep)
+    parts = breakdown(_facts(name, spec), Layout(world=ep, ep=ep, zero=1, checkpointing=False, micro_batch=1))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert parts["lora_parameters"] == sum(p.nbytes for p in trainable)
+    if ep == 1:  # a backward at EP=2 needs the other rank's all-to-all
+        ids = torch.randint(0, 256, (1, 16))
+        token_loss_sum(model(input_ids=ids).logits, ids).backward()
+        assert parts["lora_gradients"] == sum(p.grad.nbytes for p in trainable)
+
+
+@pytest.mark.parametrize("name", FAMILIES[:2])
+def test_optimizer_state_is_adamw_state_plus_the_fp32_master(name):
+    spec = _spec(train_experts=True, targets=["o_proj"])
+    model = _worker_model(name, spec, 1)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    ids = torch.randint(0, 256, (1, 16))
+    token_loss_sum(model(input_ids=ids).logits, ids).backward()
+    optimizer.step()
+    moments = sum(state[k].nbytes for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    master = sum(p.numel() * 4 for p in trainable)
+    parts = breakdown(_facts(name, spec), Layout(world=1, ep=1, zero=1, checkpointing=False, micro_batch=1))
+    assert parts["optimizer_state"] == moments + master
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("seq_len", [64, 256])
+def test_activation_bytes_within_ten_percent_of_what_autograd_saves(name, seq_len):
+    spec = _spec(seq_len)
+    model = _worker_model(name, spec, 1)
+    probe = MemoryProbe(model, torch.device("cpu"))
+    ids = torch.randint(0, 256, (1, seq_len))
+    probe.begin()
+    token_loss_sum(model(input_ids=ids).logits, ids)
+    probe.end()
+    facts = _facts(name, spec)
+    planned = facts.activation_bytes(1, checkpointing=False) + facts.activations.loss
+    assert planned == pytest.approx(probe.activation, rel=0.10)

@@ -1,0 +1,175 @@
+"""Activation bytes of one sequence of `seq_len` tokens, from a forward of the job's trainable model on the meta
+device (no memory, no compute: only shapes), counted as the tuner's CPU measure counts them (planner.saved).
+
+The forward is the one a job runs: the family's kernel swaps, PEFT LoRA, the method's loss, training mode; the
+routed experts are stand-ins that save nothing (planner.experts adds their share). Every sequence is taken as
+`seq_len` long and unpadded, as the tuner assumes. Each decoder layer's share is recorded, which gives the figure
+with activation checkpointing too: every layer then keeps only its input hidden states, and the backward reruns one
+layer at a time with all of its activations. Up to MEASURED_UP_TO tokens the forward runs at `seq_len` itself;
+beyond, bytes are the quadratic through three measured lengths, so a term that grows with T² (a [T, T] mask) is
+extrapolated as one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from moetune.api.models import JobCreate
+from moetune.workers.families import apply_kernel_swaps, family_for
+from moetune.workers.lora.peft_lora import apply_lora
+from moetune.workers.methods.sft import token_loss_sum
+from moetune.workers.planner import experts as routed
+from moetune.workers.planner.saved import SavedBytes
+
+MEASURED_UP_TO = 16384
+_FIT_LENGTHS = (4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Saved bytes of one sequence: outside the decoder layers (embeddings, final norm), per decoder layer, each
+    layer's input hidden states, and the output layer with the loss (logits)."""
+
+    outside: float
+    layers: tuple[float, ...]
+    layer_inputs: tuple[float, ...]
+    loss: float
+
+    def saved(self, layers: tuple[float, ...], checkpointing: bool) -> float:
+        """Without the loss, given each layer's bytes (these, plus what the planner adds for experts)."""
+        if checkpointing:
+            return self.outside + sum(self.layer_inputs) + max(layers, default=0.0)
+        return self.outside + sum(layers)
+
+    def combine(self, weights: tuple[float, ...], others: tuple[Activations, ...]) -> Activations:
+        """Σ weight_i · profile_i, field by field (the extrapolation's quadratic)."""
+        profiles = (self, *others)
+
+        def mix(get):
+            values = [get(p) for p in profiles]
+            if isinstance(values[0], tuple):
+                return tuple(sum(w * v[i] for w, v in zip(weights, values)) for i in range(len(values[0])))
+            return sum(w * v for w, v in zip(weights, values))
+
+        return Activations(mix(lambda p: p.outside), mix(lambda p: p.layers), mix(lambda p: p.layer_inputs),
+                           mix(lambda p: p.loss))
+
+
+def _decoder_layers(model) -> list:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _first_tensor(args, kwargs):
+    return next((a for a in (*args, kwargs.get("hidden_states")) if isinstance(a, torch.Tensor)), None)
+
+
+class _Recorder:
+    """Forward hooks that note the running saved total around each decoder layer and before the output layer."""
+
+    def __init__(self, model, counter: SavedBytes):
+        self.counter, self.layers, self.inputs, self.head_start = counter, [], [], None
+        self._starts = {}
+        self._handles = []
+        for layer in _decoder_layers(model):
+            self._handles.append(layer.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self._handles.append(layer.register_forward_hook(self._leave))
+        head = model.get_output_embeddings()
+        self._handles.append(head.register_forward_pre_hook(lambda *_: setattr(self, "head_start", counter.total)))
+
+    def _enter(self, module, args, kwargs):
+        hidden = _first_tensor(args, kwargs)
+        self.inputs.append(0.0 if hidden is None else float(hidden.untyped_storage().nbytes()))
+        self._starts[id(module)] = self.counter.total
+
+    def _leave(self, module, args, output):
+        self.layers.append(float(self.counter.total - self._starts.pop(id(module))))
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
+
+
+def meta_model(config: dict, dtype):
+    from moetune.workers.families import auto_model_class, hf_config
+
+    with torch.device("meta"):
+        return auto_model_class(config).from_config(hf_config(config), dtype=dtype)
+
+
+def trainable(model, spec: JobCreate):
+    """The job's trainable model from a plain (meta) one, as the workers make it; routed experts not replaced."""
+    if spec.training.custom_kernels:
+        apply_kernel_swaps(model)
+    return apply_lora(model, spec.lora).train()
+
+
+def install_stand_ins(model) -> object | None:
+    """Every MoE block's experts module becomes a stand-in (planner.experts); returns one of the replaced modules
+    (None for a model without routed experts)."""
+    family = family_for(model.config)
+    replaced = None
+    for _, block in family.moe_blocks(model):
+        replaced = getattr(block, family.experts)
+        setattr(block, family.experts, routed.StandIn())
+    return replaced
+
+
+def _no_packed_sequence_check():
+    """transformers looks for packed sequences in the position ids with a data-dependent test; a planned sequence
+    is one unpacked sequence."""
+    return mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+
+
+def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False):
+    """SDPA as a device runs it (a flash kernel: saves q, k, v, the output and its log-sum-exp), where the meta
+    device would take the math path (which saves the [T, T] attention weights). Values narrower than the queries
+    (MLA) are padded to their width, as a fused kernel holds them."""
+    if enable_gqa:
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    width = value.shape[-1]
+    value = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0][..., :width]
+
+
+def _measure(model, seq_len: int) -> Activations:
+    ids = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
+    counter = SavedBytes(model)
+    recorder = _Recorder(model, counter)
+    try:
+        with counter.counting(), _no_packed_sequence_check(), torch.fx.experimental._config.patch(
+                meta_nonzero_assume_all_nonzero=True), mock.patch(  # top-k selections (DSA) keep every candidate
+                "torch.nn.functional.scaled_dot_product_attention", _flash_attention):
+            token_loss_sum(model(input_ids=ids).logits, ids)
+    finally:
+        recorder.remove()
+    head_start = counter.total if recorder.head_start is None else recorder.head_start
+    return Activations(head_start - sum(recorder.layers), tuple(recorder.layers), tuple(recorder.inputs),
+                       counter.total - head_start)
+
+
+def activations(model, seq_len: int) -> Activations:
+    """Saved bytes of one `seq_len`-token sequence through `model` (with its stand-ins installed)."""
+    if seq_len <= MEASURED_UP_TO:
+        return _measure(model, seq_len)
+    a, b, c = (_measure(model, t) for t in _FIT_LENGTHS)
+    return a.combine(_lagrange(_FIT_LENGTHS, seq_len), (b, c))
+
+
+def _lagrange(xs: tuple[int, ...], x: int) -> tuple[float, ...]:
+    """Weights of the values at `xs` that give the interpolating polynomial's value at `x`."""
+    weights = []
+    for i, xi in enumerate(xs):
+        w = 1.0
+        for j, xj in enumerate(xs):
+            if j != i:
+                w *= (x - xj) / (xi - xj)
+        weights.append(w)
+    return tuple(weights)

@@ -1,0 +1,84 @@
+"""What the planner knows about a job's model, from config.json alone: its frozen tensors, LoRA parameter counts
+(coverage's, which are PEFT's), the bytes its forward saves per sequence and what its routed experts add."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from moetune.api.models import JobCreate
+from moetune.api.quantization import quantization_of
+from moetune.workers.families import family_for
+from moetune.workers.lora.coverage import ROUTED_EXPERTS, coverage, modules
+from moetune.workers.planner.activations import Activations, activations, install_stand_ins, meta_model, trainable
+from moetune.workers.planner.experts import ExpertBytes, expert_bytes, input_width
+from moetune.workers.planner.weights import Tensor, frozen_tensors
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model_type: str
+    parameters: int
+    quantization: str | None
+    tensors: list[Tensor]
+    lora_dense: int  # PEFT's LoRA parameters (attention, dense MLPs, shared experts, ...)
+    lora_experts: int  # the routed experts' LoRA, all experts (lora.train_experts)
+    num_experts: int
+    top_k: int
+    expert_width: int  # width of a token crossing the all-to-all
+    moe_layers: frozenset[int]
+    expert_saved: dict[bool, ExpertBytes]  # by "the expert-parallel module runs them"
+    expert_module_at_ep1: bool  # expert LoRA or a quantized base: the expert-parallel module even at EP=1
+    activations: Activations
+    seq_len: int
+    compute_bytes: int
+
+    def activation_bytes(self, ep: int, checkpointing: bool) -> float:
+        """Saved bytes of one sequence at `seq_len` (the loss's excepted) with the experts' share at EP=`ep`."""
+        layers = self.activations.layers
+        if self.moe_layers:
+            saved = self.expert_saved[ep > 1 or self.expert_module_at_ep1]
+            block = saved.of(self.num_experts // ep, self.seq_len * self.top_k)
+            layers = tuple(b + (block if i in self.moe_layers else 0) for i, b in enumerate(layers))
+        return self.activations.saved(layers, checkpointing)
+
+    def largest_layer_bytes(self, ep: int) -> float:
+        """One decoder layer's ZeRO-3-partitioned parameters as gathered on one rank (its experts' share)."""
+        per_layer: dict[int, float] = {}
+        for t in self.tensors:
+            if t.partitionable and t.layer is not None:
+                per_layer[t.layer] = per_layer.get(t.layer, 0.0) + t.nbytes / (ep if t.expert else 1)
+        return max(per_layer.values(), default=0.0)
+
+    def load_bytes(self, ep: int) -> float:
+        """Bytes one rank streams from storage: every non-expert tensor and its experts' share."""
+        return sum(t.nbytes / (ep if t.expert else 1) for t in self.tensors)
+
+
+def model_facts(config: dict, spec: JobCreate, dtype: torch.dtype = torch.bfloat16) -> ModelFacts:
+    """Builds the model on the meta device (any size, in seconds); `dtype`: the compute dtype (bf16 on GPUs)."""
+    family = family_for(config)
+    model = meta_model(config, dtype)
+    quantization = quantization_of(config)
+    dequantized = spec.training.base_weights == "dequantized"
+    tensors = frozen_tensors(model, family, config, dtype, dequantized)
+    found = coverage(modules(model, family), spec.lora, family)
+    routed = found.kinds[ROUTED_EXPERTS].trainable if ROUTED_EXPERTS in found.kinds else 0
+    blocks = list(family.moe_blocks(model))
+    experts = getattr(blocks[0][1], family.experts) if blocks else None
+    at_ep1 = spec.lora.train_experts or (quantization is not None and not dequantized)
+    saved = {flag: expert_bytes(experts, family, spec, flag, dtype) for flag in {at_ep1, True}} if blocks else {}
+    moe_layers = frozenset(int(m.group(1)) for name, _ in blocks if (m := _LAYER.search(f".{name}.")))
+    text = model.config.get_text_config()
+    width = input_width(experts) if blocks else 0
+    count = sum(p.numel() for p in model.parameters())
+    model = trainable(model, spec)
+    install_stand_ins(model)
+    return ModelFacts(config.get("model_type"), count, quantization.format if quantization else None, tensors,
+                      found.trainable - routed, routed, experts.num_experts if blocks else 0,
+                      getattr(text, "num_experts_per_tok", 0) or 0, width, moe_layers, saved, at_ep1,
+                      activations(model, spec.training.seq_len), spec.training.seq_len, dtype.itemsize)

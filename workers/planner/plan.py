@@ -1,0 +1,115 @@
+"""A job's plan on a cluster: the per-GPU breakdown of the job as submitted, the smallest layout that fits its
+workers (EP dividing the expert count and the worker count, then ZeRO stage, then activation checkpointing), the
+tuner's starting micro-batch, the fewest GPUs any layout fits on, and the load time."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moetune.api.models import JobCreate, resolve_spec
+from moetune.api.plans import ClusterSpec
+from moetune.workers.planner.memory import CUDA_CONTEXT_BYTES, USABLE_FRACTION, Layout, breakdown, total
+from moetune.workers.planner.model import ModelFacts, model_facts
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _checkpointing_options(spec: JobCreate) -> tuple[bool, ...]:
+    setting = spec.training.activation_checkpointing
+    return (False, True) if setting == "auto" else (setting,)
+
+
+def _micro_batch(spec: JobCreate) -> int:
+    return 1 if spec.training.micro_batch_size == "auto" else spec.training.micro_batch_size
+
+
+def _layouts(facts: ModelFacts, spec: JobCreate, world: int):
+    """Layouts in the order a plan prefers them: smallest EP, then ZeRO stage, then no recomputation."""
+    eps = [d for d in _divisors(world) if not facts.num_experts or facts.num_experts % d == 0]
+    for ep in eps:
+        for zero in (1, 2, 3):
+            for checkpointing in _checkpointing_options(spec):
+                yield Layout(world, ep, zero, checkpointing, _micro_batch(spec))
+
+
+def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> dict:
+    parts = breakdown(facts, layout)
+    used = total(parts)
+    return {"world": layout.world, "expert_parallel_size": layout.ep, "zero_stage": layout.zero,
+            "activation_checkpointing": layout.checkpointing, "micro_batch_size": layout.micro_batch,
+            "bytes": parts, "total_bytes": used, "fits": used <= usable}
+
+
+def _first_fit(facts: ModelFacts, spec: JobCreate, world: int, usable: float) -> dict | None:
+    return next((e for layout in _layouts(facts, spec, world) if (e := _evaluate(facts, layout, usable))["fits"]),
+                None)
+
+
+def largest_fitting_micro_batch(facts: ModelFacts, layout: Layout, per_rank: int, usable: float) -> int:
+    """The largest divisor of the per-rank batch whose micro-batch fits `usable` bytes (the tuner's start)."""
+    fitting = [m for m in _divisors(per_rank) if total(breakdown(facts, replace(layout, micro_batch=m))) <= usable]
+    return max(fitting, default=1)
+
+
+def _gpu_counts(cluster: ClusterSpec) -> list[int]:
+    """Worker counts tried for the fewest GPUs: powers of two within a node, then whole nodes."""
+    within = [n for n in (2**i for i in range(7)) if n < cluster.gpus_per_node]
+    return within + [cluster.gpus_per_node * k for k in range(1, cluster.nodes + 1)]
+
+
+def plan(config: dict, request: JobCreate, cluster: ClusterSpec, facts: ModelFacts | None = None) -> dict:
+    """The plan of `request` on `cluster` as JSON-ready data; one GPU per worker."""
+    spec = resolve_spec(request)
+    facts = facts or model_facts(config, spec)
+    usable = USABLE_FRACTION * cluster.gpu_memory
+    par = spec.parallelism
+    world = par.num_workers
+    for checkpointing in _checkpointing_options(spec):  # "auto": recomputation only if that is what fits
+        layout = Layout(world, par.expert_parallel_size, par.zero_stage, checkpointing, _micro_batch(spec))
+        if (submitted := _evaluate(facts, layout, usable))["fits"]:
+            break
+    recommended = _first_fit(facts, spec, world, usable)
+    if recommended is not None:
+        best = Layout(world, recommended["expert_parallel_size"], recommended["zero_stage"],
+                      recommended["activation_checkpointing"], 1)
+        per_rank = spec.training.global_batch_size // world
+        recommended["tuner_start_micro_batch"] = largest_fitting_micro_batch(facts, best, per_rank, usable)
+    fewest = next((fit for n in _gpu_counts(cluster) if (fit := _first_fit(facts, spec, n, usable))), None)
+    ep = (recommended or fewest or submitted)["expert_parallel_size"]
+    per_rank_bytes = facts.load_bytes(ep)
+    node_bytes = per_rank_bytes * min(cluster.gpus_per_node, world)
+    return {
+        "model": {"model_type": facts.model_type, "parameters": facts.parameters, "quantization": facts.quantization,
+                  "routed_experts": facts.num_experts, "experts_per_token": facts.top_k,
+                  "lora_parameters": facts.lora_dense + facts.lora_experts,
+                  "expert_lora_parameters": facts.lora_experts},
+        "cluster": cluster.model_dump() | {"gpus": cluster.gpus, "usable_bytes_per_gpu": usable},
+        "seq_len": facts.seq_len,
+        "compute_dtype_bytes": facts.compute_bytes,
+        "activation_bytes_per_token": {
+            "without_checkpointing": facts.activation_bytes(ep, False) / facts.seq_len,
+            "with_checkpointing": facts.activation_bytes(ep, True) / facts.seq_len,
+            "logits": facts.activations.loss / facts.seq_len},
+        "submitted": submitted | {"gpus_available": world <= cluster.gpus},
+        "recommended": recommended,
+        "fewest_gpus": fewest,
+        "load": {"bytes_per_rank": per_rank_bytes, "bytes_per_node": node_bytes,
+                 "seconds": node_bytes * 8 / cluster.nic, "expert_parallel_size": ep},
+        "assumptions": "one GPU per worker; every sequence seq_len tokens; an even routing; fits = at most "
+                       f"{USABLE_FRACTION:.0%} of a GPU's memory with a stated {CUDA_CONTEXT_BYTES / 2**30:g} GiB for "
+                       "the CUDA context and communicators; load time = the bytes a node's ranks stream over its NIC "
+                       "(no cache)",
+    }
+
+
+def needs_activation_checkpointing(config: dict, spec: JobCreate, device_memory_bytes: float) -> bool:
+    """`training.activation_checkpointing: "auto"` resolved: True when the job's layout does not fit one device
+    of `device_memory_bytes` without recomputation (and the workers' setting otherwise)."""
+    if spec.training.activation_checkpointing != "auto":
+        return spec.training.activation_checkpointing
+    par = spec.parallelism
+    facts = model_facts(config, spec)
+    layout = Layout(par.num_workers, par.expert_parallel_size, par.zero_stage, False, _micro_batch(spec))
+    return total(breakdown(facts, layout)) > USABLE_FRACTION * device_memory_bytes

@@ -1,0 +1,37 @@
+"""The tuner's first micro-batch size on a live model: the planner's bytes per sequence for the model as the
+workers built it (its config, LoRA, expert-parallel size and checkpointing read back from the model)."""
+
+from __future__ import annotations
+
+from moetune.api.models import JobCreate, TrainingSpec
+
+
+def _job_of(model, training: TrainingSpec) -> tuple[dict, JobCreate, int, bool]:
+    """(config.json dict, the job's spec as far as memory goes, EP size, checkpointing) of a trainable model."""
+    lora = model.peft_config["default"]
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else sorted(lora.target_modules)
+    expert_modules = [m for m in model.modules() if hasattr(m, "ep") and hasattr(m, "lora_rank")]
+    spec = JobCreate(model="file:///unused", training_file="file:///unused", training=training,
+                     lora={"rank": lora.r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
+                           "target_modules": targets, "train_experts": any(m.lora_rank for m in expert_modules)})
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    ep = expert_modules[0].ep.size if expert_modules else 1
+    return model.config.to_dict(), spec, ep, checkpointing
+
+
+def sequence_bytes(model, training: TrainingSpec) -> float:
+    """Planned bytes one more sequence of `training.seq_len` tokens adds: saved activations, the loss's logits
+    and, with EP > 1, the all-to-all buffers."""
+    from moetune.workers.planner.model import model_facts
+
+    config, spec, ep, checkpointing = _job_of(model, training)
+    facts = model_facts(config, spec, model.dtype)
+    a2a = 2 * training.seq_len * facts.top_k * facts.expert_width * facts.compute_bytes if ep > 1 else 0
+    return facts.activation_bytes(ep, checkpointing) + facts.activations.loss + a2a
+
+
+def starting_micro_batch(model, training: TrainingSpec, per_rank: int, free_bytes: float) -> int:
+    """The largest divisor of the per-rank batch whose planned activations fit `free_bytes` (1 if none does)."""
+    per_sequence = sequence_bytes(model, training)
+    return max((m for m in range(1, per_rank + 1) if per_rank % m == 0 and m * per_sequence <= free_bytes),
+               default=1)
