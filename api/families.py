@@ -61,10 +61,11 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
     FamilyFacts("kimi_k25", ("n_routed_experts",), _MLA + _MLP, text_config_key="text_config"),
     # Every layer is MoE (no dense MLP); the router is not a linear; experts carry biases.
     FamilyFacts("gpt_oss", ("num_local_experts",), ("q_proj", "k_proj", "v_proj", "o_proj")),
-    # Text path only (KDA + DSA sparse MLA with its indexer wq_b / wk / weights_proj); no LoRA on the vision tower.
+    # KDA + DSA sparse MLA (its indexer's wq_b / wk / weights_proj) under a vision tower (frozen); image rows go
+    # through its image processor.
     FamilyFacts("glm5_next", ("n_routed_experts",),
                 _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
-                               "wq_b", "wk", "weights_proj"), text_config_key="text_config"),
+                               "wq_b", "wk", "weights_proj"), text_config_key="text_config", images=True),
 )}
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 
 ROLES = ("system", "user", "assistant", "tool")
 PAD, BOS, EOS, END = "<pad>", "<s>", "</s>", "<|end|>"
@@ -21,16 +23,53 @@ CHAT_TEMPLATE = (
 )
 
 
-# The multimodal checkpoints' extra special tokens (Qwen's names; config.json holds their ids) and a template that
-# renders an image part as the family's placeholder, which its processor expands to one token per merged patch.
-IMAGE_TOKENS = {"vision_start_token_id": "<|vision_start|>", "image_token_id": "<|image_pad|>",
-                "vision_end_token_id": "<|vision_end|>", "video_token_id": "<|video_pad|>"}
-MULTIMODAL_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}"
-    "{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}{% endif %}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+@dataclass(frozen=True)
+class TinyVision:
+    """What a family's tiny vision-language checkpoint needs beyond its config: its special image tokens (config
+    attribute -> token), what its chat template renders for an image part (the processor expands the image token
+    in it to one token per merged patch), and its image processor from the vision config (patch, merge sizes)."""
+
+    tokens: dict[str, str]
+    placeholder: str
+    image_processor: Callable[[object], object]
+
+    def chat_template(self) -> str:
+        return (
+            "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}"
+            "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}"
+            "{% else %}" + self.placeholder + "{% endif %}{% endfor %}{% endif %}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        )
+
+
+def _qwen_image_processor(vision):
+    """16-pixel patches merged 2x2: a 32x32 image is one image token, 64x64 four."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                                    merge_size=vision.spatial_merge_size,
+                                    size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})
+
+
+def _glm_image_processor(vision):
+    """14-pixel patches merged 2x2, 1 to 9 image tokens an image (GLM resizes within a token budget)."""
+    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
+
+    return Glm5NextImageProcessorPil(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                                     merge_size=vision.spatial_merge_size, min_image_tokens=1, max_image_tokens=9)
+
+
+# Per family (config.json's model_type), the token names its own processor and config use.
+TINY_VISION = {
+    "qwen3_5_moe": TinyVision({"vision_start_token_id": "<|vision_start|>", "image_token_id": "<|image_pad|>",
+                               "vision_end_token_id": "<|vision_end|>", "video_token_id": "<|video_pad|>"},
+                              "<|vision_start|><|image_pad|><|vision_end|>", _qwen_image_processor),
+    # GLM tells video from image tokens by the video start/end spans: those tokens must exist too
+    "glm5_next": TinyVision({"image_start_token_id": "<|begin_of_image|>", "image_token_id": "<|image|>",
+                             "image_end_token_id": "<|end_of_image|>", "video_token_id": "<|video|>",
+                             "video_start_token_id": "<|begin_of_video|>", "video_end_token_id": "<|end_of_video|>"},
+                            "<|begin_of_image|><|image|><|end_of_image|>", _glm_image_processor),
+}
 
 
 def write_tiny_tokenizer(local_dir: str, extra_tokens: tuple[str, ...] = (),
@@ -116,24 +155,21 @@ def write_tiny_checkpoint(local_dir: str, seed: int = 0) -> str:
 
 
 def write_tiny_multimodal_checkpoint(local_dir: str, tiny_config, seed: int = 0) -> str:
-    """A Qwen-style vision-language checkpoint: random weights of `tiny_config()`'s *ForConditionalGeneration, the
-    byte tokenizer with the image tokens and a template that places them, and the family's image processor config
-    (16-pixel patches merged 2x2: a 32x32 image is one image token, 64x64 four). Returns the dir."""
+    """A vision-language checkpoint of `tiny_config()`'s family (TINY_VISION): random weights of its
+    *ForConditionalGeneration, the byte tokenizer with the family's image tokens and a template that places them,
+    and the family's image processor config. Returns the dir."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    vision = TINY_VISION[tiny_config().model_type]
     os.makedirs(local_dir, exist_ok=True)
-    write_tiny_tokenizer(local_dir, tuple(IMAGE_TOKENS.values()), MULTIMODAL_CHAT_TEMPLATE)
+    write_tiny_tokenizer(local_dir, tuple(vision.tokens.values()), vision.chat_template())
     tokenizer = AutoTokenizer.from_pretrained(local_dir)
     config = tiny_config(vocab_size=(len(tokenizer) + 7) // 8 * 8, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    for key, token in IMAGE_TOKENS.items():
+    for key, token in vision.tokens.items():
         setattr(config, key, tokenizer.convert_tokens_to_ids(token))
-    vision = config.vision_config
-    Qwen2VLImageProcessorPil(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                             merge_size=vision.spatial_merge_size,
-                             size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64}).save_pretrained(local_dir)
+    vision.image_processor(config.vision_config).save_pretrained(local_dir)
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(local_dir,
                                                                                         max_shard_size="200KB")

@@ -1,5 +1,6 @@
-"""The qwen3_5_moe image tests' shared parts: the tiny multimodal model (spread-out router, same weights on every
-call), mixed text and image micro-batches through the job's method, and the EP=2 rank run of those batches."""
+"""The image tests' shared parts (any family that takes images): the tiny multimodal model (spread-out router, same
+weights on every call), mixed text and image micro-batches through the job's method, and the EP=2 rank run of those
+batches."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import os
 import torch
 
 from moetune.api.models import JobCreate
-
-FAMILY = "qwen3_5_moe"
 
 
 def image_method(model_dir: str, seq_len: int = 512):
@@ -24,13 +23,14 @@ def image_method(model_dir: str, seq_len: int = 512):
 
 
 def image_model(model_dir: str):
-    """The stock transformers Qwen3_5MoeForConditionalGeneration of the checkpoint's config (fp32)."""
+    """The stock transformers *ForConditionalGeneration of the checkpoint's config (fp32)."""
     from transformers import AutoConfig
 
-    from moetune.workers.families import REGISTRY
+    from moetune.workers.families import family_for
     from tests.support.families import plain_model
 
-    return plain_model(REGISTRY[FAMILY], config=AutoConfig.from_pretrained(model_dir))
+    config = AutoConfig.from_pretrained(model_dir)
+    return plain_model(family_for(config), config=config)
 
 
 def image_batch(method, rank: int):

@@ -1,9 +1,9 @@
 """Rows with images, through the family's own image processor loaded from the checkpoint folder (its
 preprocessor_config.json; nothing from a hub). The chat template places one image token per image part; the
 processor's grid says how many tokens that image becomes (one per merged patch), and the token is repeated as
-transformers' processor repeats it. The batch carries pixel_values and the family's grid inputs (Qwen's
-image_grid_thw and mm_token_type_ids) into `model(**inputs)`. Image tokens never carry loss, and a row that does not
-fit seq_len with its images is refused, never truncated through an image."""
+transformers' processor repeats it (Qwen3-VL's and Glm5NextProcessor's rule alike). The batch carries pixel_values
+and the grid inputs (image_grid_thw, mm_token_type_ids) into `model(**inputs)`. Image tokens never carry loss, and a
+row that does not fit seq_len with its images is refused, never truncated through an image."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def load_image(url: str):
 
 
 class ImageRows:
-    """Tokenizes chat rows with images as the family's processor does (Qwen3-VL's, for qwen3_5_moe)."""
+    """Tokenizes chat rows with images as the family's processor does (Qwen3-VL's for qwen3_5_moe,
+    Glm5NextProcessor for glm5_next)."""
 
     def __init__(self, local_dir: str, tokenizer, image_token_id: int):
         self.local_dir, self.tokenizer, self.image_token_id = local_dir, tokenizer, image_token_id

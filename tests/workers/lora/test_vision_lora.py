@@ -1,5 +1,5 @@
-"""lora.vision on qwen3_5_moe's tiny model: the vision tower frozen and without LoRA by default, LoRA on its
-projector (merger) only, or on every vision linear; refused on a family without image input."""
+"""lora.vision on qwen3_5_moe's and glm5_next's tiny models: the vision tower frozen and without LoRA by default,
+LoRA on its projector (merger) only, or on every vision linear; refused on a family without image input."""
 
 import pytest
 
@@ -16,14 +16,15 @@ def _lora(family: str, vision: str):
     return apply_lora(plain_model(REGISTRY[family]), job.lora)
 
 
-@pytest.mark.parametrize("vision,adapted", [
-    ("none", set()),
-    ("projector", {"merger.linear_fc1", "merger.linear_fc2"}),
-    ("all", {"merger.linear_fc1", "merger.linear_fc2", "blocks.0.attn.qkv", "blocks.0.attn.proj",
-             "blocks.0.mlp.linear_fc1", "blocks.0.mlp.linear_fc2"}),
+@pytest.mark.parametrize("family,vision,adapted", [
+    ("qwen3_5_moe", "none", set()),
+    ("qwen3_5_moe", "projector", {"merger.linear_fc1", "merger.linear_fc2"}),
+    ("qwen3_5_moe", "all", {"merger.linear_fc1", "merger.linear_fc2", "blocks.0.attn.qkv", "blocks.0.attn.proj",
+                            "blocks.0.mlp.linear_fc1", "blocks.0.mlp.linear_fc2"}),
+    ("glm5_next", "projector", {"merger.proj", "merger.gate_proj", "merger.up_proj", "merger.down_proj"}),
 ])
-def test_lora_vision_picks_the_vision_linears(vision, adapted):
-    model = _lora("qwen3_5_moe", vision)
+def test_lora_vision_picks_the_vision_linears(family, vision, adapted):
+    model = _lora(family, vision)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     visual = {n.split(".visual.")[1].rsplit(".lora_", 1)[0] for n in trainable if ".visual." in n}
     assert visual == adapted

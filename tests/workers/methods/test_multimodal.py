@@ -1,6 +1,7 @@
-"""The image path of qwen3_5_moe against transformers' own Qwen3-VL processor on the tiny multimodal checkpoint:
-the same input ids (image tokens placed and repeated per merged patch), pixels, grids and token types; loss only on
-assistant tokens; rows too long with their image tokens refused; the batch runs through the model."""
+"""The image path against transformers' own processor of each family that takes images (qwen3_5_moe: Qwen3-VL's;
+glm5_next: Glm5NextProcessor) on its tiny multimodal checkpoint: the same input ids (image tokens placed and
+repeated per merged patch), pixels, grids and token types; on qwen3_5_moe also: loss only on assistant tokens, rows
+too long with their image tokens refused, the batch through the model."""
 
 import pytest
 import torch
@@ -13,6 +14,14 @@ from moetune.workers.methods.multimodal import ImageRows, collate_with_images, l
 from moetune.workers.tiny import solid_png, tiny_image_rows, write_tiny_multimodal_checkpoint
 from tests.support.images import data_url, image_bytes, image_row
 
+PROCESSORS = {"qwen3_5_moe": "Qwen3VLProcessor", "glm5_next": "Glm5NextProcessor"}
+
+
+@pytest.fixture(scope="module", params=sorted(PROCESSORS))
+def family_vl(request, tmp_path_factory):
+    return write_tiny_multimodal_checkpoint(str(tmp_path_factory.mktemp(request.param)),
+                                            REGISTRY[request.param].tiny_config)
+
 
 @pytest.fixture(scope="module")
 def tiny_vl(tmp_path_factory):
@@ -20,28 +29,38 @@ def tiny_vl(tmp_path_factory):
                                             REGISTRY["qwen3_5_moe"].tiny_config)
 
 
-@pytest.fixture(scope="module")
-def image_rows(tiny_vl):
+def rows_of(checkpoint: str) -> ImageRows:
     from transformers import AutoConfig, AutoTokenizer
 
-    image_token_id = AutoConfig.from_pretrained(tiny_vl).image_token_id
-    return ImageRows(tiny_vl, AutoTokenizer.from_pretrained(tiny_vl), image_token_id)
+    image_token_id = AutoConfig.from_pretrained(checkpoint).image_token_id
+    return ImageRows(checkpoint, AutoTokenizer.from_pretrained(checkpoint), image_token_id)
+
+
+def processor_of(checkpoint: str):
+    """transformers' processor of the checkpoint's family from its image processor, tokenizer and template. Its
+    video processor needs torchvision, which has no wheel for this CPU torch: only that attribute's class check is
+    skipped (no video goes through it)."""
+    from unittest import mock
+
+    import transformers
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+    from transformers.processing_utils import ProcessorMixin
+
+    processor = getattr(transformers, PROCESSORS[AutoConfig.from_pretrained(checkpoint).model_type])
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None):
+        return processor(image_processor=AutoImageProcessor.from_pretrained(checkpoint), tokenizer=tokenizer,
+                         video_processor=None, chat_template=tokenizer.chat_template)
+
+
+@pytest.fixture(scope="module")
+def image_rows(tiny_vl):
+    return rows_of(tiny_vl)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_vl):
-    """transformers' Qwen3VLProcessor from the checkpoint's image processor, tokenizer and template. Its video
-    processor needs torchvision, which has no wheel for this CPU torch: only that attribute's class check is skipped
-    (no video goes through it)."""
-    from unittest import mock
-
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLProcessor
-    from transformers.processing_utils import ProcessorMixin
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
-    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None):
-        return Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(tiny_vl), tokenizer=tokenizer,
-                                video_processor=None, chat_template=tokenizer.chat_template)
+    return processor_of(tiny_vl)
 
 
 ROWS = [image_row(data_url(solid_png("red", 32)), data_url(image_bytes(64, 48, colour=(0, 0, 200))),
@@ -50,7 +69,8 @@ ROWS = [image_row(data_url(solid_png("red", 32)), data_url(image_bytes(64, 48, c
 
 
 @pytest.mark.parametrize("row", ROWS, ids=["two images", "dataset row"])
-def test_inputs_are_transformers_processors(image_rows, reference, row):
+def test_inputs_are_transformers_processors(family_vl, row):
+    reference, image_rows = processor_of(family_vl), rows_of(family_vl)
     images = [load_image(url) for _, url in image_urls(row)]
     text = reference.tokenizer.apply_chat_template(row["messages"], tokenize=False)
     expected = reference(text=[text], images=images, return_tensors="pt")
@@ -58,9 +78,9 @@ def test_inputs_are_transformers_processors(image_rows, reference, row):
     batch = collate_with_images([example], reference.tokenizer.pad_token_id, image_rows.image_token_id)
 
     assert example.input_ids == expected["input_ids"][0].tolist()
-    for key in ("pixel_values", "image_grid_thw", "mm_token_type_ids"):
+    assert set(expected) == {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
+    for key in ("attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
         assert torch.equal(batch.inputs[key].to(expected[key].dtype), expected[key]), key
-    assert expected["attention_mask"].all() and "attention_mask" not in batch.inputs  # one row: no padding
 
 
 def test_image_tokens_repeat_per_merged_patch(image_rows):

@@ -1,5 +1,6 @@
-"""GLM-5-Next, text path: KDA + DSA sparse MLA, sigmoid router with bias correction, a shared expert, SwiGLU
-with clamping (`swiglu_limit`). The checkpoint is multimodal; the vision tower stays frozen and without LoRA.
+"""GLM-5-Next: KDA + DSA sparse MLA, sigmoid router with bias correction, a shared expert, SwiGLU with clamping
+(`swiglu_limit`), under a vision tower that takes images (workers.methods.multimodal); the tower stays frozen and
+without LoRA unless lora.vision says otherwise.
 Its indexed attention runs on kernels/sparse_attention (sparse_attention.py) with a query-chunked indexer
 (indexer.py)."""
 
@@ -25,5 +26,6 @@ def tiny_config(**overrides):
 
 FAMILY = Family(FAMILIES["glm5_next"], moe_block="Glm5NextTextMoE", shared_experts="shared_experts",
                 tiny_config=tiny_config, auto_class="AutoModelForImageTextToText", lora_scope=".language_model.",
+                vision_scopes=(".visual.", ".visual.merger."),
                 swaps=(kda_swap("Glm5NextTextLinearAttention"), apply_sparse_attention_kernels),
                 model_type_aliases=("glm5_next_text",))
