@@ -96,6 +96,9 @@ def check_model_spec(config: dict, spec) -> None:
     if experts is not None and experts % par.expert_parallel_size:
         raise SpecError("parallelism.expert_parallel_size",
                         f"must divide the model's {experts} routed experts (got {par.expert_parallel_size})")
+    if lora.vision != "none" and (why := images_refusal(config)):
+        raise SpecError("lora.vision", f"{lora.vision!r} puts LoRA on the model's vision tower, but {why}; "
+                                       f"use \"none\" (the default)")
     if isinstance(lora.target_modules, list) and (unknown := facts.unknown_targets(lora.target_modules)):
         raise SpecError("lora.target_modules",
                         f"no linear module named {', '.join(map(repr, unknown))} in a {facts.model_type} model; "

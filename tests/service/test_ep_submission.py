@@ -60,7 +60,10 @@ EP3_OF_6 = {"parallelism": {"num_workers": 6, "expert_parallel_size": 3}, "train
     ("kimi", EP3_OF_6, "parallelism.expert_parallel_size", "8 routed experts"),
     ("kimi", {"lora": {"target_modules": ["q_proj", "wq"]}}, "lora.target_modules", "'wq'"),
     ("kimi", {"output_uri": "s3://no-such-bucket-here/out"}, "output_uri", "its bucket does not exist"),
-    ("llama", {}, "model", "model_type 'llama' is not supported; supported: deepseek_v3, deepseek_v32, deepseek_v4, glm5_next"),
+    ("kimi", {"lora": {"vision": "projector"}}, "lora.vision",
+     "'projector' puts LoRA on the model's vision tower, but moetune trains 'kimi_linear' models on text only"),
+    ("llama", {}, "model",
+     "model_type 'llama' is not supported; supported: deepseek_v3, deepseek_v32, deepseek_v4, glm5_next"),
     ("not-json", {}, "model", "config.json is not JSON"),
     ("no-tokenizer", {}, "model", "has no tokenizer files (one of tokenizer.json, tokenizer.model"),
     ("awq", {}, "model", "quant_method 'awq' is not supported; supported: fp8 (block scales), compressed-tensors"),
@@ -85,6 +88,21 @@ def test_unreadable_config_defers_to_the_driver(control_plane):
     with pytest.raises(JobError) as err:
         check_supported(spec, REGISTRY["kimi_linear"].tiny_config().to_dict())
     assert err.value.param == "parallelism.expert_parallel_size" and "8 routed experts" in err.value.message
+
+
+@pytest.mark.parametrize("model_type, refused", [("kimi_linear", True), ("kimi_k25", True), ("qwen3_5_moe", False)])
+def test_the_driver_refuses_lora_vision_without_a_vision_tower_it_trains(model_type, refused):
+    """The same rule in the driver's check: a text-only family, and kimi_k25 (a vision tower moetune feeds no
+    image), refuse lora.vision="all"; qwen3_5_moe takes it."""
+    spec = JobCreate(model="s3://b/m", training_file="s3://b/t.jsonl", lora={"vision": "all"})
+    config = REGISTRY[model_type].tiny_config().to_dict()
+    try:
+        check_supported(spec, config)
+    except JobError as err:
+        assert refused and err.param == "lora.vision", err
+        assert "'all' puts LoRA on the model's vision tower, but moetune trains" in err.message
+    else:
+        assert not refused
 
 
 def test_the_driver_checks_the_tokenizer_and_the_output_again(control_plane):

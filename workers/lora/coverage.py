@@ -4,7 +4,8 @@ Every linear LoRA may adapt (the family's scope: a multimodal model's text path)
 of its decoder layer (by the config's `layer_types`: linear (also Mamba), full, sliding-window or sparse
 attention), a dense MLP, or, inside a MoE block, its shared experts, its latent projections (nemotron_h) or its
 router (frozen: never adapted). Each MoE block's routed experts are one more module, adapted by the
-expert-parallel module's own LoRA (`train_experts`). The same table is a job's first LoRA event and `moetune
+expert-parallel module's own LoRA (`train_experts`). A vision tower's linears are one more layer type, listed only
+when `lora.vision` adapts some (its projector, or all). The same table is a job's first LoRA event and `moetune
 models inspect --lora`.
 """
 
@@ -18,6 +19,7 @@ from moetune.kernels.quant import held, held_names
 from moetune.workers.families.spec import Family, in_proj_name
 
 ROUTER, ROUTED_EXPERTS, SHARED_EXPERTS, DENSE_MLP = "router", "routed experts", "shared experts", "dense MLP"
+VISION = "vision"  # the vision tower's linears (lora.vision), each block a layer and its projector one more
 LATENT = "latent projections"  # nemotron_h: a MoE block's projections to and from its experts' latent width
 # config `layer_types` values -> layer type of the layer's non-MoE linears (transformers calls Mamba mixers
 # linear attention too; nemotron_h's plain MLP layers are "mlp")
@@ -26,7 +28,7 @@ _LAYER_KINDS = {"linear_attention": "linear attention", "full_attention": "full 
                 "mlp": DENSE_MLP}
 _MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _ORDER = ("linear attention", "full attention", "sliding-window attention", "sparse attention", "attention", DENSE_MLP,
-          SHARED_EXPERTS, LATENT, ROUTED_EXPERTS, ROUTER)
+          SHARED_EXPERTS, LATENT, ROUTED_EXPERTS, ROUTER, VISION)
 PRESETS = {"attention": lambda kind: kind.endswith("attention"),
            "mlp": lambda kind: kind in (DENSE_MLP, SHARED_EXPERTS),
            "experts": lambda kind: kind in (SHARED_EXPERTS, ROUTED_EXPERTS, LATENT),
@@ -37,7 +39,7 @@ PRESETS = {"attention": lambda kind: kind.endswith("attention"),
 class Module:
     name: str  # full module name in the model
     kind: str  # its layer type
-    layer: int | None  # decoder layer index
+    layer: int | str | None  # decoder layer index (vision: its block's, or "projector")
     lora_parameters: int  # LoRA parameters it gets at rank 1
 
 
@@ -97,8 +99,33 @@ def _attention_kinds(config) -> list[str] | None:
     return [_LAYER_KINDS.get(t, t.replace("_", " ")) for t in types] if types else None
 
 
-def modules(model, family: Family) -> list[Module]:
-    """Every linear LoRA may adapt and every MoE block's routed experts, with its layer type."""
+def in_vision_lora(name: str, vision: str, family: Family) -> bool:
+    """lora.vision's rule for a linear: "all" adapts the vision tower's, "projector" its projector's, "none" none."""
+    if vision == "none" or family.vision_scopes is None:
+        return False
+    tower, projector = family.vision_scopes
+    return (projector if vision == "projector" else tower) in f".{name}."
+
+
+def _vision_modules(model, family: Family) -> list[Module]:
+    import torch
+
+    tower, projector = family.vision_scopes
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and tower in f".{name}.":
+            parts = name.split(".")
+            if projector in f".{name}.":
+                layer = "projector"
+            else:
+                layer = int(parts[parts.index("blocks") + 1]) if "blocks" in parts else None
+            found.append(Module(name, VISION, layer, module.in_features + module.out_features))
+    return found
+
+
+def modules(model, family: Family, vision: str = "none") -> list[Module]:
+    """Every linear LoRA may adapt and every MoE block's routed experts, with its layer type; the vision tower's
+    linears too where `vision` (lora.vision) adapts some of them."""
     import torch
 
     blocks = dict(family.moe_blocks(model))
@@ -128,7 +155,7 @@ def modules(model, family: Family) -> list[Module]:
         else:
             kind = attention[layer] if attention else "attention"
         found.append(Module(name, kind, layer, module.in_features + module.out_features))
-    return found
+    return found + (_vision_modules(model, family) if vision != "none" and family.vision_scopes else [])
 
 
 def _expert_lora_width(experts) -> int:
@@ -152,7 +179,7 @@ def peft_targets(found: list[Module], lora: LoraSpec, family: Family) -> list[st
     if isinstance(lora.target_modules, list) or lora.target_modules == "all-linear" and not family.lora_unsupported:
         return lora.target_modules
     wanted = PRESETS[lora.target_modules]
-    return [m.name for m in found if m.kind != ROUTED_EXPERTS and wanted(m.kind)]
+    return [m.name for m in found if m.kind not in (ROUTED_EXPERTS, VISION) and wanted(m.kind)]
 
 
 def coverage(found: list[Module], lora: LoraSpec, family: Family) -> Coverage:
@@ -164,6 +191,8 @@ def coverage(found: list[Module], lora: LoraSpec, family: Family) -> Coverage:
         leaf = m.name.rsplit(".", 1)[-1]
         if m.kind == ROUTED_EXPERTS:
             adapted = lora.train_experts
+        elif m.kind == VISION:
+            adapted = in_vision_lora(m.name, lora.vision, family)
         elif isinstance(targets, str):  # "all-linear"
             adapted = PRESETS[targets](m.kind)
         else:

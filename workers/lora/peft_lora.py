@@ -9,7 +9,7 @@ from moetune.api.errors import ErrorCode
 from moetune.api.models import LoraSpec
 from moetune.workers.errors import JobError
 from moetune.workers.families import auto_model_class, family_for, hf_config, known_family
-from moetune.workers.lora.coverage import Coverage, coverage, modules, peft_targets
+from moetune.workers.lora.coverage import Coverage, coverage, in_vision_lora, modules, peft_targets
 
 
 def _linear_names(model) -> list[str]:
@@ -45,9 +45,7 @@ def _vision_targets(model, fam, vision: str) -> list[str]:
     if fam is None or fam.vision_scopes is None:
         raise JobError(ErrorCode.invalid_target_modules, f"lora.vision: {vision!r} needs a model whose vision tower "
                        f"moetune trains; {model.config.model_type} models take text only", "lora.vision")
-    tower, projector = fam.vision_scopes
-    part = projector if vision == "projector" else tower
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and part in f".{n}."]
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and in_vision_lora(n, vision, fam)]
 
 
 def _check_targets(model, targets: list[str]) -> None:
@@ -74,7 +72,7 @@ def check_targets_on_config(config: dict, spec: LoraSpec) -> Coverage:
     if isinstance(spec.target_modules, list):
         _check_targets(model, spec.target_modules)
     fam = family_for(model.config)
-    found = coverage(modules(model, fam), spec, fam)
+    found = coverage(modules(model, fam, spec.vision), spec, fam)
     if not found.targets:  # PEFT wraps at least one linear; the routed experts' LoRA lives outside it
         raise JobError(ErrorCode.invalid_target_modules,
                        f"lora.target_modules: the {spec.target_modules!r} preset matches no linear of a "

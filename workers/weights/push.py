@@ -154,7 +154,7 @@ def inspect(uri: str, ep: int = 1, progress=None, lora: LoraSpec | None = None) 
     ckpt = open_checkpoint(uri, progress=progress)
     model = empty_model(ckpt.config, torch.float32)
     fam = family_for(model.config)
-    adapted = coverage(modules(model, fam), lora, fam) if lora else None
+    adapted = coverage(modules(model, fam, lora.vision), lora, fam) if lora else None
     params = dict(model.named_parameters())
     experts = fused_expert_params(model)
     expert_params = sum(params[name].numel() for name in experts)

@@ -36,3 +36,24 @@ def test_lora_vision_is_refused_without_a_vision_tower():
     with pytest.raises(JobError, match="lora.vision: 'all' needs a model whose vision tower moetune trains; "
                                        "kimi_linear models take text only"):
         _lora("kimi_linear", "all")
+
+
+@pytest.mark.parametrize("vision,layers,adapted", [("projector", (1, 2), {"linear_fc1", "linear_fc2"}),
+                                                   ("all", (2, 2), {"linear_fc1", "linear_fc2", "qkv", "proj"})])
+def test_coverage_lists_the_vision_layers_lora_vision_adapts(vision, layers, adapted):
+    """The coverage table (a job's first LoRA event, `models inspect`) gets a "vision" row, the projector one more
+    layer after the blocks, with the LoRA parameters PEFT adds there; none with lora.vision "none"."""
+    from moetune.workers.lora.peft_lora import check_targets_on_config
+
+    config = REGISTRY["qwen3_5_moe"].tiny_config().to_dict()
+    job = spec(ep=1, zero=2)
+    assert "vision" not in check_targets_on_config(config, job.lora).kinds
+    job.lora.vision = vision
+    table = check_targets_on_config(config, job.lora)
+    row = next(r for r in table.rows() if r["layer_type"] == "vision")
+    assert (row["adapted_layers"], row["layers"]) == layers and set(row["adapted"]) == adapted
+    model = _lora("qwen3_5_moe", vision)
+    assert row["trainable_parameters"] == sum(p.numel() for n, p in model.named_parameters() if ".visual." in n
+                                              and p.requires_grad)
+    assert table.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert "vision" not in dict(table.warnings(job.lora))
