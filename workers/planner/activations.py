@@ -20,7 +20,8 @@ import torch
 from moetune.api.models import JobCreate
 from moetune.workers.families import apply_kernel_swaps, family_for
 from moetune.workers.lora.peft_lora import apply_lora
-from moetune.workers.methods.sft import token_loss_sum
+from moetune.workers.methods import method_for
+from moetune.workers.methods.batch import Batch
 from moetune.workers.planner import experts as routed
 from moetune.workers.planner.saved import SavedBytes
 
@@ -102,10 +103,14 @@ def meta_model(config: dict, dtype):
 
 
 def trainable(model, spec: JobCreate):
-    """The job's trainable model from a plain (meta) one, as the workers make it; routed experts not replaced."""
+    """The job's trainable model from a plain (meta) one, as the workers make it (routed experts not replaced),
+    and the job's method, prepared on it (its output layer computes the loss)."""
     if spec.training.custom_kernels:
         apply_kernel_swaps(model)
-    return apply_lora(model, spec.lora).train()
+    model = apply_lora(model, spec.lora).train()
+    method = method_for(spec, tokenizer=None)
+    method.prepare(model)
+    return model, method
 
 
 def install_stand_ins(model) -> object | None:
@@ -139,7 +144,7 @@ def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0][..., :width]
 
 
-def _measure(model, seq_len: int) -> Activations:
+def _measure(model, method, seq_len: int) -> Activations:
     ids = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
     counter = SavedBytes(model)
     recorder = _Recorder(model, counter)
@@ -147,7 +152,7 @@ def _measure(model, seq_len: int) -> Activations:
         with counter.counting(), _no_packed_sequence_check(), torch.fx.experimental._config.patch(
                 meta_nonzero_assume_all_nonzero=True), mock.patch(  # top-k selections (DSA) keep every candidate
                 "torch.nn.functional.scaled_dot_product_attention", _flash_attention):
-            token_loss_sum(model(input_ids=ids).logits, ids)
+            method.loss_sum(model, Batch({"input_ids": ids}, ids, seq_len))
     finally:
         recorder.remove()
     head_start = counter.total if recorder.head_start is None else recorder.head_start
@@ -155,11 +160,11 @@ def _measure(model, seq_len: int) -> Activations:
                        counter.total - head_start)
 
 
-def activations(model, seq_len: int) -> Activations:
+def activations(model, method, seq_len: int) -> Activations:
     """Saved bytes of one `seq_len`-token sequence through `model` (with its stand-ins installed)."""
     if seq_len <= MEASURED_UP_TO:
-        return _measure(model, seq_len)
-    a, b, c = (_measure(model, t) for t in _FIT_LENGTHS)
+        return _measure(model, method, seq_len)
+    a, b, c = (_measure(model, method, t) for t in _FIT_LENGTHS)
     return a.combine(_lagrange(_FIT_LENGTHS, seq_len), (b, c))
 
 

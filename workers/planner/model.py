@@ -37,14 +37,18 @@ class ModelFacts:
     seq_len: int
     compute_bytes: int
 
+    def layer_bytes(self, ep: int) -> tuple[float, ...]:
+        """Each decoder layer's saved bytes for one sequence, with its experts' share at EP=`ep`."""
+        layers = self.activations.layers
+        if not self.moe_layers:
+            return layers
+        saved = self.expert_saved[ep > 1 or self.expert_module_at_ep1]
+        block = saved.of(self.num_experts // ep, self.seq_len * self.top_k)
+        return tuple(b + (block if i in self.moe_layers else 0) for i, b in enumerate(layers))
+
     def activation_bytes(self, ep: int, checkpointing: bool) -> float:
         """Saved bytes of one sequence at `seq_len` (the loss's excepted) with the experts' share at EP=`ep`."""
-        layers = self.activations.layers
-        if self.moe_layers:
-            saved = self.expert_saved[ep > 1 or self.expert_module_at_ep1]
-            block = saved.of(self.num_experts // ep, self.seq_len * self.top_k)
-            layers = tuple(b + (block if i in self.moe_layers else 0) for i, b in enumerate(layers))
-        return self.activations.saved(layers, checkpointing)
+        return self.activations.saved(self.layer_bytes(ep), checkpointing)
 
     def largest_layer_bytes(self, ep: int) -> float:
         """One decoder layer's ZeRO-3-partitioned parameters as gathered on one rank (its experts' share)."""
@@ -76,9 +80,9 @@ def model_facts(config: dict, spec: JobCreate, dtype: torch.dtype = torch.bfloat
     text = model.config.get_text_config()
     width = input_width(experts) if blocks else 0
     count = sum(p.numel() for p in model.parameters())
-    model = trainable(model, spec)
+    model, method = trainable(model, spec)
     install_stand_ins(model)
     return ModelFacts(config.get("model_type"), count, quantization.format if quantization else None, tensors,
                       found.trainable - routed, routed, experts.num_experts if blocks else 0,
                       getattr(text, "num_experts_per_tok", 0) or 0, width, moe_layers, saved, at_ep1,
-                      activations(model, spec.training.seq_len), spec.training.seq_len, dtype.itemsize)
+                      activations(model, method, spec.training.seq_len), spec.training.seq_len, dtype.itemsize)

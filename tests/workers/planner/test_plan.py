@@ -1,0 +1,96 @@
+"""The plan itself: quantized weights at the bytes kernels.quant stores; the seed-scale model (2.78T parameters)
+planned in seconds within 2 GiB; the layout search, the tuner's start and `activation_checkpointing: "auto"`."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moetune.api.models import JobCreate
+from moetune.api.plans import parse_cluster
+from moetune.api.quantization import quantization_of
+from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
+from moetune.workers.families import REGISTRY
+from moetune.workers.planner import needs_activation_checkpointing, plan
+from moetune.workers.planner.memory import Layout, breakdown, total
+from moetune.workers.planner.model import model_facts
+from moetune.workers.planner.weights import quantized_bytes
+from tests.support import REPO
+from tests.support.quantized import FP8_CONFIG, INT4_CONFIG, MXFP4_CONFIG
+
+SEED_JOB = REPO / "examples" / "seed-plan.job.yaml"
+H200S = "nodes=8,gpus_per_node=8,gpu_memory=141GB,nic=400Gbps"
+
+
+@pytest.mark.parametrize("qc, quantize", [
+    ({**FP8_CONFIG, "weight_block_size": [128, 128]}, lambda w: quantize_fp8_block(w, (128, 128))),
+    (INT4_CONFIG, lambda w: quantize_int4(w, 32)),
+    (MXFP4_CONFIG, quantize_mxfp4),
+])
+def test_quantized_bytes_are_what_kernels_quant_stores(qc, quantize):
+    q = quantization_of({"quantization_config": qc})
+    for out, inp in ((256, 512), (320, 192)):
+        assert quantized_bytes(q, out, inp) == quantize(torch.randn(out, inp)).nbytes
+
+
+def test_quantized_experts_are_planned_at_their_stored_size():
+    """An INT4 checkpoint of deepseek_v3: the routed experts at INT4, everything its `ignore` names dense."""
+    config = {**REGISTRY["deepseek_v3"].tiny_config().to_dict(), "quantization_config": INT4_CONFIG}
+    spec = JobCreate(model="file:///unused", training_file="file:///unused")
+    dense = model_facts({k: v for k, v in config.items() if k != "quantization_config"}, spec)
+    facts = model_facts(config, spec)
+    expert_bytes = {t.name: t.nbytes for t in facts.tensors if t.expert}
+    assert {t.label for t in facts.tensors if t.expert and not t.name.endswith("_bias")} == {"int4-pack-quantized"}
+    assert {t.label for t in facts.tensors if not t.expert} == {"bfloat16", "float32"}
+    assert sum(expert_bytes.values()) < sum(t.nbytes for t in dense.tensors if t.expert) / 3
+
+
+def test_the_seed_model_is_planned_in_seconds_within_2_gib():
+    code = ("import json, resource, sys, time, yaml; from moetune.api.models import JobCreate; "
+            "from moetune.api.plans import parse_cluster; from moetune.workers.planner import plan; "
+            f"spec = JobCreate.model_validate(yaml.safe_load(open({str(SEED_JOB)!r}))); "
+            f"config = json.load(open({str(REPO / 'examples' / 'seed-model.config.json')!r})); t = time.time(); "
+            f"p = plan(config, spec, parse_cluster({H200S!r})); "
+            "print(json.dumps({'seconds': time.time() - t, 'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss"
+            " * 1024, 'plan': p}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["rss"] < 2 * 2**30 and result["seconds"] < 60
+    p = result["plan"]
+    assert p["model"]["parameters"] == 2_783_166_526_912 and p["model"]["lora_parameters"] == 31_590_400
+    assert not p["submitted"]["fits"]  # EP=1: every rank would hold all 5.5 TB of experts
+    fit = p["recommended"]
+    assert fit["fits"] and fit["expert_parallel_size"] > 1 and 896 % fit["expert_parallel_size"] == 0
+    assert fit["tuner_start_micro_batch"] >= 1 and p["load"]["seconds"] > 0
+
+
+def _tiny_job(**training) -> JobCreate:
+    return JobCreate(model="file:///unused", training_file="file:///unused",
+                     training={"global_batch_size": 16, "micro_batch_size": "auto", "seq_len": 4096, **training},
+                     parallelism={"num_workers": 4, "gpus_per_worker": 1})
+
+
+def test_layout_search_takes_the_smallest_fitting_layout_and_the_tuner_start():
+    config = REGISTRY["kimi_linear"].tiny_config().to_dict()
+    facts = model_facts(config, _tiny_job())
+    one = total(breakdown(facts, Layout(4, 1, 1, False, 1)))
+    four = total(breakdown(facts, Layout(4, 1, 1, False, 4)))
+    # room for two sequences without recomputation, not for four: the tuner starts at 2 of the 4 per rank
+    memory = (one + (four - one) / 2) / 0.9
+    p = plan(config, _tiny_job(), parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={memory:.0f}"), facts)
+    assert p["submitted"]["fits"] and p["recommended"]["expert_parallel_size"] == 1
+    assert p["recommended"]["zero_stage"] == 1 and p["recommended"]["tuner_start_micro_batch"] == 2
+    tight = plan(config, _tiny_job(), parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={one * 0.98 / 0.9:.0f}"),
+                 facts)
+    assert tight["recommended"]["activation_checkpointing"] is True
+
+
+def test_auto_checkpointing_is_needed_only_when_the_job_does_not_fit_without():
+    config = REGISTRY["kimi_linear"].tiny_config().to_dict()
+    job = _tiny_job(micro_batch_size=4)
+    without = total(breakdown(model_facts(config, job), Layout(4, 1, 2, False, 4)))
+    assert not needs_activation_checkpointing(config, job, without / 0.9 * 1.01)
+    assert needs_activation_checkpointing(config, job, without / 0.9 * 0.99)
+    assert needs_activation_checkpointing(config, _tiny_job(micro_batch_size=4, activation_checkpointing=True), 1e15)
