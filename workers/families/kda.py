@@ -13,31 +13,57 @@ import torch
 
 from moetune.kernels.kda import chunk_kda
 
-# The KDA layer's core is transformers' `chunk_kimi_delta_attention`, a module-level function of the layer's
-# modeling module, looked up at call time.
-_CORE = "chunk_kimi_delta_attention"
 _in_swapped_layer = contextvars.ContextVar("moetune_kda_swapped", default=False)
 
 
-def _kda_core(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+def _kda_core(stock, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
-    """transformers' chunk_kimi_delta_attention contract, computed by `kernels.kda.chunk_kda`."""
+    """transformers' chunk_kimi_delta_attention contract, computed by `kernels.kda.chunk_kda`; packed sequences
+    (`cu_seq_lens_q`, workers.families.segments) keep their own states."""
     return chunk_kda(query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=kwargs.get("cu_seqlens"))
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=kwargs.get("cu_seq_lens_q"))
 
 
-def _route_core(modeling) -> None:
-    """Replace the modeling module's core function, once, by one that takes our kernel inside swapped layers only."""
-    stock = getattr(modeling, _CORE)
-    if getattr(stock, "_moetune_stock", None) is not None:
-        return
+def _short_conv(stock, hidden_states, weight, bias=None, activation=None, cu_seq_lens_q=None, **kwargs):
+    """transformers' causal_conv1d_fn contract (a depthwise causal conv over [B, D, T]); with packed sequences no
+    tap reaches across a boundary (transformers' fallback would mix a sequence's first tokens with the previous
+    sequence's last ones)."""
+    if cu_seq_lens_q is None:
+        return stock(hidden_states, weight, bias=bias, activation=activation, **kwargs)
+    import torch.nn.functional as F
+    from transformers.activations import ACT2FN
 
-    @functools.wraps(stock)
-    def routed(*args, **kwargs):
-        return (_kda_core if _in_swapped_layer.get() else stock)(*args, **kwargs)
+    length, width = hidden_states.shape[-1], weight.shape[-1]
+    starts = torch.zeros(length, dtype=torch.long, device=hidden_states.device)
+    starts[cu_seq_lens_q[1:-1].long()] = 1
+    segment = starts.cumsum(0)  # each position's sequence
+    x = hidden_states.to(weight.dtype)
+    out = torch.zeros_like(x) if bias is None else bias[:, None].expand_as(x).clone()
+    for shift in range(width):  # tap `shift` reads position t - shift, if it is in t's sequence
+        same = segment == F.pad(segment, (shift, 0), value=-1)[:length]
+        out = out + weight[:, width - 1 - shift, None] * F.pad(x, (shift, 0))[..., :length] * same
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(hidden_states.dtype)
 
-    routed._moetune_stock = stock
-    setattr(modeling, _CORE, routed)
+
+# The KDA layer's transformers functions (module-level in its modeling module, looked up at call time) and ours
+_OURS = {"chunk_kimi_delta_attention": _kda_core, "causal_conv1d_fn": _short_conv}
+
+
+def _route(modeling) -> None:
+    """Replace the modeling module's functions, once, by ones that take ours inside swapped layers only."""
+    for name, ours in _OURS.items():
+        stock = getattr(modeling, name)
+        if getattr(stock, "_moetune_stock", None) is not None:
+            continue
+
+        def routed(*args, _stock=stock, _ours=ours, **kwargs):
+            return _ours(_stock, *args, **kwargs) if _in_swapped_layer.get() else _stock(*args, **kwargs)
+
+        functools.update_wrapper(routed, stock)
+        routed._moetune_stock = stock
+        setattr(modeling, name, routed)
 
 
 def _enter_swapped(module, args):
@@ -52,8 +78,9 @@ def kda_swap(layer_class: str) -> Callable[[torch.nn.Module], int]:
     """The swap for a family whose KDA layers are `layer_class` modules."""
 
     def apply_kda_kernels(model: torch.nn.Module) -> int:
-        """The KDA layers' chunked core runs `kernels.kda` (Triton on CUDA, the chunked PyTorch path on CPU).
-        Single-token decoding keeps transformers' recurrent step. Returns the layers swapped.
+        """The KDA layers' chunked core runs `kernels.kda` (Triton on CUDA, the chunked PyTorch path on CPU), and
+        their short conv keeps packed sequences apart. Single-token decoding keeps transformers' recurrent step.
+        Returns the layers swapped.
 
         The layer is marked by hooks around its forward (they travel with deepcopy and gradient-checkpoint
         recompute; the closing one also runs when the forward raises)."""
@@ -61,7 +88,7 @@ def kda_swap(layer_class: str) -> Callable[[torch.nn.Module], int]:
         for module in model.modules():
             if type(module).__name__ != layer_class or getattr(module, "_moetune_kda", False):
                 continue
-            _route_core(sys.modules[type(module).__module__])
+            _route(sys.modules[type(module).__module__])
             module.register_forward_pre_hook(_enter_swapped)
             module.register_forward_hook(_leave_swapped, always_call=True)
             module._moetune_kda = True

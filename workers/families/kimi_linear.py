@@ -1,7 +1,9 @@
-"""Kimi-Linear (the seed family): KDA + MLA attention, sigmoid router with bias correction, a shared expert."""
+"""Kimi-Linear (the seed family): KDA + MLA attention, sigmoid router with bias correction, a shared expert. With its
+kernel swaps, micro-batches are packed: every layer keeps packed sequences apart (workers.families.segments)."""
 
 from moetune.api.families import FAMILIES
 from moetune.workers.families.kda import kda_swap
+from moetune.workers.families.segments import segment_attention_swap
 from moetune.workers.families.spec import Family
 from moetune.workers.tiny import tiny_config as seed_config
 
@@ -15,4 +17,4 @@ def tiny_config(**overrides):
 
 FAMILY = Family(FAMILIES["kimi_linear"], moe_block="KimiLinearMoE", shared_experts="shared_experts",
                 tiny_config=tiny_config,
-                swaps=(kda_swap("KimiLinearDeltaAttention"),))
+                swaps=(kda_swap("KimiLinearDeltaAttention"), segment_attention_swap("KimiLinearAttention")))

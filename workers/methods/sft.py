@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from moetune.api.chat_content import joined_text
 from moetune.api.errors import ErrorCode
 from moetune.workers.errors import JobError
+from moetune.workers.families.segments import packs_sequences
 from moetune.workers.methods.batch import IGNORE, Batch
 from moetune.workers.methods.loss_head import install_loss_head
 
@@ -121,6 +122,21 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
                  sum(len(e.input_ids) for e in examples))
 
 
+def collate_packed(examples: list[Example]) -> Batch:
+    """The examples end to end in one row, without padding: position ids restart and `cu_seq_lens_q` marks where
+    each sequence starts (for a model whose layers keep packed sequences apart, workers.families.segments); the
+    first token of each sequence is no one's target, so no sequence learns from another."""
+    import torch
+
+    input_ids = torch.tensor([[t for e in examples for t in e.input_ids]], dtype=torch.long)
+    labels = torch.tensor([[label for e in examples for label in (IGNORE, *e.labels[1:])]], dtype=torch.long)
+    lengths = torch.tensor([len(e.input_ids) for e in examples])
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
+    return Batch({"input_ids": input_ids, "position_ids": positions, "cu_seq_lens_q": offsets}, labels,
+                 int(lengths.sum()))
+
+
 def token_loss_sum(logits, labels):
     """Cross-entropy summed over the positions that carry loss (labels shifted by one)."""
     import torch.nn.functional as F
@@ -136,18 +152,20 @@ class SupervisedMethod:
 
     def __init__(self, tokenizer, seq_len: int):
         self.tokenizer, self.seq_len = tokenizer, seq_len
-        self.head = None
+        self.head, self.pack = None, False
 
     def examples(self, rows: list[dict]) -> tuple[list[Example], int]:
         """Examples that carry loss, and how many rows were dropped for carrying none within seq_len."""
         return tokenize_rows(self.tokenizer, rows, self.seq_len)
 
     def collate(self, examples: list[Example]) -> Batch:
-        return collate(examples, self.tokenizer.pad_token_id)
+        return collate_packed(examples) if self.pack else collate(examples, self.tokenizer.pad_token_id)
 
     def prepare(self, model) -> None:
-        """Before the engine wraps the model: its output layer computes the loss itself (methods.loss_head)."""
+        """Before the engine wraps the model: its output layer computes the loss itself (methods.loss_head), and
+        micro-batches are packed where every layer keeps packed sequences apart (the family's kernel swaps)."""
         self.head = install_loss_head(model)
+        self.pack = packs_sequences(model)
 
     def loss_sum(self, model, batch: Batch):
         """The micro-batch's loss summed over its loss tokens (the step divides by the global batch's count)."""

@@ -55,8 +55,9 @@ def kernel_calls(monkeypatch):
 def test_swapped_model_matches_stock(stock_model, kernel_calls):
     input_ids = torch.randint(3, 264, (2, 75))  # 75 tokens: not a multiple of the 64-token chunk
     swapped = copy.deepcopy(stock_model)
-    assert apply_kernel_swaps(swapped) == {"apply_kda_kernels": 3}  # the 3 KDA layers of tiny
-    assert apply_kernel_swaps(swapped) == {"apply_kda_kernels": 0}  # idempotent
+    # the 3 KDA layers of tiny, and its MLA layer's packed-sequence attention (unpacked here: transformers' SDPA)
+    assert apply_kernel_swaps(swapped) == {"apply_kda_kernels": 3, "apply_segment_attention": 1}
+    assert apply_kernel_swaps(swapped) == {"apply_kda_kernels": 0, "apply_segment_attention": 0}  # idempotent
 
     ref_logits, ref_grads = logits_and_lora_grads(stock_model, input_ids)
     assert kernel_calls == []  # the stock model never reaches our kernel

@@ -1,0 +1,60 @@
+"""Packed sequences for attention: several sequences in one row, kept apart by their boundaries (`cu_seq_lens_q`,
+the offsets transformers' flash-attention path takes), with no mask of any size.
+
+A swapped attention module runs on `moetune_segments`: with boundaries, transformers' own SDPA attention per
+sequence (each plainly causal); without them, transformers' SDPA unchanged. Its mask function builds no mask for a
+row without padding (transformers would build a [T, T] block-diagonal one from packed position ids), and
+transformers' SDPA mask for a padded one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTN_IMPLEMENTATION = "moetune_segments"
+
+
+def _segments_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention-interface signature: query/key/value [B, H, T, D]; returns ([B, T, H, Dv], None)."""
+    offsets = kwargs.pop("cu_seq_lens_q", None)
+    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(name, None)
+    if offsets is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    bounds = offsets.tolist()
+    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, dropout,
+                                   scaling, **kwargs)[0] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return torch.cat(outs, dim=1), None
+
+
+def _segments_mask(attention_mask=None, **kwargs):
+    return None if attention_mask is None else sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
+def segment_attention_swap(attention_class: str) -> Callable[[torch.nn.Module], int]:
+    """The swap for a family whose softmax-attention modules are `attention_class` (they call the attention
+    interface of their config)."""
+
+    def apply_segment_attention(model: torch.nn.Module) -> int:
+        """Packed-sequence attention for every `attention_class` module; returns how many changed."""
+        modules = [m for m in model.modules()
+                   if type(m).__name__ == attention_class and not getattr(m, "_moetune_segments", False)]
+        if modules:
+            AttentionInterface.register(ATTN_IMPLEMENTATION, _segments_attention)
+            AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _segments_mask)
+        for module in modules:
+            module.config._attn_implementation = ATTN_IMPLEMENTATION
+            module._moetune_segments = True
+        return len(modules)
+
+    return apply_segment_attention
+
+
+def packs_sequences(model: torch.nn.Module) -> bool:
+    """Whether the model's attention was swapped for packed sequences (a family has this swap only where its other
+    layers keep packed sequences apart too: kimi_linear's KDA swap)."""
+    return any(getattr(m, "_moetune_segments", False) for m in model.modules())
