@@ -34,6 +34,7 @@ from moetune.workers.loop.step import RankPlace, StepRunner
 from moetune.workers.methods import method_for
 from moetune.workers.model import load_dtype, load_tokenizer, trainable_model
 from moetune.workers.parallel import job_placement
+from moetune.workers.planner import needs_activation_checkpointing
 from moetune.workers.reporting.metrics import WorkerMetrics
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.settings import enter_worker_env
@@ -89,6 +90,7 @@ class _Worker:
             swapped = {name: n for name, n in apply_kernel_swaps(model).items() if n}
             if swapped:
                 self.event("Custom kernels swapped in: " + ", ".join(f"{k} ({n} modules)" for k, n in swapped.items()))
+        self._resolve_activation_checkpointing(config)
         self.model = trainable_model(model, self.spec, placement)
         if self.t.activation_checkpointing is True:
             self.event("Activation checkpointing: each decoder layer keeps its inputs only and is recomputed in "
@@ -99,6 +101,16 @@ class _Worker:
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.event(f"Model loaded: {total:,} parameters, {trainable:,} trainable (LoRA)",
                    data={"parameters": total, "trainable_parameters": trainable})
+
+    def _resolve_activation_checkpointing(self, config: dict) -> None:
+        """`activation_checkpointing: "auto"` becomes on where the memory plan says the GPU cannot hold the job
+        without it; off on CPU workers (their `memory_budget_mb` bounds activations only, not what the plan sums)."""
+        if self.t.activation_checkpointing != "auto":
+            return
+        on = self.device.type == "cuda" and needs_activation_checkpointing(
+            config, self.spec, torch.cuda.get_device_properties(self.device).total_memory)
+        self.t = self.t.model_copy(update={"activation_checkpointing": on})
+        self.spec = self.spec.model_copy(update={"training": self.t})
 
     def load_data(self) -> None:
         seq_len = self.t.seq_len
