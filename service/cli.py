@@ -207,9 +207,10 @@ def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
 
 @main.command()
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the demo job.")
-def demo(timeout: float) -> None:
+@click.option("--images", is_flag=True, help="Train a tiny vision-language model (qwen3_5_moe) on image rows.")
+def demo(timeout: float, images: bool) -> None:
     """Run one tiny job end to end on the embedded default (loopback S3, local Ray, SQLite, CPU)."""
-    sys.exit(run_demo(timeout=timeout))
+    sys.exit(run_demo(timeout=timeout, images=images))
 
 
 main.add_command(models)

@@ -2,7 +2,8 @@
 
 Loopback S3 server + local Ray head + SQLite control plane; a tiny seed-family (kimi_linear) MoE
 checkpoint and dataset are generated, uploaded, and fine-tuned by a 2-worker ZeRO-2 LoRA job
-submitted through the SDK.
+submitted through the SDK. `--images`: a tiny qwen3_5_moe vision-language checkpoint (its image processor
+config, image tokens) and chat rows asking the colour of a solid-colour image, trained with EP=2.
 """
 
 from __future__ import annotations
@@ -34,24 +35,36 @@ TOKEN = "demo-token"
 ADAPTER_COPY = Path(".moetune/demo-adapter")  # the demo's S3 server is gone when it exits; keep the adapter
 
 
-def _make_assets(work: Path, s3_url: str) -> None:
-    from moetune.workers.tiny import (  # torch-heavy: only the demo needs it
+MODELS = {False: "tiny-kimi-linear", True: "tiny-qwen3.5-moe-vl"}  # by --images
+
+
+def _make_assets(work: Path, s3_url: str, images: bool) -> None:
+    # torch-heavy: only the demo needs them
+    from moetune.workers.families import REGISTRY
+    from moetune.workers.tiny import (
+        tiny_image_rows,
+        tiny_rows,
         write_tiny_checkpoint,
         write_tiny_dataset,
+        write_tiny_multimodal_checkpoint,
     )
 
-    write_tiny_checkpoint(work / "model", seed=0)
-    write_tiny_dataset(work / "train.jsonl", n_rows=256, seed=1)
-    write_tiny_dataset(work / "valid.jsonl", n_rows=32, seed=2)
+    if images:
+        write_tiny_multimodal_checkpoint(str(work / "model"), REGISTRY["qwen3_5_moe"].tiny_config)
+    else:
+        write_tiny_checkpoint(work / "model", seed=0)
+    rows = tiny_image_rows if images else tiny_rows
+    write_tiny_dataset(work / "train.jsonl", n_rows=256, seed=1, rows=rows)
+    write_tiny_dataset(work / "valid.jsonl", n_rows=32, seed=2, rows=rows)
     storage.make_bucket(f"s3://{BUCKET}", endpoint_url=s3_url)
-    storage.upload_dir(str(work / "model"), f"s3://{BUCKET}/models/tiny-kimi-linear", endpoint_url=s3_url)
+    storage.upload_dir(str(work / "model"), f"s3://{BUCKET}/models/{MODELS[images]}", endpoint_url=s3_url)
     for name in ("train.jsonl", "valid.jsonl"):
         storage.write_bytes(f"s3://{BUCKET}/data/{name}", (work / name).read_bytes(), endpoint_url=s3_url)
 
 
-def demo_job_spec() -> JobCreate:
+def demo_job_spec(images: bool = False) -> JobCreate:
     return JobCreate(
-        model=f"s3://{BUCKET}/models/tiny-kimi-linear",
+        model=f"s3://{BUCKET}/models/{MODELS[images]}",
         training_file=f"s3://{BUCKET}/data/train.jsonl",
         validation_file=f"s3://{BUCKET}/data/valid.jsonl",
         suffix="demo",
@@ -62,12 +75,13 @@ def demo_job_spec() -> JobCreate:
             max_steps=30, learning_rate=3e-3, global_batch_size=8, micro_batch_size=2, seq_len=128,
             eval_every=10, checkpoint_every=15,
         ),
-        parallelism=ParallelismSpec(num_workers=2, zero_stage=2),
+        # the image job splits the routed experts between the two workers (EP=2)
+        parallelism=ParallelismSpec(num_workers=2, zero_stage=2, expert_parallel_size=2 if images else 1),
         output_uri=f"s3://{BUCKET}/outputs",
     )
 
 
-def run_demo(timeout: float = 600) -> int:
+def run_demo(timeout: float = 600, images: bool = False) -> int:
     """Returns the process exit code: 0 only if the job succeeded."""
     console = Console()
     start = time.monotonic()
@@ -76,9 +90,10 @@ def run_demo(timeout: float = 600) -> int:
         env = s3_env(s3_url)
         os.environ.update(env)
         console.print(f"[bold]S3-compatible server[/] {s3_url}")
-        _make_assets(work, s3_url)
-        console.print("Generated a tiny kimi_linear MoE checkpoint, tokenizer and dataset; uploaded to "
-                      f"s3://{BUCKET}/")
+        _make_assets(work, s3_url, images)
+        what = ("qwen3_5_moe vision-language checkpoint, tokenizer, image processor and solid-colour image dataset"
+                if images else "kimi_linear MoE checkpoint, tokenizer and dataset")
+        console.print(f"Generated a tiny {what}; uploaded to s3://{BUCKET}/")
         with local_ray_head(num_cpus=max(4, os.cpu_count() or 1), env=env) as head:
             console.print(f"[bold]Ray head[/] {head.gcs_address} (Jobs API {head.dashboard_url})")
             port = free_port()
@@ -94,8 +109,9 @@ def run_demo(timeout: float = 600) -> int:
             with control_plane_in_thread(create_app(settings), port) as url:
                 console.print(f"[bold]Control plane[/] {url} (token {TOKEN})")
                 client = Client(url, TOKEN)
-                job = client.jobs.create(demo_job_spec())
-                console.print(f"Submitted [bold]{job.id}[/]: 2 workers, ZeRO-2, LoRA r=8 on all linear layers")
+                job = client.jobs.create(demo_job_spec(images))
+                console.print(f"Submitted [bold]{job.id}[/]: 2 workers, ZeRO-2{', EP=2' if images else ''}, LoRA r=8 "
+                              f"on all linear layers{' of the text model' if images else ''}")
                 job, follower = follow(client, job.id, timeout=timeout, console=console)
                 if job.status == JobStatus.succeeded:
                     shutil.rmtree(ADAPTER_COPY, ignore_errors=True)

@@ -142,16 +142,22 @@ def write_tiny_checkpoint(local_dir: str, seed: int = 0) -> str:
     config = tiny_config(vocab_size, tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _like_trained(model, config.initializer_range)
+    model.save_pretrained(local_dir, max_shard_size="200KB")
+    return local_dir
+
+
+def _like_trained(model, initializer_range: float) -> None:
+    import torch
+
     with torch.no_grad():
         # Random init leaves the router at zero (uniform routing); give it a spread like a trained router.
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, config.initializer_range)
+                param.normal_(0.0, initializer_range)
         # A trained model's output head spans a wide logit range; with the default 0.02 std the best
         # logits LoRA can reach stay near uniform (loss would stall near 4.7 instead of falling below 2).
         model.lm_head.weight.normal_(0.0, 0.1)
-    model.save_pretrained(local_dir, max_shard_size="200KB")
-    return local_dir
 
 
 def write_tiny_multimodal_checkpoint(local_dir: str, tiny_config, seed: int = 0) -> str:
@@ -171,8 +177,9 @@ def write_tiny_multimodal_checkpoint(local_dir: str, tiny_config, seed: int = 0)
         setattr(config, key, tokenizer.convert_tokens_to_ids(token))
     vision.image_processor(config.vision_config).save_pretrained(local_dir)
     torch.manual_seed(seed)
-    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(local_dir,
-                                                                                        max_shard_size="200KB")
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    _like_trained(model, config.get_text_config().initializer_range)
+    model.save_pretrained(local_dir, max_shard_size="200KB")
     return local_dir
 
 
@@ -233,9 +240,10 @@ def tiny_image_rows(n_rows: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_tiny_dataset(path: str, n_rows: int, seed: int = 0) -> str:
-    """JSONL mixing `text` rows and chat `messages` rows; `path` is a local file path."""
+def write_tiny_dataset(path: str, n_rows: int, seed: int = 0, rows=tiny_rows) -> str:
+    """JSONL of `rows(n_rows, seed)` (by default `text` and chat `messages` rows mixed; tiny_image_rows for the
+    image rows); `path` is a local file path."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in tiny_rows(n_rows, seed))
+        f.writelines(json.dumps(row) + "\n" for row in rows(n_rows, seed))
     return path
