@@ -53,10 +53,10 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
     FamilyFacts("nemotron_h", ("n_routed_experts",),
                 ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj", "fc1_latent_proj",
                  "fc2_latent_proj")),
-    # DeepSeek-V4: shared-KV attention (q_a/q_b, kv, grouped o_a -> o_b) whose compressors and indexer have their
-    # own kv/gate projections; shared and routed experts only (every layer is MoE)
+    # DeepSeek-V4: shared-KV attention (q_a/q_b, kv, grouped o_a -> o_b; PEFT cannot adapt the grouped o_a_proj)
+    # whose compressors and indexer have their own kv/gate projections; shared and routed experts (every layer MoE)
     FamilyFacts("deepseek_v4", ("n_routed_experts",),
-                ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "weights_proj") + _MLP),
+                ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "weights_proj") + _MLP),
     # Kimi K2.5: a DeepSeek-V3 text model (MLA + MoE) under a vision tower; text path only.
     FamilyFacts("kimi_k25", ("n_routed_experts",), _MLA + _MLP, text_config_key="text_config"),
     # Every layer is MoE (no dense MLP); the router is not a linear; experts carry biases.

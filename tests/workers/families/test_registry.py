@@ -25,7 +25,7 @@ def test_every_family_module_has_facts_and_every_fact_a_module():
 
 def test_sub_model_types_find_their_family_and_unknown_ones_name_the_supported():
     assert family_for({"model_type": "glm5_next_text"}) is REGISTRY["glm5_next"]
-    supported = "deepseek_v3, deepseek_v32, glm5_next"
+    supported = "deepseek_v3, deepseek_v32, deepseek_v4, glm5_next"
     with pytest.raises(Exception, match=f"model_type 'llama' is not supported; supported: {supported}"):
         family_for({"model_type": "llama"})
 
