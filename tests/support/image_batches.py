@@ -1,6 +1,6 @@
 """The image tests' shared parts (any family that takes images): the tiny multimodal model (spread-out router, same
 weights on every call), mixed text and image micro-batches through the job's method, and the EP=2 rank run of those
-batches."""
+batches, and the reference they are checked against."""
 
 from __future__ import annotations
 
@@ -65,3 +65,27 @@ def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir:
     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
     os.makedirs(out_dir, exist_ok=True)
     torch.save({"loss": loss.item(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def reference(tiny_vl, method, job, ranks) -> tuple[float, dict]:
+    """Stock transformers + PEFT, same LoRA draw: the rank-mean of the loss sums and its LoRA gradients."""
+    from moetune.workers.lora.peft_lora import apply_lora
+    from moetune.workers.methods.sft import token_loss_sum
+
+    model = image_model(tiny_vl)
+    torch.manual_seed(1)
+    peft_model = apply_lora(model, job.lora)
+    loss = sum(token_loss_sum(peft_model(**b.inputs).logits, b.labels)
+               for b in (image_batch(method, r) for r in ranks)) / len(ranks)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def assert_grads(got: dict, want: dict):
+    assert got.keys() == want.keys() and any("vision" not in n for n in want)
+    for name, expected in want.items():
+        if expected is None:  # glm5_next's indexer LoRA: its top-k selection passes no gradient, on either side
+            assert got[name] is None and ".indexer." in name, name
+            continue
+        assert expected.abs().max() > 0 or "lora_A" in name, name  # B starts at 0: only B has a first gradient
+        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=1e-6, msg=name)

@@ -52,7 +52,7 @@ def test_malformed_row_fails_before_any_worker_starts(assets, receiver):
     assert result.status == "failed"
     assert (result.error.code, result.error.param) == ("invalid_training_file", "training_file")
     assert result.error.message == (f"training_file {assets}/data/train.jsonl row 7: "
-                                    "'messages[1].content' must be a string")
+                                    "'messages[1].content' must be a string or a non-empty list of content parts")
     assert "Traceback" not in result.error.message
 
 

@@ -57,7 +57,7 @@ def _activation_bytes(checkpoint: str, training_file: str, sizes: tuple[int, ...
     probe, measured = MemoryProbe(model, torch.device("cpu")), {}
     for size in sizes:
         batch = method.collate(examples[:size])
-        assert batch.labels.shape == (size, SEQ_LEN)
+        assert batch.labels.numel() == size * SEQ_LEN  # every row SEQ_LEN tokens (packed: end to end)
         probe.begin()
         method.loss_sum(model, batch).backward()
         probe.end()

@@ -92,8 +92,13 @@ def train_step(engine, rank: int, step: int) -> float:
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, str, str, str, bool]], out_dir: str) -> None:
     """Several (case id, runner name, family, spec JSON, skew) runs one after another in the same processes
-    (one start for all); the runner is `run_engine` or `run_and_resume`."""
-    runners = {"train": run_engine, "resume": run_and_resume}
+    (one start for all); the runner is `run_engine`, `run_and_resume`, or the image run (its "family" is the
+    tiny multimodal checkpoint's folder)."""
+    from tests.support.image_batches import run_image_ep
+
+    runners = {"train": run_engine, "resume": run_and_resume,
+               "image": lambda rank, world, model_dir, spec_json, out, _: run_image_ep(rank, world, model_dir,
+                                                                                        spec_json, out)}
     for case_id, runner, family_name, spec_json, skew in cases:
         runners[runner](rank, world, family_name, spec_json, os.path.join(out_dir, case_id), skew)
 

@@ -1,0 +1,21 @@
+"""Image + text micro-batches with EP=2 (qwen3_5_moe: the routed experts split between the two ranks, on kernels.moe's
+grouped GEMMs, each rank its own image batch): first loss and every LoRA gradient equal single-process stock
+transformers + PEFT on both ranks' batches."""
+
+import pytest
+
+from tests.support.image_batches import assert_grads, image_method, reference
+from tests.workers.parallel.cases import IMAGE_CASES
+
+
+@pytest.mark.parametrize("case", list(IMAGE_CASES))
+def test_ep2_first_loss_and_lora_gradients_match_transformers_peft(ep_runs, case):
+    _, job = IMAGE_CASES[case]
+    assert job.lora.train_experts is False and job.training.custom_kernels  # experts split, grouped GEMMs
+    out, ranks = ep_runs(case)
+    model_dir = str(out.parent / f"{case}-model")
+    method = image_method(model_dir)
+    want_loss, want_grads = reference(model_dir, method, job, ranks=[0, 1])
+    assert sum(r["loss"] for r in ranks) / 2 == pytest.approx(want_loss, rel=1e-6)
+    for r in ranks:
+        assert_grads(r["grads"], want_grads)
