@@ -16,6 +16,6 @@ def _liger_sum(hidden, weight, targets):
 
 def linear_cross_entropy_sum(hidden, weight, targets):
     """Summed cross-entropy of `hidden @ weight.T` (see the package docstring); targets hold no ignored index."""
-    if hidden.is_cuda:
+    if hidden.is_cuda and hidden.shape[0]:  # a micro-batch without a loss token takes the (empty) chunk loop
         return _liger_sum(hidden, weight, targets)
     return chunked_linear_cross_entropy_sum(hidden, weight, targets)

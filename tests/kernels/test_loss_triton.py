@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moetune.kernels.loss import linear_cross_entropy_sum
 from moetune.kernels.loss.chunked import chunked_linear_cross_entropy_sum
 from moetune.kernels.loss.dispatch import _liger_sum
 from tests.support.allocations import Allocations
@@ -38,6 +39,12 @@ def test_chunked_equals_the_plain_loss_and_gradient():
         loss, grad = _loss_and_grad(lambda *a: chunked_linear_cross_entropy_sum(*a, chunk_tokens=chunk), h, w, y)
         torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_micro_batch_without_loss_tokens_gives_zero():
+    h, w, y = _inputs(tokens=0)
+    loss, grad = _loss_and_grad(linear_cross_entropy_sum, h, w, y)
+    assert loss.item() == 0.0 and grad.shape == (0, h.shape[1])
 
 
 def test_no_tensor_of_tokens_times_vocab():
