@@ -34,14 +34,20 @@ def _contexts():
     return contextlib.nullcontext(), _rerun()
 
 
+def decoder_layers(model) -> list:
+    """The layers checkpointing reruns: every family's decoder layers are transformers' GradientCheckpointingLayer."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 def enable_activation_checkpointing(model) -> int:
     """Checkpoints every decoder layer of a transformers model (PEFT-wrapped too); returns how many."""
     from functools import partial
 
     from torch.utils.checkpoint import checkpoint
-    from transformers.modeling_layers import GradientCheckpointingLayer
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     for layer in layers:
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False, context_fn=_contexts)

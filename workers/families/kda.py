@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from moetune.kernels.kda import chunk_kda
 
@@ -30,9 +32,6 @@ def _short_conv(stock, hidden_states, weight, bias=None, activation=None, cu_seq
     sequence's last ones)."""
     if cu_seq_lens_q is None:
         return stock(hidden_states, weight, bias=bias, activation=activation, **kwargs)
-    import torch.nn.functional as F
-    from transformers.activations import ACT2FN
-
     length, width = hidden_states.shape[-1], weight.shape[-1]
     starts = torch.zeros(length, dtype=torch.long, device=hidden_states.device)
     starts[cu_seq_lens_q[1:-1].long()] = 1

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from moetune.workers.planner import starting_micro_batch
 from moetune.workers.planner.memory import USABLE_FRACTION
+from moetune.workers.planner.saved import SavedBytes
 
 GPU_DEFAULT_BUDGET = USABLE_FRACTION  # of device memory: headroom for the allocator's fragmentation and comm buffers
 
@@ -49,19 +50,9 @@ class MemoryProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.fixed = float(torch.cuda.memory_allocated(self.device))
             return
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        seen: set[int] = set()
-        self.activation = 0.0
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                self.activation += storage.nbytes()
-            return tensor
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
-        self._hooks.__enter__()
+        self._saved = SavedBytes(self.model)
+        self._counting = self._saved.counting()
+        self._counting.__enter__()
 
     def end(self) -> None:
         import torch
@@ -69,7 +60,8 @@ class MemoryProbe:
         if self.device.type == "cuda":
             self.activation = torch.cuda.max_memory_allocated(self.device) - self.fixed
         else:
-            self._hooks.__exit__(None, None, None)
+            self._counting.__exit__(None, None, None)
+            self.activation = float(self._saved.total)
 
 
 class MicroBatchTuner:

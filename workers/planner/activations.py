@@ -24,6 +24,7 @@ from moetune.workers.methods import method_for
 from moetune.workers.methods.batch import Batch
 from moetune.workers.planner import experts as routed
 from moetune.workers.planner.saved import SavedBytes
+from moetune.workers.recompute import decoder_layers
 
 MEASURED_UP_TO = 16384
 _FIT_LENGTHS = (4096, 8192, 16384)
@@ -59,12 +60,6 @@ class Activations:
                            mix(lambda p: p.loss))
 
 
-def _decoder_layers(model) -> list:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
 def _first_tensor(args, kwargs):
     return next((a for a in (*args, kwargs.get("hidden_states")) if isinstance(a, torch.Tensor)), None)
 
@@ -76,7 +71,7 @@ class _Recorder:
         self.counter, self.layers, self.inputs, self.head_start = counter, [], [], None
         self._starts = {}
         self._handles = []
-        for layer in _decoder_layers(model):
+        for layer in decoder_layers(model):
             self._handles.append(layer.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._leave))
         head = model.get_output_embeddings()

@@ -1,8 +1,9 @@
 """Bytes autograd saves for backward, counted the way the tuner's CPU measure counts them
 (workers.loop.tuner.MemoryProbe: every storage once, parameters excluded), but keyed by the storage object rather
-than its address, so it also counts tensors on the meta device (whose storages all sit at address 0). Each storage
-counted is held until the counter goes: a saved tensor whose graph branch is dropped during the forward (a router's
-scores, used only for its top-k indices) must not free a key that a later storage would then reuse."""
+than its address, so it also counts tensors on the meta device (whose storages all sit at address 0). Each meta
+storage counted is held until the counter goes: a saved tensor whose graph branch is dropped during the forward (a
+router's scores, used only for its top-k indices) must not free a key that a later storage would then reuse. Real
+storages are not held (the tuner counts during training, whose backward frees them as it goes)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class SavedBytes:
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key not in self._excluded and key not in self._seen:
-            self._seen[key] = storage
+            self._seen[key] = storage if storage.device.type == "meta" else None
             self.total += storage.nbytes()
         return tensor
 
