@@ -16,7 +16,8 @@ from moetune.api.chat_content import DATA_URL_PREFIX, image_urls
 from moetune.api.images import data_url_bytes
 from moetune.workers.errors import DatasetError
 from moetune.workers.methods.batch import IGNORE, Batch
-from moetune.workers.methods.sft import Example, SupervisedMethod, chat_example, collate, tokenize_row
+from moetune.workers.methods.sft import (Example, SupervisedMethod, chat_example, collate, tokenize_row,
+                                        with_loss)
 
 
 @dataclass
@@ -115,9 +116,7 @@ class SupervisedImageMethod(SupervisedMethod):
         self.images = images
 
     def examples(self, rows: list[dict]) -> tuple[list[Example], int]:
-        examples = [self.images.example(row, self.seq_len) for row in rows]
-        kept = [e for e in examples if e.trained_tokens]
-        return kept, len(examples) - len(kept)
+        return with_loss([self.images.example(row, self.seq_len) for row in rows])
 
     def collate(self, examples: list[Example]) -> Batch:
         return collate_with_images(examples, self.tokenizer.pad_token_id, self.images.image_token_id)

@@ -98,11 +98,15 @@ def tokenize_row(tokenizer, row: dict, seq_len: int) -> Example:
     return Example(example.input_ids[:seq_len], example.labels[:seq_len])
 
 
-def tokenize_rows(tokenizer, rows: list[dict], seq_len: int) -> tuple[list[Example], int]:
-    """Tokenized examples that carry loss, and how many rows were dropped for carrying none."""
-    examples = [tokenize_row(tokenizer, row, seq_len) for row in rows]
+def with_loss(examples: list[Example]) -> tuple[list[Example], int]:
+    """The examples that carry loss, and how many were dropped for carrying none."""
     kept = [e for e in examples if e.trained_tokens]
     return kept, len(examples) - len(kept)
+
+
+def tokenize_rows(tokenizer, rows: list[dict], seq_len: int) -> tuple[list[Example], int]:
+    """Tokenized examples that carry loss, and how many rows were dropped for carrying none."""
+    return with_loss([tokenize_row(tokenizer, row, seq_len) for row in rows])
 
 
 def collate(examples: list[Example], pad_id: int) -> Batch:
