@@ -12,6 +12,7 @@ from moetune.api.errors import ErrorCode
 from moetune.api.models import ErrorResponse
 from moetune.service import internal, routes
 from moetune.service.auth import TenantResolver
+from moetune.service.base_models import BaseModels
 from moetune.service.errors import error_response, install_error_handlers
 from moetune.service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
 from moetune.service.scheduler import Scheduler
@@ -46,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = store
     app.state.scheduler = scheduler
     app.state.tenant_resolver = TenantResolver(settings.tenants_by_token)
+    app.state.base_models = BaseModels(settings.base_models)
     install_error_handlers(app)
     app.add_middleware(RequestLatencyMiddleware, histogram=metrics.request_latency)
     app.include_router(routes.router)

@@ -105,6 +105,7 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
                 s3_endpoint_url=s3_url,
                 default_output_uri=f"s3://{BUCKET}/outputs",
                 allow_file_uris=True,  # a single-user laptop demo: local files are the user's own
+                base_models={MODELS[images]: f"s3://{BUCKET}/models/{MODELS[images]}"},
             )
             with control_plane_in_thread(create_app(settings), port) as url:
                 console.print(f"[bold]Control plane[/] {url} (token {TOKEN})")

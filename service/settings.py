@@ -12,6 +12,7 @@ from moetune.api.environment import PASSTHROUGH_ENV
 from moetune.api.images import ImageLimits
 from moetune.api.models import URI_SCHEMES
 from moetune.api.plans import parse_cluster
+from moetune.service.base_models import parse_base_models
 
 
 class Settings(BaseSettings):
@@ -44,6 +45,9 @@ class Settings(BaseSettings):
     # At submission the control plane scans data files up to this size for image URIs (allow-list, vision tower);
     # the driver scans every file again, whatever its size.
     submission_scan_max_mb: float = 64.0
+    # Registered base models, JSON {"name": "s3://..."} or "name=uri,name=uri" (service/base_models.py): usable by
+    # name as a job's `model` and for inference, listed by GET /v1/models.
+    base_models: Annotated[dict[str, str], NoDecode] = {}
 
     @field_validator("worker_env_passthrough", mode="before")
     @classmethod
@@ -52,6 +56,11 @@ class Settings(BaseSettings):
             text = value.strip()
             return json.loads(text) if text.startswith("[") else [n.strip() for n in text.split(",") if n.strip()]
         return value
+
+    @field_validator("base_models", mode="before")
+    @classmethod
+    def _base_models(cls, value):
+        return parse_base_models(value)
 
     @field_validator("api_tokens")
     @classmethod
