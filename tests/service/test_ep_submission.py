@@ -105,7 +105,7 @@ def test_the_driver_refuses_lora_vision_without_a_vision_tower_it_trains(model_t
         assert not refused
 
 
-def test_the_driver_checks_the_tokenizer_and_the_output_again(control_plane):
+def test_the_driver_checks_the_tokenizer_and_the_output_again(control_plane, tmp_path):
     """What storage did not answer at submission, the driver's checks refuse before any worker starts: a checkpoint
     without a tokenizer, a tokenizer that is not the model's (vocab_size 4x its size), an output bucket that is
     not there."""
@@ -113,10 +113,11 @@ def test_the_driver_checks_the_tokenizer_and_the_output_again(control_plane):
 
     _, bucket = control_plane
     config = REGISTRY["kimi_linear"].tiny_config().to_dict()
-    check_tokenizer(f"s3://{bucket}/kimi", config)
+    check_tokenizer(f"s3://{bucket}/kimi", config, str(tmp_path / "a"))
     check_output(f"s3://{bucket}/out/ftjob-1")
-    cases = [(lambda: check_tokenizer(f"s3://{bucket}/no-tokenizer", config), "model", "has no tokenizer files"),
-             (lambda: check_tokenizer(f"s3://{bucket}/kimi", {**config, "vocab_size": 4 * config["vocab_size"]}),
+    cases = [(lambda: check_tokenizer(f"s3://{bucket}/no-tokenizer", config, str(tmp_path / "b")), "model", "has no tokenizer files"),
+             (lambda: check_tokenizer(f"s3://{bucket}/kimi", {**config, "vocab_size": 4 * config["vocab_size"]},
+                                     str(tmp_path / "c")),
               "model", "it is not this model's tokenizer"),
              (lambda: check_output("s3://no-such-bucket-here/out"), "output_uri", "is not writable")]
     for check, param, words in cases:

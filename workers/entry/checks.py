@@ -19,6 +19,8 @@ from moetune.workers.errors import JobError
 from moetune.workers.families import hf_config
 from moetune.workers.lora.coverage import Coverage
 from moetune.workers.lora.peft_lora import check_targets_on_config
+from moetune.workers.methods import method_for
+from moetune.workers.methods.multimodal import SupervisedImageMethod
 from moetune.workers.model import load_tokenizer
 from moetune.workers.settings import WorkerSettings
 from moetune.workers.weights.loader import streamed_or_unused
@@ -31,24 +33,29 @@ def validate(run: JobRunSpec, settings: WorkerSettings) -> tuple[int, Coverage]:
     config = read_remote_config(spec.model)
     check_supported(spec, config)
     lora = check_targets_on_config(config, spec.lora)
-    check_tokenizer(spec.model, config)
     check_output(run.output_uri)
-    images = ImageCheck(settings.uri_access, settings.image_limits, images_refusal(config))
-    rows = len(load_rows(spec.training_file, "training_file", images))
-    if spec.validation_file:
-        load_rows(spec.validation_file, "validation_file", images)
+    with tempfile.TemporaryDirectory() as model_dir:
+        tokenizer = check_tokenizer(spec.model, config, model_dir)
+        method = method_for(spec, tokenizer, model_dir)
+        too_long = method.too_long if isinstance(method, SupervisedImageMethod) else None
+        images = ImageCheck(settings.uri_access, settings.image_limits, images_refusal(config), too_long)
+        rows = len(load_rows(spec.training_file, "training_file", images))
+        if spec.validation_file:
+            load_rows(spec.validation_file, "validation_file", images)
     return rows, lora
 
 
-def check_tokenizer(model_uri: str, config: dict) -> None:
-    """The checkpoint's tokenizer loads (its files, as the workers fetch them) and fits the model's vocabulary."""
-    with tempfile.TemporaryDirectory() as local:
-        storage.download_dir(model_uri, local, skip=streamed_or_unused)
-        try:
-            check_tokenizer_files(os.listdir(local), model_uri)
-            check_tokenizer_size(len(load_tokenizer(local)), config, model_uri)
-        except SpecError as e:
-            raise JobError(ErrorCode.invalid_model, e.message, e.param) from None
+def check_tokenizer(model_uri: str, config: dict, local: str):
+    """The checkpoint's tokenizer, checked to load from its files (downloaded into `local` as the workers fetch
+    them, with the processor's) and to fit the model's vocabulary."""
+    storage.download_dir(model_uri, local, skip=streamed_or_unused)
+    try:
+        check_tokenizer_files(os.listdir(local), model_uri)
+        tokenizer = load_tokenizer(local)
+        check_tokenizer_size(len(tokenizer), config, model_uri)
+    except SpecError as e:
+        raise JobError(ErrorCode.invalid_model, e.message, e.param) from None
+    return tokenizer
 
 
 def check_output(output_uri: str) -> None:

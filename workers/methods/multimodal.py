@@ -87,11 +87,27 @@ class ImageRows:
             starts += [len(ids)] if token == self.image_token_id else []
             ids += [token] * n
             labels += [IGNORE if token == self.image_token_id else label] * n
-        if len(ids) > seq_len:
-            raise DatasetError(param, f"{param}: a row with {len(urls)} image(s) is {len(ids)} tokens with its image "
-                                      f"tokens, over training.seq_len {seq_len}; rows are never cut through an image")
+        if problem := _over(len(ids), len(urls), seq_len):
+            raise DatasetError(param, f"{param}: a row {problem}")
         return ImageExample(ids, labels, vision["pixel_values"], vision["image_grid_thw"], tuple(starts),
                             self.tokens_per_patch)
+
+
+    def too_long(self, row: dict, sizes: list[tuple[int, int]], seq_len: int) -> str | None:
+        """Why a row is over `seq_len` with its images of these (width, height), or None: the driver's check of
+        every row before any worker starts, with the processor's own count of an image's patches (what vLLM uses
+        too), without processing a pixel."""
+        tokens = len(chat_example(self.tokenizer, row["messages"]).input_ids) + sum(
+            self.image_processor.get_number_of_image_patches(height, width) // self.tokens_per_patch - 1
+            for width, height in sizes)  # each image part's one token becomes the image's run
+        return _over(tokens, len(sizes), seq_len)
+
+
+def _over(tokens: int, images: int, seq_len: int) -> str | None:
+    if tokens <= seq_len:
+        return None
+    return (f"with {images} image(s) is {tokens} tokens with its image tokens, over training.seq_len {seq_len}; "
+            "rows are never cut through an image")
 
 
 def collate_with_images(examples: list[Example], pad_id: int, image_token_id: int) -> Batch:
@@ -117,6 +133,9 @@ class SupervisedImageMethod(SupervisedMethod):
 
     def examples(self, rows: list[dict]) -> tuple[list[Example], int]:
         return with_loss([self.images.example(row, self.seq_len) for row in rows])
+
+    def too_long(self, row: dict, sizes: list[tuple[int, int]]) -> str | None:
+        return self.images.too_long(row, sizes, self.seq_len)
 
     def collate(self, examples: list[Example]) -> Batch:
         return collate_with_images(examples, self.tokenizer.pad_token_id, self.images.image_token_id)

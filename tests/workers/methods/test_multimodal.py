@@ -78,6 +78,9 @@ def test_inputs_are_transformers_processors(family_vl, row):
     batch = collate_with_images([example], reference.tokenizer.pad_token_id, image_rows.image_token_id)
 
     assert example.input_ids == expected["input_ids"][0].tolist()
+    # the driver's count of the row's tokens, from the image sizes alone, is the processor's
+    sizes, n = [image.size for image in images], len(example.input_ids)
+    assert image_rows.too_long(row, sizes, n) is None and f" is {n} tokens " in image_rows.too_long(row, sizes, n - 1)
     assert set(expected) == {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
     for key in ("attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
         assert torch.equal(batch.inputs[key].to(expected[key].dtype), expected[key]), key
