@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.workers.lora.expert_layout import a_to_peft, expert_keys
+from moetune.workers.parallel import comm
 from moetune.workers.parallel.experts import ExpertParallelExperts
 
 EXPERT_DIR = "expert_lora"
@@ -95,7 +96,7 @@ def _gather(slab, ep):
         return [slab]
     first = dist.get_global_rank(ep.group, 0)
     parts = [torch.empty_like(slab) for _ in range(ep.size)] if dist.get_rank() == first else None
-    dist.gather(slab.contiguous(), parts, dst=first, group=ep.group)
+    comm.gather(slab.contiguous(), parts, dst=first, group=ep.group)
     return parts
 
 

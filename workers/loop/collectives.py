@@ -1,11 +1,13 @@
 """The few collectives the loop itself runs (the model's own run inside DeepSpeed and the expert-parallel module):
 small host values summed or maxed over every rank, through tensors on the communication device (NCCL has no CPU
-tensors; gloo takes both)."""
+tensors; gloo takes CPU tensors only; parallel.comm checks it)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from moetune.workers.parallel import comm
 
 
 class Collectives:
@@ -13,7 +15,7 @@ class Collectives:
         self.device = device
 
     def barrier(self) -> None:
-        dist.barrier()
+        comm.barrier()
 
     def all_sum(self, *values: float) -> list[float]:
         return self._all_reduce(values, dist.ReduceOp.SUM)
@@ -23,5 +25,5 @@ class Collectives:
 
     def _all_reduce(self, values, op) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op)
+        comm.all_reduce(t, op=op)
         return t.tolist()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from moetune.kernels.moe import moe_lora_mlp
 from moetune.kernels.moe.torch_impl import moe_lora_per_expert
 
@@ -39,13 +41,15 @@ class GatedActivation:
         return self.act_fn(gate) * up
 
 
-def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activation,
+def grouped_expert_forward(x_sorted, counts, w_gate_up, w_down, activation,
                            lora: ExpertLoraFactors | None = None, biases: tuple | None = None):
-    """Expert MLP over tokens sorted by local expert; `counts[e]` tokens belong to local expert e. `biases`:
-    (gate_up [E, 2I], down [E, H]) for families whose experts have them (gpt-oss).
+    """Expert MLP over tokens sorted by local expert; `counts[e]` tokens (a tensor or list) belong to local expert e.
+    `biases`: (gate_up [E, 2I], down [E, H]) for families whose experts have them (gpt-oss).
 
-    Every local expert runs, also with zero tokens, so every weight is part of every step's graph.
+    Every local expert runs, also with zero tokens, so every weight is part of every step's graph. The loop needs
+    the counts on the host (a sync per layer, on this path only).
     """
+    counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
     gate_up_bias, down_bias = biases if biases is not None else (None, None)
     factors = (None,) * 4 if lora is None else (lora.gate_up_a, lora.gate_up_b, lora.down_a, lora.down_b)
     scaling = 0.0 if lora is None else lora.scaling
@@ -53,7 +57,7 @@ def grouped_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activ
     return moe_lora_per_expert(hidden, counts, w_down, *factors[2:], scaling, down_bias)
 
 
-def fused_expert_forward(x_sorted, counts: list[int], w_gate_up, w_down, activation,
+def fused_expert_forward(x_sorted, counts, w_gate_up, w_down, activation,
                          lora: ExpertLoraFactors | None = None, biases: None = None):
     """grouped_expert_forward's contract for unbiased experts, computed by kernels.moe (W frozen, W + ΔW never
     formed)."""

@@ -21,6 +21,7 @@ from moetune.workers.parallel.compute import (
 )
 from moetune.kernels.quant import held, held_names, hold
 from moetune.workers.families.spec import in_proj_name
+from moetune.workers.parallel import comm
 from moetune.workers.parallel.placement import ExpertPlacement
 from moetune.workers.parallel.alltoall import AllToAllStats
 
@@ -60,7 +61,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group, ctx.stats = (out_splits, in_splits), group, stats
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         with stats.timed(x, in_splits, dist.get_rank(group)):
-            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+            comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
@@ -155,29 +156,39 @@ class ExpertParallelExperts(nn.Module):
         flat_experts = top_k_index.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # (token, slot) pairs grouped by global expert
         token_of = order // top_k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        # counted by index_add, not bincount: CUDA's bincount reads the largest index back to the host
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat_experts.device)
+        counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))
         self.tokens_per_expert.copy_(counts)
-
-        # Every rank joins both exchanges, also when it sends or receives no token.
-        send = recv = counts.view(ep.size, n_local)  # [destination EP rank, its local expert]
-        if ep.size > 1:
-            recv = torch.empty_like(send)  # [source EP rank, my local expert]
-            dist.all_to_all_single(recv, send, group=ep.group)
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        # received rows are ordered by (source rank, local expert)
-        received = _exchange(hidden_states[token_of], out_splits, in_splits, ep, self.comm)
-
-        local_expert = torch.arange(n_local, device=recv.device).repeat(ep.size).repeat_interleave(recv.flatten())
-        by_expert = torch.argsort(local_expert, stable=True)
         biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.biased else None
-        y = self.compute(received[by_expert], recv.sum(0).tolist(), *self.base_weights(),
-                         self.activation, self.lora_factors(), biases)
-        y = y[torch.argsort(by_expert)]  # back to (source rank, local expert) order
-        returned = _exchange(y, in_splits, out_splits, ep, self.comm)
+        if ep.size == 1:  # local experts are the global ones: rows are in expert order already, counts stay on device
+            returned = self.compute(hidden_states[token_of], counts, *self.base_weights(), self.activation,
+                                    self.lora_factors(), biases)
+        else:
+            returned = self._exchanged_compute(hidden_states[token_of], counts, biases)
+        # combined in fp32: a bf16 index_add rounds at every add, in an order that differs run to run
+        weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).float()
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        return out.index_add_(0, token_of, returned.float() * weights).to(hidden_states.dtype)
 
-        weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
-        out = torch.zeros_like(hidden_states)
-        return out.index_add(0, token_of, (returned * weights).to(out.dtype))
+    def _exchanged_compute(self, rows, counts, biases):
+        """The local experts' outputs for `rows` (this rank's token copies sorted by global expert), computed on the
+        ranks holding their experts; every rank joins both exchanges, also when it sends or receives no token."""
+        ep, n_local = self.ep, self.num_local_experts
+        send = counts.view(ep.size, n_local)  # [destination EP rank, its local expert]
+        recv = torch.empty_like(send)  # [source EP rank, my local expert]
+        comm.all_to_all_single(recv, send, group=ep.group)
+        # the layer's one host sync: all_to_all_single takes its split sizes as host integers
+        in_splits, out_splits = torch.stack((send.sum(1), recv.sum(1))).tolist()
+        # received rows are ordered by (source rank, local expert)
+        received = _exchange(rows, out_splits, in_splits, ep, self.comm)
+        local_expert = torch.arange(n_local, device=recv.device).repeat(ep.size).repeat_interleave(
+            recv.flatten(), output_size=received.shape[0])
+        by_expert = torch.argsort(local_expert, stable=True)
+        y = self.compute(received[by_expert], recv.sum(0), *self.base_weights(), self.activation,
+                         self.lora_factors(), biases)
+        y = y[torch.argsort(by_expert)]  # back to (source rank, local expert) order
+        return _exchange(y, in_splits, out_splits, ep, self.comm)
 
 
 @functools.cache

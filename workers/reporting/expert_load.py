@@ -23,6 +23,7 @@ import torch.distributed as dist
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from moetune.workers.parallel import comm
 from moetune.workers.parallel.experts import ExpertParallelExperts
 from moetune.workers.recompute import recomputing
 
@@ -69,7 +70,7 @@ class ExpertLoad:
         totals = self.totals.clone()
         self.totals.zero_()
         if dist.is_initialized():
-            dist.all_reduce(totals)
+            comm.all_reduce(totals)
         return totals.cpu()
 
 
