@@ -26,6 +26,13 @@ class ErrorCode(StrEnum):
     not_ready = "not_ready"  # 503 from /readyz: the database is not reachable
     internal_error = "internal_error"  # 500
 
+    # ---- serving (control plane's /v1/models and deploy, the Serve app's OpenAI routes)
+    # model_not_found (404) is the code of an unknown model, another tenant's included
+    job_not_deployable = "job_not_deployable"  # 409: only a succeeded job has a model to serve
+    serve_unavailable = "serve_unavailable"  # 503: Ray Serve did not accept the application
+    context_length_exceeded = "context_length_exceeded"  # 400: the prompt (+ max_tokens) exceeds the context
+    adapter_unavailable = "adapter_unavailable"  # 503: the replica cannot load the adapter (the cause follows)
+
     # ---- a failed job's error (Job.error), set by the control plane
     file_not_found = "file_not_found"  # an input URI does not exist (checked before queueing)
     file_not_accessible = "file_not_accessible"  # access to an input URI was denied

@@ -279,7 +279,10 @@ class Job(BaseModel):
     created_at: int
     finished_at: int | None = None
     model: str
+    # `ft:<base>:<suffix or tenant>:<job id>` once the job succeeded (api/model_names.py); the adapter's storage
+    # location is fine_tuned_model_uri
     fine_tuned_model: str | None = None
+    fine_tuned_model_uri: str | None = None
     organization_id: str
     status: JobStatus
     error: ErrorInfo | None = None

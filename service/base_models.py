@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 from moetune.api.model_names import BASE_NAME_PATTERN, derive_base_name
 from moetune.api.models import URI_SCHEMES
@@ -41,6 +42,7 @@ class BaseModels:
 
     def __init__(self, uris_by_name: dict[str, str]):
         self.uris_by_name = dict(uris_by_name)
+        self.created = int(time.time())  # OpenAI's `created` of a base: when this server registered it
         self._names_by_uri = {uri.rstrip("/"): name for name, uri in self.uris_by_name.items()}
 
     def uri(self, model: str) -> str | None:
@@ -49,6 +51,9 @@ class BaseModels:
             return model
         return self.uris_by_name.get(model)
 
-    def name(self, uri: str) -> str:
-        """The registered name of a base URI, else the name derived from it."""
-        return self._names_by_uri.get(uri.rstrip("/")) or derive_base_name(uri)
+    def name(self, model: str) -> str:
+        """A job's `model` as a base name: the registered name of a URI, else the name derived from it (a name
+        stays itself)."""
+        if not model.startswith(URI_SCHEMES):
+            return model
+        return self._names_by_uri.get(model.rstrip("/")) or derive_base_name(model)

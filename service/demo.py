@@ -116,13 +116,13 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
                 job, follower = follow(client, job.id, timeout=timeout, console=console)
                 if job.status == JobStatus.succeeded:
                     shutil.rmtree(ADAPTER_COPY, ignore_errors=True)
-                    storage.download_dir(job.fine_tuned_model, str(ADAPTER_COPY), endpoint_url=s3_url)
+                    storage.download_dir(job.fine_tuned_model_uri, str(ADAPTER_COPY), endpoint_url=s3_url)
     elapsed = time.monotonic() - start
     console.print(f"\nstatus: [bold]{job.status}[/]  ({elapsed:.0f}s)")
     if follower.losses:
         console.print(f"loss: first {follower.losses[0]:.4f} -> last {follower.losses[-1]:.4f}")
     if job.status == JobStatus.succeeded:
-        console.print(f"adapter: {job.fine_tuned_model} (copied to {ADAPTER_COPY}/)")
+        console.print(f"model: {job.fine_tuned_model}\nadapter: {job.fine_tuned_model_uri} (copied to {ADAPTER_COPY}/)")
         return 0
     if job.error:
         console.print(f"[bold red]error[/] {job.error.code}: {job.error.message}")

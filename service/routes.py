@@ -12,7 +12,7 @@ from moetune.api.models import Checkpoint, ErrorResponse, Job, JobCreate, JobEve
 from moetune.api.plans import PlanRequest
 from moetune.service import jobs as job_service
 from moetune.service import lifecycle, planning
-from moetune.service.deps import StoreDep, Tenant
+from moetune.service.deps import JobView, StoreDep, Tenant
 from moetune.service.errors import invalid_request, job_not_found
 from moetune.service.files import read_model_config
 from moetune.service.store import JobRow, Store
@@ -23,7 +23,6 @@ from moetune.service.views import (
     EVENT_ID_PREFIX,
     checkpoint_view,
     event_view,
-    job_view,
     parse_sequence_id,
 )
 
@@ -65,19 +64,20 @@ def _page(rows: list, has_more: bool, view) -> ListPage:
 
 
 @router.post("", response_model=Job)
-def create_job(request: Request, body: JobCreate, tenant: Tenant, store: StoreDep,
+def create_job(request: Request, body: JobCreate, tenant: Tenant, store: StoreDep, job_view: JobView,
                idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> Job:
     return job_view(job_service.create_job(store, request.app.state.settings, tenant, body, idempotency_key))
 
 
 @router.get("", response_model=ListPage[Job])
-def list_jobs(tenant: Tenant, store: StoreDep, after: str | None = None, limit: Limit = 20) -> ListPage[Job]:
+def list_jobs(tenant: Tenant, store: StoreDep, job_view: JobView, after: str | None = None,
+              limit: Limit = 20) -> ListPage[Job]:
     cursor = _own_job(store, tenant, after, param="after") if after else None
     return _page(*store.list_jobs(tenant, limit, cursor), job_view)
 
 
 @router.get("/{job_id}", response_model=Job)
-async def retrieve_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
+async def retrieve_job(job_id: str, tenant: Tenant, store: StoreDep, job_view: JobView) -> Job:
     """The most polled route (SDK wait, CLI, dashboards). A SQLite lookup is a local read shorter than a hop
     to a worker thread, so it runs on the event loop; a database over the network is read from a thread."""
     if store.reads_are_local:
@@ -86,20 +86,20 @@ async def retrieve_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
 
 
 @router.post("/{job_id}/cancel", response_model=Job)
-def cancel_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
+def cancel_job(job_id: str, tenant: Tenant, store: StoreDep, job_view: JobView) -> Job:
     lifecycle.cancel(store, _own_job(store, tenant, job_id))
     return job_view(_own_job(store, tenant, job_id))
 
 
 @router.post("/{job_id}/pause", response_model=Job)
-def pause_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
+def pause_job(job_id: str, tenant: Tenant, store: StoreDep, job_view: JobView) -> Job:
     """A running job becomes `pausing` until its workers have checkpointed and stopped, then `paused`."""
     lifecycle.pause(store, _own_job(store, tenant, job_id))
     return job_view(_own_job(store, tenant, job_id))
 
 
 @router.post("/{job_id}/resume", response_model=Job)
-def resume_job(job_id: str, tenant: Tenant, store: StoreDep) -> Job:
+def resume_job(job_id: str, tenant: Tenant, store: StoreDep, job_view: JobView) -> Job:
     """A paused job is queued again and continues from its last checkpoint."""
     lifecycle.resume(store, _own_job(store, tenant, job_id))
     return job_view(_own_job(store, tenant, job_id))

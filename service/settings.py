@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     # Registered base models, JSON {"name": "s3://..."} or "name=uri,name=uri" (service/base_models.py): usable by
     # name as a job's `model` and for inference, listed by GET /v1/models.
     base_models: Annotated[dict[str, str], NoDecode] = {}
+    # Where clients reach the OpenAI-compatible Serve app (the Serve HTTP proxy on the Ray cluster, which listens on
+    # this URL's port); POST .../jobs/{id}/deploy answers with it + "/v1".
+    serve_url: str = "http://127.0.0.1:8001"
 
     @field_validator("worker_env_passthrough", mode="before")
     @classmethod

@@ -228,6 +228,12 @@ class Store:
         with self._sessions() as s:
             return list(s.scalars(query))
 
+    def succeeded_jobs(self, tenant: str) -> list[JobRow]:
+        """The tenant's jobs that produced a model, oldest first (GET /v1/models)."""
+        query = select(JobRow).where(JobRow.tenant == tenant, JobRow.status == str(JobStatus.succeeded))
+        with self._sessions() as s:
+            return list(s.scalars(query.order_by(JobRow.created_at, JobRow.id)))
+
     def jobs_to_stop(self) -> list[JobRow]:
         """Cancelled (or paused) jobs whose Ray submission has not been confirmed stopped yet."""
         query = select(JobRow).where(JobRow.status.in_([JobStatus.cancelled, JobStatus.paused]),

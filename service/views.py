@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from moetune.api.model_names import fine_tuned_name
 from moetune.api.models import (
     Checkpoint,
     CheckpointMetrics,
@@ -12,6 +13,7 @@ from moetune.api.models import (
     Progress,
     TrainingSpec,
 )
+from moetune.service.base_models import BaseModels
 
 EVENT_ID_PREFIX = "ftevent-"
 CHECKPOINT_ID_PREFIX = "ftckpt-"
@@ -36,15 +38,18 @@ def _epoch(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
-def job_view(row) -> Job:
+def job_view(row, base_models: BaseModels) -> Job:
     spec = JobCreate.model_validate(row.spec)
     training = spec.training
+    # the stored column is the adapter's URI (the driver's report); clients address the model by its name
+    name = row.fine_tuned_model and fine_tuned_name(base_models.name(spec.model), spec.suffix, row.tenant, row.id)
     return Job(
         id=row.id,
         created_at=int(row.created_at),
         finished_at=_epoch(row.finished_at),
         model=spec.model,
-        fine_tuned_model=row.fine_tuned_model,
+        fine_tuned_model=name,
+        fine_tuned_model_uri=row.fine_tuned_model,
         organization_id=row.tenant,
         status=row.status,
         error=ErrorInfo.model_validate(row.error) if row.error else None,

@@ -78,7 +78,7 @@ def test_sigkill_restart_loses_and_duplicates_nothing(s3_endpoint, ray_head, s3_
     second = spawn_control_plane(env, port, log)
     try:
         ok = client.jobs.wait(ends_ok, timeout=60, poll_interval=0.5)
-        assert ok.status == "succeeded" and ok.fine_tuned_model == f"{ok.output_uri}/adapter"
+        assert ok.status == "succeeded" and ok.fine_tuned_model_uri == f"{ok.output_uri}/adapter"
         assert ok.trained_tokens == 42
         failed = client.jobs.wait(ends_failed, timeout=60, poll_interval=0.5)
         assert failed.status == "failed" and failed.error.code == "driver_failed"

@@ -86,9 +86,9 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, tiny
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert job.fine_tuned_model.endswith("/adapter")
+    assert job.fine_tuned_model_uri.endswith("/adapter") and job.fine_tuned_model.endswith(f":{job.id}")
     adapter_dir = tmp_path / "adapter"
-    fs.get(job.fine_tuned_model.removeprefix("s3://") + "/", str(adapter_dir), recursive=True)
+    fs.get(job.fine_tuned_model_uri.removeprefix("s3://") + "/", str(adapter_dir), recursive=True)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter_dir.iterdir()}
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["local_model"])
     rows = [json.loads(line) for line in Path(tiny_assets["local_train"]).read_text().splitlines()]

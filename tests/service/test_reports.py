@@ -101,7 +101,8 @@ def test_a_success_result_finishes_the_job(service, running):
     assert service.report(job_id, token, result).json() == {"control": None}
 
     job = service.http().get(f"{JOBS}/{job_id}").json()
-    assert job["status"] == "succeeded" and job["fine_tuned_model"] == "s3://o/adapter"
+    assert job["status"] == "succeeded" and job["fine_tuned_model_uri"] == "s3://o/adapter"
+    assert job["fine_tuned_model"] == f"ft:tiny:tenant-a:{job_id}"  # the base's name derived from s3://models/tiny
     assert job["result_files"] == ["s3://o/metrics.jsonl"] and job["trained_tokens"] == 12345
     assert job["finished_at"] is not None and job["error"] is None
 

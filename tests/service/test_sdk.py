@@ -57,7 +57,7 @@ def test_sdk_streams_and_waits_until_the_job_ends(service):
     final = client.jobs.wait(job.id, timeout=10, poll_interval=0.1, on_event=waited.append)
     stream.join(10)
 
-    assert final.status == JobStatus.succeeded and final.fine_tuned_model == "s3://o/a"
+    assert final.status == JobStatus.succeeded and final.fine_tuned_model_uri == "s3://o/a"
     assert [e.message for e in streamed] == [e.message for e in waited]
     assert [e.message for e in streamed][-2:] == ["Step 1", "Job succeeded"]
     tail = list(client.jobs.stream_events(job.id, after=streamed[-2].id))

@@ -1,0 +1,63 @@
+"""OpenAI's model routes for the caller's tenant, and the deploy call that serves a job's model."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+
+from moetune.api.errors import ErrorCode
+from moetune.api.models import ErrorResponse, JobCreate, JobStatus
+from moetune.api.serving import Deployment, ModelList, ModelObject
+from moetune.service import serve_deploy
+from moetune.service.deps import JobView, StoreDep, Tenant
+from moetune.service.errors import APIException, job_not_found
+from moetune.service.served_models import find_model, list_models
+
+_ERRORS = {code: {"model": ErrorResponse, "description": what} for code, what in (
+    (401, "Missing or invalid API token"),
+    (404, "No such model (or job) for this tenant"),
+)}
+models = APIRouter(prefix="/v1/models", tags=["models"], responses=_ERRORS)
+deployments = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], responses={
+    **_ERRORS, 409: {"model": ErrorResponse, "description": "The job has not succeeded"},
+    503: {"model": ErrorResponse, "description": "Ray Serve did not accept the application"}})
+
+
+def model_not_found(model: str) -> APIException:
+    # the same words for an unknown model and another tenant's: nothing tells them apart
+    return APIException(404, ErrorCode.model_not_found,
+                        f"The model {model!r} does not exist or you do not have access to it.", "model")
+
+
+@models.get("", response_model=ModelList, response_model_exclude_none=True)
+def list_all(request: Request, tenant: Tenant, store: StoreDep) -> ModelList:
+    """The shared registered bases and the tenant's fine-tuned models."""
+    data = list_models(store, request.app.state.base_models, tenant)
+    return ModelList(data=[m.model_copy(update={"moetune": None}) for m in data])
+
+
+@models.get("/{model:path}", response_model=ModelObject)
+def retrieve(model: str, request: Request, tenant: Tenant, store: StoreDep) -> ModelObject:
+    """One model, with the base and adapter URIs a serving replica loads (`moetune`)."""
+    found = find_model(store, request.app.state.base_models, tenant, model)
+    if found is None:
+        raise model_not_found(model)
+    return found
+
+
+@deployments.post("/{job_id}/deploy", response_model=Deployment)
+async def deploy_job(job_id: str, request: Request, tenant: Tenant, store: StoreDep, job_view: JobView) -> Deployment:
+    """Makes the Serve app serve the job's base (its adapters load on first use); answers the name to call."""
+    row = store.get_job(job_id, tenant)
+    if row is None:
+        raise job_not_found(job_id)
+    if row.status != JobStatus.succeeded:
+        raise APIException(409, ErrorCode.job_not_deployable,
+                           f"Job {job_id!r} is {row.status}: only a succeeded job has a model to serve.")
+    job, settings, base_models = job_view(row), request.app.state.settings, request.app.state.base_models
+    base_uri = base_models.uri(JobCreate.model_validate(row.spec).model)
+    status = await run_in_threadpool(serve_deploy.deploy, settings.ray_address, settings.serve_url,
+                                     settings.callback_url, {base_models.name(base_uri): base_uri},
+                                     settings.s3_endpoint_url)
+    return Deployment(model=job.fine_tuned_model, base_model=base_models.name(base_uri),
+                      base_url=serve_deploy.openai_base_url(settings.serve_url), status=status)

@@ -1,0 +1,67 @@
+"""Deploys the OpenAI-compatible Serve application (workers/serve) through Ray's Serve REST API.
+
+The REST API on the Ray dashboard (the same address as the Jobs API) takes a declarative config naming the app's
+builder by import path, so neither the control plane nor the CLI imports Ray, torch or the engine: the Serve
+controller imports `moetune.workers.serve.app` in the cluster. The app serves one engine deployment per base;
+deploying a job's base adds it to those already served (a PUT replaces the whole config, so the current bases are
+read back first).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import httpx
+
+from moetune.api.errors import ErrorCode
+from moetune.service.errors import APIException
+
+APP_NAME = "moetune-serve"
+APP_BUILDER = "moetune.workers.serve.app:build_app"
+_APPS_PATH = "/api/serve/applications/"
+
+
+def openai_base_url(serve_url: str) -> str:
+    """What `openai.OpenAI(base_url=...)` takes."""
+    return serve_url.rstrip("/") + "/v1"
+
+
+def _unavailable(message: str) -> APIException:
+    return APIException(503, ErrorCode.serve_unavailable, message)
+
+
+def current_app(ray_address: str) -> dict | None:
+    """The deployed config and status of moetune's Serve app ({"args", "status"}), None if none is deployed."""
+    try:
+        answer = httpx.get(ray_address.rstrip("/") + _APPS_PATH, timeout=30)
+    except httpx.HTTPError as exc:
+        raise _unavailable(f"The Ray dashboard at {ray_address} did not answer: {exc}") from exc
+    if answer.status_code != 200:
+        raise _unavailable(f"Ray Serve answered {answer.status_code}: {answer.text[:500]}")
+    app = (answer.json().get("applications") or {}).get(APP_NAME)
+    if not app:
+        return None
+    return {"args": (app.get("deployed_app_config") or {}).get("args") or {}, "status": app.get("status", "")}
+
+
+def deploy(ray_address: str, serve_url: str, control_plane_url: str, bases: dict[str, str],
+           s3_endpoint_url: str | None = None) -> str:
+    """Ensures the app serves `bases` ({name: uri}) besides what it serves already; returns the app's status."""
+    current = current_app(ray_address)
+    served = dict(current["args"].get("bases", {})) if current else {}
+    wanted = {**served, **bases}
+    args = {"control_plane_url": control_plane_url, "bases": wanted, "s3_endpoint_url": s3_endpoint_url}
+    if current and current["args"] == args:
+        return current["status"]
+    config = {
+        # the proxy listens where clients are told to connect (serve_url's port), on every interface of the node
+        "http_options": {"host": "0.0.0.0", "port": urlsplit(serve_url).port or 80},
+        "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": APP_BUILDER, "args": args}],
+    }
+    try:
+        answer = httpx.put(ray_address.rstrip("/") + _APPS_PATH, json=config, timeout=60)
+    except httpx.HTTPError as exc:
+        raise _unavailable(f"The Ray dashboard at {ray_address} did not answer: {exc}") from exc
+    if answer.status_code != 200:
+        raise _unavailable(f"Ray Serve refused the application ({answer.status_code}): {answer.text[:500]}")
+    return "DEPLOYING"
