@@ -1,0 +1,160 @@
+"""Per-row adapter selection inside one forward: every adapted module holds the LoRA factors of all loaded
+adapters stacked by slot (slot 0: none, the base), and adds to each token the update of its row's slot.
+
+PEFT's mixed-adapter batches (`adapter_names=`) cover LoRA linears but not `target_parameters` (its ParamWrapper
+refuses them), which is how moetune exports expert LoRA; so both kinds are computed here, from the factors in
+PEFT's own layouts: linear A (r, in), B (out, r); expert A (E, r, in), B (E, out, r), y = xWᵀ + s·(xAᵀ)Bᵀ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetune.kernels.moe import moe_lora_grouped
+from moetune.kernels.quant import QuantizedWeight
+from moetune.workers.parallel.compute import ExpertLoraFactors
+
+
+class RowSelection:
+    """The slot of every token of the forward being run (set by the engine before each forward)."""
+
+    def __init__(self):
+        self.token_slots: torch.Tensor | None = None  # [tokens], rows flattened in order
+        self.uniform: int | None = 0  # the one slot of all tokens, or None when they differ
+
+    def set(self, row_slots: list[int], tokens_per_row: int, device) -> None:
+        self.uniform = row_slots[0] if len(set(row_slots)) == 1 else None
+        slots = torch.tensor(row_slots, dtype=torch.long, device=device)
+        self.token_slots = slots.repeat_interleave(tokens_per_row)
+
+
+class _Stack:
+    """One factor of all slots, [slots, *shape], grown along `rank_dim` when a larger rank comes (zeros: exact)."""
+
+    def __init__(self, slots: int, shape: tuple[int, ...], rank_dim: int, dtype, device):
+        self.rank_dim = rank_dim
+        self.data = torch.zeros(slots, *shape, dtype=dtype, device=device)
+
+    def put(self, slot: int, value: torch.Tensor | None) -> None:
+        if value is None:
+            self.data[slot].zero_()
+            return
+        grow = value.shape[self.rank_dim] - self.data.shape[self.rank_dim + 1]
+        if grow > 0:
+            pad = [0, 0] * (self.data.dim() - 1 - (self.rank_dim + 1)) + [0, grow]
+            self.data = nn.functional.pad(self.data, pad)
+        target = self.data[slot]
+        target.zero_()
+        target.narrow(self.rank_dim, 0, value.shape[self.rank_dim]).copy_(value)
+
+
+class _SlotFactors(nn.Module):
+    """The stacked (A, B) pairs of a module and each slot's scaling."""
+
+    def __init__(self, slots: int, shapes: dict[str, tuple[tuple[int, ...], int]], dtype, device):
+        super().__init__()
+        self.stacks = {name: _Stack(slots, shape, rank_dim, dtype, device) for name, (shape, rank_dim) in
+                       shapes.items()}
+        self.scaling = torch.zeros(slots, dtype=dtype, device=device)
+        self.filled: set[int] = set()
+
+    def put(self, slot: int, factors: dict[str, torch.Tensor] | None, scaling: float) -> None:
+        for name, stack in self.stacks.items():
+            stack.put(slot, None if factors is None else factors[name].to(stack.data.dtype))
+        self.scaling[slot] = scaling if factors is not None else 0.0
+        (self.filled.add if factors is not None else self.filled.discard)(slot)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.stacks[name].data
+
+    def nbytes(self) -> int:
+        return sum(s.data.nbytes for s in self.stacks.values())
+
+
+class RowLoraLinear(nn.Module):
+    """A linear (dense or quantized, any module mapping [..., in] to [..., out]) plus each row's LoRA."""
+
+    def __init__(self, base: nn.Module, selection: RowSelection, slots: int, in_features: int, out_features: int,
+                 dtype, device):
+        super().__init__()
+        self.base_layer, self.selection = base, selection
+        self.factors = _SlotFactors(slots, {"a": ((0, in_features), 0), "b": ((out_features, 0), 1)}, dtype, device)
+
+    def forward(self, x):
+        y = self.base_layer(x)
+        sel, f = self.selection, self.factors
+        if sel.uniform is not None and sel.uniform not in f.filled:
+            return y  # the base, or an adapter that leaves this module alone
+        flat = x.reshape(-1, x.shape[-1]).to(f["a"].dtype)
+        if sel.uniform is not None:  # one adapter for all rows: two plain matmuls, in PEFT's order
+            s = sel.uniform
+            delta = (flat @ f["a"][s].T) @ f["b"][s].T * f.scaling[s]
+        else:  # rows of different adapters: each token its slot's factors (slot 0 is all zeros)
+            slots = sel.token_slots
+            lowrank = torch.bmm(f["a"][slots], flat.unsqueeze(-1))  # [tokens, r, 1]
+            delta = torch.bmm(f["b"][slots], lowrank).squeeze(-1) * f.scaling[slots, None]
+        return y + delta.reshape(y.shape).to(y.dtype)
+
+
+class RowLoraExperts(nn.Module):
+    """A family's routed experts (held by moetune's experts module at EP=1: dense or quantized, transposed
+    families turned) with each token's expert LoRA on gate_up (or up) and down."""
+
+    FACTORS = ("gate_up_a", "gate_up_b", "down_a", "down_b")
+
+    def __init__(self, experts: nn.Module, selection: RowSelection, slots: int, transposed: bool = False):
+        super().__init__()
+        self.experts, self.selection = experts, selection
+        self.transposed = transposed  # the checkpoint's tensors are [E, in, out] (moetune's module turned them)
+        w_in, w_down = experts.base_weights()
+        e, two_i, hidden = w_in.shape
+        intermediate = w_down.shape[2]
+        dtype = next((p.dtype for p in experts.parameters()), torch.float32) if experts.quantized else w_in.dtype
+        self.dtype = dtype if dtype.is_floating_point else torch.float32
+        self.factors = _SlotFactors(slots, {"gate_up_a": ((e, 0, hidden), 1), "gate_up_b": ((e, two_i, 0), 2),
+                                            "down_a": ((e, 0, intermediate), 1), "down_b": ((e, hidden, 0), 2)},
+                                    self.dtype, w_down.device)
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        sel, f, ex = self.selection, self.factors, self.experts
+        top_k = top_k_index.shape[-1]
+        flat_experts = top_k_index.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)  # (token, choice) pairs grouped by expert
+        token_of = order // top_k
+        counts = torch.bincount(flat_experts, minlength=ex.num_experts)
+        rows = hidden_states[token_of]
+        biases = (ex.gate_up_proj_bias, ex.down_proj_bias) if ex.biased else None
+        if sel.uniform is not None:  # one adapter (or none) for every row: moetune's expert compute as trained
+            s = sel.uniform
+            lora = (ExpertLoraFactors(*(f[n][s] for n in self.FACTORS), float(f.scaling[s]))
+                    if s in f.filled else None)
+            y = ex.compute(rows, counts.tolist(), *ex.base_weights(), ex.activation, lora, biases)
+        else:
+            y = self._mixed(rows, counts, sel.token_slots[token_of], flat_experts[order], biases)
+        weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        out = torch.zeros_like(hidden_states)
+        return out.index_add(0, token_of, (y * weights).to(out.dtype))
+
+    def _mixed(self, rows, counts, slots, expert_of, biases):
+        """Rows sorted by expert, each with its own adapter slot: the frozen projections grouped by expert, each
+        row's low-rank update gathered from its (slot, expert) factors."""
+        f, ex = self.factors, self.experts
+        w_in, w_down = ex.base_weights()
+
+        def project(x, w, bias, a, b):
+            frozen = w if isinstance(w, QuantizedWeight) else w.transpose(1, 2)  # kernels.moe's [E, in, out]
+            y = moe_lora_grouped(x, counts, frozen, None, None, 0.0)
+            if bias is not None:
+                y = y + bias[expert_of]
+            lowrank = torch.bmm(f[a][slots, expert_of], x.unsqueeze(-1).to(self.dtype))
+            delta = torch.bmm(f[b][slots, expert_of], lowrank).squeeze(-1) * f.scaling[slots, None]
+            return y + delta.to(y.dtype)
+
+        gate_up_bias, down_bias = biases if biases is not None else (None, None)
+        hidden = ex.activation(project(rows, w_in, gate_up_bias, "gate_up_a", "gate_up_b"))
+        return project(hidden, w_down, down_bias, "down_a", "down_b")

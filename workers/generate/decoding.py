@@ -1,0 +1,138 @@
+"""One batch of rows decoded together: each row's prompt is prefilled alone, then its cache joins the batch
+(workers.generate.cache) and every decode step runs all rows in one forward (left-padded KV, per-row positions,
+per-row adapter slots). The engine's loop and `generate_batch` (evaluation on training workers) both run it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moetune.workers.generate import cache as batch_cache
+from moetune.workers.generate.adapter_rows import RowSelection
+from moetune.workers.generate.requests import SamplingParams
+from moetune.workers.generate.sampling import next_tokens, row_generator
+
+
+@dataclass(eq=False)
+class Row:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    max_tokens: int  # max_new_tokens, or fewer where the context ends first
+    slot: int = 0  # adapter slot (0: the base)
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+    length: int = 0  # tokens in the cache (its next position id)
+    pad: int = 0  # left padding of its KV in the batch
+    finish_reason: str | None = None
+    last: int | None = None  # the token the next decode step feeds (a stop token too, in lockstep)
+
+    def take(self, token: int) -> bool:
+        """Records a generated token; True when the row is finished (a stop token is not kept)."""
+        self.last = token
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        else:
+            self.tokens.append(token)
+            if len(self.tokens) >= self.max_tokens:
+                self.finish_reason = "length"
+        return self.finish_reason is not None
+
+
+class DecodeBatch:
+    def __init__(self, model, selection: RowSelection | None = None):
+        self.model, self.selection = model, selection
+        self.device = next(model.parameters()).device
+        self.rows: list[Row] = []
+        self.cache = None
+        self.steps = 0
+
+    def _forward(self, input_ids, cache, **kwargs):
+        if self.selection is not None:
+            self.selection.set([r.slot for r in kwargs.pop("rows")], input_ids.shape[1], self.device)
+        kwargs.pop("rows", None)
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        return out.logits[:, -1]
+
+    def prefill(self, row: Row):
+        """Runs `row`'s prompt alone; returns (its first token, its one-row cache) for `join`."""
+        cache = batch_cache.new_cache(self.model)
+        ids = torch.tensor([row.prompt_ids], dtype=torch.long, device=self.device)
+        logits = self._forward(ids, cache, rows=[row])
+        row.length = len(row.prompt_ids)
+        return next_tokens(logits, [row])[0], cache
+
+    def join(self, row: Row, cache) -> None:
+        if not self.rows:
+            self.cache, row.pad = cache, 0
+        else:
+            added, row.pad = batch_cache.merge(self.cache, cache)
+            for other in self.rows:
+                other.pad += added
+        self.rows.append(row)
+
+    def step(self) -> list[int]:
+        """One decode forward of every row (each fed its last token); the next token of each."""
+        rows = self.rows
+        ids = torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device)
+        mask = torch.ones(len(rows), batch_cache.kv_length(self.cache) + 1, dtype=torch.long, device=self.device)
+        for i, r in enumerate(rows):
+            mask[i, :r.pad] = 0
+        positions = torch.tensor([[r.length] for r in rows], dtype=torch.long, device=self.device)
+        logits = self._forward(ids, self.cache, rows=rows, attention_mask=mask, position_ids=positions)
+        for r in rows:
+            r.length += 1
+        self.steps += 1
+        return next_tokens(logits, rows)
+
+    def keep(self, keep: list[int]) -> None:
+        """Only rows `keep` (indices) stay; padding no remaining row needs is cut."""
+        if not keep:
+            self.rows, self.cache = [], None
+            return
+        cut = min(self.rows[i].pad for i in keep)
+        batch_cache.select(self.cache, keep, cut)
+        self.rows = [self.rows[i] for i in keep]
+        for r in self.rows:
+            r.pad -= cut
+
+
+def new_row(prompt_ids: list[int], params: SamplingParams, eos_token_id, device, max_tokens: int | None = None,
+            slot: int = 0) -> Row:
+    eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else (eos_token_id,)
+    stops = frozenset(t for t in (*eos, *params.stop_token_ids) if t is not None)
+    return Row(list(prompt_ids), params, stops, max_tokens or params.max_new_tokens, slot,
+               row_generator(params, device))
+
+
+def generate_batch(model, prompts: list[list[int]], params: SamplingParams, *, eos_token_id,
+                   lockstep: bool = False) -> list[list[int]]:
+    """The generated tokens of each prompt (no stop token), on an already built model (a training worker's PEFT
+    model, its active adapter). Rows leave the batch as they finish; `lockstep=True` keeps every row in and runs
+    exactly one prefill per prompt plus max_new_tokens - 1 decode steps, so that expert-parallel ranks (whose
+    every forward exchanges tokens) stay in step: each rank must then pass the same number of prompts."""
+    device = next(model.parameters()).device
+    seeded = params.seed is not None
+    rows = [new_row(p, SamplingParams(**{**params.__dict__, "seed": params.seed + i}) if seeded else params,
+                    eos_token_id, device) for i, p in enumerate(prompts)]
+    batch = DecodeBatch(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for row in rows:
+                token, cache = batch.prefill(row)
+                row.take(token)
+                batch.join(row, cache)
+            for _ in range(params.max_new_tokens - 1):
+                if not lockstep:
+                    batch.keep([i for i, r in enumerate(batch.rows) if r.finish_reason is None])
+                    if not batch.rows:
+                        break
+                for row, token in zip(batch.rows, batch.step(), strict=True):
+                    if row.finish_reason is None:
+                        row.take(token)
+    finally:
+        model.train(was_training)
+    return [r.tokens for r in rows]
