@@ -96,7 +96,7 @@ class Jobs:
         return self._request("POST", f"{JOBS_PATH}/{job_id}/resume", Job)
 
     def events(self, job_id: str, after: str | None = None, limit: int = 20) -> ListPage[JobEvent]:
-        """Oldest first; pass the page's `last_id` as `after` for the next page."""
+        """Newest first (as OpenAI's); pass the page's `last_id` as `after` for the next, older page."""
         return self._request("GET", f"{JOBS_PATH}/{job_id}/events", ListPage[JobEvent],
                              params=_params(after=after, limit=limit))
 
@@ -127,25 +127,31 @@ class Jobs:
         Raises TimeoutError when the job has not ended after `timeout` seconds.
         """
         deadline = time.monotonic() + timeout
-        after = None
+        seen = None
         while True:
             job = self.retrieve(job_id)  # status first: once it is terminal, its last event is in the list below
-            for event in self._events_after(job_id, after):
+            for event in self.events_since(job_id, seen):
                 if on_event is not None:
                     on_event(event)
-                after = event.id
+                seen = event.id
             if JobStatus(job.status).terminal:
                 return job
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"job {job_id} still {job.status} after {timeout:.0f}s")
             time.sleep(min(poll_interval, max(deadline - time.monotonic(), 0)))
 
-    def _events_after(self, job_id: str, after: str | None) -> Iterator[JobEvent]:
+    def events_since(self, job_id: str, seen: str | None = None) -> list[JobEvent]:
+        """The events newer than event `seen` (all of them when None), oldest first: pages of the newest-first
+        list, read until `seen` comes up."""
+        newer, after = [], None
         while True:
             page = self.events(job_id, after=after, limit=100)
-            yield from page.data
+            for event in page.data:
+                if event.id == seen:
+                    return newer[::-1]
+                newer.append(event)
             if not page.has_more:
-                return
+                return newer[::-1]
             after = page.last_id
 
 

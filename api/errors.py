@@ -23,7 +23,8 @@ class ErrorCode(StrEnum):
     job_not_pausable = "job_not_pausable"  # 409
     job_not_resumable = "job_not_resumable"  # 409
     checkpoint_incomplete = "checkpoint_incomplete"  # 409: a checkpoint report before its manifest exists
-    not_ready = "not_ready"  # 503 from /readyz: the database is not reachable
+    not_ready = "not_ready"  # 503 from /readyz: a dependency (database, Ray, storage) is not reachable
+    storage_unavailable = "storage_unavailable"  # 503: the object storage did not answer (uploads, downloads)
     internal_error = "internal_error"  # 500
 
     # ---- serving (control plane's /v1/models and deploy, the Serve app's OpenAI routes)

@@ -45,6 +45,25 @@ def _check_uri(value: str | None) -> str | None:
     return value
 
 
+FILE_ID_PREFIX = "file-"  # an uploaded file (POST /v1/files), usable wherever a job takes a data file's URI
+
+
+def _check_data_file(value: str | None) -> str | None:
+    if value is not None and not value.startswith(FILE_ID_PREFIX) and not value.startswith(URI_SCHEMES):
+        raise ValueError(f"must be an uploaded file's id ({FILE_ID_PREFIX}...) or a URI starting with one of "
+                         f"{', '.join(URI_SCHEMES)}")
+    return value
+
+
+def _check_model(value: str) -> str:
+    if "://" in value:
+        return _check_uri(value)
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+        raise ValueError(f"must be a registered base model's name (GET /v1/models) or a URI starting with one of "
+                         f"{', '.join(URI_SCHEMES)}")
+    return value
+
+
 class LoraSpec(_Strict):
     rank: int = Field(16, ge=1, le=1024)
     alpha: float = Field(32.0, gt=0)
@@ -174,11 +193,46 @@ class Hyperparameters(_Strict):
     n_epochs: int | Literal["auto"] = "auto"
 
 
+class SupervisedMethod(_Strict):
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+
+
+class Method(_Strict):
+    """OpenAI's `method`. Only "supervised" trains here; other types are refused by resolve_spec with the field
+    named (a typed Literal would answer with pydantic's generic message instead)."""
+
+    type: str = "supervised"
+    supervised: SupervisedMethod | None = None
+    # OpenAI's other method sections, accepted in shape so the refusal names the type, not an extra field.
+    dpo: dict[str, Any] | None = None
+    reinforcement: dict[str, Any] | None = None
+
+
+INTEGRATION_TYPES = ("wandb",)
+
+
+class Integration(_Strict):
+    """OpenAI's `integrations` entry: stored with the job and shown on it."""
+
+    type: str
+    wandb: dict[str, Any] | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, v):
+        if v not in INTEGRATION_TYPES:
+            raise ValueError(f"unknown integration type {v!r} (known: {', '.join(INTEGRATION_TYPES)})")
+        return v
+
+
 class JobCreate(_Strict):
-    model: str = Field(..., description="URI of a Hugging Face-format checkpoint folder")
-    training_file: str = Field(..., description="URI of a JSONL file")
+    model: str = Field(..., description="A registered base model's name (GET /v1/models) or the URI of a "
+                                        "Hugging Face-format checkpoint folder")
+    training_file: str = Field(..., description="An uploaded file's id (file-...) or the URI of a JSONL file")
     validation_file: str | None = None
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    method: Method | None = None
+    integrations: list[Integration] | None = None
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     suffix: str | None = Field(None, max_length=64)
     metadata: dict[str, str] | None = None
@@ -188,7 +242,9 @@ class JobCreate(_Strict):
     output_uri: str | None = Field(None, description="where checkpoints and the adapter go (default: server setting)")
     priority: int = Field(0, ge=-100, le=100)
 
-    _check_uris = field_validator("model", "training_file", "validation_file", "output_uri")(_check_uri)
+    _check_uris = field_validator("output_uri")(_check_uri)
+    _check_data_files = field_validator("training_file", "validation_file")(_check_data_file)
+    _check_model_name = field_validator("model")(_check_model)
 
     @field_validator("suffix")
     @classmethod
@@ -220,7 +276,7 @@ def resolve_spec(req: JobCreate) -> JobCreate:
     Returns a copy whose `training` section is authoritative; raises SpecError naming the field.
     """
     training = req.training.model_copy()
-    hp = req.hyperparameters
+    hp = _method_hyperparameters(req)
     if hp.batch_size != "auto":
         if hp.batch_size < 1:
             raise SpecError("hyperparameters.batch_size", "must be >= 1")
@@ -250,6 +306,19 @@ def resolve_spec(req: JobCreate) -> JobCreate:
     if par.num_workers % par.expert_parallel_size:
         raise SpecError("parallelism.expert_parallel_size", "must divide parallelism.num_workers")
     return req.model_copy(update={"training": training})
+
+
+def _method_hyperparameters(req: JobCreate) -> Hyperparameters:
+    """The OpenAI knobs: `method.supervised.hyperparameters` (OpenAI's current place) over the top-level ones."""
+    method = req.method
+    if method is None:
+        return req.hyperparameters
+    if method.type != "supervised":
+        raise SpecError("method.type", f"method.type: {method.type!r} is not supported yet (supported: supervised)")
+    if method.supervised is None:
+        return req.hyperparameters
+    given = method.supervised.hyperparameters.model_dump(exclude_unset=True)
+    return req.hyperparameters.model_copy(update=given)
 
 
 # ---------------------------------------------------------------- responses
@@ -335,6 +404,28 @@ class Checkpoint(BaseModel):
     fine_tuning_job_id: str
     metrics: CheckpointMetrics
     step_number: int
+
+
+FilePurpose = Literal["fine-tune"]
+
+
+class FileObject(BaseModel):
+    """An uploaded data file (OpenAI's file object); its rows were checked on upload."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: FilePurpose
+    status: Literal["processed"] = "processed"
+    rows: int  # moetune: how many rows the upload check read
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
 
 
 T = TypeVar("T")

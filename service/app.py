@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models import ErrorResponse
-from moetune.service import internal, model_routes, routes
+from moetune.service import internal, model_routes, routes, uploaded_files
 from moetune.service.auth import TenantResolver
 from moetune.service.base_models import BaseModels
 from moetune.service.errors import error_response, install_error_handlers
@@ -54,6 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes.plans)
     app.include_router(model_routes.models)
     app.include_router(model_routes.deployments)
+    app.include_router(uploaded_files.router)
     app.include_router(internal.router)
 
     @app.get("/healthz", tags=["ops"])

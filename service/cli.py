@@ -166,14 +166,8 @@ def jobs_events(ctx: click.Context, job_id: str, follow: bool, timeout: float) -
     client = _client(ctx.parent)
     if follow:
         _follow(client, job_id, timeout)
-    after = None
-    while True:
-        page = client.jobs.events(job_id, after=after, limit=100)
-        for ev in page.data:
-            console.print(f"{_when(ev.created_at)} {ev.level:5} {ev.message}", markup=False, highlight=False)
-        if not page.has_more:
-            return
-        after = page.last_id
+    for ev in client.jobs.events_since(job_id):  # oldest first, as a log reads
+        console.print(f"{_when(ev.created_at)} {ev.level:5} {ev.message}", markup=False, highlight=False)
 
 
 @main.command()

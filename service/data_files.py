@@ -44,6 +44,14 @@ def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, s
                 row = json.loads(line)
             except ValueError:
                 continue  # the driver names malformed rows
-            for where, url in image_urls(row):
-                if problem := image_url_refusal(url, access, refusal):
-                    raise SpecError(param, f"{param} {uri} row {number}: '{where}' {problem}")
+            if problem := row_image_refusal(row, access, refusal):
+                raise SpecError(param, f"{param} {uri} row {number}: {problem}")
+
+
+def row_image_refusal(row, access: UriAccess, model_refusal: str | None) -> str | None:
+    """The first image URL of a row refused before reading (its form, the tenant's storage access, the model:
+    api.chat_content.image_url_refusal), with its field path; None when there is none."""
+    for where, url in image_urls(row):
+        if problem := image_url_refusal(url, access, model_refusal):
+            return f"'{where}' {problem}"
+    return None

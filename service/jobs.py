@@ -10,9 +10,11 @@ from moetune.api.checkpoint_files import check_tokenizer_files
 from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec
 from moetune.api.models import JobCreate, JobStatus, SpecError, resolve_spec
+from moetune.service.base_models import BaseModels
 from moetune.service.data_files import check_data_images
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.files import check_output_writable, model_files, read_model_config
+from moetune.service.job_inputs import resolve_inputs
 from moetune.service.planning import check_fits
 from moetune.service.settings import Settings
 from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
@@ -38,13 +40,14 @@ def _replay(existing: JobRow, digest: str) -> JobRow:
     return existing
 
 
-def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate,
+def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate, base_models: BaseModels,
                idempotency_key: str | None = None) -> JobRow:
     """The new job, or the one an earlier identical request with the same Idempotency-Key created."""
-    check_job_uris(request, tenant, settings)
     digest = request_hash(request)
     if idempotency_key is not None and (existing := store.find_by_idempotency_key(tenant, idempotency_key)):
         return _replay(existing, digest)
+    request = resolve_inputs(request, store, tenant, base_models)
+    check_job_uris(request, tenant, settings)
     job_id = new_job_id()
     output_uri = f"{(request.output_uri or settings.default_output_uri).rstrip('/')}/{job_id}"
     try:

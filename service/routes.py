@@ -66,7 +66,8 @@ def _page(rows: list, has_more: bool, view) -> ListPage:
 @router.post("", response_model=Job)
 def create_job(request: Request, body: JobCreate, tenant: Tenant, store: StoreDep, job_view: JobView,
                idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> Job:
-    return job_view(job_service.create_job(store, request.app.state.settings, tenant, body, idempotency_key))
+    return job_view(job_service.create_job(store, request.app.state.settings, tenant, body,
+                                           request.app.state.base_models, idempotency_key))
 
 
 @router.get("", response_model=ListPage[Job])
@@ -128,7 +129,8 @@ def list_events(
                      else _cursor(after, EVENT_ID_PREFIX))
         return StreamingResponse(job_event_stream(store, job.id, after_seq), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return _page(*store.list_events(job.id, limit, _cursor(after, EVENT_ID_PREFIX)), event_view)
+    # Newest first, as OpenAI's list (its SDK pages with `after` = the page's last, i.e. oldest, event).
+    return _page(*store.list_events(job.id, limit, _cursor(after, EVENT_ID_PREFIX), newest_first=True), event_view)
 
 
 @router.get("/{job_id}/checkpoints", response_model=ListPage[Checkpoint])

@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     # At submission the control plane scans data files up to this size for image URIs (allow-list, vision tower);
     # the driver scans every file again, whatever its size.
     submission_scan_max_mb: float = 64.0
+    # Where uploaded data files (POST /v1/files) are kept, one folder per tenant; unset: <the bucket of
+    # default_output_uri>/files. The bucket is created on the first upload when it does not exist.
+    files_uri: str | None = None
+    max_upload_mb: float = 512.0
     # Registered base models, JSON {"name": "s3://..."} or "name=uri,name=uri" (service/base_models.py): usable by
     # name as a job's `model` and for inference, listed by GET /v1/models.
     base_models: Annotated[dict[str, str], NoDecode] = {}

@@ -84,6 +84,8 @@ class JobRow(Base):
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     # Numbers the job's Ray submissions: a resume starts the next attempt under a new submission id.
     attempt: Mapped[int] = mapped_column(Integer, default=1)
+    # Why a queued job has not started yet (the cluster's free resources), shown on the job; None once it runs.
+    queue_reason: Mapped[str | None] = mapped_column(Text)
 
 
 class EventRow(Base):
@@ -107,6 +109,22 @@ class CheckpointRow(Base):
     step_number: Mapped[int] = mapped_column(Integer)
     uri: Mapped[str] = mapped_column(Text)
     metrics: Mapped[dict] = mapped_column(JSON)
+
+
+class FileRow(Base):
+    """An uploaded data file (POST /v1/files); its bytes live at `uri` in the operator's bucket."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_created", "tenant", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[float] = mapped_column(Float)
+    filename: Mapped[str] = mapped_column(Text)
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    rows: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str] = mapped_column(Text)
 
 
 class IdempotencyKeyTaken(Exception):
@@ -305,9 +323,15 @@ class Store:
                 change_job(job)
             s.add(EventRow(job_id=job_id, created_at=time.time(), level=level, type=type, message=message, data=data))
 
-    def list_events(self, job_id: str, limit: int, after_seq: int | None = None) -> tuple[list[EventRow], bool]:
-        """Oldest first."""
+    def list_events(self, job_id: str, limit: int, after_seq: int | None = None,
+                    newest_first: bool = False) -> tuple[list[EventRow], bool]:
+        """Oldest first (the live stream), or newest first (the list, as OpenAI's); `after_seq` is the previous
+        page's last event either way."""
         query = select(EventRow).where(EventRow.job_id == job_id)
+        if newest_first:
+            if after_seq is not None:
+                query = query.where(EventRow.seq < after_seq)
+            return self._page(query.order_by(EventRow.seq.desc()), limit)
         if after_seq is not None:
             query = query.where(EventRow.seq > after_seq)
         return self._page(query.order_by(EventRow.seq.asc()), limit)
@@ -331,6 +355,35 @@ class Store:
         if after_seq is not None:
             query = query.where(CheckpointRow.seq < after_seq)
         return self._page(query.order_by(CheckpointRow.seq.desc()), limit)
+
+    # ------------------------------------------------------------ files
+
+    def add_file(self, file: FileRow) -> FileRow:
+        file.created_at = time.time()
+        with self._write() as s:
+            s.add(file)
+        return file
+
+    def get_file(self, file_id: str, tenant: str) -> FileRow | None:
+        """The tenant's file; another tenant's is as unknown as a missing one."""
+        with self._sessions() as s:
+            file = s.get(FileRow, file_id)
+        return file if file is not None and file.tenant == tenant else None
+
+    def list_files(self, tenant: str, limit: int, after: FileRow | None = None,
+                   purpose: str | None = None) -> tuple[list[FileRow], bool]:
+        """Newest first; `after` is the last file of the previous page."""
+        query = select(FileRow).where(FileRow.tenant == tenant)
+        if purpose is not None:
+            query = query.where(FileRow.purpose == purpose)
+        if after is not None:
+            query = query.where(or_(FileRow.created_at < after.created_at,
+                                    (FileRow.created_at == after.created_at) & (FileRow.id < after.id)))
+        return self._page(query.order_by(FileRow.created_at.desc(), FileRow.id.desc()), limit)
+
+    def delete_file(self, file_id: str) -> None:
+        with self._write() as s:
+            s.execute(delete(FileRow).where(FileRow.id == file_id))
 
     # ------------------------------------------------------------ helpers
 

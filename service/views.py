@@ -43,6 +43,12 @@ def job_view(row, base_models: BaseModels) -> Job:
     training = spec.training
     # the stored column is the adapter's URI (the driver's report); clients address the model by its name
     name = row.fine_tuned_model and fine_tuned_name(base_models.name(spec.model), spec.suffix, row.tenant, row.id)
+    # OpenAI's knobs, showing the values the job actually runs with (also under method, where OpenAI puts them).
+    hyperparameters = {
+        "batch_size": training.global_batch_size,
+        "learning_rate_multiplier": float(f"{training.learning_rate / _BASE_LEARNING_RATE:.6g}"),
+        "n_epochs": training.n_epochs if training.n_epochs is not None else "auto",
+    }
     return Job(
         id=row.id,
         created_at=int(row.created_at),
@@ -53,12 +59,9 @@ def job_view(row, base_models: BaseModels) -> Job:
         organization_id=row.tenant,
         status=row.status,
         error=ErrorInfo.model_validate(row.error) if row.error else None,
-        # OpenAI's knobs, showing the values the job actually runs with.
-        hyperparameters={
-            "batch_size": training.global_batch_size,
-            "learning_rate_multiplier": float(f"{training.learning_rate / _BASE_LEARNING_RATE:.6g}"),
-            "n_epochs": training.n_epochs if training.n_epochs is not None else "auto",
-        },
+        hyperparameters=hyperparameters,
+        method={"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+        integrations=[i.model_dump(exclude_none=True) for i in spec.integrations or ()],
         training_file=spec.training_file,
         validation_file=spec.validation_file,
         result_files=row.result_files or [],

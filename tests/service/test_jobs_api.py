@@ -21,7 +21,7 @@ def test_create_returns_an_openai_shaped_job(service):
     assert job.output_uri == f"s3://outputs/runs/{job.id}"
     assert 0 <= job.seed < 2**31 and job.user_provided_suffix == "exp-1" and job.priority == 3
     events = service.http().get(f"{JOBS}/{job.id}/events").json()["data"]
-    assert [e["message"] for e in events] == ["Job created", "Validating files"]
+    assert [e["message"] for e in events] == ["Validating files", "Job created"]  # newest first, as OpenAI's
 
 
 def test_seed_and_output_uri_are_kept_when_given(service, s3_bucket):
@@ -107,7 +107,7 @@ def test_cancel_a_queued_job_then_cancelling_again_is_409(service):
     again = http.post(f"{JOBS}/{job['id']}/cancel")
     assert again.status_code == 409 and again.json()["error"]["code"] == "job_not_cancellable"
     messages = [e["message"] for e in http.get(f"{JOBS}/{job['id']}/events").json()["data"]]
-    assert messages[-2:] == ["Job queued", "Job cancelled"]
+    assert messages[:2] == ["Job cancelled", "Job queued"]
 
 
 def test_a_finished_job_cannot_be_cancelled(service):

@@ -29,7 +29,7 @@ def test_a_running_job_pauses_through_the_report_ack_and_resumes_as_a_new_attemp
     assert job.status == "queued" and job.progress.step == 2  # progress is kept for the next attempt
     row = service.store.get_job(job_id)
     assert row.attempt == 2 and not row.cancel_requested
-    messages = [e.message for e in sdk.jobs.events(job_id, limit=100).data]
+    messages = [e.message for e in sdk.jobs.events_since(job_id)]
     assert [m.split(":")[0] for m in messages[-4:]] == ["Pause requested", "Step 2", "Job paused", "Job resumed"]
 
 

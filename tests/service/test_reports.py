@@ -40,7 +40,7 @@ def test_metrics_events_update_progress_and_eta(service, running):
                                "tokens_per_second": 900.0}
     assert job["trained_tokens"] == 4096
     assert job["estimated_finish"] >= job["created_at"]
-    last = service.http().get(f"{JOBS}/{job_id}/events", params={"limit": 100}).json()["data"][-2]
+    last = service.http().get(f"{JOBS}/{job_id}/events", params={"limit": 100}).json()["data"][1]  # newest first
     assert last["type"] == "metrics" and last["data"]["train_loss"] == 2.5
 
 
@@ -114,7 +114,7 @@ def test_a_failure_result_carries_the_error(service, running):
 
     job = service.http().get(f"{JOBS}/{job_id}").json()
     assert job["status"] == "failed" and job["error"] == error
-    last = service.http().get(f"{JOBS}/{job_id}/events", params={"limit": 100}).json()["data"][-1]
+    last = service.http().get(f"{JOBS}/{job_id}/events", params={"limit": 100}).json()["data"][0]
     assert last["level"] == "error" and last["message"] == "Job failed: row 3 of train.jsonl is not JSON"
 
 

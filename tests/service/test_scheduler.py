@@ -50,8 +50,8 @@ def test_missing_inputs_fail_the_job_with_the_field(start_service, s3_endpoint, 
     job = status_of(service, job_id)
     assert job["status"] == "failed" and job["error"]["code"] == "file_not_found"
     assert job["error"]["param"] == param and spec[param] in job["error"]["message"]
-    events = service.http().get(f"{JOBS}/{job_id}/events").json()["data"]
-    assert events[-1]["level"] == "error" and events[-1]["message"].startswith("Job failed: ")
+    newest = service.http().get(f"{JOBS}/{job_id}/events").json()["data"][0]
+    assert newest["level"] == "error" and newest["message"].startswith("Job failed: ")
 
 
 def test_an_unreachable_ray_keeps_jobs_queued_and_they_can_be_cancelled(start_service, s3_endpoint, inputs,
@@ -68,7 +68,7 @@ def test_an_unreachable_ray_keeps_jobs_queued_and_they_can_be_cancelled(start_se
     assert service.app.state.scheduler._thread.is_alive()
     assert service.http().post(f"{JOBS}/{job_id}/cancel").json()["status"] == "cancelled"
     messages = [e["message"] for e in service.http().get(f"{JOBS}/{job_id}/events").json()["data"]]
-    assert messages == ["Job created", "Validating files", "Job queued", "Job cancelled"]
+    assert messages == ["Job cancelled", "Job queued", "Validating files", "Job created"]  # newest first
 
 
 def test_ray_jobs_get_the_run_spec_and_passthrough_env(start_service, monkeypatch):

@@ -22,10 +22,11 @@ def test_sdk_covers_the_job_lifecycle(service):
     checkpoint = client.jobs.checkpoints(job.id).data[0]
     assert checkpoint.step_number == 4 and checkpoint.metrics.train_loss == 1.5
 
-    page = client.jobs.events(job.id, limit=2)
-    assert [e.message for e in page.data] == ["Job created", "Validating files"] and page.has_more
+    page = client.jobs.events(job.id, limit=2)  # newest first, as OpenAI's
+    saved = f"Checkpoint saved at step 4: {service.checkpoint_uri(job.id, 4)}"
+    assert [e.message for e in page.data] == [saved, "Job started"] and page.has_more
     assert [e.message for e in client.jobs.events(job.id, after=page.last_id).data] == [
-        "Job queued", "Job started", f"Checkpoint saved at step 4: {service.checkpoint_uri(job.id, 4)}"]
+        "Job queued", "Validating files", "Job created"]
 
     assert client.jobs.cancel(job.id).status == JobStatus.cancelled
     with pytest.raises(APIError) as err:
