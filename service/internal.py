@@ -83,7 +83,9 @@ def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated
     report = body.report
     if isinstance(report, EventReport):
         updater = _progress_updater(report.data) if report.type == "metrics" and report.data else None
-        store.add_event(job.id, report.message, report.level, report.type, report.data, change_job=updater)
+        # Workers still stepping while Ray stops them report after "Job cancelled": that is not the job's history.
+        store.add_event(job.id, report.message, report.level, report.type, report.data, change_job=updater,
+                        unless_status=[JobStatus.cancelled])
     elif isinstance(report, CheckpointReport):
         _check_complete(job, report, request.app.state.settings.s3_endpoint_url)
         store.add_checkpoint(job.id, report.step_number, report.uri, report.metrics.model_dump(),

@@ -310,8 +310,10 @@ class Store:
         type: str = "message",
         data: dict | None = None,
         change_job: Callable[[JobRow], None] | None = None,
-    ) -> None:
-        """Append an event; `change_job` may modify the job row in the same transaction.
+        unless_status: Iterable[JobStatus] = (),
+    ) -> bool:
+        """Append an event; `change_job` may modify the job row in the same transaction. False (nothing
+        recorded) when the job's status is one of `unless_status`.
 
         (`change_job` must assign JSON fields anew: in-place changes to a dict are not detected.)
         """
@@ -319,9 +321,12 @@ class Store:
             # Locking the job row (a no-op on SQLite, which has one writer) makes a job's event
             # sequence numbers commit in order, so an `after` cursor never skips a late commit.
             job = s.scalar(select(JobRow).where(JobRow.id == job_id).with_for_update())
+            if job.status in {str(status) for status in unless_status}:
+                return False
             if change_job is not None:
                 change_job(job)
             s.add(EventRow(job_id=job_id, created_at=time.time(), level=level, type=type, message=message, data=data))
+        return True
 
     def list_events(self, job_id: str, limit: int, after_seq: int | None = None,
                     newest_first: bool = False) -> tuple[list[EventRow], bool]:

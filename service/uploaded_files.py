@@ -26,6 +26,7 @@ from moetune.service.uri_policy import tenant_access
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses={
     code: {"model": ErrorResponse, "description": what} for code, what in (
+        (400, "The multipart body could not be parsed"),
         (401, "Missing or invalid API token"),
         (404, "No such file for this tenant"),
         (413, "The file is larger than the server's MOETUNE_MAX_UPLOAD_MB"),

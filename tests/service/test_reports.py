@@ -129,3 +129,6 @@ def test_reports_after_cancel_are_accepted_but_do_not_revive_the_job(service, ru
 
     job = service.http().get(f"{JOBS}/{job_id}").json()
     assert job["status"] == "cancelled" and job["fine_tuned_model"] is None and job["progress"]["step"] == 0
+    # ... nor land in its history after "Job cancelled"
+    newest = service.http().get(f"{JOBS}/{job_id}/events").json()["data"][0]
+    assert newest["message"] == "Job cancelled"
