@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models import Checkpoint, Job, JobCreate, JobEvent, JobStatus, ListPage
+from moetune.api.report import AdaptationReport
 
 JOBS_PATH = "/v1/fine_tuning/jobs"
 
@@ -104,6 +105,16 @@ class Jobs:
         """Newest first."""
         return self._request("GET", f"{JOBS_PATH}/{job_id}/checkpoints", ListPage[Checkpoint],
                              params=_params(after=after, limit=limit))
+
+    def report(self, job_id: str) -> AdaptationReport:
+        """The adaptation report of a job that succeeded (api.report)."""
+        return self._request("GET", f"{JOBS_PATH}/{job_id}/report", AdaptationReport)
+
+    def report_html(self, job_id: str) -> str:
+        """The same report as one self-contained HTML page."""
+        response = self._http.get(f"{JOBS_PATH}/{job_id}/report.html")
+        _raise_for_error(response)
+        return response.text
 
     def stream_events(self, job_id: str, after: str | None = None,
                       read_timeout: float | None = 60.0) -> Iterator[JobEvent]:

@@ -13,6 +13,7 @@ ENV_WEIGHTS_CACHE_MAX_GB = "MOETUNE_WEIGHTS_CACHE_MAX_GB"  # its size cap
 ENV_METRICS_PORT = "MOETUNE_METRICS_PORT"  # workers' Prometheus port base (+ local rank), 0 = any, "off"
 ENV_METRICS_TARGETS_DIR = "MOETUNE_METRICS_TARGETS_DIR"  # where workers announce themselves for file_sd
 ENV_INJECT_FAULTS = "MOETUNE_INJECT_FAULTS"  # tests only: faults a worker raises on purpose (workers.loop.faults)
+ENV_PERTURB_OP = "MOETUNE_TEST_PERTURB_OP"  # tests only: the operator the alignment check perturbs (its name)
 # The driver's checks of the images inside the data files: the tenant's storage access (api.uri_access.UriAccess as
 # JSON; unset: any URI, for a driver started by hand) and the operator's image limits (api.images.ImageLimits).
 ENV_URI_ACCESS = "MOETUNE_URI_ACCESS"
@@ -24,4 +25,4 @@ PASSTHROUGH_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TO
                    "HF_HUB_OFFLINE")
 # What a driver hands every worker of its group, whatever the cluster's own environment holds.
 WORKER_ENV = (ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_S3_ENDPOINT_URL, *PASSTHROUGH_ENV, "AWS_REGION",
-              ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR, ENV_INJECT_FAULTS)
+              ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR, ENV_INJECT_FAULTS, ENV_PERTURB_OP)

@@ -16,6 +16,7 @@ class ErrorCode(StrEnum):
     invalid_job_token = "invalid_job_token"  # 401: a worker report without its job's token
     job_not_found = "job_not_found"  # 404
     not_found = "not_found"  # 404 for any other path
+    report_not_found = "report_not_found"  # 404: the job has no adaptation report (yet: written on success)
     method_not_allowed = "method_not_allowed"  # 405
     http_error = "http_error"  # any other HTTP error; the SDK's code for a non-JSON error answer
     idempotency_key_reused = "idempotency_key_reused"  # 409: same Idempotency-Key, different body
@@ -50,6 +51,7 @@ class ErrorCode(StrEnum):
     invalid_training_file = "invalid_training_file"  # the training file is missing, unreadable or malformed
     invalid_validation_file = "invalid_validation_file"  # the same for the validation file
     training_failed = "training_failed"  # any other training failure (also a failed result without an error)
+    alignment_failed = "alignment_failed"  # a swapped operator differs from its reference (alignment_check)
 
     @classmethod
     def invalid_file(cls, param: str) -> ErrorCode:

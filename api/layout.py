@@ -3,6 +3,7 @@
     adapter/                      the trained LoRA adapter (the job's fine_tuned_model)
     metrics.jsonl                 one line of metrics per logged step (the job's result file)
     summary.json                  written last on success: step, losses, trained_tokens
+    report/report.json, .html     the adaptation report (api.report), written by the driver on success
     checkpoints/step-<N>/         one checkpoint; complete (offered for resume and download) only once its
         checkpoint.json           manifest, written last after every rank's files, is there
 
@@ -22,6 +23,7 @@ ADAPTER_DIR = "adapter"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CHECKPOINTS_DIR = "checkpoints"
+REPORT_DIR = "report"
 CHECKPOINT_MANIFEST = "checkpoint.json"
 STEP_DIR_GLOB = "step-*"  # matches every checkpoint directory name (and possibly others: check with step_of)
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -37,6 +39,14 @@ def metrics_uri(output_uri: str) -> str:
 
 def summary_uri(output_uri: str) -> str:
     return join(output_uri, SUMMARY_FILE)
+
+
+def report_json_uri(output_uri: str) -> str:
+    return join(output_uri, REPORT_DIR, "report.json")
+
+
+def report_html_uri(output_uri: str) -> str:
+    return join(output_uri, REPORT_DIR, "report.html")
 
 
 def checkpoints_uri(output_uri: str) -> str:

@@ -135,6 +135,9 @@ class TrainingSpec(_Strict):
     # A quantized checkpoint's frozen weights (FP8 block, INT4 pack-quantized) stay in their stored format and are
     # dequantized a tile at a time inside the compute; "dequantized" expands them once at load instead.
     base_weights: Literal["quantized", "dequantized"] = "quantized"
+    # Before step 1, each swapped operator and the first loss are compared with their references on the job's first
+    # micro-batch (workers/evaluation/alignment.py): true fails the job beyond tolerance, "warn" only warns.
+    alignment_check: bool | Literal["warn"] = True
 
     @field_validator("micro_batch_size")
     @classmethod

@@ -6,14 +6,18 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
+from moetune.api import storage
+from moetune.api.errors import ErrorCode
+from moetune.api.layout import report_html_uri, report_json_uri
 from moetune.api.models import Checkpoint, ErrorResponse, Job, JobCreate, JobEvent, ListPage, SpecError, resolve_spec
 from moetune.api.plans import PlanRequest
+from moetune.api.report import AdaptationReport
 from moetune.service import jobs as job_service
 from moetune.service import lifecycle, planning
 from moetune.service.deps import JobView, StoreDep, Tenant
-from moetune.service.errors import invalid_request, job_not_found
+from moetune.service.errors import APIException, invalid_request, job_not_found
 from moetune.service.files import read_model_config
 from moetune.service.store import JobRow, Store
 from moetune.service.streaming import job_event_stream
@@ -138,6 +142,28 @@ def list_checkpoints(job_id: str, tenant: Tenant, store: StoreDep, after: str | 
                      limit: Limit = 10) -> ListPage[Checkpoint]:
     job = _own_job(store, tenant, job_id)
     return _page(*store.list_checkpoints(job.id, limit, _cursor(after, CHECKPOINT_ID_PREFIX)), checkpoint_view)
+
+
+def _report_bytes(request: Request, job: JobRow, uri: str) -> bytes:
+    try:
+        return storage.read_bytes(uri, endpoint_url=request.app.state.settings.s3_endpoint_url)
+    except FileNotFoundError:
+        raise APIException(404, ErrorCode.report_not_found, f"Job {job.id} has no adaptation report (the driver "
+                           f"writes it when the job succeeds; status: {job.status}).") from None
+
+
+@router.get("/{job_id}/report", response_model=AdaptationReport)
+def get_report(job_id: str, request: Request, tenant: Tenant, store: StoreDep) -> Response:
+    """The job's adaptation report (api.report), as the driver wrote it next to the adapter."""
+    job = _own_job(store, tenant, job_id)
+    return Response(_report_bytes(request, job, report_json_uri(job.output_uri)), media_type="application/json")
+
+
+@router.get("/{job_id}/report.html", response_class=HTMLResponse)
+def get_report_page(job_id: str, request: Request, tenant: Tenant, store: StoreDep) -> HTMLResponse:
+    """The same report as one self-contained page (inline SVG plots, nothing fetched)."""
+    job = _own_job(store, tenant, job_id)
+    return HTMLResponse(_report_bytes(request, job, report_html_uri(job.output_uri)))
 
 
 @plans.post("", responses={503: {"model": ErrorResponse, "description": "The memory planner did not answer"}})

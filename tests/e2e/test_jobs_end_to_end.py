@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import boto3
+import jsonschema
 import pytest
 import s3fs
 import yaml
@@ -17,8 +18,10 @@ from ray.job_submission import JobStatus as RayJobStatus
 from ray.job_submission import JobSubmissionClient
 
 from moetune.api.models import JobCreate, JobStatus
+from tests.support import REPO
 
 pytestmark = pytest.mark.ray_job
+REPORT_SCHEMA = REPO / "docs" / "adaptation_report.schema.json"
 
 
 def _spec(assets, **training) -> JobCreate:
@@ -95,6 +98,21 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, tiny
     base_loss = _loss_on_rows(AutoModelForCausalLM.from_pretrained(tiny_assets["local_model"]), tokenizer, rows)
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_assets["local_model"]), adapter_dir)
     assert _loss_on_rows(tuned, tokenizer, rows) < base_loss - 0.1
+
+    # The precision alignment ran before step 1 and passed; its table is in the adaptation report, which is
+    # served as JSON (valid against the published schema) and as a page with its plots.
+    (aligned,) = [e for e in events if e.message.startswith("Precision alignment")]
+    assert aligned.level == "info" and "kda" in [r["op"] for r in aligned.data["alignment"]], aligned.message
+    report = client_a.jobs.report(job.id)
+    jsonschema.validate(report.model_dump(mode="json"), json.loads(REPORT_SCHEMA.read_text()))
+    assert [r.model_dump(exclude_none=True) for r in report.alignment] == aligned.data["alignment"]
+    assert [(s.step, s.train_loss) for s in report.steps] == [(m["step"], m["train_loss"]) for m in metrics]
+    assert [(c.name, c.kept) for c in report.checkpoints] == [("step-4", False), ("step-8", True), ("step-12", True)]
+    assert report.last_valid_loss == metrics[-1]["valid_loss"] and len(report.memory.peak_mb_per_rank) == 2
+    assert report.reproduce.job["seed"] == 3 and report.versions["transformers"] and report.versions["torch"]
+    assert 0 < report.throughput.eval_share < 1 and report.throughput.tokens_per_second > 0
+    page = client_a.jobs.report_html(job.id)
+    assert all(f'id="plot-{name}"><svg' in page for name in ("loss", "throughput", "memory")), page[:300]
 
 
 def test_cancel_stops_the_running_ray_job(client_a, tiny_assets, ray_head):

@@ -91,6 +91,11 @@ def _complete(output_uri: str):
             yield step, uri
 
 
+def complete_checkpoints(output_uri: str) -> list[tuple[int, str]]:
+    """Newest first: (step, uri) of every complete checkpoint."""
+    return list(_complete(output_uri))
+
+
 def latest_checkpoint(output_uri: str) -> ResumePoint | None:
     """The newest complete checkpoint whose listed files are all there, or None."""
     newest = next(_complete(output_uri), None)

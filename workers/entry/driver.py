@@ -17,12 +17,13 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from moetune.api import storage
-from moetune.api.layout import result_from_summary, summary_uri
+from moetune.api.layout import report_html_uri, report_json_uri, result_from_summary, summary_uri
 from moetune.api.models import JobRunSpec
-from moetune.workers.checkpoints.run_state import paused_step
+from moetune.workers.checkpoints.run_state import complete_checkpoints, paused_step
 from moetune.workers.entry.checks import validate
 from moetune.workers.entry.failures import ReportWorkerFailures, root_cause
 from moetune.workers.loop.worker import train_loop_per_worker
+from moetune.workers.reporting.adaptation_report import write_report
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.settings import WorkerSettings, worker_env
 
@@ -91,8 +92,21 @@ def run_job(run: JobRunSpec, reporter: Reporter, settings: WorkerSettings) -> bo
         log.error("job %s failed: %s", run.job_id, cause.message)
         reporter.failed(cause.code, cause.message, cause.param)
         return False
+    _write_report(run, lora.rows(), summary, reporter)
     reporter.send(result_from_summary(run.output_uri, summary))
     return True
+
+
+def _write_report(run: JobRunSpec, lora_coverage: list[dict], summary: dict, reporter: Reporter) -> None:
+    """The adaptation report next to the adapter; a report that cannot be written costs the job nothing."""
+    try:
+        write_report(run, lora_coverage, summary, {step for step, _ in complete_checkpoints(run.output_uri)})
+    except Exception as e:  # noqa: BLE001 - the trained adapter is there whatever happens to its report
+        log.warning("job %s: adaptation report not written", run.job_id, exc_info=True)
+        reporter.event(f"Adaptation report not written: {type(e).__name__}: {e}", level="warn")
+        return
+    reporter.event(f"Adaptation report written: {report_html_uri(run.output_uri)}",
+                   data={"report": report_json_uri(run.output_uri)})
 
 
 def main() -> int:

@@ -23,9 +23,11 @@ from moetune.kernels.quant import held, held_names
 from moetune.workers.checkpoints import run_state
 from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
 from moetune.workers.data.rows import load_rows
+from moetune.workers.data.sampling import step_examples
 from moetune.workers.engine.deepspeed import build_engine
 from moetune.workers.engine.schedule import total_steps
 from moetune.workers.errors import DatasetError
+from moetune.workers.evaluation.alignment import check_alignment, verdict
 from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.loop.collectives import Collectives
 from moetune.workers.loop.evaluate import evaluate
@@ -37,6 +39,7 @@ from moetune.workers.parallel import job_placement
 from moetune.workers.planner import needs_activation_checkpointing
 from moetune.workers.reporting.metrics import WorkerMetrics
 from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.reporting.step_figures import memory_budget_bytes, step_figures
 from moetune.workers.settings import enter_worker_env
 from moetune.workers.weights.loader import load_summary, stream_model, streamed_or_unused
 
@@ -59,6 +62,7 @@ class _Worker:
                                      self.settings)
         self.node_dir = os.path.join(tempfile.gettempdir(), "moetune", self.run.job_id)
         self.attempt = config["attempt"]  # this driver run's id (see workers.checkpoints.run_state)
+        self.alignment = None  # the alignment table, when this run checked it (a resumed run does not)
 
     def event(self, message: str, **kwargs) -> None:
         if self.chief:
@@ -131,6 +135,7 @@ class _Worker:
         uri = checkpoint_uri(self.run.output_uri, step)
         save_checkpoint(self.engine, local, is_writer=self.chief)
         if self.chief:
+            record["checkpoint"] = step_dir(step)  # also in this history's copy: the report's checkpoint marks
             run_state.save_trainer_state(local, step=step, trained_tokens=record["trained_tokens"],
                                          history=self.history, attempt=self.attempt, paused=paused,
                                          micro_batches=self.steps.state())
@@ -192,6 +197,24 @@ class _Worker:
     def _record_oom(self, step: int, micro_batch_size: int) -> None:
         run_state.record_oom(self.run.output_uri, self.attempt, self.rank, step, micro_batch_size)
 
+    def check_alignment(self) -> None:
+        """Before step 1: the swapped operators and the first loss against their references on this rank's first
+        micro-batch (workers.evaluation.alignment); beyond tolerance the job fails naming the operators."""
+        t, started = self.t, time.perf_counter()
+        indices = step_examples(len(self.train_set), 0, t.global_batch_size, self.rank, self.world, self.run.seed)
+        first_stage = t.seq_len_schedule[0].seq_len if t.seq_len_schedule else t.seq_len
+        examples = [self.train_set[i].truncated(first_stage) for i in indices[:self.steps.micro_batch_size]]
+        batch = self.method.collate(examples).to(self.device)
+        self.engine.eval()  # no dropout: both forwards see the same network
+        rows = check_alignment(self.engine.module, lambda: self.method.loss_sum(self.engine, batch),
+                               self.model.dtype, lambda values: self.collectives.all_max(*values))
+        self.engine.train()
+        level, message, error = verdict(rows, t.alignment_check, time.perf_counter() - started)
+        self.event(message, level=level, data={"alignment": rows})
+        self.alignment = rows
+        if error:
+            raise error
+
     def train(self) -> bool:
         """Runs the steps left after the newest complete checkpoint; False when it stopped for a pause."""
         t = self.t
@@ -203,28 +226,36 @@ class _Worker:
                                                                         self.device),
                                 self.collectives, self.event, steps,
                                 fault_hook(self.settings.inject_faults, self.rank), self._record_oom)
+        self.memory_budget_mb = memory_budget_bytes(self.device, t.memory_budget_mb) / 1e6
         self.event(f"Training started: {steps} steps on {self.world} workers, {self.steps.describe()}",
                    data={"total_steps": steps, "train_examples": len(self.train_set), "workers": self.world})
         self.history, self.resumed_tuner = [], None
         done, trained_tokens = self.resume()
+        if not done and t.alignment_check:
+            self.check_alignment()
         if self.steps.tuner:
             self.restore_tuner()
         for step in range(done + 1, steps + 1):
             started, learning_rate = time.perf_counter(), scheduler.get_last_lr()[0]
             loss_sum, loss_tokens, tokens = self.steps.run(step, self.train_set)
             trained_tokens += int(tokens)
+            train_seconds = time.perf_counter() - started
             record = {"step": step, "total_steps": steps, "train_loss": loss_sum / loss_tokens,
-                      "learning_rate": learning_rate,
-                      "tokens_per_second": tokens / (time.perf_counter() - started),
+                      "learning_rate": learning_rate, "tokens_per_second": tokens / train_seconds,
                       "trained_tokens": trained_tokens}
+            if step == done + 1 and done:
+                record["resumed_from_step"] = done
             if self.valid_set and ((t.eval_every and step % t.eval_every == 0) or step == steps):
                 record["valid_loss"] = evaluate(self.engine, self.method, self.valid_set, self.steps.micro_batch_size,
                                                 self.rank, self.world, self.device, self.collectives)
+            moe = self.metrics.step_end(record, time.perf_counter() - started, self.steps.micro_batch_size,
+                                        self.steps.grad_accum_steps)
+            record.update(step_figures(moe, train_seconds, time.perf_counter() - started - train_seconds, self.rank,
+                                       self.world, self.device, self.collectives.all_sum))
+            record["memory_budget_mb"] = self.memory_budget_mb
             if self.chief:
                 self.reporter.metrics(**record)
                 self.history.append(record)
-            self.metrics.step_end(record, time.perf_counter() - started, self.steps.micro_batch_size,
-                                  self.steps.grad_accum_steps)
             pause = step < steps and self.pause_requested()
             if pause or (t.checkpoint_every and step % t.checkpoint_every == 0):
                 self.checkpoint(step, record, paused=pause)
@@ -243,6 +274,7 @@ class _Worker:
             last = self.history[-1]
             summary = {k: last.get(k) for k in ("step", "train_loss", "valid_loss", "trained_tokens")}
             summary["first_train_loss"] = self.history[0]["train_loss"]
+            summary["alignment"] = self.alignment
             storage.write_bytes(summary_uri(self.run.output_uri), json.dumps(summary).encode())
             self.event("Training finished", data=summary)
         self.collectives.barrier()

@@ -78,17 +78,16 @@ class WorkerMetrics:
         self.set_phase("training")
         self.exporter.await_scrape()  # the counters' zeros, so that rate() and increase() count the first step
 
-    def step_end(self, record: dict, seconds: float, micro_batch_size: int, grad_accum_steps: int) -> None:
+    def step_end(self, record: dict, seconds: float, micro_batch_size: int, grad_accum_steps: int) -> dict:
         """After each optimizer step, on every rank (the expert-load sum is a collective), with the micro-batch
-        sizes the step ran with."""
+        sizes the step ran with. Returns the MoE layers' figures of the step (MoEMetrics.step_end), {} without."""
         labels = self.labels.values()
         self.step_seconds.labels(*labels).set(seconds)
         self.micro_batch.labels(*labels).set(micro_batch_size)
         self.grad_accum.labels(*labels).set(grad_accum_steps)
-        if self.moe:
-            self.moe.step_end()
+        figures = self.moe.step_end() if self.moe else {}
         if not self.chief:
-            return
+            return figures
         self.step.labels(*labels).set(record["step"])
         self.total_steps.labels(*labels).set(record["total_steps"])
         self.loss.labels(*labels).set(record["train_loss"])
@@ -98,6 +97,7 @@ class WorkerMetrics:
         self.tokens_per_second.labels(*labels).set(record["tokens_per_second"])
         self.tokens.labels(*labels).inc(record["trained_tokens"] - self.tokens_counted)
         self.tokens_counted = record["trained_tokens"]
+        return figures
 
     def close(self) -> None:
         self.exporter.close()

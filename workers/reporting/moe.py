@@ -46,17 +46,21 @@ class MoEMetrics:
                                                               "experts in the last step", "expert")
         self.hot_shown: dict[str, list[str]] = {}
 
-    def step_end(self) -> None:
-        """Every rank: its traffic, then the collective load sum; rank 0 exports the load."""
+    def step_end(self) -> dict:
+        """Every rank: its traffic, then the collective load sum; rank 0 exports the load. Returns the step's
+        figures for the adaptation report: this rank's all-to-all seconds and (rank 0) each layer's imbalance."""
+        total_seconds = 0.0
         for layer, module in zip(self.load.layers, self.load.modules):
             sent, seconds = module.comm.drain()
+            total_seconds += seconds
             self.a2a_bytes.labels(*self.base, layer).inc(sent)
             self.a2a_seconds.labels(*self.base, layer).inc(seconds)
+        figures = {"alltoall_seconds": total_seconds}
         if not self.load.layers:
-            return
+            return figures
         counts, weights = self.load.step_totals()
         if not self.export_load:
-            return
+            return figures
         stats = layer_stats(counts, weights, self.load.top_k)
         self.histogram.observe(stats["ratios"])
         hottest = stats["ratios"].topk(min(HOT_EXPERTS, counts.shape[1]), dim=1)
@@ -71,3 +75,5 @@ class MoEMetrics:
             self.hot_shown[layer] = [str(e) for e in hottest.indices[i].tolist()]
             for expert, ratio in zip(self.hot_shown[layer], hottest.values[i].tolist()):
                 self.hot.labels(*at, expert).set(ratio)
+        figures["expert_imbalance"] = dict(zip(self.load.layers, stats["imbalance"].tolist()))
+        return figures

@@ -1,0 +1,51 @@
+"""The precision alignment at job start, in process on the tiny glm5_next (KDA + sparse attention + expert-parallel
+experts): every swapped operator is reached and matches its reference; a perturbed operator is named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moetune.workers.families.kda as kda_module
+from moetune.api.models import JobCreate
+from moetune.kernels.kda import chunk_kda
+from moetune.api.environment import ENV_PERTURB_OP
+from moetune.workers.evaluation.alignment import FIRST_LOSS, check_alignment, failed_ops
+from moetune.workers.families import REGISTRY, apply_kernel_swaps
+from moetune.workers.model import trainable_model
+from moetune.workers.parallel.compute import fused_expert_forward
+from moetune.workers.parallel.experts import ExpertParallelExperts
+from moetune.workers.parallel.placement import placement_at
+from tests.support.families import batch, plain_model
+
+SPEC = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
+                 lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True})
+
+
+@pytest.fixture(scope="module")
+def swapped():
+    model = plain_model(REGISTRY["glm5_next"])
+    assert all(apply_kernel_swaps(model).values())
+    torch.manual_seed(1)
+    model = trainable_model(model, SPEC, placement_at(model.config.to_dict(), 1, 0)).eval()
+    inputs = batch(0, 0, seq=40, vocab=272)
+    return model, lambda: model(**inputs).loss
+
+
+def test_every_swapped_operator_matches_its_reference(swapped):
+    model, loss = swapped
+    rows = check_alignment(model, loss, torch.float32)
+    assert [r["op"] for r in rows] == ["kda", "sparse_attention", "experts", FIRST_LOSS]
+    assert failed_ops(rows) == [], rows
+    assert all(0 <= r["rmse_ratio"] < 1e-4 for r in rows[:-1]), rows  # measured, not trivially zero
+    # the check leaves the model's operators as it found them
+    assert kda_module.chunk_kda is chunk_kda
+    assert all(m.compute is fused_expert_forward for m in model.modules() if isinstance(m, ExpertParallelExperts))
+
+
+@pytest.mark.parametrize("op", ["kda", "experts"])
+def test_a_perturbed_operator_is_named(swapped, monkeypatch, op):
+    model, loss = swapped
+    monkeypatch.setenv(ENV_PERTURB_OP, op)
+    rows = check_alignment(model, loss, torch.float32)
+    assert [name for name in failed_ops(rows) if name != FIRST_LOSS] == [op], rows

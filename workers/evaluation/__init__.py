@@ -1,0 +1,1 @@
+"""Judging a job beyond its training loss: the precision alignment of its swapped operators at job start."""
