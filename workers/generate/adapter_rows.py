@@ -17,16 +17,22 @@ from moetune.workers.parallel.compute import ExpertLoraFactors
 
 
 class RowSelection:
-    """The slot of every token of the forward being run (set by the engine before each forward)."""
+    """The adapter slot of every row of the forward being run (set by the engine before each forward)."""
 
     def __init__(self):
-        self.token_slots: torch.Tensor | None = None  # [tokens], rows flattened in order
-        self.uniform: int | None = 0  # the one slot of all tokens, or None when they differ
+        self.row_slots: torch.Tensor | None = None  # [rows]
+        self.uniform: int | None = 0  # the one slot of all rows, or None when they differ
 
-    def set(self, row_slots: list[int], tokens_per_row: int, device) -> None:
+    def set(self, row_slots: list[int], device) -> None:
         self.uniform = row_slots[0] if len(set(row_slots)) == 1 else None
-        slots = torch.tensor(row_slots, dtype=torch.long, device=device)
-        self.token_slots = slots.repeat_interleave(tokens_per_row)
+        self.row_slots = torch.tensor(row_slots, dtype=torch.long, device=device)
+
+    def slots_of(self, n: int) -> torch.Tensor:
+        """The slot of each of `n` vectors flattened from a [rows, ...] tensor (tokens, or tokens x heads)."""
+        rows = self.row_slots.shape[0]
+        if n % rows:
+            raise ValueError(f"{n} vectors do not split over {rows} rows")
+        return self.row_slots.repeat_interleave(n // rows)
 
 
 class _Stack:
@@ -91,7 +97,7 @@ class RowLoraLinear(nn.Module):
             s = sel.uniform
             delta = (flat @ f["a"][s].T) @ f["b"][s].T * f.scaling[s]
         else:  # rows of different adapters: each token its slot's factors (slot 0 is all zeros)
-            slots = sel.token_slots
+            slots = sel.slots_of(flat.shape[0])
             lowrank = torch.bmm(f["a"][slots], flat.unsqueeze(-1))  # [tokens, r, 1]
             delta = torch.bmm(f["b"][slots], lowrank).squeeze(-1) * f.scaling[slots, None]
         return y + delta.reshape(y.shape).to(y.dtype)
@@ -135,7 +141,7 @@ class RowLoraExperts(nn.Module):
                     if s in f.filled else None)
             y = ex.compute(rows, counts.tolist(), *ex.base_weights(), ex.activation, lora, biases)
         else:
-            y = self._mixed(rows, counts, sel.token_slots[token_of], flat_experts[order], biases)
+            y = self._mixed(rows, counts, sel.slots_of(hidden_states.shape[0])[token_of], flat_experts[order], biases)
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         out = torch.zeros_like(hidden_states)
         return out.index_add(0, token_of, (y * weights).to(out.dtype))

@@ -50,7 +50,7 @@ class DecodeBatch:
 
     def _forward(self, input_ids, cache, **kwargs):
         if self.selection is not None:
-            self.selection.set([r.slot for r in kwargs.pop("rows")], input_ids.shape[1], self.device)
+            self.selection.set([r.slot for r in kwargs.pop("rows")], self.device)
         kwargs.pop("rows", None)
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[:, -1]

@@ -174,6 +174,7 @@ class Engine:
                 self._jobs.append(job)
 
     def _decode(self) -> None:
+        self.counts["peak_batch"] = max(self.counts["peak_batch"], len(self._jobs))
         tokens = self.batch.step()
         keep = [i for i, (job, token) in enumerate(zip(self._jobs, tokens, strict=True))
                 if not self._take(job, token)]
