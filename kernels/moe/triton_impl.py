@@ -21,6 +21,10 @@ from moetune.kernels.quant import Fp8BlockWeight, Int4PackedWeight, Mxfp4Weight,
 from moetune.kernels.quant.mxfp4 import GROUP as MXFP4_GROUP
 
 BLOCK_M = 64
+# The fused kernel holds the whole LoRA rank in one tile: on sm_90 rank 128 needs 123 KB of shared memory, 256
+# spills registers and 512 needs 270 KB (over the 227 KB a block may have). Beyond this rank xA and (xA)B run as
+# grouped GEMMs of their own, whose N tiles cap the rank like any width.
+FUSED_RANK_MAX = 128
 DENSE, FP8, INT4, MXFP4 = map(tl.constexpr, range(4))  # _grouped_lora_mm's FMT (constexpr: read by the kernel)
 
 
@@ -177,6 +181,11 @@ def _operand(w, transpose: bool):
 
 def grouped_lora_mm(x, w, a, b, scale: float, tiles, out_dtype=None, transpose: bool = False):
     """x [N, K] sorted by expert, w the [E, K, M] operand (_operand), a [E, K, r] / b [E, r, M] or None -> [N, M]."""
+    if a is not None and a.shape[2] > FUSED_RANK_MAX:
+        xa = grouped_lora_mm(x, a, None, None, 1.0, tiles)  # rounded to x's dtype, as the fused kernel rounds xA
+        y = grouped_lora_mm(x, w, None, None, 1.0, tiles, torch.float32, transpose)
+        y += scale * grouped_lora_mm(xa, b, None, None, 1.0, tiles, torch.float32)  # summed in fp32, as fused
+        return y.to(out_dtype or x.dtype)
     expert, first_row, offs = tiles
     w_args, w_meta, d_in, d_out = _operand(w, transpose)
     y = torch.empty(x.shape[0], d_out, dtype=out_dtype or x.dtype, device=x.device)

@@ -9,7 +9,12 @@ import torch
 
 from moetune.kernels.kda import naive_recurrent_kda, triton_kda
 from tests.support.kda_cases import BF16_TOL, FP32_TOL, NAMES, as_fp32, make_inputs, rmse_ratio, run_with_grads
-from tests.support.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
+from tests.support.triton_child import (  # noqa: F401 (test_interpreter_run: collected here)
+    backend_device,
+    on_triton,
+    test_interpreter_run,
+    to_device,
+)
 
 GRADIENTS = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -21,7 +26,7 @@ def _worst_error(ours: dict, ref: dict) -> float:
 
 @on_triton
 def test_interpreted_matches_oracle_fp32():
-    inputs = make_inputs(2, 45, 2, 16, 32, gate_scale=4.0)  # 45 tokens: a full and a partial 32-token chunk
+    inputs = to_device(backend_device(), make_inputs(2, 45, 2, 16, 32, gate_scale=4.0))  # 45: a full + partial chunk
     ours = run_with_grads(triton_kda.chunk_kda_triton, inputs)
     assert _worst_error(ours, run_with_grads(naive_recurrent_kda, inputs)) <= FP32_TOL
 
@@ -31,7 +36,7 @@ def test_interpreted_matches_oracle_fp32():
 def test_interpreted_low_precision_inputs(dtype, tol):
     """fp16/bf16 in and out (tiles are fp32 inside, so bf16 works under the interpreter too); the oracle runs on
     the same rounded inputs in fp32, so what differs is the rounding of the results."""
-    inputs = make_inputs(1, 40, 2, 16, 16, dtype=dtype)
+    inputs = to_device(backend_device(), make_inputs(1, 40, 2, 16, 16, dtype=dtype))
     ours = run_with_grads(triton_kda.chunk_kda_triton, inputs)
     assert {ours[key].dtype for key in ("o", "dq", "dk", "dv", "dg", "dbeta")} == {dtype}
     assert _worst_error(ours, run_with_grads(naive_recurrent_kda, as_fp32(inputs))) <= tol
@@ -39,8 +44,8 @@ def test_interpreted_low_precision_inputs(dtype, tol):
 
 @on_triton
 def test_interpreted_packed_with_empty_segments():
-    cu_seqlens = torch.tensor([0, 0, 33, 33, 50])  # zero-length segments first and in the middle
-    inputs = make_inputs(1, 50, 1, 16, 16, n_states=4)
+    cu_seqlens = torch.tensor([0, 0, 33, 33, 50], device=backend_device())  # zero-length segments first and middle
+    inputs = to_device(backend_device(), make_inputs(1, 50, 1, 16, 16, n_states=4))
     ours = run_with_grads(triton_kda.chunk_kda_triton, inputs, cu_seqlens)
     assert _worst_error(ours, run_with_grads(naive_recurrent_kda, inputs, cu_seqlens)) <= FP32_TOL
     assert torch.equal(ours["final"][2], inputs["h0"][2].detach())  # an empty segment passes its state on
@@ -48,7 +53,7 @@ def test_interpreted_packed_with_empty_segments():
 
 @on_triton
 def test_interpreted_without_states():
-    inputs = make_inputs(1, 20, 1, 16, 16)
+    inputs = to_device(backend_device(), make_inputs(1, 20, 1, 16, 16))
     args = [inputs[n] for n in NAMES[:5]]
     o, final = triton_kda.chunk_kda_triton(*args)
     ref, _ = naive_recurrent_kda(*args)

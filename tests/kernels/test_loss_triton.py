@@ -11,7 +11,12 @@ from moetune.kernels.loss import linear_cross_entropy_sum
 from moetune.kernels.loss.chunked import chunked_linear_cross_entropy_sum
 from moetune.kernels.loss.dispatch import _liger_sum
 from tests.support.allocations import Allocations
-from tests.support.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
+from tests.support.triton_child import (  # noqa: F401 (test_interpreter_run: collected here)
+    backend_device,
+    on_triton,
+    test_interpreter_run,
+    to_device,
+)
 
 
 def _inputs(tokens=75, hidden=24, vocab=300, dtype=torch.float32):
@@ -59,7 +64,7 @@ def test_no_tensor_of_tokens_times_vocab():
 
 @on_triton
 def test_liger_triton_kernel_agrees():
-    h, w, y = _inputs()
+    h, w, y = to_device(backend_device(), *_inputs())
     want_loss, want_grad = _loss_and_grad(chunked_linear_cross_entropy_sum, h, w, y)
     loss, grad = _loss_and_grad(_liger_sum, h, w, y)
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)

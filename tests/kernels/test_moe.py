@@ -10,7 +10,12 @@ import torch
 from moetune.kernels.moe import moe_lora_grouped, moe_lora_mlp
 from moetune.kernels.testing import compile_in_subprocess, rmse_ratio
 from tests.support.moe_reference import check_grouped
-from tests.support.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
+from tests.support.triton_child import (  # noqa: F401 (test_interpreter_run: collected here)
+    backend_device,
+    on_triton,
+    test_interpreter_run,
+    to_device,
+)
 
 
 def _inputs(dtype, d_in=40, d_out=72, rank=4, counts=(5, 0, 70, 3, 0), seed=0):
@@ -26,7 +31,7 @@ def _inputs(dtype, d_in=40, d_out=72, rank=4, counts=(5, 0, 70, 3, 0), seed=0):
 
 
 def _check(backend, dtype, tol, **shape):
-    x, counts, w, a, b, grad = _inputs(dtype, **shape)
+    x, counts, w, a, b, grad = to_device(backend_device(backend), *_inputs(dtype, **shape))
     empty = [e for e, n in enumerate(counts.tolist()) if n == 0]  # experts without tokens: no LoRA gradient at all
     check_grouped(backend, x, counts, w, w.float(), a, b, grad, tol, empty)
 
@@ -51,10 +56,21 @@ def test_triton_kernels_with_a_large_rank_and_all_rows_on_one_expert():
     _check("triton", torch.float32, 0.005, d_in=33, d_out=130, rank=200, counts=(0, 0, 131, 0, 0))
 
 
+@on_triton
+@pytest.mark.parametrize("rank", [512, 1024])
+def test_triton_ranks_beyond_one_fused_tile(rank):
+    """Ranks the API allows but one fused tile cannot hold on sm_90 (triton_impl.FUSED_RANK_MAX): xA and (xA)B run
+    as their own grouped GEMMs, with the same results."""
+    from moetune.kernels.moe.triton_impl import FUSED_RANK_MAX
+
+    assert rank > FUSED_RANK_MAX
+    _check("triton", torch.float32, 0.005, d_in=32, d_out=48, rank=rank, counts=(3, 0, 70))
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=on_triton)])
 def test_no_tokens_at_all(backend):
     """A rank whose experts got no token this step still gives (zero) LoRA gradients for every expert."""
-    x, counts, w, a, b, grad = _inputs(torch.float32, counts=(0, 0, 0, 0, 0))
+    x, counts, w, a, b, grad = to_device(backend_device(backend), *_inputs(torch.float32, counts=(0, 0, 0, 0, 0)))
     out = moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend)
     assert out.shape == (0, w.shape[2])
     da, db = torch.autograd.grad(out, (a, b), grad)
@@ -63,7 +79,7 @@ def test_no_tokens_at_all(backend):
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=on_triton)])
 def test_frozen_weight_gets_no_gradient_and_bad_arguments_are_named(backend):
-    x, counts, w, a, b, grad = _inputs(torch.float32)
+    x, counts, w, a, b, grad = to_device(backend_device(backend), *_inputs(torch.float32))
     w.requires_grad_()
     moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend).backward(grad)
     assert w.grad is None and a.grad is not None
@@ -114,6 +130,7 @@ def test_expert_mlp_matches_the_per_expert_loop(backend, with_lora):
     factors = [(torch.randn(*shape, generator=gen) * 0.3).requires_grad_() for shape in
                ((4, rank, hidden), (4, 2 * inter, rank), (4, rank, inter), (4, hidden, rank))] if with_lora else []
     grad = torch.randn(sum(counts), hidden, generator=gen)
+    x, w_gate_up, w_down, factors, grad = to_device(backend_device(backend), x, w_gate_up, w_down, factors, grad)
     expected = _expert_mlp_loop(x, counts, w_gate_up, w_down, factors, 0.5)
     exp_grads = torch.autograd.grad(expected, [x, *factors], grad)
     out = moe_lora_mlp(x, counts, w_gate_up, w_down, _swiglu, *factors, scaling=0.5, backend=backend)
@@ -140,6 +157,7 @@ def test_expert_mlp_is_a_drop_in_for_the_expert_parallel_compute(backend):
                ((3, rank, hidden), (3, 2 * inter, rank), (3, rank, inter), (3, hidden, rank))]
     activation = GatedActivation(torch.nn.functional.silu, limit=7.0)  # GLM's swiglu_limit clamp
     grad = torch.randn(sum(counts), hidden, generator=gen)
+    x, w_gate_up, w_down, factors, grad = to_device(backend_device(backend), x, w_gate_up, w_down, factors, grad)
     expected = grouped_expert_forward(x, counts, w_gate_up, w_down, activation, ExpertLoraFactors(*factors, 0.5))
     exp_grads = torch.autograd.grad(expected, [x, *factors], grad)
     out = moe_lora_mlp(x, counts, w_gate_up, w_down, activation, *factors, scaling=0.5, backend=backend)

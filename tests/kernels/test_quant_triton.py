@@ -15,7 +15,13 @@ from moetune.kernels.moe.reference import moe_lora_reference
 from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
 from moetune.kernels.testing import compile_in_subprocess, rmse_ratio
 from tests.support.moe_reference import check_grouped
-from tests.support.triton_child import interpreting, on_triton, test_interpreter_run  # noqa: F401 (collected here)
+from tests.support.triton_child import (  # noqa: F401 (test_interpreter_run: collected here)
+    backend_device,
+    interpreting,
+    on_triton,
+    test_interpreter_run,
+    to_device,
+)
 
 # format -> (quantizer, in, out): FP8 blocks leave partial edge blocks in both dims (40 = 16 + 16 + 8, 72 = 64 + 8;
 # and one partial 128 x 128 block); INT4 groups and MXFP4 blocks need in % 32 == 0, out = 40 is still ragged
@@ -44,7 +50,7 @@ def _inputs(fmt, dtype, rank=4, seed=0):
 
 
 def _check(backend, fmt, dtype, tol):
-    q, x, counts, a, b, grad = _inputs(fmt, dtype)
+    q, x, counts, a, b, grad = to_device(backend_device(backend), *_inputs(fmt, dtype))
     w = q.dequantize(dtype=dtype).float().transpose(1, 2)  # the weight as the compute dtype sees it, [E, in, out]
     check_grouped(backend, x, counts, q, w, a, b, grad, tol, empty_experts=[1])  # expert 1: no tokens
 
@@ -64,8 +70,8 @@ def test_torch_backend_runs_expert_by_expert(fmt):
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=on_triton)])
 def test_asymmetric_int4_runs_on_the_torch_path(backend):
     """The kernel reads symmetric INT4 only: a zero point falls back to the per-expert path, with the same result."""
-    _, x, counts, a, b, grad = _inputs("int4", torch.float32)
-    q = quantize_int4(torch.randn(3, 40, 96), symmetric=False)
+    _, x, counts, a, b, grad = to_device(backend_device(backend), *_inputs("int4", torch.float32))
+    q = quantize_int4(torch.randn(3, 40, 96, device=x.device), symmetric=False)
     expected = moe_lora_reference(x, counts, q.dequantize().transpose(1, 2), a, b, 2.0)
     torch.testing.assert_close(moe_lora_grouped(x, counts, q, a, b, 2.0, backend=backend), expected)
 
@@ -87,6 +93,7 @@ def test_quantized_expert_mlp_is_the_expert_parallel_compute(fmt, backend):
                ((3, rank, hidden), (3, 2 * inter, rank), (3, rank, inter), (3, hidden, rank))]
     activation = GatedActivation(torch.nn.functional.silu, limit=7.0)
     grad = torch.randn(sum(counts), hidden, generator=gen)
+    w_gate_up, w_down, x, factors, grad = to_device(backend_device(backend), w_gate_up, w_down, x, factors, grad)
     tol = 1e-6 if backend == "torch" else TOLERANCE[torch.float32]
     for lora in (None, ExpertLoraFactors(*factors, 0.5)):
         leaves = [x, *factors] if lora else [x]

@@ -13,7 +13,12 @@ from moetune.kernels.sparse_attention.reference import (
     topk_mask,
 )
 from moetune.kernels.testing import compile_in_subprocess, rmse_ratio
-from tests.support.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
+from tests.support.triton_child import (  # noqa: F401 (test_interpreter_run: collected here)
+    backend_device,
+    on_triton,
+    test_interpreter_run,
+    to_device,
+)
 
 
 def _inputs(batch=2, q_len=37, heads=4, kv_heads=2, dk=24, dv=20, topk=16, dtype=torch.float32, seed=0):
@@ -32,8 +37,8 @@ def _inputs(batch=2, q_len=37, heads=4, kv_heads=2, dk=24, dv=20, topk=16, dtype
 
 
 def _check_against_oracle(backend, dtype, tol, q_len=37):
-    q, k, v, indices, grad = _inputs(q_len=q_len, dtype=dtype)
-    gate = torch.randn(*q.shape[:3], v.shape[-1], dtype=dtype).requires_grad_()
+    q, k, v, indices, grad = to_device(backend_device(backend), *_inputs(q_len=q_len, dtype=dtype))
+    gate = torch.randn(*q.shape[:3], v.shape[-1], dtype=dtype, device=q.device).requires_grad_()
     expected = sparse_attention_reference(q.float(), k.float(), v.float(), indices, 0.3, gate.float())
     exp_grads = torch.autograd.grad(expected, (q, k, v, gate), grad.float())
     out = sparse_attention(q, k, v, indices, 0.3, gate=gate, backend=backend)

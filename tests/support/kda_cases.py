@@ -35,8 +35,8 @@ def run_with_grads(fn, inputs, cu_seqlens=None, seed=1):
     o, final = fn(*(inputs[n] for n in NAMES[:5]), initial_state=inputs["h0"], output_final_state=True,
                   cu_seqlens=cu_seqlens)
     gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=gen).to(o.dtype)
-    dht = torch.randn(final.shape, generator=gen)
+    do = torch.randn(o.shape, generator=gen).to(o.device, o.dtype)
+    dht = torch.randn(final.shape, generator=gen).to(final.device)
     ((o.float() * do.float()).sum() + (final * dht).sum()).backward()
     return {"o": o, "final": final, **{f"d{n}": inputs[n].grad for n in NAMES}}
 

@@ -20,6 +20,29 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def backend_device(backend: str = "triton") -> torch.device:
+    """Where a kernel backend's inputs must live: compiled Triton kernels take CUDA tensors only ("Pointer argument
+    cannot be accessed from Triton (cpu tensor?)"); the interpreter and the torch backend run on CPU tensors."""
+    compiled = backend == "triton" and torch.cuda.is_available() and not interpreting()
+    return torch.device("cuda" if compiled else "cpu")
+
+
+def to_device(device, *values):
+    """`values` (tensors, QuantizedWeights, dicts or lists of them; anything else as is) on `device`; a leaf that
+    requires grad stays a leaf that requires grad."""
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.detach().to(device).requires_grad_(v.requires_grad) if v.is_leaf else v.to(device)
+        if isinstance(v, dict):
+            return {k: move(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [move(x) for x in v]
+        return v.to(device) if hasattr(v, "with_tensors") else v
+
+    moved = [move(v) for v in values]
+    return moved[0] if len(moved) == 1 else moved
+
+
 on_triton = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
                                reason="run by test_interpreter_run in a child process under TRITON_INTERPRET=1")
 

@@ -16,6 +16,9 @@ def deepspeed_config(spec: JobCreate, world_size: int, bf16: bool) -> dict:
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": spec.parallelism.zero_stage},
         "bf16": {"enabled": bf16},
+        # bf16 compute, fp32 gradients: accumulated over micro-batches (ZeRO-1's bf16 optimizer reads this) and
+        # reduced across ranks in fp32 (DeepSpeed's default follows the model's bf16). LoRA gradients are small.
+        **({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"} if bf16 else {}),
         # The client optimizer is plain torch AdamW: DeepSpeed's CPU Adam needs a compiled extension.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # progress goes to the control plane, not stdout
