@@ -40,6 +40,7 @@ class ErrorCode(StrEnum):
     file_not_accessible = "file_not_accessible"  # access to an input URI was denied
     driver_failed = "driver_failed"  # the Ray job failed or exited without a result
     ray_job_lost = "ray_job_lost"  # Ray no longer knows the job's submission
+    unschedulable = "unschedulable"  # no node (or not all of them together) has the resources the workers need
 
     # ---- a failed job's error, reported by the workers (ResultReport.error)
     model_not_found = "model_not_found"  # no config.json under the model URI

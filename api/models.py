@@ -187,6 +187,11 @@ class ParallelismSpec(_Strict):
     expert_parallel_size: int = Field(1, ge=1)
     zero_stage: Literal[1, 2, 3] = 2
 
+    def worker_resources(self) -> dict[str, float]:
+        """The Ray resources of one training worker (its placement bundle): the driver asks Ray Train for these,
+        the scheduler checks the cluster has them before it submits."""
+        return {"CPU": 1, "GPU": self.gpus_per_worker} if self.gpus_per_worker else {"CPU": 1}
+
 
 class Hyperparameters(_Strict):
     """OpenAI-compatible knobs; when given they override the matching `training` fields."""
@@ -376,6 +381,8 @@ class Job(BaseModel):
     output_uri: str
     priority: int = 0
     progress: Progress = Field(default_factory=Progress)
+    # Why a validating or queued job has not moved on yet (storage or Ray unreachable, cluster busy, no free slot).
+    queue_reason: str | None = None
 
 
 EventLevel = Literal["info", "warn", "error"]

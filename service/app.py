@@ -15,6 +15,7 @@ from moetune.service.auth import TenantResolver
 from moetune.service.base_models import BaseModels
 from moetune.service.errors import error_response, install_error_handlers
 from moetune.service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
+from moetune.service.readiness import dependency_status
 from moetune.service.scheduler import Scheduler
 from moetune.service.settings import Settings
 from moetune.service.store import Store
@@ -23,8 +24,8 @@ from moetune.service.store import Store
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     store = Store(settings.database_url)
-    scheduler = Scheduler(store, settings)
     metrics = ControlPlaneMetrics(store)
+    scheduler = Scheduler(store, settings, on_dependency_error=metrics.count_dependency_error)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -61,11 +62,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["ops"], responses={503: {"model": ErrorResponse, "description": "Database down"}})
-    def readyz(request: Request):
-        if not request.app.state.store.ping():
-            return error_response(503, ErrorCode.not_ready, "The database is not reachable.")
-        return {"status": "ready"}
+    @app.get("/readyz", tags=["ops"],
+             responses={503: {"model": ErrorResponse, "description": "The database, Ray or the storage is down"}})
+    def readyz() -> dict:
+        """Each dependency, "ok" or "unreachable"; 503 (naming the ones down) unless all answer."""
+        status = dependency_status(store, scheduler.ray, settings, metrics.count_dependency_error)
+        if down := [name for name, up in status.items() if not up]:
+            return error_response(503, ErrorCode.not_ready, f"Not ready: {', '.join(down)} not reachable.")
+        return {"status": "ready", "dependencies": {name: "ok" for name in status}}
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
     def prometheus_metrics() -> Response:

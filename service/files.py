@@ -29,11 +29,12 @@ def _inputs(spec: JobCreate) -> list[tuple[str, str, str]]:
 def missing_input(spec: JobCreate, s3_endpoint_url: str | None) -> ErrorInfo | None:
     """The first input that does not exist or cannot be read, as the job's error; None when all are there.
 
-    Other storage errors (endpoint down, timeouts) propagate: they are worth a retry, not a failed job.
+    Other storage errors (endpoint down, timeouts) propagate at once (no retries here): they are worth a retry
+    with the scheduler's backoff, not a failed job.
     """
     for param, uri, expected in _inputs(spec):
         try:
-            fs, path = _filesystem(uri, s3_endpoint_url)
+            fs, path = _filesystem(uri, s3_endpoint_url, quick=True)
             found = fs.exists(path)
         except PermissionError:
             return ErrorInfo(code=ErrorCode.file_not_accessible, param=param,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -14,6 +14,8 @@ from moetune.api.models import JobStatus
 from moetune.service.store import Store
 
 log = logging.getLogger(__name__)
+
+DEPENDENCIES = ("database", "ray", "storage")
 
 
 class _JobsCollector(Collector):
@@ -49,6 +51,18 @@ class ControlPlaneMetrics:
             ["method", "route", "status_code"],
             registry=self.registry,
         )
+
+        self.dependency_errors = Counter(
+            "moetune_dependency_errors",
+            "Calls of the control plane to a dependency that failed (Ray unreachable, storage not answering).",
+            ["dependency"],
+            registry=self.registry,
+        )
+        for dependency in DEPENDENCIES:
+            self.dependency_errors.labels(dependency)  # every series exists from the start, at 0
+
+    def count_dependency_error(self, dependency: str) -> None:
+        self.dependency_errors.labels(dependency).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from ray.job_submission import JobSubmissionClient
 
+from moetune.service.cluster_resources import NodeResources, nodes_from_cluster_status
+
 log = logging.getLogger(__name__)
+
+# After a failed call the next ones wait 1 s, 2 s, 4 s ... up to a minute (not one attempt per scheduler tick).
+_FIRST_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 60.0
 
 
 class RayUnavailable(Exception):
@@ -35,12 +41,17 @@ def _is_not_found(error: RuntimeError) -> bool:
 
 
 class RayJobs:
-    def __init__(self, address: str):
+    def __init__(self, address: str, on_error=None):
         self.address = address
         self._client: JobSubmissionClient | None = None
         self._down = False  # to log outages once, not on every tick
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+        self._on_error = on_error  # called once per failed call (the control plane's dependency-error metric)
 
     def _call(self, method: str, *args, **kwargs):
+        if self._down and time.monotonic() < self._retry_at:
+            raise RayUnavailable(f"the Ray Jobs API at {self.address} is not reachable")
         try:
             if self._client is None:
                 self._client = _TimedClient(self.address)  # checks the connection
@@ -48,13 +59,33 @@ class RayJobs:
         except OSError as e:  # builtin ConnectionError and every requests exception
             self._client = None
             if not self._down:
-                log.warning("Ray Jobs API at %s is unreachable (%s); retrying every scheduler tick", self.address, e)
+                log.warning("Ray Jobs API at %s is unreachable (%s); retrying with backoff", self.address, e)
             self._down = True
-            raise RayUnavailable(str(e)) from e
+            self._backoff_s = min(max(self._backoff_s * 2, _FIRST_BACKOFF_S), _MAX_BACKOFF_S)
+            self._retry_at = time.monotonic() + self._backoff_s
+            if self._on_error is not None:
+                self._on_error()
+            raise RayUnavailable(f"the Ray Jobs API at {self.address} is not reachable") from e
         if self._down:
             log.info("Ray Jobs API at %s is reachable again", self.address)
-            self._down = False
+            self._down, self._backoff_s = False, 0.0
         return result
+
+    def reachable(self) -> bool:
+        """For /readyz: one call now, whatever the backoff."""
+        self._retry_at = 0.0
+        try:
+            self._call("get_version")
+            return True
+        except RayUnavailable:
+            return False
+
+    def cluster_nodes(self) -> list[NodeResources]:
+        """Each node's total and used resources; empty when Ray has not reported them (yet)."""
+        response = self._call("_do_request", "GET", "/api/cluster_status")
+        if response.status_code != 200:
+            return []
+        return nodes_from_cluster_status(response.json().get("data") or {})
 
     def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
         """Idempotent: a submission id Ray already knows (e.g. from before a restart) counts as submitted."""

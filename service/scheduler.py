@@ -9,6 +9,8 @@ import logging
 import os
 import re
 import threading
+import time
+from collections.abc import Callable
 
 from moetune.api.errors import ErrorCode
 from moetune.api.layout import result_from_summary, summary_uri
@@ -25,9 +27,11 @@ from moetune.api.models import (
     JobCreate,
     JobRunSpec,
     JobStatus,
+    ParallelismSpec,
     ResultReport,
 )
 from moetune.service.auth import hash_token, new_job_token
+from moetune.service.cluster_resources import Shortage, never_placeable, wait_reason
 from moetune.service.files import missing_input, read_json
 from moetune.service.lifecycle import SLOT_STATUSES, finish_job
 from moetune.service.ray_jobs import RayJobs, RayUnavailable
@@ -38,6 +42,7 @@ from moetune.service.uri_policy import tenant_access
 log = logging.getLogger(__name__)
 
 _MAX_CAUSE_CHARS = 300
+_STORAGE_BACKOFF_S = (1.0, 60.0)  # first and longest wait between file checks while storage does not answer
 
 
 def submission_id(job_id: str, attempt: int) -> str:
@@ -57,13 +62,31 @@ def short_cause(ray_message: str | None) -> str:
     return cause[:_MAX_CAUSE_CHARS]
 
 
+def _parallelism(job: JobRow) -> ParallelismSpec:
+    return ParallelismSpec.model_validate(job.spec["parallelism"])
+
+
+def _held(jobs: list[JobRow]) -> dict[str, float]:
+    """The Ray resources the jobs' workers take."""
+    held: dict[str, float] = {}
+    for job in jobs:
+        par = _parallelism(job)
+        for name, amount in par.worker_resources().items():
+            held[name] = held.get(name, 0.0) + amount * par.num_workers
+    return held
+
+
 class Scheduler:
-    def __init__(self, store: Store, settings: Settings, ray: RayJobs | None = None):
+    def __init__(self, store: Store, settings: Settings, ray: RayJobs | None = None,
+                 on_dependency_error: Callable[[str], None] = lambda dependency: None):
         self.store = store
         self.settings = settings
-        self.ray = ray or RayJobs(settings.ray_address)
+        self.on_dependency_error = on_dependency_error  # the control plane's metric, per dependency
+        self.ray = ray or RayJobs(settings.ray_address, on_error=lambda: on_dependency_error("ray"))
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._storage_backoff_s = 0.0
+        self._storage_retry_at = 0.0
 
     # ------------------------------------------------------------ thread
 
@@ -124,20 +147,71 @@ class Scheduler:
             self._fail(job, ErrorCode.driver_failed, "driver exited without reporting a result")
 
     def validate_files(self) -> None:
+        if time.monotonic() < self._storage_retry_at:
+            return
         for job in self.store.jobs_with_status(JobStatus.validating_files):
-            error = missing_input(JobCreate.model_validate(job.spec), self.settings.s3_endpoint_url)
+            try:
+                error = missing_input(JobCreate.model_validate(job.spec), self.settings.s3_endpoint_url)
+            except Exception as e:  # noqa: BLE001 - storage down or timing out: worth a retry, not a failed job
+                self._storage_unreachable(e)
+                return
             if error is None:
-                self.store.transition(job.id, [JobStatus.validating_files], JobStatus.queued, "Job queued")
+                self.store.transition(job.id, [JobStatus.validating_files], JobStatus.queued, "Job queued",
+                                      queue_reason=None)
             else:
                 self.store.transition(job.id, [JobStatus.validating_files], JobStatus.failed,
                                       f"Job failed: {error.message}", level="error", error=error.model_dump())
+        self._storage_backoff_s = 0.0
+
+    def _storage_unreachable(self, error: Exception) -> None:
+        """Every job waiting for its file check says why; the next check waits 1 s, 2 s, 4 s ... up to a minute."""
+        first, longest = _STORAGE_BACKOFF_S
+        if not self._storage_backoff_s:
+            log.warning("object storage does not answer (%s); checking job files again with backoff", error)
+        self._storage_backoff_s = min(max(self._storage_backoff_s * 2, first), longest)
+        self._storage_retry_at = time.monotonic() + self._storage_backoff_s
+        self.on_dependency_error("storage")
+        reason = (f"Object storage is not reachable ({type(error).__name__}: {str(error)[:200]}); checking the "
+                  f"files again with backoff")
+        for job in self.store.jobs_with_status(JobStatus.validating_files):
+            self.store.note_queue_reason(job.id, reason, [JobStatus.validating_files])
 
     def submit_queued(self) -> None:
-        """Starts queued jobs, highest priority then oldest first, while jobs holding a slot < max_running_jobs."""
-        free = self.settings.max_running_jobs - len(self.store.jobs_with_status(*SLOT_STATUSES))
-        if free > 0:
-            for job in self.store.next_queued(free):
-                self._submit(job)
+        """Starts queued jobs, highest priority then oldest first, while jobs holding a slot < max_running_jobs and
+        the Ray cluster has the resources their workers need; a job that must wait says why (queue_reason)."""
+        holding = self.store.jobs_with_status(*SLOT_STATUSES)
+        free = self.settings.max_running_jobs - len(holding)
+        if free <= 0:
+            for job in self.store.next_queued(20):
+                self.store.note_queue_reason(job.id, f"waiting for a running slot ({len(holding)} jobs running, "
+                                             f"max_running_jobs={self.settings.max_running_jobs})",
+                                             [JobStatus.queued], level="info")
+            return
+        queued = self.store.next_queued(free)
+        if not queued:
+            return
+        try:
+            nodes = self.ray.cluster_nodes()
+        except RayUnavailable as e:
+            for job in queued:
+                self.store.note_queue_reason(job.id, f"Ray is not reachable ({e}); retrying with backoff",
+                                             [JobStatus.queued])
+            raise
+        held = _held(holding)
+        for job in queued:
+            par = _parallelism(job)
+            if nodes:  # no report yet (a head just started): Ray's own placement decides
+                shortage = never_placeable(par, nodes)
+                if shortage is not None and self.settings.fail_unschedulable:
+                    self._fail_unschedulable(job, shortage)
+                    continue
+                if reason := (shortage.message if shortage else wait_reason(par, nodes, held)):
+                    # strict priority order: a smaller job behind it does not overtake it
+                    self.store.note_queue_reason(job.id, reason, [JobStatus.queued])
+                    return
+            self._submit(job)
+            for name, amount in _held([job]).items():
+                held[name] = held.get(name, 0.0) + amount
 
     # ------------------------------------------------------------ helpers
 
@@ -153,7 +227,7 @@ class Scheduler:
                 return  # cancelled or paused meanwhile
             self.ray.submit(sid, self.settings.driver_entrypoint, self.job_env(job, token))
         if not self.store.transition(job.id, [JobStatus.queued], JobStatus.running, "Job started",
-                                     ray_submission_id=sid):
+                                     ray_submission_id=sid, queue_reason=None):
             # Cancelled or paused while submitting: record the submission so stop_cancelled ends it.
             self.store.update_job(job.id, ray_submission_id=sid, cancel_requested=True)
         log.info("submitted %s as Ray job %s", job.id, sid)
@@ -173,6 +247,13 @@ class Scheduler:
         if self.settings.s3_endpoint_url:
             env[ENV_S3_ENDPOINT_URL] = self.settings.s3_endpoint_url
         return env
+
+    def _fail_unschedulable(self, job: JobRow, shortage: Shortage) -> None:
+        message = f"{shortage.param}: {shortage.message}; this job can never start on this cluster"
+        error = ErrorInfo(code=ErrorCode.unschedulable, message=message, param=shortage.param)
+        if self.store.transition(job.id, [JobStatus.queued], JobStatus.failed, f"Job failed: {message}",
+                                 level="error", error=error.model_dump(), queue_reason=None):
+            log.info("job %s failed: %s", job.id, message)
 
     def _fail(self, job: JobRow, code: ErrorCode, message: str) -> None:
         error = ErrorInfo(code=code, message=message)

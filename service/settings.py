@@ -23,6 +23,9 @@ class Settings(BaseSettings):
     api_tokens: str = "dev-token:default"
     ray_address: str = "http://127.0.0.1:8265"  # Ray Jobs API (dashboard) URL
     max_running_jobs: int = 2
+    # A job whose workers no node of the Ray cluster (or not all nodes together) could ever hold fails before it
+    # is submitted. False on an autoscaling cluster: such a job waits queued, with its reason, for new nodes.
+    fail_unschedulable: bool = True
     scheduler_enabled: bool = True
     scheduler_interval_s: float = 1.0
     callback_url: str = "http://127.0.0.1:8000"  # how workers reach this control plane

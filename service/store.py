@@ -293,6 +293,19 @@ class Store:
             s.add(EventRow(job_id=job_id, created_at=now, level=level, type="message", message=message))
         return True
 
+    def note_queue_reason(self, job_id: str, reason: str | None, only_if_status: Iterable[JobStatus],
+                          level: str = "warn") -> bool:
+        """Sets why a job waits (None: it no longer does); a new reason is also recorded as an event, once.
+        False when nothing changed (same reason, or the job moved on)."""
+        with self._write() as s:
+            job = s.scalar(select(JobRow).where(JobRow.id == job_id).with_for_update())
+            if job is None or job.status not in {str(st) for st in only_if_status} or job.queue_reason == reason:
+                return False
+            job.queue_reason = reason
+            if reason is not None:
+                s.add(EventRow(job_id=job_id, created_at=time.time(), level=level, type="message", message=reason))
+        return True
+
     def update_job(self, job_id: str, only_if_status: Iterable[JobStatus] | None = None, **fields: Any) -> bool:
         query = update(JobRow).where(JobRow.id == job_id)
         if only_if_status is not None:

@@ -76,6 +76,7 @@ def job_view(row, base_models: BaseModels) -> Job:
         output_uri=row.output_uri,
         priority=row.priority,
         progress=Progress.model_validate(row.progress or {}),
+        queue_reason=row.queue_reason,
     )
 
 

@@ -64,7 +64,8 @@ def test_rendered_command_and_env_serve_probes_api_and_metrics(control_plane):
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         response = httpx.get(url + container[probe]["httpGet"]["path"], timeout=5)
         assert response.status_code == 200, (probe, response.text)
-    assert httpx.get(url + "/readyz", timeout=5).json() == {"status": "ready"}
+    assert httpx.get(url + "/readyz", timeout=5).json() == {
+        "status": "ready", "dependencies": {"database": "ok", "storage": "ok", "ray": "ok"}}
 
     token = env["MOETUNE_API_TOKENS"].split(":")[0]
     jobs = httpx.get(f"{url}/v1/fine_tuning/jobs", headers={"Authorization": f"Bearer {token}"}, timeout=5)

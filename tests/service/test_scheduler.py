@@ -10,6 +10,7 @@ from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPE
 from moetune.api.models import JobRunSpec
 from moetune.service.embedded import free_port
 from moetune.service.scheduler import Scheduler, short_cause
+from tests.support.control_plane import OUTPUT_BUCKET
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -18,6 +19,8 @@ JOBS = "/v1/fine_tuning/jobs"
 def inputs(s3_endpoint, s3_bucket):
     """URIs of a model folder and training/validation files that exist in a real bucket."""
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    if OUTPUT_BUCKET not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:  # the default output location
+        s3.create_bucket(Bucket=OUTPUT_BUCKET)
     for key in ("model/tokenizer.json", "train.jsonl", "valid.jsonl"):
         s3.put_object(Bucket=s3_bucket, Key=key, Body=b"{}")
     s3.put_object(Bucket=s3_bucket, Key="model/config.json", Body=b'{"model_type": "kimi_linear"}')
@@ -64,11 +67,95 @@ def test_an_unreachable_ray_keeps_jobs_queued_and_they_can_be_cancelled(start_se
         time.sleep(0.05)
     time.sleep(0.5)  # several ticks that each fail to reach Ray
 
-    assert status_of(service, job_id)["status"] == "queued"
+    job = status_of(service, job_id)
+    assert job["status"] == "queued" and job["queue_reason"].startswith(f"Ray is not reachable (the Ray Jobs API "
+                                                                         f"at {nowhere} is not reachable")
     assert service.app.state.scheduler._thread.is_alive()
     assert service.http().post(f"{JOBS}/{job_id}/cancel").json()["status"] == "cancelled"
     messages = [e["message"] for e in service.http().get(f"{JOBS}/{job_id}/events").json()["data"]]
-    assert messages == ["Job cancelled", "Job queued", "Validating files", "Job created"]  # newest first
+    # newest first; the reason once, however many ticks failed
+    assert messages == ["Job cancelled", job["queue_reason"], "Job queued", "Validating files", "Job created"]
+    assert _metric(service, 'moetune_dependency_errors_total{dependency="ray"}') >= 1
+
+
+def _metric(service, series: str) -> float:
+    line = next(line for line in service.http(None).get("/metrics").text.splitlines() if line.startswith(series))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_unreachable_storage_keeps_jobs_validating_with_one_event_and_readyz_names_it(start_service, nowhere):
+    service = start_service(s3_endpoint_url=nowhere, ray_address=nowhere)
+    job_id = service.create_job()["id"]
+    scheduler = Scheduler(service.store, service.app.state.settings,
+                          on_dependency_error=service.app.state.scheduler.on_dependency_error)
+    for _ in range(3):  # the first fails, the next two wait for the backoff
+        scheduler.tick()
+
+    job = status_of(service, job_id)
+    assert job["status"] == "validating_files" and job["queue_reason"].startswith("Object storage is not reachable")
+    events = service.http().get(f"{JOBS}/{job_id}/events").json()["data"]
+    assert [e["message"] for e in events] == [job["queue_reason"], "Validating files", "Job created"]
+    assert events[0]["level"] == "warn"
+    assert _metric(service, 'moetune_dependency_errors_total{dependency="storage"}') == 1
+    ready = service.http(None).get("/readyz")
+    assert ready.status_code == 503 and ready.json()["error"]["message"] == "Not ready: storage not reachable."
+
+
+def _ray_reports_nodes(scheduler: Scheduler) -> None:
+    deadline = time.monotonic() + 30
+    while not scheduler.ray.cluster_nodes():  # a fresh head's monitor reports after a few seconds
+        assert time.monotonic() < deadline, "the Ray head reported no node"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("parallelism, param, cause", [
+    ({"gpus_per_worker": 8}, "parallelism.gpus_per_worker", "no node of the Ray cluster has more than 0 GPU"),
+    ({"num_workers": 1000}, "parallelism.num_workers", "1000 workers need 1000 CPU"),
+])
+def test_a_job_no_node_can_hold_fails_before_submission(start_service, s3_endpoint, inputs, ray_head,
+                                                       parallelism, param, cause):
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=ray_head.dashboard_url)
+    job_id = service.create_job(**inputs, parallelism=parallelism,
+                                training={"global_batch_size": 1000})["id"]
+    scheduler = Scheduler(service.store, service.app.state.settings)
+    _ray_reports_nodes(scheduler)
+    scheduler.validate_files()
+    scheduler.submit_queued()
+
+    job = status_of(service, job_id)
+    assert job["status"] == "failed" and job["error"]["code"] == "unschedulable"
+    assert job["error"]["param"] == param and cause in job["error"]["message"]
+    assert service.store.get_job(job_id).ray_submission_id is None  # Ray never saw it
+
+
+def test_a_job_the_busy_cluster_cannot_hold_now_waits_queued_with_its_reason(start_service, s3_endpoint, inputs,
+                                                                             ray_head):
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=ray_head.dashboard_url, max_running_jobs=3)
+    running = service.create_job(**inputs, parallelism={"num_workers": 4})["id"]  # the head's 4 CPUs
+    service.start_job(running)
+    waiting = service.create_job(**inputs, parallelism={"num_workers": 2})["id"]
+    scheduler = Scheduler(service.store, service.app.state.settings)
+    _ray_reports_nodes(scheduler)
+    scheduler.validate_files()
+    scheduler.submit_queued()
+    scheduler.submit_queued()
+
+    job = status_of(service, waiting)
+    assert job["status"] == "queued" and service.store.get_job(waiting).ray_submission_id is None
+    assert job["queue_reason"] == "waiting for cluster resources: 2 workers need 2 CPU, 0 CPU free now"
+    messages = [e["message"] for e in service.http().get(f"{JOBS}/{waiting}/events").json()["data"]]
+    assert messages.count(job["queue_reason"]) == 1
+
+
+def test_a_job_waiting_for_a_slot_says_so(start_service, s3_endpoint, inputs, nowhere):
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=nowhere, max_running_jobs=1)
+    service.start_job(service.create_job(**inputs)["id"])
+    waiting = service.create_job(**inputs)["id"]
+    scheduler = Scheduler(service.store, service.app.state.settings)
+    scheduler.validate_files()
+    scheduler.submit_queued()
+    assert status_of(service, waiting)["queue_reason"] == "waiting for a running slot (1 jobs running, " \
+                                                          "max_running_jobs=1)"
 
 
 def test_ray_jobs_get_the_run_spec_and_passthrough_env(start_service, monkeypatch):

@@ -45,7 +45,7 @@ def _storage_for_ray(uri: str, s3_endpoint_url: str | None):
 def build_trainer(run: JobRunSpec, attempt: str, reporter: Reporter, settings: WorkerSettings):
     par = run.spec.parallelism
     use_gpu = par.gpus_per_worker > 0
-    resources = {"CPU": 1, "GPU": par.gpus_per_worker} if use_gpu else {"CPU": 1}
+    resources = par.worker_resources()
     storage_path, storage_fs = _storage_for_ray(storage.join(run.output_uri, "ray"), settings.s3_endpoint_url)
     return TorchTrainer(
         train_loop_per_worker,
