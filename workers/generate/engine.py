@@ -52,7 +52,7 @@ class Engine:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.counts = collections.Counter()
+        self.counts = collections.Counter(requests=0, prompt_tokens=0, tokens_generated=0, peak_batch=0)
 
     @classmethod
     def from_uri(cls, base_uri: str, *, s3_endpoint_url: str | None = None, max_adapters: int = 8,
