@@ -110,6 +110,9 @@ class SeqLenStage(_Strict):
 
 class TrainingSpec(_Strict):
     max_steps: int | None = Field(None, ge=1)
+    # max_steps x global_batch_size over more passes of the training file than the server's MOETUNE_MAX_EPOCHS is
+    # refused at submission (a typo like 10**12 steps), unless this says it is meant.
+    allow_many_epochs: bool = False
     n_epochs: int | None = Field(None, ge=1, le=1000)
     learning_rate: float = Field(1e-4, gt=0, le=1.0)
     warmup_ratio: float = Field(0.03, ge=0.0, le=1.0)

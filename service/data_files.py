@@ -31,21 +31,28 @@ def _text(uri: str, settings: Settings) -> str | None:
         return None
 
 
-def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, settings: Settings) -> None:
+def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, settings: Settings) -> dict[str, int]:
     """Raises SpecError at the first image URL refused before reading (api.chat_content.image_url_refusal): outside
-    the tenant's storage, or any image when the model (`config`; None: storage could not give it) takes none."""
+    the tenant's storage, or any image when the model (`config`; None: storage could not give it) takes none.
+    Returns the number of rows of each file scanned, by field (the submission limits' dataset size)."""
     refusal = images_refusal(config) if config is not None else None
+    rows: dict[str, int] = {}
     for param in _DATA_FIELDS:
         uri = getattr(spec, param)
         if uri is None or (text := _text(uri, settings)) is None:
             continue
+        rows[param] = 0
         for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            rows[param] += 1
             try:
                 row = json.loads(line)
             except ValueError:
                 continue  # the driver names malformed rows
             if problem := row_image_refusal(row, access, refusal):
                 raise SpecError(param, f"{param} {uri} row {number}: {problem}")
+    return rows
 
 
 def row_image_refusal(row, access: UriAccess, model_refusal: str | None) -> str | None:

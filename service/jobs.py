@@ -15,6 +15,7 @@ from moetune.service.data_files import check_data_images
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.files import check_output_writable, model_files, read_model_config
 from moetune.service.job_inputs import resolve_inputs
+from moetune.service.limits import check_epochs, schedule_warnings
 from moetune.service.planning import check_fits
 from moetune.service.settings import Settings
 from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
@@ -59,7 +60,8 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
             check_fits(config, spec, settings)
             if (names := model_files(spec, settings.s3_endpoint_url)) is not None:
                 check_tokenizer_files(names, spec.model)
-        check_data_images(spec, config, tenant_access(tenant, settings), settings)
+        rows = check_data_images(spec, config, tenant_access(tenant, settings), settings)
+        check_epochs(spec, rows.get("training_file"), settings.max_epochs)
         check_output_writable(output_uri, settings.s3_endpoint_url, default=request.output_uri is None)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
@@ -78,6 +80,7 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
         cancel_requested=False,
     )
     try:
-        return store.create_job(row, ["Job created", "Validating files"])
+        warnings = [(warning, "warn") for warning in schedule_warnings(spec, rows.get("training_file"))]
+        return store.create_job(row, ["Job created", *warnings, "Validating files"])
     except IdempotencyKeyTaken:  # an identical request raced this one
         return _replay(store.find_by_idempotency_key(tenant, idempotency_key), digest)

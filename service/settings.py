@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     # A job whose workers no node of the Ray cluster (or not all nodes together) could ever hold fails before it
     # is submitted. False on an autoscaling cluster: such a job waits queued, with its reason, for new nodes.
     fail_unschedulable: bool = True
+    # A job whose max_steps x global_batch_size passes over its training file more often than this is refused
+    # (422 naming training.max_steps) unless it sets training.allow_many_epochs.
+    max_epochs: float = 100.0
     scheduler_enabled: bool = True
     scheduler_interval_s: float = 1.0
     callback_url: str = "http://127.0.0.1:8000"  # how workers reach this control plane

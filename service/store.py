@@ -197,16 +197,18 @@ class Store:
 
     # ------------------------------------------------------------ jobs
 
-    def create_job(self, job: JobRow, first_events: Iterable[str]) -> JobRow:
-        """Insert a job with its first events; IdempotencyKeyTaken if the tenant's key is already used."""
+    def create_job(self, job: JobRow, first_events: Iterable[str | tuple[str, str]]) -> JobRow:
+        """Insert a job with its first events (a message, or a message and its level); IdempotencyKeyTaken if the
+        tenant's key is already used."""
+        events = [(e, "info") if isinstance(e, str) else e for e in first_events]
         now = time.time()
         job.created_at = now
         try:
             with self._write() as s:
                 s.add(job)
                 s.flush()  # the job row must exist before its events (foreign key)
-                s.add_all(EventRow(job_id=job.id, created_at=now, level="info", type="message", message=m)
-                          for m in first_events)
+                s.add_all(EventRow(job_id=job.id, created_at=now, level=level, type="message", message=m)
+                          for m, level in events)
         except IntegrityError as e:
             if job.idempotency_key is not None and self.find_by_idempotency_key(job.tenant, job.idempotency_key):
                 raise IdempotencyKeyTaken() from e

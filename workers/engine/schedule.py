@@ -1,27 +1,10 @@
-"""Learning-rate schedule: linear warmup, then cosine / linear decay to zero, or constant."""
+"""Learning-rate schedule: the multiplier per step is api/lr_schedule.py's (the control plane warns from it)."""
 
 from __future__ import annotations
 
-import math
+from moetune.api.lr_schedule import lr_factor, total_steps
 
-
-def total_steps(n_examples: int, global_batch_size: int, max_steps: int | None, n_epochs: int | None) -> int:
-    if max_steps is not None:
-        return max_steps
-    return math.ceil(n_examples / global_batch_size) * (n_epochs or 1)
-
-
-def lr_factor(step: int, total: int, warmup_ratio: float, kind: str) -> float:
-    """Multiplier of the peak learning rate for optimizer step `step` (0-based) of `total`."""
-    warmup = math.ceil(warmup_ratio * total)
-    if step < warmup:
-        return (step + 1) / (warmup + 1)  # never exactly 0: the first step should move the weights
-    if kind == "constant":
-        return 1.0
-    progress = (step - warmup) / max(1, total - warmup)
-    if kind == "linear":
-        return max(0.0, 1.0 - progress)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+__all__ = ["lr_factor", "lr_scheduler", "total_steps"]
 
 
 def lr_scheduler(optimizer, total: int, warmup_ratio: float, kind: str):
