@@ -16,6 +16,7 @@ class ServeArgs(BaseModel):
     s3_endpoint_url: str | None = None
     max_adapters: int = 8
     max_batch: int = 16
+    engine_num_cpus: float = 1.0  # what one base's replica reserves on the cluster (the ingress reserves none)
 
 
 def _deployment_name(base: str) -> str:
@@ -24,6 +25,7 @@ def _deployment_name(base: str) -> str:
 
 def build_app(args: dict):
     spec = ServeArgs.model_validate(args)
-    engines = {uri: BaseModelServer.options(name=_deployment_name(name)).bind(
+    engines = {uri: BaseModelServer.options(
+        name=_deployment_name(name), ray_actor_options={"num_cpus": spec.engine_num_cpus}).bind(
         uri, spec.s3_endpoint_url, spec.max_adapters, spec.max_batch) for name, uri in spec.bases.items()}
-    return OpenAIServer.bind(engines, spec.control_plane_url)
+    return OpenAIServer.options(ray_actor_options={"num_cpus": 0}).bind(engines, spec.control_plane_url)

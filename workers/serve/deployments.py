@@ -1,7 +1,8 @@
 """The Serve deployments: one BaseModelServer per base (the Engine: the base loaded once, its adapters on first
-use), and the OpenAIServer ingress (FastAPI) that authenticates, validates and streams."""
+use), and the OpenAIServer ingress (FastAPI) that authenticates, validates and streams.
 
-from __future__ import annotations
+No `from __future__ import annotations` here: Serve rebuilds the routes in the replica, where string annotations
+(`request: "Request"`) no longer resolve and FastAPI would take `request` for a query parameter."""
 
 import time
 
