@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+import webbrowser
 from datetime import UTC, datetime
 from pathlib import Path
 
 import click
+import httpx
 import yaml
 from pydantic import ValidationError
 from rich.console import Console
@@ -22,6 +24,7 @@ from moetune.service.demo import run_demo
 from moetune.service.models_cli import models
 from moetune.service.plan_view import plan_summary, plan_table
 from moetune.service.progress import follow
+from moetune.service.report_view import compare_table
 
 console = Console()
 
@@ -47,8 +50,9 @@ class _FriendlyErrors(click.Group):
         except APIError as e:
             where = f" ({e.param})" if e.param else ""
             raise click.ClickException(f"{e.status_code} {e.code}{where}: {e.message}") from None
-        except OSError as e:  # includes httpx connection errors' causes
-            raise click.ClickException(f"cannot reach the control plane: {e}") from None
+        except (OSError, httpx.TransportError) as e:  # connection refused, DNS, timeouts
+            where = (ctx.obj or {}).get("url", "")
+            raise click.ClickException(f"cannot reach the control plane at {where}: {e}") from None
 
 
 @click.group(cls=_FriendlyErrors)
@@ -128,6 +132,35 @@ def jobs_list(ctx: click.Context, limit: int, after: str | None) -> None:
 @click.pass_context
 def jobs_get(ctx: click.Context, job_id: str) -> None:
     click.echo(json.dumps(_client(ctx.parent).jobs.retrieve(job_id).model_dump(mode="json"), indent=2))
+
+
+@jobs.command("report")
+@click.argument("job_id")
+@click.option("--output", "output_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder to write report.json and report.html into (default: ./<job id>-report).")
+@click.option("--open", "open_page", is_flag=True, help="Open report.html in the web browser.")
+@click.pass_context
+def jobs_report(ctx: click.Context, job_id: str, output_dir: Path | None, open_page: bool) -> None:
+    """Download the adaptation report of a job that succeeded."""
+    client = _client(ctx.parent)
+    report, page = client.jobs.report(job_id), client.jobs.report_html(job_id)
+    output_dir = output_dir or Path(f"{job_id}-report")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "report.json").write_text(report.model_dump_json(indent=1))
+    (output_dir / "report.html").write_text(page)
+    click.echo(f"{output_dir / 'report.json'}\n{output_dir / 'report.html'}")
+    if open_page:
+        webbrowser.open((output_dir / "report.html").resolve().as_uri())
+
+
+@jobs.command("compare")
+@click.argument("job_a")
+@click.argument("job_b")
+@click.pass_context
+def jobs_compare(ctx: click.Context, job_a: str, job_b: str) -> None:
+    """Two jobs' adaptation reports side by side: loss at the steps both ran, evaluation, throughput, memory."""
+    client = _client(ctx.parent)
+    console.print(compare_table(client.jobs.report(job_a), client.jobs.report(job_b)))
 
 
 @jobs.command("cancel")

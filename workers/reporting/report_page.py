@@ -1,5 +1,6 @@
 """The adaptation report as one self-contained HTML page: every plot is an inline SVG drawn by matplotlib (text as
-paths, so not even a font is fetched), tables are plain HTML, and nothing on the page loads anything."""
+paths, so not even a font is fetched), tables are plain HTML, and nothing on the page loads anything (its icon is an
+empty data: URI, or browsers would ask the server for /favicon.ico)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def render_page(report: AdaptationReport) -> str:
                f"{t.eval_share:.1%} of step time, all-to-all {t.alltoall_share:.1%} of training time; loss "
                f"{report.first_train_loss:.4f} → {report.last_train_loss:.4f}"
                + (f", valid {report.last_valid_loss:.4f}" if report.last_valid_loss is not None else "") + "</p>")
-    reproduce = json.dumps(report.reproduce.model_dump(), indent=2)
+    reproduce = json.dumps(report.reproduce.job, indent=2)
     sections = [
         f"<h1>Adaptation report: {html.escape(report.job_id)}</h1><p>model {html.escape(report.model)}</p>",
         "<h2>Versions</h2>" + _table([report.versions]),
@@ -133,5 +134,5 @@ def render_page(report: AdaptationReport) -> str:
         f'<h2>Reproduce</h2><p>POST this body to /v1/fine_tuning/jobs (seed {report.reproduce.seed}):</p>'
         f'<pre id="reproduce">{html.escape(reproduce)}</pre>',
     ]
-    return (f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(report.job_id)} adaptation '
+    return (f'<!DOCTYPE html><html><head><meta charset="utf-8"><link rel="icon" href="data:,"><title>{html.escape(report.job_id)} adaptation '
             f"report</title><style>{_STYLE}</style></head><body>{''.join(sections)}</body></html>")
