@@ -172,15 +172,15 @@ class AdapterStore:
             self.slots.move_to_end(uri)
             slot = self.slots[uri]
         else:
-            slot = self._free_slot()
-            if slot is None:
+            if len(self.slots) >= self.max_adapters and all(self.in_use.get(s) for s in self.slots.values()):
                 return None
             try:
                 parsed = parse_adapter(uri, *read_adapter(uri), self._linear_candidates(), self.experts)
             except AdapterLoadError:
                 self.failures += 1
                 raise
-            self._install(slot, parsed)
+            slot = self._free_slot()
+            self._install(slot, parsed)  # every module's slot is overwritten: zeros where this adapter has none
             self.slots[uri], self.bytes[slot] = slot, parsed.nbytes
             self.loads += 1
         self.in_use[slot] = self.in_use.get(slot, 0) + 1
@@ -189,30 +189,25 @@ class AdapterStore:
     def release(self, slot: int) -> None:
         self.in_use[slot] -= 1
 
-    def _free_slot(self) -> int | None:
+    def _free_slot(self) -> int:
+        """A slot no adapter holds, else the least recently used one no running request holds (evicted)."""
         taken = set(self.slots.values())
         free = [s for s in range(1, self.max_adapters + 1) if s not in taken]
         if free:
             return free[0]
-        victim = next((uri for uri, slot in self.slots.items() if not self.in_use.get(slot)), None)
-        if victim is None:
-            return None
+        victim = next(uri for uri, slot in self.slots.items() if not self.in_use.get(slot))
         slot = self.slots.pop(victim)
-        self._install(slot, None)
         self.bytes.pop(slot, None)
         self.evictions += 1
         return slot
 
-    def _install(self, slot: int, parsed: ParsedAdapter | None) -> None:
-        """Writes the adapter's factors into `slot` of every module (zeros where it has none; None: clear)."""
-        linears = parsed.linears if parsed else {}
-        for path in linears.keys() - self.linears.keys():
+    def _install(self, slot: int, parsed: ParsedAdapter) -> None:
+        for path in parsed.linears.keys() - self.linears.keys():
             self._wrap(path)
         for path, module in self.linears.items():
-            module.factors.put(slot, linears.get(path), parsed.scaling if parsed else 0.0)
+            module.factors.put(slot, parsed.linears.get(path), parsed.scaling)
         for path, module in self.experts.items():
-            factors = parsed.experts.get(path) if parsed else None
-            module.factors.put(slot, factors, parsed.scaling if parsed else 0.0)
+            module.factors.put(slot, parsed.experts.get(path), parsed.scaling)
 
     def _wrap(self, path: str) -> None:
         parent_name, _, child = path.rpartition(".")
