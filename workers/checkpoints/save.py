@@ -16,8 +16,9 @@ from moetune.workers.checkpoints.safetensors_writer import SafetensorsWriter
 from moetune.workers.lora.expert_layout import loadable_adapter_config
 
 
-def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
-    """Writes the PEFT adapter (adapter_config.json + adapter_model.safetensors) from `is_writer`.
+def save_adapter(engine, local_dir: str, is_writer: bool, base_model: str | None = None) -> None:
+    """Writes the PEFT adapter (adapter_config.json + adapter_model.safetensors) from `is_writer`; the config's
+    `base_model_name_or_path` is `base_model` (the job's base URI), which serving engines and PEFT read.
 
     Expert LoRA goes in as `target_parameters` on the fused expert tensors, streamed a slab at a time (no rank holds
     all experts' factors), and the config is one that PeftModel.from_pretrained on the plain transformers model
@@ -37,6 +38,7 @@ def save_adapter(engine, local_dir: str, is_writer: bool) -> None:
     if is_writer:
         in_proj = next((m.in_proj for _, m in expert_modules(engine.module)), None) if experts else None
         config = loadable_adapter_config(peft_model.peft_config["default"], peft_model.config.model_type, in_proj)
+        config.base_model_name_or_path = base_model
         os.makedirs(local_dir, exist_ok=True)
         config.save_pretrained(local_dir)
         writer = SafetensorsWriter(os.path.join(local_dir, "adapter_model.safetensors"),
@@ -63,12 +65,12 @@ def _without_deepspeed_moe_checkpointing(engine):
         engine.has_moe_layers = has_moe
 
 
-def save_checkpoint(engine, local_dir: str, is_writer: bool) -> None:
+def save_checkpoint(engine, local_dir: str, is_writer: bool, base_model: str | None = None) -> None:
     """DeepSpeed resume state (trainable weights + optimizer, per rank), expert-LoRA shards, and the adapter."""
     with _without_deepspeed_moe_checkpointing(engine):
         engine.save_checkpoint(os.path.join(local_dir, "deepspeed"), exclude_frozen_parameters=True)
     save_expert_shards(engine, local_dir)
-    save_adapter(engine, os.path.join(local_dir, "adapter"), is_writer)
+    save_adapter(engine, os.path.join(local_dir, "adapter"), is_writer, base_model)
 
 
 def load_checkpoint(engine, local_dir: str) -> None:

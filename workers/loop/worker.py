@@ -133,7 +133,7 @@ class _Worker:
     def checkpoint(self, step: int, record: dict, paused: bool = False) -> None:
         local = os.path.join(self.node_dir, "checkpoints", step_dir(step))
         uri = checkpoint_uri(self.run.output_uri, step)
-        save_checkpoint(self.engine, local, is_writer=self.chief)
+        save_checkpoint(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
         if self.chief:
             record["checkpoint"] = step_dir(step)  # also in this history's copy: the report's checkpoint marks
             run_state.save_trainer_state(local, step=step, trained_tokens=record["trained_tokens"],
@@ -266,7 +266,7 @@ class _Worker:
 
     def finish(self) -> None:
         local = os.path.join(self.node_dir, ADAPTER_DIR)
-        save_adapter(self.engine, local, is_writer=self.chief)
+        save_adapter(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
         if self.chief:
             storage.upload_dir(local, adapter_uri(self.run.output_uri))
             lines = "".join(json.dumps(r) + "\n" for r in self.history)

@@ -183,6 +183,9 @@ def test_zero3_job_resumes_exactly(assets, ray_head, receiver, tiny_checkpoint, 
     assert metrics[0]["train_loss"] == pytest.approx(_expected_first_loss(run, tiny_checkpoint), abs=1e-4)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"] and math.isfinite(metrics[-1]["valid_loss"])
     assert adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
+    # the exported config names its base by URI (what PEFT, vLLM and `moetune models download` read)
+    config = json.loads(storage.read_text(f"{run.output_uri}/adapter/adapter_config.json"))
+    assert config["base_model_name_or_path"] == run.spec.model
 
     # Resubmitted without its step-4 checkpoint, the job resumes from step 2 (this stage's optimizer and LoRA
     # state) and repeats steps 3 and 4 exactly.
