@@ -17,8 +17,10 @@ from pydantic import BaseModel
 from moetune.api.errors import ErrorCode
 from moetune.api.models import Checkpoint, Job, JobCreate, JobEvent, JobStatus, ListPage
 from moetune.api.report import AdaptationReport
+from moetune.api.serving import Deployment, ModelList, ModelObject
 
 JOBS_PATH = "/v1/fine_tuning/jobs"
+MODELS_PATH = "/v1/models"
 
 
 class APIError(Exception):
@@ -87,6 +89,10 @@ class Jobs:
 
     def cancel(self, job_id: str) -> Job:
         return self._request("POST", f"{JOBS_PATH}/{job_id}/cancel", Job)
+
+    def deploy(self, job_id: str) -> Deployment:
+        """Serves the succeeded job's model (the Serve app on the Ray cluster); its name and the OpenAI base URL."""
+        return self._request("POST", f"{JOBS_PATH}/{job_id}/deploy", Deployment, timeout=180)
 
     def pause(self, job_id: str) -> Job:
         """A running job turns `pausing`, then `paused` once its workers checkpointed and stopped."""
@@ -166,6 +172,20 @@ class Jobs:
             after = page.last_id
 
 
+class Models:
+    """OpenAI's models of the caller's tenant: the shared bases and its fine-tuned models."""
+
+    def __init__(self, http: httpx.Client):
+        self._http = http
+
+    def list(self) -> ModelList:
+        return _typed(self._http, "GET", MODELS_PATH, ModelList)
+
+    def retrieve(self, model: str) -> ModelObject:
+        """With `moetune`: the base's URI and the adapter's (None for a base)."""
+        return _typed(self._http, "GET", f"{MODELS_PATH}/{model}", ModelObject)
+
+
 def _params(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
@@ -175,6 +195,7 @@ class Client:
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout,
                                   headers={"Authorization": f"Bearer {token}"})
         self.jobs = Jobs(self._http)
+        self.models = Models(self._http)
 
     def close(self) -> None:
         self._http.close()

@@ -21,6 +21,7 @@ from moetune.api.models import JobCreate, JobStatus
 from moetune.api.plans import parse_cluster
 from moetune.service.app import create_app
 from moetune.service.demo import run_demo
+from moetune.service import serve_cli
 from moetune.service.models_cli import models
 from moetune.service.plan_view import plan_summary, plan_table
 from moetune.service.progress import follow
@@ -241,3 +242,7 @@ def demo(timeout: float, images: bool) -> None:
 
 
 main.add_command(models)
+main.add_command(serve_cli.serve)
+main.add_command(serve_cli.chat)
+models.add_command(serve_cli.download)
+jobs.add_command(serve_cli.deploy)
