@@ -15,11 +15,12 @@ import httpx
 from pydantic import BaseModel
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import Checkpoint, Job, JobCreate, JobEvent, JobStatus, ListPage
+from moetune.api.models import Checkpoint, FileDeleted, FileObject, Job, JobCreate, JobEvent, JobStatus, ListPage
 from moetune.api.report import AdaptationReport
 from moetune.api.serving import Deployment, ModelList, ModelObject
 
 JOBS_PATH = "/v1/fine_tuning/jobs"
+FILES_PATH = "/v1/files"
 MODELS_PATH = "/v1/models"
 
 
@@ -43,6 +44,13 @@ def _raise_for_error(response: httpx.Response) -> None:
     if response.is_error:
         response.read()  # streamed responses have not read their body yet
         raise APIError.from_response(response)
+
+
+def _typed(http: httpx.Client, method: str, path: str, model: type[BaseModel], **kwargs) -> Any:
+    """The answer as `model`; APIError for an error answer."""
+    response = http.request(method, path, **kwargs)
+    _raise_for_error(response)
+    return model.model_validate(response.json())
 
 
 def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
@@ -69,9 +77,7 @@ class Jobs:
         self._http = http
 
     def _request(self, method: str, path: str, model: type[BaseModel], **kwargs) -> Any:
-        response = self._http.request(method, path, **kwargs)
-        _raise_for_error(response)
-        return model.model_validate(response.json())
+        return _typed(self._http, method, path, model, **kwargs)
 
     def create(self, spec: JobCreate | dict, idempotency_key: str | None = None) -> Job:
         """Submits a job. With `idempotency_key`, repeating the same request returns the same job."""
@@ -172,6 +178,32 @@ class Jobs:
             after = page.last_id
 
 
+class Files:
+    """Uploaded data files (OpenAI's files API): a job names one by its id as training_file / validation_file."""
+
+    def __init__(self, http: httpx.Client):
+        self._http = http
+
+    def create(self, data: bytes, filename: str, purpose: str = "fine-tune") -> FileObject:
+        """Uploads JSONL rows; the server checks every row and answers 422 naming the first bad one."""
+        return _typed(self._http, "POST", FILES_PATH, FileObject, files={"file": (filename, data)},
+                          data={"purpose": purpose})
+
+    def list(self, after: str | None = None, limit: int = 100) -> ListPage[FileObject]:
+        return _typed(self._http, "GET", FILES_PATH, ListPage[FileObject], params=_params(after=after, limit=limit))
+
+    def retrieve(self, file_id: str) -> FileObject:
+        return _typed(self._http, "GET", f"{FILES_PATH}/{file_id}", FileObject)
+
+    def content(self, file_id: str) -> bytes:
+        response = self._http.get(f"{FILES_PATH}/{file_id}/content")
+        _raise_for_error(response)
+        return response.content
+
+    def delete(self, file_id: str) -> FileDeleted:
+        return _typed(self._http, "DELETE", f"{FILES_PATH}/{file_id}", FileDeleted)
+
+
 class Models:
     """OpenAI's models of the caller's tenant: the shared bases and its fine-tuned models."""
 
@@ -195,6 +227,7 @@ class Client:
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout,
                                   headers={"Authorization": f"Bearer {token}"})
         self.jobs = Jobs(self._http)
+        self.files = Files(self._http)
         self.models = Models(self._http)
 
     def close(self) -> None:

@@ -40,8 +40,10 @@ class _Strict(BaseModel):
 
 
 def _check_uri(value: str | None) -> str | None:
-    if value is not None and not value.startswith(URI_SCHEMES):
-        raise ValueError(f"must be a URI starting with one of {', '.join(URI_SCHEMES)}")
+    # The form only (and never the web): which storage schemes a tenant may use is the server's decision
+    # (api.uri_access: file:// only where the operator enables it).
+    if value is not None and ("://" not in value or value.startswith(("http://", "https://"))):
+        raise ValueError("must be an object-storage URI such as s3://bucket/path")
     return value
 
 
@@ -49,9 +51,12 @@ FILE_ID_PREFIX = "file-"  # an uploaded file (POST /v1/files), usable wherever a
 
 
 def _check_data_file(value: str | None) -> str | None:
-    if value is not None and not value.startswith(FILE_ID_PREFIX) and not value.startswith(URI_SCHEMES):
-        raise ValueError(f"must be an uploaded file's id ({FILE_ID_PREFIX}...) or a URI starting with one of "
-                         f"{', '.join(URI_SCHEMES)}")
+    if value is not None and not value.startswith(FILE_ID_PREFIX):
+        try:
+            _check_uri(value)
+        except ValueError:
+            raise ValueError(f"must be an uploaded file's id ({FILE_ID_PREFIX}...) or an object-storage URI such "
+                             f"as s3://bucket/file.jsonl") from None
     return value
 
 
@@ -59,8 +64,8 @@ def _check_model(value: str) -> str:
     if "://" in value:
         return _check_uri(value)
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
-        raise ValueError(f"must be a registered base model's name (GET /v1/models) or a URI starting with one of "
-                         f"{', '.join(URI_SCHEMES)}")
+        raise ValueError("must be a registered base model's name (GET /v1/models) or a URI such as "
+                         "s3://bucket/models/name")
     return value
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from moetune.api.models import URI_SCHEMES
+
 
 def _within(uri: str, prefix: str) -> bool:
     """Prefix match on whole path segments: `s3://data` covers `s3://data/x`, not `s3://data-b/x`."""
@@ -22,6 +24,9 @@ class UriAccess(BaseModel):
         """Why this tenant may not use `uri`, phrased to follow the field's name; None when it may."""
         if uri.startswith("file://") and not self.allow_file_uris:
             return "file:// URIs are disabled on this server; use s3://"
+        if not uri.startswith(URI_SCHEMES):
+            usable = "s3:// or file://" if self.allow_file_uris else "s3://"
+            return f"{uri.split('://', 1)[0]}:// is no storage this server reads; use {usable}"
         if ".." in uri.split("/"):
             return "'..' path segments are not allowed"
         if self.prefixes is not None and not any(_within(uri, prefix) for prefix in self.prefixes):

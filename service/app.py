@@ -21,6 +21,19 @@ from moetune.service.settings import Settings
 from moetune.service.store import Store
 
 
+class _TrailingSlashIgnored:
+    """`/v1/files/` is `/v1/files`: FastAPI's default 307 redirect makes clients resend (or drop) a POST body."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and len(scope["path"]) > 1 and scope["path"].endswith("/"):
+            scope = {**scope, "path": scope["path"].rstrip("/") or "/",
+                     "raw_path": scope.get("raw_path", b"").rstrip(b"/") or b"/"}
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     store = Store(settings.database_url)
@@ -43,6 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="LoRA fine-tuning of very large Mixture-of-Experts models (OpenAI-compatible job API)",
         version="0.1.0",
         lifespan=lifespan,
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.store = store
@@ -51,6 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.base_models = BaseModels(settings.base_models)
     install_error_handlers(app)
     app.add_middleware(RequestLatencyMiddleware, histogram=metrics.request_latency)
+    app.add_middleware(_TrailingSlashIgnored)
     app.include_router(routes.router)
     app.include_router(routes.plans)
     app.include_router(model_routes.models)

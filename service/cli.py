@@ -17,9 +17,11 @@ from rich.table import Column, Table
 
 from moetune.api.client import APIError, Client
 from moetune.api import storage
+from moetune.api.model_names import derive_base_name
 from moetune.api.models import JobCreate, JobStatus
 from moetune.api.plans import parse_cluster
 from moetune.service.app import create_app
+from moetune.service.data_cli import data
 from moetune.service.demo import run_demo
 from moetune.service import serve_cli
 from moetune.service.models_cli import models
@@ -116,13 +118,19 @@ def jobs() -> None:
 @click.pass_context
 def jobs_list(ctx: click.Context, limit: int, after: str | None) -> None:
     page = _client(ctx.parent).jobs.list(after=after, limit=limit)
-    # Ids must stay copy-pasteable on narrow or non-tty consoles: never wrap or truncate them.
-    table = Table(Column("id", no_wrap=True, min_width=30), Column("status", no_wrap=True, min_width=16),
-                  "model", "created", "step", "loss")
-    for job in page.data:
-        p = job.progress
-        table.add_row(job.id, job.status, job.model, _when(job.created_at),
-                      f"{p.step}/{p.total_steps or '?'}", f"{p.train_loss:.4f}" if p.train_loss is not None else "-")
+    rows = [(job.id, job.status, f"{job.progress.step}/{job.progress.total_steps or '?'}",
+             f"{job.progress.train_loss:.3f}" if job.progress.train_loss is not None else "-",
+             datetime.fromtimestamp(job.created_at, UTC).strftime("%m-%d %H:%M"), derive_base_name(job.model))
+            for job in page.data]
+    # Fits 80 columns: no borders; ids, statuses and numbers keep their full width (ids stay copy-pasteable), the
+    # model's short name takes what is left.
+    fixed = [Column(name, no_wrap=True, min_width=max(len(name), *(len(row[i]) for row in rows)))
+             for i, name in enumerate(("id", "status", "step", "loss", "created"))]
+    room = console.width - sum(column.min_width for column in fixed) - len(fixed)
+    table = Table(*fixed, Column("model", no_wrap=True, overflow="ellipsis", max_width=max(room, 1)), box=None,
+                  pad_edge=False, collapse_padding=True)
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
     if page.has_more:
         console.print(f"more: --after {page.last_id}")
@@ -246,3 +254,4 @@ main.add_command(serve_cli.serve)
 main.add_command(serve_cli.chat)
 models.add_command(serve_cli.download)
 jobs.add_command(serve_cli.deploy)
+main.add_command(data)

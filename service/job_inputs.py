@@ -12,7 +12,7 @@ from moetune.service.store import Store
 def resolve_inputs(request: JobCreate, store: Store, tenant: str, base_models: BaseModels) -> JobCreate:
     """A copy of `request` with URIs only; a 422 naming the field for an unknown name or id."""
     update = {}
-    if (model := base_models.uri(request.model)) is None:
+    if (model := request.model if "://" in request.model else base_models.uri(request.model)) is None:
         raise invalid_request(f"model: no registered base model is named {request.model!r} (GET /v1/models lists "
                               f"them; a checkpoint folder's URI works too)", "model")
     update["model"] = model

@@ -18,6 +18,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from moetune.api import storage
+
 console = Console()
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -27,6 +29,20 @@ def _size(text: str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise click.BadParameter(f"{text!r} is no size (e.g. 5GB, 512MiB)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def check_destination(uri: str) -> None:
+    """A one-line error naming the bucket before anything is read or uploaded."""
+    try:
+        storage.check_writable(uri)
+    except FileNotFoundError:
+        bucket = uri.split("://", 1)[-1].split("/", 1)[0]
+        raise click.ClickException(f"{uri}: the bucket {bucket!r} does not exist (create it with `moetune data "
+                                   f"make-bucket s3://{bucket}`)") from None
+    except PermissionError:
+        raise click.ClickException(f"{uri}: writing there was denied") from None
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"{uri}: {e}") from None
 
 
 @click.group()
@@ -45,6 +61,7 @@ def push(local_dir: str, uri: str, shard_size: str) -> None:
     from moetune.workers.weights.push import local_tensors
     from moetune.workers.weights.push import push as push_checkpoint
 
+    check_destination(uri)
     try:
         total = sum(info.nbytes for _, info in local_tensors(local_dir).values())
     except (JobError, FileNotFoundError) as e:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import boto3
 import jsonschema
+import openai
 import pytest
 import s3fs
 import yaml
@@ -19,6 +20,7 @@ from ray.job_submission import JobSubmissionClient
 
 from moetune.api.models import JobCreate, JobStatus
 from tests.support import REPO
+from tests.support.control_plane import TOKENS
 
 pytestmark = pytest.mark.ray_job
 REPORT_SCHEMA = REPO / "docs" / "adaptation_report.schema.json"
@@ -47,6 +49,10 @@ def _wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _openai(control_plane: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{control_plane}/v1", api_key=TOKENS["tenant-a"], max_retries=0)
+
+
 def _loss_on_rows(model, tokenizer, rows: list[dict]) -> float:
     import torch
 
@@ -57,7 +63,7 @@ def _loss_on_rows(model, tokenizer, rows: list[dict]) -> float:
         return model(**batch, labels=labels).loss.item()
 
 
-def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, tiny_assets, tmp_path):
+def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, control_plane, tiny_assets, tmp_path):
     job = client_a.jobs.create(_spec(tiny_assets, eval_every=6, checkpoint_every=4, keep_checkpoints=2))
     assert job.status in (JobStatus.validating_files, JobStatus.queued)
 
@@ -81,6 +87,10 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, tiny
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["MOETUNE_S3_ENDPOINT_URL"]})
     for ckpt in checkpoints:
         assert fs.ls(ckpt.fine_tuned_model_checkpoint), ckpt.fine_tuned_model_checkpoint
+    # The official openai SDK reads the same job: events newest first over its pages, checkpoints newest first.
+    oa = _openai(control_plane)
+    assert [e.id for e in oa.fine_tuning.jobs.list_events(job.id, limit=40)] == [e.id for e in reversed(events)]
+    assert [c.step_number for c in oa.fine_tuning.jobs.checkpoints.list(job.id)] == [12, 8]
     step4 = checkpoints[0].fine_tuned_model_checkpoint.removeprefix("s3://").rsplit("/", 1)[0] + "/step-4"
     fs.invalidate_cache()
     assert not fs.exists(step4)
@@ -115,12 +125,20 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, tiny
     assert all(f'id="plot-{name}"><svg' in page for name in ("loss", "throughput", "memory")), page[:300]
 
 
-def test_cancel_stops_the_running_ray_job(client_a, tiny_assets, ray_head):
-    job = client_a.jobs.create(_spec(tiny_assets, max_steps=2000))
-    _wait_for(lambda: any(e.type == "metrics" for e in client_a.jobs.events(job.id, limit=100).data), 240,
-              "the first training step")
+def test_openai_sdk_uploads_creates_and_cancels_a_running_job(client_a, control_plane, tiny_assets, ray_head):
+    """OpenAI's flow, unmodified: files.create -> fine_tuning.jobs.create(training_file="file-...") -> events ->
+    cancel; moetune's own sections travel in extra_body."""
+    oa = _openai(control_plane)
+    train = oa.files.create(file=("train.jsonl", Path(tiny_assets["local_train"]).read_bytes()), purpose="fine-tune")
+    spec = _spec(tiny_assets, max_steps=2000).model_dump(mode="json", exclude_none=True)
+    job = oa.fine_tuning.jobs.create(
+        model=spec["model"], training_file=train.id, seed=spec["seed"],
+        method={"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 4}}},
+        extra_body={section: spec[section] for section in ("lora", "training", "parallelism")})
+    _wait_for(lambda: any(e.type == "metrics" for e in oa.fine_tuning.jobs.list_events(job.id, limit=100).data),
+              240, "the first training step")
 
-    cancelled = client_a.jobs.cancel(job.id)
+    cancelled = oa.fine_tuning.jobs.cancel(job.id)
     assert cancelled.status == JobStatus.cancelled
 
     ray_jobs = JobSubmissionClient(ray_head.dashboard_url)
@@ -128,6 +146,7 @@ def test_cancel_stops_the_running_ray_job(client_a, tiny_assets, ray_head):
               "Ray to stop the job")
     time.sleep(2)  # late reports from dying workers must not resurrect the job
     assert client_a.jobs.retrieve(job.id).status == JobStatus.cancelled
+    assert oa.fine_tuning.jobs.list_events(job.id, limit=1).data[0].message == "Job cancelled"  # no steps after it
 
 
 def test_malformed_row_fails_the_job_with_the_row_number(client_a, tiny_assets, s3_bucket):

@@ -19,13 +19,19 @@ from moetune.service.embedded import free_port
 from tests.support.control_plane import OUTPUT_BUCKET, RunningService, run_service, settings_for
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory, s3_endpoint) -> Iterator[RunningService]:
-    """One control plane per test module, scheduler off: tests move jobs along themselves. Job outputs go to
-    the session's S3 server (the control plane reads checkpoint manifests there)."""
+@pytest.fixture(scope="session")
+def output_bucket(s3_endpoint) -> str:
+    """The default output location's bucket in the session's S3 server (submission checks it is writable)."""
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     if OUTPUT_BUCKET not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:
         s3.create_bucket(Bucket=OUTPUT_BUCKET)
+    return OUTPUT_BUCKET
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, s3_endpoint, output_bucket) -> Iterator[RunningService]:
+    """One control plane per test module, scheduler off: tests move jobs along themselves. Job outputs go to
+    the session's S3 server (the control plane reads checkpoint manifests there)."""
     settings = settings_for(tmp_path_factory.mktemp("service"), s3_endpoint_url=s3_endpoint)
     with run_service(settings) as running:
         yield running

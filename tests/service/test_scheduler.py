@@ -10,17 +10,14 @@ from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPE
 from moetune.api.models import JobRunSpec
 from moetune.service.embedded import free_port
 from moetune.service.scheduler import Scheduler, short_cause
-from tests.support.control_plane import OUTPUT_BUCKET
 
 JOBS = "/v1/fine_tuning/jobs"
 
 
 @pytest.fixture
-def inputs(s3_endpoint, s3_bucket):
+def inputs(s3_endpoint, s3_bucket, output_bucket):
     """URIs of a model folder and training/validation files that exist in a real bucket."""
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    if OUTPUT_BUCKET not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:  # the default output location
-        s3.create_bucket(Bucket=OUTPUT_BUCKET)
     for key in ("model/tokenizer.json", "train.jsonl", "valid.jsonl"):
         s3.put_object(Bucket=s3_bucket, Key=key, Body=b"{}")
     s3.put_object(Bucket=s3_bucket, Key="model/config.json", Body=b'{"model_type": "kimi_linear"}')

@@ -2,6 +2,8 @@
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("output_bucket")
+
 ALLOW = {"tenant-a": ["s3://data-a/", "s3://models"], "*": ["s3://shared/base-models/"]}
 GOOD = {"model": "s3://models/tiny", "training_file": "s3://data-a/train.jsonl"}
 
@@ -44,6 +46,13 @@ def test_file_uris_only_when_the_operator_enables_them(start_service):
     param, message = _refusal(start_service(), "tenant-a", **local)
     assert param == "model" and "file:// URIs are disabled on this server" in message
     assert start_service(allow_file_uris=True).create_job(**local)["model"] == local["model"]
+
+
+def test_an_unknown_scheme_names_only_the_schemes_this_server_reads(service):
+    assert _refusal(service, "tenant-a", model="hf://org/model") == (
+        "model", "model: hf:// is no storage this server reads; use s3://")  # file:// is off here
+    assert _refusal(service, "tenant-a", training_file="gs://b/t.jsonl")[1] == (
+        "training_file: gs:// is no storage this server reads; use s3://")
 
 
 def test_a_malformed_allow_list_stops_the_server_from_starting(monkeypatch):

@@ -1,0 +1,66 @@
+"""The `moetune` command's rough edges, through click's runner against a real control plane and S3 server."""
+
+from __future__ import annotations
+
+import boto3
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from moetune.service import cli
+from moetune.service.embedded import free_port, s3_env
+
+
+def _run(*args, env: dict | None = None):
+    return CliRunner().invoke(cli.main, list(args), env=env, catch_exceptions=False)
+
+
+def test_an_unreachable_server_is_one_line_without_a_traceback():
+    url = f"http://127.0.0.1:{free_port()}"
+    result = _run("--url", url, "jobs", "list")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"Error: cannot reach the control plane at {url}: "
+                                                  "[Errno 111] Connection refused"]
+
+
+def test_jobs_list_is_readable_at_80_columns(service, monkeypatch):
+    jobs = [service.create_job(model="s3://models/a-rather-long-base-model-name-for-the-table") for _ in range(2)]
+    monkeypatch.setattr(cli, "console", Console(width=80))
+    result = _run("--url", service.url, "--token", "tok-a", "jobs", "list", "--limit", "2")
+    lines = result.output.splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    for job in jobs:
+        (row,) = [line for line in lines if job["id"] in line]
+        assert "validating_files" in row and "0/?" in row and "a-rather" in row
+
+
+def test_data_upload_goes_through_the_files_api(service, tmp_path):
+    good, bad = tmp_path / "train.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('{"text": "one"}\n{"text": "two"}\n')
+    bad.write_text('{"text": "one"}\n{"txt": "two"}\n')
+    result = _run("--url", service.url, "--token", "tok-a", "data", "upload", str(good))
+    file_id = result.output.split()[0]
+    assert result.exit_code == 0 and result.output.strip().endswith("train.jsonl (2 rows, 32 bytes)")
+    assert service.sdk().files.content(file_id) == good.read_bytes()
+
+    refused = _run("--url", service.url, "--token", "tok-a", "data", "upload", str(bad))
+    assert refused.exit_code == 1 and refused.output.strip() == (
+        "Error: 422 invalid_request (file): file: bad.jsonl row 2: must have exactly one of 'text' or 'messages'")
+
+
+def test_models_push_to_a_missing_bucket_names_it_and_make_bucket_creates_it(s3_endpoint, tmp_path):
+    env = s3_env(s3_endpoint)
+    missing = _run("models", "push", str(tmp_path), "s3://no-bucket-yet-7/models/m", env=env)
+    assert missing.exit_code == 1 and missing.output.strip() == (
+        "Error: s3://no-bucket-yet-7/models/m: the bucket 'no-bucket-yet-7' does not exist (create it with "
+        "`moetune data make-bucket s3://no-bucket-yet-7`)")
+    made = _run("data", "make-bucket", "s3://no-bucket-yet-7", env=env)
+    assert made.exit_code == 0, made.output
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    assert "no-bucket-yet-7" in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+
+
+@pytest.mark.parametrize("path", ["/v1/fine_tuning/jobs/", "/v1/files/"])
+def test_a_trailing_slash_answers_like_the_path_without_it(service, path):
+    response = service.http().get(path)
+    assert response.status_code == 200 and response.json()["object"] == "list"
