@@ -1,4 +1,5 @@
-"""Helpers for checking kernels without a GPU: the error metric the proofs use, and an sm_90 compile-only build."""
+"""Helpers for checking kernels without a GPU: the error metric the proofs use, and a clean child process for
+the sm_90 compile-only builds (kernels.compile_check)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,6 @@ def rmse_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """RMSE of the difference over the RMS of the expected tensor (flash-linear-attention's error ratio)."""
     diff = (actual.double() - expected.double()).pow(2).mean().sqrt()
     return (diff / expected.double().pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
-
-def compile_for_sm90(kernel, arg_types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 2):
-    """Compile a @triton.jit kernel to a Hopper (sm_90) cubin on any machine; returns the compiled kernel (its
-    metadata.shared is the shared memory it needs). arg_types maps each runtime argument to a Triton type such as
-    '*bf16', 'i32' or 'fp32'; every other argument must be given in constexprs."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    signature = {name: "constexpr" if name in constexprs else arg_types[name] for name in names}
-    src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def compile_in_subprocess(call: str) -> object:

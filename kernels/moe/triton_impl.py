@@ -242,35 +242,3 @@ class MoeLoraFn(torch.autograd.Function):
         da = grouped_outer(x, dy_bt, offs, s, a.dtype)
         db = grouped_outer(xa, dy, offs, s, b.dtype)
         return dx, None, None, da, db, None
-
-
-# per weight format, for the sm_90 builds: FMT, the W and WS pointer types, a scale block
-_SM90_WEIGHTS = {"dense": (DENSE, "*bf16", "*bf16", (1, 1)), "fp8": (FP8, "*fp8e4nv", "*fp32", (128, 128)),
-                 "int4": (INT4, "*i32", "*bf16", (1, 32)), "mxfp4": (MXFP4, "*u8", "*u8", (1, MXFP4_GROUP))}
-
-
-def compile_sm90(d_in: int, d_out: int, rank: int, weight: str = "dense") -> dict:
-    """Shared memory (bytes) of the kernels built for sm_90 in bf16 at these widths, a compile-only check: for a
-    dense weight both kernels; for a quantized one ("fp8", "int4", "mxfp4") the grouped GEMM, forward and dX."""
-    from moetune.kernels.testing import compile_for_sm90
-
-    fmt, w_type, ws_type, group = _SM90_WEIGHTS[weight]
-
-    def mm(w_t: bool, k: int, n: int) -> int:
-        types = {name: "*bf16" for name in ("X", "A", "B", "Y")}
-        types.update(W=w_type, WS=ws_type, TILE_EXPERT="*i32", TILE_ROW="*i64", OFFS="*i64", scale="fp32")
-        types.update({n: "i32" for n in _grouped_lora_mm.arg_names if n not in types})
-        meta = {"FMT": fmt, "W_T": w_t, "GROUP_R": group[0], "GROUP_C": group[1], "HAS_LORA": True,
-                "DOT_FP32": False, "BLOCK_M": BLOCK_M, "BLOCK_N": _block(n, 128), "BLOCK_K": _block(k, 64),
-                "BLOCK_R": _rank_block(rank)}
-        return compile_for_sm90(_grouped_lora_mm, types, meta, num_stages=3).metadata.shared
-
-    if weight != "dense":
-        return {"grouped_lora_mm": mm(True, d_in, d_out), "grouped_lora_mm_dx": mm(False, d_out, d_in)}
-    outer_types = {"L": "*bf16", "R": "*bf16", "OUT": "*bf16", "OFFS": "*i64", "scale": "fp32"}
-    outer_types.update({n: "i32" for n in _grouped_outer.arg_names if n not in outer_types})
-    outer_meta = {"DOT_FP32": False, "BLOCK_T": 64, "BLOCK_P": _block(d_in, 64), "BLOCK_Q": _block(rank, 64)}
-    return {
-        "grouped_lora_mm": mm(False, d_in, d_out),
-        "grouped_outer": compile_for_sm90(_grouped_outer, outer_types, outer_meta, num_stages=3).metadata.shared,
-    }

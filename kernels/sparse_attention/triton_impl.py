@@ -204,20 +204,3 @@ def backward(q, k, v, indices, scale, out, lse, grad_out):
         indices.shape[2], scale, HEAD_DK=k.shape[3], HEAD_DV=v.shape[3], BLOCK_S=64, num_warps=4, num_stages=1,
         **_meta(q, k, v, indices))
     return dq, dk.to(k.dtype), dv.to(v.dtype)
-
-
-def compile_sm90(group: int, head_dk: int, head_dv: int) -> dict:
-    """Shared memory (bytes) of the forward and backward kernels built for sm_90 in bf16: a compile-only check."""
-    from moetune.kernels.testing import compile_for_sm90
-
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "O": "*bf16", "DO": "*bf16", "LSE": "*fp32",
-                "DELTA": "*fp32", "DQ": "*bf16", "DK": "*fp32", "DV": "*fp32"}
-    blocks = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_S": 64, "DOT_FP32": False,
-              "BLOCK_DK": max(16, triton.next_power_of_2(head_dk)),
-              "BLOCK_DV": max(16, triton.next_power_of_2(head_dv))}
-    shared = {}
-    for name, kernel, dims in (("fwd", _sparse_attn_fwd.fn, {"DK": head_dk, "DV": head_dv}),
-                               ("bwd", _sparse_attn_bwd, {"HEAD_DK": head_dk, "HEAD_DV": head_dv})):
-        types = {arg: pointers.get(arg, "fp32" if arg.startswith("scale") else "i32") for arg in kernel.arg_names}
-        shared[name] = compile_for_sm90(kernel, types, {**blocks, **dims}).metadata.shared
-    return shared

@@ -62,34 +62,3 @@ def test_interpreted_without_states():
         o_inference, _ = triton_kda.chunk_kda_triton(*args)
     assert final is None and all(inputs[n].grad is not None for n in NAMES[:5])
     assert rmse_ratio(o, ref) <= FP32_TOL and rmse_ratio(o_inference, ref) <= FP32_TOL
-
-
-def compile_for_sm90(kernel, constants, num_warps):
-    """Compile a kernel for an H100/H200 from the CPU: bf16 activations, fp32 states."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    activations = {"q", "k", "v", "g", "beta", "o", "do"}
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name == "scale":
-            signature[name] = "fp32"
-        elif name in ("cu_seqlens", "chunk_offsets"):
-            signature[name] = "*i32" if name == "cu_seqlens" else "*i64"
-        else:
-            signature[name] = "*bf16" if name in activations else "*fp32"
-    source = ASTSource(kernel, signature, constexprs=constants)
-    return triton_kda.triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-
-
-@pytest.mark.parametrize("kernel,constants,num_warps", [
-    (triton_kda.kda_fwd_kernel, {"H": 4, "K": 128, "V": 128, "BT": triton_kda.CHUNK, "BK": 128, "BV": 64,
-                                 "HAS_H0": True, "STORE_HT": True, "STORE_STATES": True}, 4),
-    (triton_kda.kda_bwd_kernel, {"H": 4, "K": 128, "V": 128, "BT": triton_kda.CHUNK, "BK": 128, "BV": 128,
-                                 "HAS_DHT": True}, 8),
-], ids=["forward", "backward"])
-def test_compiles_for_sm90(kernel, constants, num_warps):
-    compiled = compile_for_sm90(kernel, constants, num_warps)
-    assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024  # H100/H200 shared memory per block

@@ -1,0 +1,27 @@
+"""Every Triton launch variant the CUDA path makes, built for sm_90 (H100/H200) as the launcher specialises its
+arguments (kernels.compile_check captures the real host code's launches: every autotune config, the stages and
+warps each launch passes), within the budgets: shared memory <= 227 KB, <= 255 registers, no spills beyond the
+stated STACK_BUDGET. The suite builds the seed model's shapes at the rank it trains with (16), the largest rank the
+API allows (1024: the unfused path), a quantized format, KDA and sparse attention as glm5_next runs them;
+`python -m moetune.kernels.compile_check` builds all of SM90_CASES (bench/gpu_check.py runs that)."""
+
+from moetune.kernels.compile_check import SM90_SHARED_BYTES, over_budget
+from moetune.kernels.testing import compile_in_subprocess
+
+SUITE_CASES = ["moe 7168->4096 r16", "moe 7168->4096 r1024", "moe int4 7168->4096 r64",
+               "kda glm5_next H32 K128 V128", "sparse glm5_next H64 per-head kv 192/128 top2048"]
+
+
+def test_every_launch_variant_builds_for_sm90_within_budget():
+    rows = compile_in_subprocess(
+        f"importlib.import_module('moetune.kernels.compile_check').sm90_report({SUITE_CASES})")
+    assert {r["case"] for r in rows} == set(SUITE_CASES)  # every case launched something new
+    problems = {f"{r['case']}: {r['launch']}": over_budget(r) for r in rows if over_budget(r)}
+    assert not problems, problems
+    assert all(0 < r["shared_bytes"] <= SM90_SHARED_BYTES for r in rows)
+    kernels = {r["kernel"] for r in rows}
+    assert kernels == {"_grouped_lora_mm", "_grouped_outer", "kda_fwd_kernel", "kda_bwd_kernel", "_sparse_attn_fwd",
+                       "_sparse_attn_bwd"}, kernels
+    sparse_forwards = [r for r in rows if r["kernel"] == "_sparse_attn_fwd"]
+    assert len(sparse_forwards) == 4  # each autotune config
+    assert any("num_stages=1" in r["launch"] for r in rows if r["kernel"] == "_sparse_attn_bwd")
