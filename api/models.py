@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from enum import StrEnum
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -113,6 +113,10 @@ class SeqLenStage(_Strict):
         return self
 
 
+EvalMetric = Literal["exact_match", "contains", "regex", "token_f1", "rouge_l", "chrf"]
+EVAL_METRICS = get_args(EvalMetric)
+
+
 class TrainingSpec(_Strict):
     max_steps: int | None = Field(None, ge=1)
     # max_steps x global_batch_size over more passes of the training file than the server's MOETUNE_MAX_EPOCHS is
@@ -146,6 +150,9 @@ class TrainingSpec(_Strict):
     # Before step 1, each swapped operator and the first loss are compared with their references on the job's first
     # micro-batch (workers/evaluation/alignment.py): true fails the job beyond tolerance, "warn" only warns.
     alignment_check: bool | Literal["warn"] = True
+    # The checkpoint exported as the job's adapter: the last step's, or the one with the best evaluation metric
+    # ("best:<metric>", one of evaluation.metrics; higher is better, the earliest wins a tie).
+    select_checkpoint: str = Field("last", pattern=r"^(last|best:(" + "|".join(EVAL_METRICS) + r"))$")
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -241,6 +248,21 @@ class Integration(_Strict):
         return v
 
 
+class EvaluationSpec(_Strict):
+    """Generation-based evaluation (workers/evaluation/generation.py): the model answers each row of `file` (chat
+    rows; the reference is the row's `reference`, else its final assistant turn) at step 0 and at every `every`-th
+    step (default: each checkpoint); each metric is the mean over rows, in [0, 1]. "regex": the reference is a
+    regular expression the answer must contain a match of."""
+
+    file: str
+    metrics: list[EvalMetric] = Field(..., min_length=1)
+    every: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(64, ge=1, le=4096)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+
+    _check_file = field_validator("file")(_check_uri)
+
+
 class JobCreate(_Strict):
     model: str = Field(..., description="A registered base model's name (GET /v1/models) or the URI of a "
                                         "Hugging Face-format checkpoint folder")
@@ -255,12 +277,25 @@ class JobCreate(_Strict):
     lora: LoraSpec = Field(default_factory=LoraSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    evaluation: EvaluationSpec | None = None
     output_uri: str | None = Field(None, description="where checkpoints and the adapter go (default: server setting)")
     priority: int = Field(0, ge=-100, le=100)
 
     _check_uris = field_validator("output_uri")(_check_uri)
     _check_data_files = field_validator("training_file", "validation_file")(_check_data_file)
     _check_model_name = field_validator("model")(_check_model)
+
+    @model_validator(mode="after")
+    def _selected_checkpoint_is_evaluated(self):
+        selected = self.training.select_checkpoint
+        if selected.startswith("best:"):
+            metric = selected.removeprefix("best:")
+            if self.evaluation is None or metric not in self.evaluation.metrics:
+                raise ValueError(f"training.select_checkpoint {selected!r} needs evaluation.metrics to include "
+                                 f"{metric!r}")
+            if not self.training.checkpoint_every:
+                raise ValueError(f"training.select_checkpoint {selected!r} needs training.checkpoint_every")
+        return self
 
     @field_validator("suffix")
     @classmethod

@@ -23,6 +23,8 @@ def _inputs(spec: JobCreate) -> list[tuple[str, str, str]]:
     ]
     if spec.validation_file:
         inputs.append(("validation_file", spec.validation_file, "a JSONL file"))
+    if spec.evaluation is not None:
+        inputs.append(("evaluation.file", spec.evaluation.file, "a JSONL file of chat rows with references"))
     return inputs
 
 

@@ -25,7 +25,9 @@ def tenant_access(tenant: str, settings: Settings) -> UriAccess:
 def check_job_uris(request: JobCreate, tenant: str, settings: Settings) -> None:
     """Raises a 422 naming the first URI field the tenant may not use."""
     access = tenant_access(tenant, settings)
-    for field in _URI_FIELDS:
-        uri = getattr(request, field)
+    uris = [(field, getattr(request, field)) for field in _URI_FIELDS]
+    if request.evaluation is not None:
+        uris.append(("evaluation.file", request.evaluation.file))
+    for field, uri in uris:
         if uri is not None and (problem := access.problem(uri)):
             raise invalid_request(f"{field}: {problem}", field)
