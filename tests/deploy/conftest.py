@@ -56,6 +56,8 @@ VALUE_SETS: dict[str, dict] = {
             "rayPodMonitor": {"enabled": True},
             "grafanaDashboards": {"annotations": {"grafana_folder": "moetune"}},
         },
+        "serve": {"enabled": True, "publicUrl": "https://llm.example.internal",
+                  "baseModels": {"kimi-linear-48b": "s3://ml-models/Kimi-Linear-48B-A3B-Instruct"}},
     },
     "external-ray": {
         "ray": {"enabled": False, "externalAddress": "http://ray-head.ray.svc:8265",

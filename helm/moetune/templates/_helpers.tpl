@@ -250,3 +250,8 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 {{- end }}
+
+{{/* Where clients reach the Serve app: serve.publicUrl, else its in-cluster Service. */}}
+{{- define "moetune.serveUrl" -}}
+{{- .Values.serve.publicUrl | default (printf "http://%s-serve.%s.svc:%v" (include "moetune.fullname" .) .Release.Namespace .Values.serve.port) }}
+{{- end }}
