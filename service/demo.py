@@ -20,6 +20,7 @@ from moetune.api import storage
 from moetune.api.client import Client
 from moetune.api.models import JobCreate, JobStatus, LoraSpec, ParallelismSpec, TrainingSpec
 from moetune.service.app import create_app
+from moetune.service.demo_chat import chat_with_tuned_model
 from moetune.service.embedded import (
     control_plane_in_thread,
     free_port,
@@ -106,7 +107,9 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
                 default_output_uri=f"s3://{BUCKET}/outputs",
                 allow_file_uris=True,  # a single-user laptop demo: local files are the user's own
                 base_models={MODELS[images]: f"s3://{BUCKET}/models/{MODELS[images]}"},
+                serve_url=f"http://127.0.0.1:{free_port()}",
             )
+            served = False
             with control_plane_in_thread(create_app(settings), port) as url:
                 console.print(f"[bold]Control plane[/] {url} (token {TOKEN})")
                 client = Client(url, TOKEN)
@@ -117,11 +120,14 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
                 if job.status == JobStatus.succeeded:
                     shutil.rmtree(ADAPTER_COPY, ignore_errors=True)
                     storage.download_dir(job.fine_tuned_model_uri, str(ADAPTER_COPY), endpoint_url=s3_url)
+                    # the demo ends by talking to the tuned model (the serving engine takes text models)
+                    served = images or chat_with_tuned_model(client, job, MODELS[images], head.dashboard_url,
+                                                             TOKEN, work / "valid.jsonl", console)
     elapsed = time.monotonic() - start
     console.print(f"\nstatus: [bold]{job.status}[/]  ({elapsed:.0f}s)")
     if follower.losses:
         console.print(f"loss: first {follower.losses[0]:.4f} -> last {follower.losses[-1]:.4f}")
-    if job.status == JobStatus.succeeded:
+    if job.status == JobStatus.succeeded and served:
         console.print(f"model: {job.fine_tuned_model}\nadapter: {job.fine_tuned_model_uri} (copied to {ADAPTER_COPY}/)")
         return 0
     if job.error:

@@ -22,3 +22,8 @@ def test_demo_command_succeeds_and_learns(tmp_path):
     adapter = tmp_path / ".moetune" / "demo-adapter"
     weights = load_file(adapter / "adapter_model.safetensors")
     assert any("lora_B" in name and t.abs().sum() > 0 for name, t in weights.items())  # B starts at zero
+    # the demo ends by asking the tuned model and its base the same question through the openai SDK
+    tuned = re.search(r"chat tuned \((ft:tiny-kimi-linear:demo:ftjob-\w+)\): '(.*)'", out)
+    base = re.search(r"chat base \(tiny-kimi-linear\): '(.*)'", out)
+    assert tuned and base, out[-3000:]
+    assert tuned.group(2) and tuned.group(2) != base.group(1)  # training changed what it answers
