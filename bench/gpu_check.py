@@ -1,0 +1,516 @@
+"""GPU readiness check for one GPU, in under 8 minutes: correctness first, throughput last.
+
+Stages, each written as one JSON line to stdout and to $OUT/gpu_check.jsonl (when OUT is set) as it finishes:
+  env          torch, Triton, the device, which optional packages are here; the device's measured bf16 matmul
+               TFLOP/s and copy GB/s (the peaks the benchmarks are reported against)
+  compile      every Triton launch variant the CUDA path makes, built for sm_90 as the launcher specialises it,
+               with registers, spills and shared memory (moetune.kernels.compile_check)
+  correctness  every kernel against its reference on the device in fp32 and bf16 (tolerances asserted): MoE
+               grouped LoRA GEMM (dense at a fused and an unfused rank, FP8/INT4/MXFP4 weights), KDA, sparse
+               attention, the fused linear cross-entropy (when liger-kernel is here)
+  syncs        host syncs per MoE layer (the expert-parallel experts module at EP=1) and per KDA layer, counted
+               with torch.cuda.set_sync_debug_mode("warn")
+  job_step     one process group of one rank (NCCL), the tiny model of a family through moetune's own engine
+               (DeepSpeed ZeRO-2 and ZeRO-3), custom kernels on vs off: the first losses must agree
+  bench        KDA (moetune's Triton vs fla's chunk_kda when fla is here), sparse attention vs dense causal SDPA
+               at 8K/32K, MoE Triton vs torch grouped_mm; time, TFLOP/s and GB/s against the env peaks
+The last line is `RESULT key=value ...`. A failed check is recorded and the later stages still run; the exit
+status is 1 when any check failed.
+
+Needs torch and Triton with a CUDA device. moetune is imported from this checkout (installed or not). The stages
+`job_step` and the fla / liger benchmarks need packages a GPU image may lack; each is skipped with a note when
+its package is missing. Wheels for them (about 20 MiB), fetched here, in the repository root:
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+        --platform manylinux2014_x86_64 --no-deps -d .whl pydantic==2.12.5 pydantic-core==2.41.5 \
+        annotated-types==0.7.0 typing-inspection==0.4.2 hjson==3.1.0 flash-linear-attention==0.4.1 \
+        fla-core==0.4.1 liger-kernel==0.6.4 && python3 -m pip download --no-deps -d .whl deepspeed==0.19.8
+and on the GPU host, before the check (deepspeed is a source package: DS_BUILD_OPS=0 builds no extension):
+    DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
+        .whl/* && export PYTHONPATH=/tmp/site
+    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py
+
+--dry-run runs every stage's code on this CPU (Triton through its interpreter, gloo instead of NCCL, tiny
+shapes, the compile stage on one small case) so that the script is known to run as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+import types
+import warnings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# `python bench/gpu_check.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the kernels package
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(ROOT / "bench")]
+
+
+def _moetune_from_checkout() -> None:
+    """moetune as installed, else this checkout's folders as its subpackages (what setup.py maps)."""
+    if importlib.util.find_spec("moetune") is None:
+        package = types.ModuleType("moetune")
+        package.__path__ = [str(ROOT)]
+        sys.modules["moetune"] = package
+
+
+class Report:
+    """Stage results, printed and appended to $OUT/gpu_check.jsonl as each stage finishes."""
+
+    def __init__(self):
+        out = os.environ.get("OUT")
+        self.path = pathlib.Path(out) / "gpu_check.jsonl" if out else None
+        self.failures, self.summary = [], {}
+
+    def write(self, stage: str, data: dict) -> None:
+        line = json.dumps({"stage": stage, **data}, default=str)
+        print(line, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+
+    def run(self, stage: str, fn, *args) -> dict:
+        started, cpu = time.perf_counter(), time.process_time()
+        try:
+            data = fn(*args)
+        except Exception as e:  # the next stages still run: one report shows everything that is wrong
+            self.failures.append(stage)
+            data = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        self.write(stage, {**data, "seconds": round(time.perf_counter() - started, 1),
+                           "cpu_seconds": round(time.process_time() - cpu, 1)})
+        return data
+
+
+class Setting:
+    """Shapes and devices of a run: the real check on CUDA, or the dry run's tiny ones on CPU."""
+
+    def __init__(self, dry: bool):
+        import torch
+
+        self.dry = dry
+        self.device = torch.device("cpu" if dry else "cuda")
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def seconds(self, fn, reps: int = 10) -> float:
+        """Median wall time of fn, after a warm-up run (CUDA: synchronised around each run); the dry run times one
+        run (its numbers mean nothing, the code path is what it checks)."""
+        if not self.dry:
+            fn()
+        times = []
+        for _ in range(1 if self.dry else reps):
+            self.sync()
+            start = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def stage_env(s: Setting) -> dict:
+    import torch
+    import triton
+
+    info = {"torch": torch.__version__, "triton": triton.__version__, "dry_run": s.dry,
+            "packages": {n: _installed(n) for n in ("deepspeed", "pydantic", "transformers", "peft", "fla",
+                                                     "liger_kernel")}}
+    n = 256 if s.dry else 8192
+    a = torch.randn(n, n, device=s.device, dtype=torch.bfloat16)
+    t = s.seconds(lambda: a @ a)
+    big = torch.empty(2**20 if s.dry else 2**31, dtype=torch.uint8, device=s.device)  # 2 GiB on the GPU
+    copy = s.seconds(lambda: big.clone())
+    info.update(peak_bf16_tflops=float(f"{2 * n**3 / t / 1e12:.4g}"),
+                peak_copy_gbs=float(f"{2 * big.numel() / copy / 1e9:.4g}"))
+    if s.device.type == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        info.update(device=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
+    return info
+
+
+def stage_compile(s: Setting) -> dict:
+    from moetune.kernels import compile_check
+    from moetune.kernels.testing import compile_in_subprocess
+
+    cases = "['moe 2048->7168 r16']" if s.dry else "None"  # a child process: this one may interpret Triton
+    rows = compile_in_subprocess(f"importlib.import_module('moetune.kernels.compile_check').sm90_report({cases})")
+    over_budget = compile_check.over_budget
+    problems = {f"{r['case']}: {r['launch']}": over_budget(r) for r in rows if over_budget(r)}
+    return {"variants": len(rows), "over_budget": problems, "rows": rows}
+
+
+def _rmse(got, want) -> float:
+    from moetune.kernels.testing import rmse_ratio
+
+    return rmse_ratio(got.float(), want.float())
+
+
+def _leaves(device, dtype, *shapes, scale=1.0, grad=True):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [(torch.randn(*sh, generator=gen, device=device) * scale).to(dtype).requires_grad_(grad) for sh in shapes]
+
+
+def _grads(out, inputs, seed=1):
+    import torch
+
+    cot = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(seed), device=out.device)
+    return torch.autograd.grad(out, inputs, cot.to(out.dtype))
+
+
+def _check_moe(s: Setting, dtype, rank: int, weight: str) -> float:
+    import torch
+
+    from moetune.kernels.moe import moe_lora_grouped
+    from moetune.kernels.moe.reference import moe_lora_reference
+    from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
+
+    d_in, d_out = (64, 96) if s.dry else (1024, 1536)
+    counts = torch.tensor([5, 0, 20, 3] if s.dry else [300, 0, 1200, 548], device=s.device)
+    x, a, b = _leaves(s.device, dtype, (int(counts.sum()), d_in), (4, d_in, rank), (4, rank, d_out), scale=0.3)
+    dense = torch.randn(4, d_out, d_in, device=s.device) * d_in**-0.5
+    if weight == "dense":
+        w, w_ref = dense.to(dtype).transpose(1, 2), dense.to(dtype).float().transpose(1, 2)
+    else:
+        quantize = {"fp8": quantize_fp8_block, "int4": quantize_int4, "mxfp4": quantize_mxfp4}[weight]
+        w = quantize(dense)
+        w_ref = w.dequantize(dtype=dtype).float().transpose(1, 2)
+    out = moe_lora_grouped(x, counts, w, a, b, 2.0, backend="triton")
+    ref = moe_lora_reference(x.float(), counts, w_ref, a.float(), b.float(), 2.0)
+    pairs = [(out, ref), *zip(_grads(out, (x, a, b)), _grads(ref, (x, a, b)))]
+    return max(_rmse(g, w_) for g, w_ in pairs)
+
+
+def _check_kda(s: Setting, dtype) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    from moetune.kernels.kda import naive_recurrent_kda, triton_kda
+
+    t, h, d = (20, 1, 16) if s.dry else (300, 4, 64)
+    q, k, v, g, beta = _leaves(s.device, torch.float32, (1, t, h, d), (1, t, h, d), (1, t, h, d), (1, t, h, d),
+                               (1, t, h), grad=False)
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    g, beta = -g.abs() * 0.5, beta.sigmoid()
+    inputs = [x.to(dtype if i != 3 else torch.float32).requires_grad_() for i, x in enumerate((q, k, v, g, beta))]
+    ours, _ = triton_kda.chunk_kda_triton(*inputs)
+    fp32 = [x.detach().float().requires_grad_() for x in inputs]
+    ref, _ = naive_recurrent_kda(*fp32)
+    pairs = [(ours, ref), *zip(_grads(ours, inputs), _grads(ref, fp32))]
+    return max(_rmse(a, b) for a, b in pairs)
+
+
+def _check_sparse(s: Setting, dtype) -> float:
+    from moetune.kernels.sparse_attention import select_topk, sparse_attention
+    from moetune.kernels.sparse_attention.reference import sparse_attention_reference
+
+    t, h, hkv, d, topk = (20, 2, 1, 16, 8) if s.dry else (512, 16, 1, 128, 128)
+    q, k, v = _leaves(s.device, dtype, (1, t, h, d), (1, t, hkv, d), (1, t, hkv, d))
+    qi, ki, wi = _leaves(s.device, dtype, (1, t, 2, 16), (1, t, 16), (1, t, 2), grad=False)
+    indices = select_topk(qi.float(), ki.float(), wi.float(), topk)
+    out = sparse_attention(q, k, v, indices, d**-0.5, backend="triton")
+    fp32 = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = sparse_attention_reference(*fp32, indices, d**-0.5)
+    pairs = [(out, ref), *zip(_grads(out, (q, k, v)), _grads(ref, fp32))]
+    return max(_rmse(a, b) for a, b in pairs)
+
+
+def _check_loss(s: Setting, dtype) -> float:
+    import torch
+
+    from moetune.kernels.loss.chunked import chunked_linear_cross_entropy_sum
+    from moetune.kernels.loss.dispatch import _liger_sum
+
+    n, hidden, vocab = (20, 16, 64) if s.dry else (4096, 1024, 32000)
+    h, w = _leaves(s.device, dtype, (n, hidden), (vocab, hidden), scale=hidden**-0.25)
+    y = torch.randint(0, vocab, (n,), device=s.device)
+    ours = _liger_sum(h, w, y)
+    ref = chunked_linear_cross_entropy_sum(h.float(), w.float(), y)
+    (g_ours,), (g_ref,) = torch.autograd.grad(ours, (h,)), torch.autograd.grad(ref, (h,))
+    return max(_rmse(ours, ref), _rmse(g_ours, g_ref))
+
+
+# error ratio allowed per dtype: fp32 tl.dot runs as TF32 on a GPU (exact fp32 in the interpreter)
+TOLERANCE = {"float32": 5e-3, "bfloat16": 2e-2}
+
+
+# the dry run's subset: each check function once (the unfused rank, a quantized format and bf16 included)
+DRY_CHECKS = ("moe_dense_r16_float32", "moe_dense_unfused_rank_float32", "moe_int4_r16_bfloat16", "kda_float32",
+              "sparse_attention_bfloat16", "linear_cross_entropy_float32")
+
+
+def stage_correctness(s: Setting) -> dict:
+    import torch
+
+    checks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).split(".")[1]
+        checks[f"moe_dense_r16_{name}"] = lambda d=dtype: _check_moe(s, d, 16, "dense")
+        checks[f"moe_dense_unfused_rank_{name}"] = lambda d=dtype: _check_moe(s, d, 160 if s.dry else 1024, "dense")
+        checks[f"kda_{name}"] = lambda d=dtype: _check_kda(s, d)
+        checks[f"sparse_attention_{name}"] = lambda d=dtype: _check_sparse(s, d)
+        for weight in ("fp8", "int4", "mxfp4"):
+            checks[f"moe_{weight}_r16_{name}"] = lambda d=dtype, w=weight: _check_moe(s, d, 16, w)
+        if _installed("liger_kernel"):
+            checks[f"linear_cross_entropy_{name}"] = lambda d=dtype: _check_loss(s, d)
+    if s.dry:
+        checks = {name: check for name, check in checks.items() if name in DRY_CHECKS}
+    errors, failed = {}, []
+    for name, check in checks.items():
+        try:
+            errors[name] = round(check(), 6)
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+            failed.append(name)
+            continue
+        if not errors[name] <= TOLERANCE[name.rsplit("_", 1)[1]]:
+            failed.append(name)
+    if failed:
+        raise AssertionError(f"over tolerance or failed: {failed}; errors {errors}")
+    return {"rmse_ratio": errors, "tolerance": TOLERANCE}
+
+
+def _count_syncs(s: Setting, fn) -> int | None:
+    """Host syncs fn makes (CUDA sync debug mode); None on CPU, where there is no such thing."""
+    import torch
+
+    if s.device.type != "cuda":
+        fn()
+        return None
+    s.sync()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+def stage_syncs(s: Setting) -> dict:
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from moetune.kernels.kda import chunk_kda
+    from moetune.workers.families import REGISTRY
+    from moetune.workers.parallel.experts import ExpertParallelExperts
+    from moetune.workers.parallel.placement import placement_at
+
+    config = REGISTRY["qwen3_moe"].tiny_config()
+    experts = ExpertParallelExperts(Qwen3MoeExperts(config), placement_at(config.to_dict(), 1, 0), lora_rank=8)
+    experts = experts.to(s.device)
+    tokens, top_k = 64, config.num_experts_per_tok
+    index = torch.randint(0, config.num_experts, (tokens, top_k), device=s.device)
+    weights = torch.rand(tokens, top_k, device=s.device).softmax(-1)
+    x = torch.randn(tokens, config.hidden_size, device=s.device, requires_grad=True)
+    run_moe = lambda: experts(x, index, weights).sum().backward()  # noqa: E731
+    run_moe()  # warm-up: Triton compiles outside the count
+    q, k, v, g, beta = _leaves(s.device, torch.float32, (1, 128, 2, 32), (1, 128, 2, 32), (1, 128, 2, 32),
+                               (1, 128, 2, 32), (1, 128, 2))
+    run_kda = lambda: chunk_kda(q, k, v, -g.detach().abs(), beta.detach().sigmoid())  # noqa: E731
+    run_kda()
+    return {"moe_layer_fwd_bwd": _count_syncs(s, run_moe), "kda_layer_fwd": _count_syncs(s, run_kda)}
+
+
+def _job_step(s: Setting, family: str, zero: int, kernels: bool, steps: int) -> list[float]:
+    import torch
+
+    from moetune.api.models import JobCreate
+    from moetune.workers.engine.deepspeed import build_engine
+    from moetune.workers.families import REGISTRY, apply_kernel_swaps, auto_model_class
+    from moetune.workers.model import trainable_model
+    from moetune.workers.parallel import job_placement
+
+    spec = JobCreate(model="file:///unused", training_file="file:///unused",
+                     lora={"rank": 8, "alpha": 16, "dropout": 0.0, "train_experts": True},
+                     training={"max_steps": steps, "global_batch_size": 2, "micro_batch_size": 2,
+                               "learning_rate": 1e-2, "warmup_ratio": 0.0, "custom_kernels": kernels},
+                     parallelism={"num_workers": 1, "zero_stage": zero})
+    fam = REGISTRY[family]
+    config = fam.tiny_config()
+    vocab_size = getattr(config, "text_config", config).vocab_size  # multimodal configs keep it in text_config
+    torch.manual_seed(0)
+    model = auto_model_class(config).from_config(config, dtype=torch.float32)
+    if kernels:
+        apply_kernel_swaps(model)
+    dtype = torch.bfloat16 if s.device.type == "cuda" else torch.float32
+    model = model.to(s.device, dtype)
+    torch.manual_seed(1)
+    placement = job_placement(config.to_dict(), spec)
+    engine, _ = build_engine(trainable_model(model, spec, placement), spec, 1, steps, bf16=dtype == torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, vocab_size, (2, 64 if not s.dry else 16), generator=gen).to(s.device)
+    losses = []
+    for _ in range(steps):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return losses
+
+
+def _job_family() -> str:
+    """glm5_next (KDA, sparse attention and MoE kernels in one model) where this transformers has it."""
+    from moetune.workers.families import REGISTRY
+
+    try:
+        REGISTRY["glm5_next"].tiny_config()
+        return "glm5_next"
+    except (ImportError, AttributeError, KeyError, ValueError):
+        return "qwen3_moe"
+
+
+def stage_job_step(s: Setting) -> dict:
+    import torch.distributed as dist
+
+    missing = [n for n in ("deepspeed", "pydantic") if not _installed(n)]
+    if missing:
+        return {"skipped": f"{', '.join(missing)} not installed (see the docstring for the wheels)"}
+    family = _job_family()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group(s.backend, rank=0, world_size=1)
+    try:
+        runs = {f"zero{z}_{'kernels' if k else 'plain'}": _job_step(s, family, z, k, 2)
+                for z in ((2,) if s.dry else (2, 3)) for k in (True, False)}
+    finally:
+        dist.destroy_process_group()
+    tolerance = 1e-4 if s.device.type == "cpu" else 3e-2  # bf16 kernels vs bf16 transformers modules
+    gaps = {z: abs(runs[f"zero{z}_kernels"][0] - runs[f"zero{z}_plain"][0]) for z in ((2,) if s.dry else (2, 3))}
+    if any(gap > tolerance * abs(runs[f"zero{z}_plain"][0]) for z, gap in gaps.items()):
+        raise AssertionError(f"custom kernels change the first loss: {runs}")
+    return {"family": family, "backend": s.backend, "losses": runs}
+
+
+def _bench_kda(s: Setting, peaks: dict) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from moetune.kernels.kda import triton_kda
+
+    t, h, d = (32, 1, 16) if s.dry else (8192, 16, 128)
+    q, k, v, g, beta = _leaves(s.device, torch.bfloat16, (1, t, h, d), (1, t, h, d), (1, t, h, d),
+                               (1, t, h, d), (1, t, h), grad=False)
+    q, k = F.normalize(q.float(), dim=-1).to(q.dtype), F.normalize(k.float(), dim=-1).to(k.dtype)
+    g, beta = -g.float().abs() * 0.1, beta.float().sigmoid().to(beta.dtype)
+    flops = 2 * t * h * (4 * 64 * d + 3 * d * d)  # per token: the chunk's pairwise rows and the state products
+    out = {"shape": [t, h, d]}
+    impls = {"moetune_triton": lambda: triton_kda.chunk_kda_triton(q, k, v, g, beta)}
+    if _installed("fla") and s.device.type == "cuda":
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        impls["fla_chunk_kda"] = lambda: fla_chunk_kda(q, k, v, g, beta)
+    with torch.no_grad():
+        for name, fn in impls.items():
+            sec = s.seconds(fn)
+            out[name] = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 2),
+                         "of_peak": round(flops / sec / 1e12 / peaks["peak_bf16_tflops"], 4)}
+    return out
+
+
+def _bench_sparse(s: Setting, peaks: dict) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from moetune.kernels.sparse_attention import sparse_attention
+
+    out = {}
+    for seq in ((32,) if s.dry else (8192, 32768)):
+        h, d, topk = (2, 16, 8) if s.dry else (64, 128, 2048)
+        q, k, v = _leaves(s.device, torch.bfloat16, (1, seq, h, d), (1, seq, 1, d), (1, seq, 1, d), grad=False)
+        pos = torch.arange(seq, device=s.device)
+        # the top-k latest keys of each query (causal; -1 where the prefix is shorter): the gather is the cost
+        latest = pos[:, None] - torch.arange(topk, device=s.device)
+        indices = torch.where(latest >= 0, latest, -1)[None]
+        kd, vd = (x.expand(1, seq, h, d).transpose(1, 2) for x in (k, v))
+        backend = "triton"
+        with torch.no_grad():
+            t_sparse = s.seconds(lambda: sparse_attention(q, k, v, indices.int(), d**-0.5, backend=backend), reps=5)
+            t_dense = s.seconds(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), kd, vd, is_causal=True),
+                                reps=5)
+        sparse_flops, dense_flops = 4 * seq * min(topk, seq) * h * d, 4 * seq * (seq + 1) / 2 * h * d
+        gathered = seq * min(topk, seq) * 2 * d * 2  # bytes of K and V rows gathered (bf16)
+        out[f"{seq}"] = {"sparse_ms": round(t_sparse * 1e3, 3), "sdpa_ms": round(t_dense * 1e3, 3),
+                         "speedup": round(t_dense / t_sparse, 2),
+                         "sparse_tflops": round(sparse_flops / t_sparse / 1e12, 2),
+                         "sdpa_tflops": round(dense_flops / t_dense / 1e12, 2),
+                         "sparse_gather_gbs": round(gathered / t_sparse / 1e9, 1),
+                         "sparse_of_copy_peak": round(gathered / t_sparse / 1e9 / peaks["peak_copy_gbs"], 4)}
+    return out
+
+
+def _bench_moe(s: Setting, peaks: dict) -> dict:
+    import torch
+
+    from moetune.kernels.moe import moe_lora_grouped
+
+    experts, hidden, inter, rank, tokens = (2, 32, 48, 16, 64) if s.dry else (32, 2048, 1536, 16, 32768)
+    counts = torch.full((experts,), tokens // experts, device=s.device)
+    x, a, b = _leaves(s.device, torch.bfloat16, (tokens, hidden), (experts, hidden, rank), (experts, rank, inter),
+                      scale=0.02)
+    w = _leaves(s.device, torch.bfloat16, (experts, hidden, inter), scale=hidden**-0.5, grad=False)[0]
+    flops = 2 * tokens * hidden * inter
+    out = {"shape": [experts, tokens, hidden, inter, rank]}
+    for backend in ("triton", "torch"):  # torch: grouped_mm
+        with torch.no_grad():
+            sec = s.seconds(lambda: moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend))
+        out[backend] = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 2),
+                        "of_peak": round(flops / sec / 1e12 / peaks["peak_bf16_tflops"], 4)}
+    out["triton_vs_grouped_mm"] = round(out["torch"]["ms"] / out["triton"]["ms"], 2)
+    return out
+
+
+def stage_bench(s: Setting, peaks: dict) -> dict:
+    return {"kda": _bench_kda(s, peaks), "sparse_attention": _bench_sparse(s, peaks), "moe": _bench_moe(s, peaks)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="every stage on this CPU, tiny shapes")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported
+    _moetune_from_checkout()
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device (or --dry-run)")
+    if args.dry_run:
+        torch.set_num_threads(1)  # tiny shapes: more threads only contend
+    s, report = Setting(args.dry_run), Report()
+    env = report.run("env", stage_env, s)
+    compiled = report.run("compile", stage_compile, s)
+    correctness = report.run("correctness", stage_correctness, s)
+    syncs = report.run("syncs", stage_syncs, s)
+    job = report.run("job_step", stage_job_step, s)
+    bench = report.run("bench", stage_bench, s, env) if "error" not in env else {}
+    summary = {"failed": ",".join(report.failures) or "none", "dry_run": args.dry_run,
+               "sm90_variants": compiled.get("variants"), "sm90_over_budget": len(compiled.get("over_budget", {})),
+               "worst_rmse": max((v for v in correctness.get("rmse_ratio", {}).values()
+                                  if isinstance(v, float)), default=None),
+               "moe_syncs": syncs.get("moe_layer_fwd_bwd"), "kda_syncs": syncs.get("kda_layer_fwd"),
+               "job_step": "skipped" if "skipped" in job else ("error" if "error" in job else "ok"),
+               "moe_triton_vs_grouped_mm": bench.get("moe", {}).get("triton_vs_grouped_mm")}
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
