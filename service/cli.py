@@ -23,7 +23,8 @@ from moetune.api.plans import parse_cluster
 from moetune.service.app import create_app
 from moetune.service.data_cli import data
 from moetune.service.demo import run_demo
-from moetune.service import serve_cli
+from moetune.service.local_stack import read_stack
+from moetune.service import serve_cli, up_cli
 from moetune.service.models_cli import models
 from moetune.service.plan_view import plan_summary, plan_table
 from moetune.service.progress import follow
@@ -59,13 +60,17 @@ class _FriendlyErrors(click.Group):
 
 
 @click.group(cls=_FriendlyErrors)
-@click.option("--url", envvar="MOETUNE_URL", default="http://127.0.0.1:8000", show_default=True,
-              help="Control plane base URL.")
-@click.option("--token", envvar="MOETUNE_TOKEN", default="dev-token", show_default=True, help="API bearer token.")
+@click.option("--url", envvar="MOETUNE_URL", default=None,
+              help="Control plane base URL [default: the `moetune up` stack of this directory, else "
+                   "http://127.0.0.1:8000].")
+@click.option("--token", envvar="MOETUNE_TOKEN", default=None,
+              help="API bearer token [default: that stack's, else dev-token].")
 @click.pass_context
-def main(ctx: click.Context, url: str, token: str) -> None:
+def main(ctx: click.Context, url: str | None, token: str | None) -> None:
     """moetune: LoRA fine-tuning of very large Mixture-of-Experts models on Ray + DeepSpeed."""
-    ctx.obj = {"url": url, "token": token}
+    stack = read_stack() if url is None or token is None else None
+    ctx.obj = {"url": url or (stack.url if stack else "http://127.0.0.1:8000"),
+               "token": token or (stack.token if stack else "dev-token")}
 
 
 @main.command()
@@ -124,7 +129,7 @@ def jobs_list(ctx: click.Context, limit: int, after: str | None) -> None:
             for job in page.data]
     # Fits 80 columns: no borders; ids, statuses and numbers keep their full width (ids stay copy-pasteable), the
     # model's short name takes what is left.
-    fixed = [Column(name, no_wrap=True, min_width=max(len(name), *(len(row[i]) for row in rows)))
+    fixed = [Column(name, no_wrap=True, min_width=max([len(name), *(len(row[i]) for row in rows)]))
              for i, name in enumerate(("id", "status", "step", "loss", "created"))]
     room = console.width - sum(column.min_width for column in fixed) - len(fixed)
     table = Table(*fixed, Column("model", no_wrap=True, overflow="ellipsis", max_width=max(room, 1)), box=None,
@@ -255,3 +260,5 @@ main.add_command(serve_cli.chat)
 models.add_command(serve_cli.download)
 jobs.add_command(serve_cli.deploy)
 main.add_command(data)
+main.add_command(up_cli.up)
+main.add_command(up_cli.down)

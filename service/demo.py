@@ -39,7 +39,9 @@ ADAPTER_COPY = Path(".moetune/demo-adapter")  # the demo's S3 server is gone whe
 MODELS = {False: "tiny-kimi-linear", True: "tiny-qwen3.5-moe-vl"}  # by --images
 
 
-def _make_assets(work: Path, s3_url: str, images: bool) -> None:
+def make_demo_assets(work: Path, s3_url: str, images: bool) -> None:
+    """The tiny checkpoint and datasets, generated and uploaded to s3://moetune-demo/ (also `moetune up
+    --with-demo-assets`)."""
     # torch-heavy: only the demo needs them
     from moetune.workers.families import REGISTRY
     from moetune.workers.tiny import (
@@ -91,7 +93,7 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
         env = s3_env(s3_url)
         os.environ.update(env)
         console.print(f"[bold]S3-compatible server[/] {s3_url}")
-        _make_assets(work, s3_url, images)
+        make_demo_assets(work, s3_url, images)
         what = ("qwen3_5_moe vision-language checkpoint, tokenizer, image processor and solid-colour image dataset"
                 if images else "kimi_linear MoE checkpoint, tokenizer and dataset")
         console.print(f"Generated a tiny {what}; uploaded to s3://{BUCKET}/")

@@ -78,17 +78,25 @@ def s3_env(endpoint_url: str) -> dict[str, str]:
     }
 
 
+def spawn_s3_server(port: int, log_path: str) -> subprocess.Popen:
+    """A moto S3 server on loopback `port` (own process group), serving when this returns."""
+    proc = _spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], log_path)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/moto-api/", 30, proc, log_path)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc
+
+
 @contextmanager
 def local_s3_server(port: int | None = None):
     """A moto S3 server over HTTP on loopback; yields its endpoint URL."""
     port = port or free_port()
     log_dir = tempfile.mkdtemp(prefix="moetune-s3-")
-    log_path = os.path.join(log_dir, "server.log")
-    proc = _spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], log_path)
-    url = f"http://127.0.0.1:{port}"
+    proc = spawn_s3_server(port, os.path.join(log_dir, "server.log"))
     try:
-        wait_http(f"{url}/moto-api/", 30, proc, log_path)
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop_process(proc)
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -100,15 +108,14 @@ class RayHead:
     dashboard_url: str  # where the Jobs API listens
 
 
-@contextmanager
-def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
-    """A Ray head started by `ray start --head --block` in its own process group.
+def spawn_ray_head(num_cpus: int, env: dict[str, str] | None, temp_dir: str) -> tuple[subprocess.Popen, RayHead]:
+    """`ray start --head --block` in its own process group, its sessions and logs under `temp_dir`; its Jobs API
+    answers when this returns.
 
     `num_cpus` is logical: tiny CPU jobs may oversubscribe the machine's cores. The processes
     inherit `env` (e.g. the S3 endpoint), so Ray jobs and their workers see it too.
     """
     gcs_port, dash_port, agent_port, client_port = free_port(), free_port(), free_port(), free_port()
-    temp_dir = tempfile.mkdtemp(prefix="moetune-ray-")
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
     log_path = os.path.join(temp_dir, "ray-start.log")
     args = [
@@ -126,7 +133,23 @@ def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
     dashboard_url = f"http://127.0.0.1:{dash_port}"
     try:
         wait_http(f"{dashboard_url}/api/version", 90, proc, log_path)
-        yield RayHead(gcs_address=f"127.0.0.1:{gcs_port}", dashboard_url=dashboard_url)
+    except BaseException:
+        stop_process(proc, grace=5)
+        raise
+    return proc, RayHead(gcs_address=f"127.0.0.1:{gcs_port}", dashboard_url=dashboard_url)
+
+
+@contextmanager
+def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
+    """A Ray head (spawn_ray_head) in a temporary directory, stopped and removed on exit."""
+    temp_dir = tempfile.mkdtemp(prefix="moetune-ray-")
+    try:
+        proc, head = spawn_ray_head(num_cpus, env, temp_dir)
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    try:
+        yield head
     finally:
         stop_process(proc, grace=5)
         shutil.rmtree(temp_dir, ignore_errors=True)

@@ -56,12 +56,12 @@ def models() -> None:
 @click.option("--shard-size", default="4GiB", show_default=True, help="Largest shard written (e.g. 512MiB, 5GB).")
 def push(local_dir: str, uri: str, shard_size: str) -> None:
     """Upload LOCAL_HF_DIR to URI: shards re-cut so each expert's slice is contiguous, with a checksum manifest."""
+    check_destination(uri)  # before the training stack's imports: a wrong bucket answers at once
     from moetune.workers.errors import JobError
     from moetune.workers.weights.loader import is_weight_file
     from moetune.workers.weights.push import local_tensors
     from moetune.workers.weights.push import push as push_checkpoint
 
-    check_destination(uri)
     try:
         total = sum(info.nbytes for _, info in local_tensors(local_dir).values())
     except (JobError, FileNotFoundError) as e:

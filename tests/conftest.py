@@ -10,12 +10,12 @@ import boto3
 import pytest
 
 from moetune.service.embedded import local_ray_head, local_s3_server, s3_env
-from moetune.workers.settings import torch_extensions_dir
+from moetune.workers.settings import use_prebuilt_ops
 from tests.support.receiver import ReportReceiver
 
 # Every process the suite starts (the Ray head and its workers, EP harness children) loads the DeepSpeed op that
-# `make install` prebuilt into this virtualenv instead of compiling it again.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
+# `make install` prebuilt into this virtualenv (with its ninja) instead of compiling it again.
+use_prebuilt_ops()
 
 
 @pytest.fixture(scope="session")

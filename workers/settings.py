@@ -77,9 +77,20 @@ def enter_worker_env(forwarded: Mapping[str, str]) -> WorkerSettings:
     prebuilt ones (`make install` builds them there: a job never waits for a C++ build, and two virtualenvs never
     overwrite each other's), and read the settings."""
     os.environ.update(forwarded)
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
+    use_prebuilt_ops()
     return WorkerSettings.from_env()
 
 
 def torch_extensions_dir() -> str:
     return os.path.join(sys.prefix, "torch_extensions")
+
+
+def use_prebuilt_ops() -> None:
+    """This process finds DeepSpeed's compiled ops in this virtualenv (torch_extensions_dir) and checks them with
+    this virtualenv's `ninja`: ninja 1.11 (Debian) and 1.13 (PyPI) hash build commands differently, so a process
+    with the other one first on PATH rebuilt the op (~1-2 min on 2 cores) and the next process rebuilt it back."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
+    venv_bin = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != venv_bin:
+        os.environ["PATH"] = os.pathsep.join([venv_bin, path]) if path else venv_bin

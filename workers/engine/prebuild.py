@@ -1,17 +1,17 @@
 """`python -m moetune.workers.engine.prebuild`: compiles the C++ op DeepSpeed would otherwise JIT-build in the first job
 (`deepspeed.init_distributed` loads shm_comm on CPU: ~40 s on 2 cores) into this virtualenv's extensions folder,
-where every worker looks for it (moetune.workers.settings.torch_extensions_dir)."""
+where every worker looks for it (moetune.workers.settings.use_prebuilt_ops)."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from moetune.workers.settings import torch_extensions_dir
+from moetune.workers.settings import use_prebuilt_ops
 
 
 def main() -> None:
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
+    use_prebuilt_ops()
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     started = time.perf_counter()

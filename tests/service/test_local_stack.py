@@ -1,0 +1,41 @@
+"""`moetune up` / `moetune down`: the S3 server and the control plane as background processes (here on the
+session's Ray head), their data kept across a restart, and the CLI finding the stack of the directory."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from moetune.api.client import Client
+from moetune.service import cli, local_stack
+from moetune.service.embedded import s3_env
+
+
+def _run(*args):
+    result = CliRunner().invoke(cli.main, list(args), catch_exceptions=False, env={"MOETUNE_URL": None,
+                                                                                   "MOETUNE_TOKEN": None})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_up_prints_how_to_reach_it_keeps_data_across_down_and_up(ray_head, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the stack of this directory: .moetune/
+    for name in s3_env(""):  # `up` sets this process's S3 variables: the session's come back afterwards
+        monkeypatch.delenv(name, raising=False)
+    output = _run("up", "--ray-address", ray_head.dashboard_url)
+    stack = local_stack.read_stack()
+    assert f"control plane {stack.url} (token {stack.token})" in output
+    assert f"export MOETUNE_URL={stack.url}" in output and f"export MOETUNE_TOKEN={stack.token}" in output
+    assert f"export MOETUNE_S3_ENDPOINT_URL={stack.s3_endpoint}" in output
+    try:
+        uploaded = Client(stack.url, stack.token).files.create(b'{"text": "kept"}\n', "kept.jsonl")
+        assert _run("jobs", "list").split() == ["id", "status", "step", "loss", "created", "model"]  # found it
+        assert _run("down") == "down; data kept in .moetune\n"
+        assert not local_stack.read_stack() and not any(local_stack._alive(p) for p in stack.pids.values())
+
+        _run("up", "--ray-address", ray_head.dashboard_url)
+        again = local_stack.read_stack()
+        assert (again.url, again.token) == (stack.url, stack.token)  # same address and token
+        assert Client(again.url, again.token).files.content(uploaded.id) == b'{"text": "kept"}\n'
+    finally:
+        _run("down")
+    assert _run("down") == "nothing was up\n"
