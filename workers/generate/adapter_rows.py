@@ -20,11 +20,13 @@ class RowSelection:
     """The adapter slot of every row of the forward being run (set by the engine before each forward)."""
 
     def __init__(self):
+        self.slots: set[int] = {0}  # the slots in this forward
         self.row_slots: torch.Tensor | None = None  # [rows]
         self.uniform: int | None = 0  # the one slot of all rows, or None when they differ
 
     def set(self, row_slots: list[int], device) -> None:
-        self.uniform = row_slots[0] if len(set(row_slots)) == 1 else None
+        self.slots = set(row_slots)
+        self.uniform = row_slots[0] if len(self.slots) == 1 else None
         self.row_slots = torch.tensor(row_slots, dtype=torch.long, device=device)
 
     def slots_of(self, n: int) -> torch.Tensor:
@@ -90,8 +92,8 @@ class RowLoraLinear(nn.Module):
     def forward(self, x):
         y = self.base_layer(x)
         sel, f = self.selection, self.factors
-        if sel.uniform is not None and sel.uniform not in f.filled:
-            return y  # the base, or an adapter that leaves this module alone
+        if not sel.slots & f.filled:
+            return y  # the base, or adapters that leave this module alone
         flat = x.reshape(-1, x.shape[-1]).to(f["a"].dtype)
         if sel.uniform is not None:  # one adapter for all rows: two plain matmuls, in PEFT's order
             s = sel.uniform
@@ -109,15 +111,13 @@ class RowLoraExperts(nn.Module):
 
     FACTORS = ("gate_up_a", "gate_up_b", "down_a", "down_b")
 
-    def __init__(self, experts: nn.Module, selection: RowSelection, slots: int, transposed: bool = False):
+    def __init__(self, experts: nn.Module, selection: RowSelection, slots: int, dtype, transposed: bool = False):
         super().__init__()
-        self.experts, self.selection = experts, selection
+        self.experts, self.selection, self.dtype = experts, selection, dtype  # dtype: the model's compute dtype
         self.transposed = transposed  # the checkpoint's tensors are [E, in, out] (moetune's module turned them)
         w_in, w_down = experts.base_weights()
         e, two_i, hidden = w_in.shape
         intermediate = w_down.shape[2]
-        dtype = next((p.dtype for p in experts.parameters()), torch.float32) if experts.quantized else w_in.dtype
-        self.dtype = dtype if dtype.is_floating_point else torch.float32
         self.factors = _SlotFactors(slots, {"gate_up_a": ((e, 0, hidden), 1), "gate_up_b": ((e, two_i, 0), 2),
                                             "down_a": ((e, 0, intermediate), 1), "down_b": ((e, hidden, 0), 2)},
                                     self.dtype, w_down.device)
@@ -135,10 +135,10 @@ class RowLoraExperts(nn.Module):
         counts = torch.bincount(flat_experts, minlength=ex.num_experts)
         rows = hidden_states[token_of]
         biases = (ex.gate_up_proj_bias, ex.down_proj_bias) if ex.biased else None
-        if sel.uniform is not None:  # one adapter (or none) for every row: moetune's expert compute as trained
+        if sel.uniform is not None or not sel.slots & f.filled:  # one adapter or none: the compute as trained
             s = sel.uniform
             lora = (ExpertLoraFactors(*(f[n][s] for n in self.FACTORS), float(f.scaling[s]))
-                    if s in f.filled else None)
+                    if s is not None and s in f.filled else None)
             y = ex.compute(rows, counts.tolist(), *ex.base_weights(), ex.activation, lora, biases)
         else:
             y = self._mixed(rows, counts, sel.slots_of(hidden_states.shape[0])[token_of], flat_experts[order], biases)

@@ -29,6 +29,10 @@ from moetune.workers.generate.requests import (
 )
 
 
+def _failed(error: Exception) -> RuntimeError:
+    return RuntimeError(f"generation failed: {type(error).__name__}: {error}")
+
+
 @dataclass(eq=False)
 class _Job:
     request: GenerationRequest
@@ -64,8 +68,7 @@ class Engine:
             os.environ[ENV_S3_ENDPOINT_URL] = s3_endpoint_url
         selection = RowSelection()
         base = load_base(base_uri, torch.device(device), selection, max_adapters + 1, weights_cache_dir)
-        dtype = next(base.model.parameters()).dtype
-        store = AdapterStore(base.model, selection, base.experts, max_adapters, dtype, torch.device(device))
+        store = AdapterStore(base.model, selection, base.experts, max_adapters, base.dtype, torch.device(device))
         return cls(base, selection, store, max_batch)
 
     # ------------------------------------------------------------------ callers (any thread, any event loop)
@@ -87,7 +90,14 @@ class Engine:
         errors (see `check`) before anything runs, AdapterLoadError when its adapter cannot be loaded."""
         self.check(request)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        job = _Job(request, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+
+        def emit(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is gone: nobody listens any more
+                job.cancelled = True
+
+        job = _Job(request, emit)
         self._submit(job)
         try:
             while True:
@@ -141,7 +151,7 @@ class Engine:
                         self._decode()
                 except Exception as e:  # a failed forward fails the running requests, not the engine
                     for job in self._jobs:
-                        job.emit(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
+                        job.emit(_failed(e))
                         self._release(job)
                     self._jobs, self.batch.rows, self.batch.cache = [], [], None
 
@@ -164,38 +174,46 @@ class Engine:
                 with self._wake:
                     self._waiting.appendleft(job)
                 return
-            job.row = new_row(request.prompt_ids, request.params, self.tokenizer.eos_token_id, self.device,
-                              slot=slot)
-            token, cache = self.batch.prefill(job.row)
+            job.row = new_row(request.prompt_ids, request.params, self.base.stop_ids, self.device, slot=slot)
+            try:
+                token, cache = self.batch.prefill(job.row)
+            except Exception as e:  # this request fails; the running batch goes on
+                job.emit(_failed(e))
+                self._release(job)
+                continue
             self.counts["requests"] += 1
             self.counts["prompt_tokens"] += len(request.prompt_ids)
-            if not self._take(job, token):
+            if self._take(job, token):
+                self._finish(job)
+            else:
                 self.batch.join(job.row, cache)
                 self._jobs.append(job)
 
     def _decode(self) -> None:
         self.counts["peak_batch"] = max(self.counts["peak_batch"], len(self._jobs))
         tokens = self.batch.step()
-        keep = [i for i, (job, token) in enumerate(zip(self._jobs, tokens, strict=True))
-                if not self._take(job, token)]
-        if len(keep) < len(self._jobs):
-            self.batch.keep(keep)
-            self._jobs = [self._jobs[i] for i in keep]
+        finished = [self._take(job, token) for job, token in zip(self._jobs, tokens, strict=True)]
+        if any(finished):
+            self.batch.keep([i for i, done in enumerate(finished) if not done])
+            left = [job for job, done in zip(self._jobs, finished, strict=True) if done]
+            self._jobs = [job for job, done in zip(self._jobs, finished, strict=True) if not done]
+            for job in left:  # told only once their rows have left the batch (and its cache)
+                self._finish(job)
 
     def _take(self, job: _Job, token: int) -> bool:
-        """Emits the row's new token (and its end); True when the row leaves the batch."""
-        row = job.row
+        """Emits the row's new token; True when the row is finished (or its caller went away)."""
         if job.cancelled:
-            self._release(job)
             return True
-        finished = row.take(token)
-        if row.finish_reason != "stop":
+        finished = job.row.take(token)
+        if job.row.finish_reason != "stop":
             job.emit(TokenEvent(token, None))
             self.counts["tokens_generated"] += 1
-        if finished:
-            job.emit(TokenEvent(None, row.finish_reason))
-            self._release(job)
         return finished
+
+    def _finish(self, job: _Job) -> None:
+        if not job.cancelled:
+            job.emit(TokenEvent(None, job.row.finish_reason))
+        self._release(job)
 
     def _release(self, job: _Job) -> None:
         if job.row is not None and job.row.slot:

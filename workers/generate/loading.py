@@ -25,6 +25,8 @@ class LoadedBase:
     tokenizer: object
     context_length: int
     experts: dict[str, RowLoraExperts]  # module path -> per-row experts
+    dtype: object  # the compute dtype (of LoRA factors too)
+    stop_ids: frozenset[int]  # eos of the tokenizer and of the generation config
     layer_types: list[str] | None
     load_seconds: float
     bytes_from_storage: int
@@ -37,7 +39,8 @@ def load_base(base_uri: str, device, selection: RowSelection, slots: int,
         tokenizer = load_tokenizer(local)
         with open(os.path.join(local, "config.json")) as f:
             config = json.load(f)
-    streamed = stream_model(base_uri, device, load_dtype(device), None, weights_cache_dir)
+    dtype = load_dtype(device)
+    streamed = stream_model(base_uri, device, dtype, None, weights_cache_dir)
     model = streamed.model
     apply_kernel_swaps(model)
     family = family_for(model.config)
@@ -48,12 +51,15 @@ def load_base(base_uri: str, device, selection: RowSelection, slots: int,
         transposed = {name: getattr(getattr(b, family.experts), "is_transposed", False) for name, b in blocks}
         parallelize(model, family, placement, LoraSpec(), fused_kernel=True)
         for name, block in blocks:
-            wrapper = RowLoraExperts(getattr(block, family.experts), selection, slots, transposed[name])
+            wrapper = RowLoraExperts(getattr(block, family.experts), selection, slots, dtype, transposed[name])
             setattr(block, family.experts, wrapper)
             experts[f"{name}.{family.experts}"] = wrapper
     text_config = model.config.get_text_config()
     context = getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length
     model.eval()
     model.requires_grad_(False)
-    return LoadedBase(model, tokenizer, int(context), experts, getattr(text_config, "layer_types", None),
-                      streamed.seconds, streamed.stats.bytes_from_storage)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stop_ids = frozenset(t for t in (tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos]))
+                         if t is not None)
+    return LoadedBase(model, tokenizer, int(context), experts, dtype, stop_ids,
+                      getattr(text_config, "layer_types", None), streamed.seconds, streamed.stats.bytes_from_storage)
