@@ -22,9 +22,10 @@ Needs torch and Triton with a CUDA device. moetune is imported from this checkou
 its package is missing. Wheels for them (about 20 MiB), fetched here, in the repository root:
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-        --platform manylinux2014_x86_64 --no-deps -d .whl pydantic==2.12.5 pydantic-core==2.41.5 \
-        annotated-types==0.7.0 typing-inspection==0.4.2 hjson==3.1.0 flash-linear-attention==0.4.1 \
-        fla-core==0.4.1 liger-kernel==0.6.4 && python3 -m pip download --no-deps -d .whl deepspeed==0.19.8
+        --platform manylinux2014_x86_64 --no-deps -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
+        annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0 flash-linear-attention==0.6.0 \
+        fla-core==0.6.0 liger-kernel==0.6.4 transformers==5.24.0 \
+        && python3 -m pip download --no-deps -d .whl deepspeed==0.19.8
 and on the GPU host, before the check (deepspeed is a source package: DS_BUILD_OPS=0 builds no extension):
     DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
         .whl/* && export PYTHONPATH=/tmp/site
@@ -196,7 +197,14 @@ def _check_moe(s: Setting, dtype, rank: int, weight: str) -> float:
     return max(_rmse(g, w_) for g, w_ in pairs)
 
 
-def _check_kda(s: Setting, dtype) -> float:
+def _fla_chunk_kda():
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda
+
+
+def _check_kda(s: Setting, dtype, impl=None) -> float:
+    """moetune's Triton KDA (or `impl`, fla's chunk_kda) against the recurrent oracle."""
     import torch
     import torch.nn.functional as F
 
@@ -208,7 +216,7 @@ def _check_kda(s: Setting, dtype) -> float:
     q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     g, beta = -g.abs() * 0.5, beta.sigmoid()
     inputs = [x.to(dtype if i != 3 else torch.float32).requires_grad_() for i, x in enumerate((q, k, v, g, beta))]
-    ours, _ = triton_kda.chunk_kda_triton(*inputs)
+    ours, _ = (impl or triton_kda.chunk_kda_triton)(*inputs)
     fp32 = [x.detach().float().requires_grad_() for x in inputs]
     ref, _ = naive_recurrent_kda(*fp32)
     pairs = [(ours, ref), *zip(_grads(ours, inputs), _grads(ref, fp32))]
@@ -268,6 +276,8 @@ def stage_correctness(s: Setting) -> dict:
             checks[f"moe_{weight}_r16_{name}"] = lambda d=dtype, w=weight: _check_moe(s, d, 16, w)
         if _installed("liger_kernel"):
             checks[f"linear_cross_entropy_{name}"] = lambda d=dtype: _check_loss(s, d)
+        if _installed("fla") and s.device.type == "cuda":
+            checks[f"kda_fla_{name}"] = lambda d=dtype: _check_kda(s, d, _fla_chunk_kda())
     if s.dry:
         checks = {name: check for name, check in checks.items() if name in DRY_CHECKS}
     errors, failed = {}, []
@@ -414,8 +424,7 @@ def _bench_kda(s: Setting, peaks: dict) -> dict:
     out = {"shape": [t, h, d]}
     impls = {"moetune_triton": lambda: triton_kda.chunk_kda_triton(q, k, v, g, beta)}
     if _installed("fla") and s.device.type == "cuda":
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
-
+        fla_chunk_kda = _fla_chunk_kda()
         impls["fla_chunk_kda"] = lambda: fla_chunk_kda(q, k, v, g, beta)
     with torch.no_grad():
         for name, fn in impls.items():

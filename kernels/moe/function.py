@@ -1,11 +1,13 @@
-"""The expert compute with LoRA, y = xW + s·(xA)B per expert, and its backend choice: the Triton kernels on CUDA,
-torch's grouped_mm elsewhere. W is frozen in every path: it never receives a gradient and W + ΔW is never formed.
+"""The expert compute with LoRA, y = xW + s·(xA)B per expert, and its backend choice: on CUDA the Triton kernels or
+torch's grouped_mm, per shape (kernels.moe.choice), torch's grouped_mm elsewhere. W is frozen in every path: it
+never receives a gradient and W + ΔW is never formed.
 A quantized W (kernels.quant) is dequantized tile by tile inside the Triton kernel, or expert by expert in torch."""
 
 from __future__ import annotations
 
 import torch
 
+from moetune.kernels.moe.choice import cuda_backend
 from moetune.kernels.moe.torch_impl import moe_lora_grouped_torch
 from moetune.kernels.quant import Int4PackedWeight, QuantizedWeight
 
@@ -21,7 +23,8 @@ def moe_lora_grouped(x_sorted, counts, w, lora_a, lora_b, scale: float, backend:
         raise ValueError(f"counts ({counts.numel()}), w, lora_a and lora_b must agree on the number of experts "
                          f"({experts}) and lora_a/lora_b come together")
     if backend is None:
-        backend = "triton" if x_sorted.device.type == "cuda" else "torch"
+        cuda = x_sorted.device.type == "cuda"
+        backend = cuda_backend(x_sorted, w, isinstance(w, QuantizedWeight)) if cuda else "torch"
     if backend == "triton" and isinstance(w, Int4PackedWeight) and w.weight_zero_point is not None:
         backend = "torch"  # the kernel reads symmetric INT4 only (the MoE checkpoints); a zero point runs per expert
     if backend == "torch":

@@ -122,3 +122,24 @@ def test_packing_rejects_a_batch():
     inputs = make_inputs(2, 8, 1, 16, 16)
     with pytest.raises(ValueError, match="batch size 1"):
         chunk_kda(*(inputs[n] for n in NAMES[:5]), cu_seqlens=torch.tensor([0, 4, 8]))
+
+
+def test_the_cuda_kernel_setting_chooses_fla_or_moetunes_own(monkeypatch):
+    """fla stays out of CPU environments (transformers dispatches to it whenever importable), so without it the
+    default is moetune's Triton KDA; MOETUNE_KDA_KERNEL names either, anything else is refused by name."""
+    import importlib.util
+
+    from moetune.kernels.kda import KERNEL_SETTING, cuda_kda_kernel
+    from moetune.kernels.kda.triton_kda import chunk_kda_triton
+
+    assert importlib.util.find_spec("fla") is None
+    monkeypatch.delenv(KERNEL_SETTING, raising=False)
+    assert cuda_kda_kernel() is chunk_kda_triton
+    monkeypatch.setenv(KERNEL_SETTING, "moetune")
+    assert cuda_kda_kernel() is chunk_kda_triton
+    monkeypatch.setenv(KERNEL_SETTING, "flash")
+    with pytest.raises(ValueError, match="MOETUNE_KDA_KERNEL='flash'"):
+        cuda_kda_kernel()
+    monkeypatch.setenv(KERNEL_SETTING, "fla")
+    with pytest.raises(ModuleNotFoundError, match="fla"):  # asked for, not installed: no silent fallback
+        cuda_kda_kernel()

@@ -156,3 +156,13 @@ def test_expert_mlp_is_a_drop_in_for_the_expert_parallel_compute(backend):
     grads = torch.autograd.grad(out, [x, *factors], grad)
     for got, want in zip((out, *grads), (expected, *exp_grads)):
         assert rmse_ratio(got, want) <= 1e-5
+
+
+def test_cuda_choice_keeps_quantized_unaligned_and_fp32_on_the_triton_kernel():
+    """Only the Triton kernel reads quantized weights; torch's CUDA grouped_mm takes aligned bf16 only."""
+    from moetune.kernels.moe.choice import cuda_backend
+
+    x = torch.empty(8, 4096, dtype=torch.bfloat16)
+    assert cuda_backend(x, torch.empty(2, 4096, 2048, dtype=torch.bfloat16), quantized=True) == "triton"
+    assert cuda_backend(x[:, :4093], torch.empty(2, 4093, 2048, dtype=torch.bfloat16), quantized=False) == "triton"
+    assert cuda_backend(x.float(), torch.empty(2, 4096, 2048), quantized=False) == "triton"
