@@ -20,7 +20,7 @@ from moetune.api import storage
 from moetune.api.client import Client
 from moetune.api.models import JobCreate, JobStatus, LoraSpec, ParallelismSpec, TrainingSpec
 from moetune.service.app import create_app
-from moetune.service.demo_chat import chat_with_tuned_model
+from moetune.service.demo_chat import chat_with_tuned_model, start_serving
 from moetune.service.embedded import (
     control_plane_in_thread,
     free_port,
@@ -116,6 +116,8 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
                 console.print(f"[bold]Control plane[/] {url} (token {TOKEN})")
                 client = Client(url, TOKEN)
                 job = client.jobs.create(demo_job_spec(images))
+                if not images:
+                    start_serving(settings, MODELS[images])
                 console.print(f"Submitted [bold]{job.id}[/]: 2 workers, ZeRO-2{', EP=2' if images else ''}, LoRA r=8 "
                               f"on all linear layers{' of the text model' if images else ''}")
                 job, follower = follow(client, job.id, timeout=timeout, console=console)
