@@ -11,7 +11,16 @@ from rich.console import Console
 
 from moetune.api.client import Client
 from moetune.api.models import Job
+from moetune.service import serve_deploy
 from moetune.service.serve_cli import wait_until_running
+from moetune.service.settings import Settings
+
+
+def start_serving(settings: Settings, base: str) -> None:
+    """Starts the Serve app for the demo's base while its job trains: the deploy call after the job then finds it
+    up (same application config), so talking to the tuned model adds little time."""
+    serve_deploy.deploy(settings.ray_address, settings.serve_url, settings.callback_url,
+                        {base: settings.base_models[base]}, settings.s3_endpoint_url)
 
 
 def first_question(data_file: Path) -> list[dict]:

@@ -5,6 +5,7 @@ SDK unmodified, answers equal to the engine's, sampling knobs, tenants, errors a
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -12,8 +13,10 @@ import boto3
 import httpx
 import openai
 import pytest
+from click.testing import CliRunner
 
 from moetune.service.app import create_app
+from moetune.service.cli import main
 from moetune.service.embedded import control_plane_in_thread, free_port
 from tests.support.control_plane import TOKENS, RunningService, settings_for
 from tests.workers.generate.conftest import write_adapter, write_checkpoint
@@ -73,7 +76,7 @@ def served(s3_endpoint, ray_head, tmp_path_factory):
             assert status != "DEPLOY_FAILED" and time.monotonic() < deadline, status
             time.sleep(0.5)
         try:
-            yield {"base_url": base_url, "names": {k: v["fine_tuned_model"] for k, v in names.items()},
+            yield {"base_url": base_url, "control_plane": url, "names": {k: v["fine_tuned_model"] for k, v in names.items()},
                    "base": base, "adapters": adapters, "work": work}
         finally:
             httpx.delete(f"{ray_head.dashboard_url}/api/serve/applications/", timeout=60)
@@ -162,6 +165,19 @@ def test_the_openai_sdk_against_the_serve_app(served):
     assert broken.status_code == 503 and broken.json()["error"]["code"] == "adapter_unavailable"
     assert "adapters/broken" in broken.json()["error"]["message"]
     assert mine.post("/chat/completions", json=good).status_code == 200
+
+    # the CLI: download a tuned model's adapter (its config naming the base URI), and chat with it
+    cli = ["--url", served["control_plane"], "--token", TOKENS["tenant-a"]]
+    target = served["work"] / "downloaded"
+    done = CliRunner().invoke(main, [*cli, "models", "download", names["tenant-a", "experts"], str(target)])
+    assert done.exit_code == 0, done.output
+    assert json.loads((target / "adapter_config.json").read_text())["base_model_name_or_path"] == served["base"]
+    assert (target / "adapter_model.safetensors").exists()
+    talk = CliRunner().invoke(main, [*cli, "chat", names["tenant-a", "experts"], "--temperature", "0",
+                                     "--max-tokens", "12", "--base-url", served["base_url"].removesuffix("/v1")],
+                              input=MESSAGES[0]["content"] + "\n\n")
+    assert talk.exit_code == 0, talk.output
+    assert "".join(text.split()) in "".join(talk.output.split())
 
     metrics = httpx.get(served["base_url"].removesuffix("/v1") + "/metrics", timeout=60).text
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])

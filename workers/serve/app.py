@@ -7,7 +7,8 @@ import re
 
 from pydantic import BaseModel
 
-from moetune.workers.serve.deployments import BaseModelServer, OpenAIServer
+from moetune.workers.serve.engine_server import BaseModelServer
+from moetune.workers.serve.ingress import OpenAIServer
 
 
 class ServeArgs(BaseModel):

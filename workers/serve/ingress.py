@@ -1,5 +1,5 @@
-"""The Serve deployments: one BaseModelServer per base (the Engine: the base loaded once, its adapters on first
-use), and the OpenAIServer ingress (FastAPI) that authenticates, validates and streams.
+"""The OpenAIServer ingress (FastAPI) in front of the BaseModelServer deployments: authenticates, validates and
+streams. It imports no torch (nor does the app's builder): only the engine replicas load the model stack.
 
 No `from __future__ import annotations` here: Serve rebuilds the routes in the replica, where string annotations
 (`request: "Request"`) no longer resolve and FastAPI would take `request` for a query parameter."""
@@ -13,28 +13,10 @@ from pydantic import ValidationError
 from ray import serve
 
 from moetune.api.errors import ErrorCode
-from moetune.workers.serve.completions import Completions
 from moetune.workers.serve.metrics import ServeMetrics
 from moetune.workers.serve.resolver import ModelResolver, Refusal
 from moetune.workers.serve.responses import CHAT, TEXT, Answer, Shape
 from moetune.workers.serve.schema import ChatCompletionRequest, CompletionRequest
-
-
-@serve.deployment
-class BaseModelServer:
-    def __init__(self, base_uri: str, s3_endpoint_url: str | None = None, max_adapters: int = 8,
-                 max_batch: int = 16):
-        from moetune.workers.generate import Engine
-
-        self.completions = Completions(Engine.from_uri(base_uri, s3_endpoint_url=s3_endpoint_url,
-                                                       max_adapters=max_adapters, max_batch=max_batch))
-
-    async def generate(self, body: dict):
-        async for event in self.completions.run(body):
-            yield event
-
-    def stats(self) -> dict:
-        return self.completions.engine.stats()
 
 
 api = FastAPI(title="moetune serve", summary="OpenAI-compatible inference of moetune's base and tuned models")
