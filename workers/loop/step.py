@@ -32,6 +32,9 @@ class RankPlace:
     world: int
     seed: int
     device: object
+    # The forward itself runs collectives (expert all-to-all at EP > 1, ZeRO-3 parameter gathers): a rank whose
+    # forward fails cannot meet its peers in the next collective, so an OOM there must take the group down.
+    collective_forward: bool = False
 
 
 class StepRunner:
@@ -73,12 +76,18 @@ class StepRunner:
         return f"micro-batch size auto (starts at {self.micro_batch_size}, {budget})"
 
     def _forward(self, batch, step: int, last: bool):
-        """Token-summed loss, or None after an OOM (the partial graph is dropped with the exception)."""
+        """Token-summed loss, or None after an OOM (the partial graph is dropped with the exception). Where the
+        forward runs collectives, the peers of a failed rank wait in the forward's next one: no rank can join the
+        back-off's vote, so the OOM is recorded and raised, and Ray Train restarts the group from the newest
+        checkpoint (as for an OOM in a backward)."""
         try:
-            self.faults.before_forward(step, last)
+            self.faults.before_forward(step, last, self.micro_batch_size)
             return self.method.loss_sum(self.engine, batch)
         except torch.OutOfMemoryError:
             if not self.tuner:
+                raise
+            if self.place.collective_forward and self.place.world > 1:
+                self._leave_word(step)
                 raise
         if self.place.device.type == "cuda":
             torch.cuda.empty_cache()  # give the retry unfragmented memory
@@ -89,13 +98,18 @@ class StepRunner:
             self.faults.before_backward(step, self.micro_batch_size)
             self.engine.backward(loss, scale_wrt_gas=False)
         except torch.OutOfMemoryError:
-            if self.tuner and self.on_uncaught_oom:  # the peers are in a collective already: this rank fails,
-                try:                                   # but leaves word first
-                    self.on_uncaught_oom(step, self.micro_batch_size)
-                except Exception:  # best effort: the OOM is what the job must report
-                    log.warning("could not record the OOM at micro-batch size %d", self.micro_batch_size,
-                                exc_info=True)
+            if self.tuner:  # the peers are in a collective already: this rank fails, but leaves word first
+                self._leave_word(step)
             raise
+
+    def _leave_word(self, step: int) -> None:
+        """Records an OOM this rank cannot recover from, so that later worker groups avoid its micro-batch size."""
+        if not self.on_uncaught_oom:
+            return
+        try:
+            self.on_uncaught_oom(step, self.micro_batch_size)
+        except Exception:  # best effort: the OOM is what the job must report
+            log.warning("could not record the OOM at micro-batch size %d", self.micro_batch_size, exc_info=True)
 
     def run(self, step: int, train_set: list) -> tuple[float, float, float]:
         """Every micro-batch of optimizer step `step` (1-based) over `train_set`, then the optimizer step.
@@ -173,7 +187,8 @@ class StepRunner:
         why = ["restored from the checkpoint" if restored else "starting afresh"]
         if failed:
             why.append(f"a worker ran out of memory at micro-batch size {failed} in a backward or collective "
-                       f"earlier, so sizes from {failed} on are not used")
+                       f"earlier (or a forward with collectives: expert parallelism, ZeRO-3), so sizes from "
+                       f"{failed} on are not used")
         self.event(f"Micro-batch size {self.micro_batch_size} {'; '.join(why)} (gradient accumulation "
                    f"{self.grad_accum_steps}; the largest size allowed is {self.tuner.ceiling})",
                    data={"micro_batch_size": self.micro_batch_size, "ceiling": self.tuner.ceiling,

@@ -19,6 +19,7 @@ import torch
 from moetune.api import storage
 from moetune.api.layout import ADAPTER_DIR, adapter_uri, checkpoint_uri, metrics_uri, step_dir, summary_uri
 from moetune.api.models import JobRunSpec
+from moetune.api.report import EVAL_PREFIX
 from moetune.kernels.quant import held, held_names
 from moetune.workers.checkpoints import run_state
 from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
@@ -28,6 +29,7 @@ from moetune.workers.engine.deepspeed import build_engine
 from moetune.workers.engine.schedule import total_steps
 from moetune.workers.errors import DatasetError
 from moetune.workers.evaluation.alignment import check_alignment, verdict
+from moetune.workers.evaluation.generation import evaluate_generation, load_eval_rows
 from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.loop.collectives import Collectives
 from moetune.workers.loop.evaluate import evaluate
@@ -63,6 +65,7 @@ class _Worker:
         self.node_dir = os.path.join(tempfile.gettempdir(), "moetune", self.run.job_id)
         self.attempt = config["attempt"]  # this driver run's id (see workers.checkpoints.run_state)
         self.alignment = None  # the alignment table, when this run checked it (a resumed run does not)
+        self.base_evaluation = None  # the evaluation scores at step 0, when this run evaluated (not a resumed one)
 
     def event(self, message: str, **kwargs) -> None:
         if self.chief:
@@ -129,6 +132,8 @@ class _Worker:
         self.valid_set = []
         if self.spec.validation_file:
             self.valid_set, _ = self.method.examples(load_rows(self.spec.validation_file, "validation_file"))
+        evaluation = self.spec.evaluation
+        self.eval_rows = load_eval_rows(evaluation.file, self.tokenizer, evaluation.metrics) if evaluation else []
 
     def checkpoint(self, step: int, record: dict, paused: bool = False) -> None:
         local = os.path.join(self.node_dir, "checkpoints", step_dir(step))
@@ -149,8 +154,10 @@ class _Worker:
             run_state.write_manifest(uri, step)
             keep = self.t.keep_checkpoints
             retired = run_state.retired_checkpoints(self.run.output_uri, keep) if keep else []
+            best = self._best_record()  # select_checkpoint "best:...": never retire the best so far
+            retired = [s for s in retired if best is None or s != best["step"]]
             listed = self.reporter.checkpoint(step, uri, retired, train_loss=record["train_loss"],
-                                              valid_loss=record.get("valid_loss"))
+                                              valid_loss=record.get("valid_loss"), **_eval_scores(record))
             if listed or self.reporter.url is None:  # never delete what the control plane may still list
                 for old in retired:
                     run_state.delete_checkpoint(self.run.output_uri, old)
@@ -167,7 +174,18 @@ class _Worker:
             if restarted:
                 self.event("Restarted from step 1 after a worker failure (no complete checkpoint yet)", level="warn")
             return 0, 0
-        step, local = int(step), os.path.join(self.node_dir, "resume")
+        step = int(step)
+        self._load_checkpoint(step)
+        if not self.chief:
+            return step, 0  # only the chief reports token counts and keeps the metrics history
+        self.history, self.resumed_tuner = point.state["history"], point.state.get("micro_batches")
+        self.event(f"Resumed from checkpoint step-{step} after {run_state.resume_reason(point, restarted)}",
+                   level="warn" if restarted else "info", data={"step": step, "checkpoint": point.uri})
+        return step, point.state["trained_tokens"]
+
+    def _load_checkpoint(self, step: int) -> None:
+        """Every rank: the engine takes the state of checkpoint step-<step> (its node's leader downloads it)."""
+        local = os.path.join(self.node_dir, "resume")
         if self.node_leader:
             storage.download_dir(checkpoint_uri(self.run.output_uri, step), local)
         self.collectives.barrier()
@@ -175,12 +193,36 @@ class _Worker:
         self.collectives.barrier()
         if self.node_leader:
             shutil.rmtree(local)
-        if not self.chief:
-            return step, 0  # only the chief reports token counts and keeps the metrics history
-        self.history, self.resumed_tuner = point.state["history"], point.state.get("micro_batches")
-        self.event(f"Resumed from checkpoint step-{step} after {run_state.resume_reason(point, restarted)}",
-                   level="warn" if restarted else "info", data={"step": step, "checkpoint": point.uri})
-        return step, point.state["trained_tokens"]
+
+    def _best_record(self) -> dict | None:
+        """Chief: under `training.select_checkpoint: "best:<metric>"`, the step record with the best score among
+        the checkpointed ones and the last step (the earliest of equal scores); None otherwise."""
+        selected = self.t.select_checkpoint
+        if not selected.startswith("best:"):
+            return None
+        key, last = EVAL_PREFIX + selected.removeprefix("best:"), self.history[-1]
+        scored = [r for r in self.history if key in r and (r.get("checkpoint") or r is last)]
+        return max(scored, key=lambda r: r[key], default=None)
+
+    def _selected_checkpoint(self) -> int:
+        """The step of the best checkpoint (`_best_record`) when it is not the last step (the engine's state now),
+        else 0; the chief decides, every rank follows."""
+        chosen = 0
+        best = self._best_record() if self.chief else None
+        if best is not None:
+            key = EVAL_PREFIX + self.t.select_checkpoint.removeprefix("best:")
+            last = self.history[-1]
+            kept = {step for step, _ in run_state.complete_checkpoints(self.run.output_uri)}
+            if best is not last and best["step"] in kept:
+                chosen = best["step"]
+                self.event(f"Exporting checkpoint step-{chosen} as the adapter: best {key.removeprefix(EVAL_PREFIX)} "
+                           f"{best[key]:.4g} (last step {last['step']}: {last.get(key, float('nan')):.4g})",
+                           data={"selected_step": chosen, key: best[key]})
+            elif best is not last:
+                self.event(f"Checkpoint step-{best['step']} had the best {key.removeprefix(EVAL_PREFIX)} but is no "
+                           "longer stored (keep_checkpoints); exporting the last step", level="warn")
+        (chosen,) = self.collectives.all_sum(chosen)
+        return int(chosen)
 
     def restore_tuner(self) -> None:
         """The chief's view (the checkpoint's tuner state, sizes that failed with an OOM) on every rank."""
@@ -196,6 +238,16 @@ class _Worker:
 
     def _record_oom(self, step: int, micro_batch_size: int) -> None:
         run_state.record_oom(self.run.output_uri, self.attempt, self.rank, step, micro_batch_size)
+
+    def generation_eval(self) -> dict[str, float]:
+        """{"eval_<metric>": score} of the model now on the evaluation rows (every rank: a collective). Expert-
+        parallel and ZeRO-3 forwards are collectives, so ranks then generate in lockstep."""
+        parallel = self.spec.parallelism
+        lockstep = parallel.expert_parallel_size > 1 or parallel.zero_stage == 3
+        scores = evaluate_generation(self.engine.module, self.tokenizer, self.eval_rows, self.spec.evaluation,
+                                     self.rank, self.world, self.collectives.all_sum, self.run.seed, lockstep)
+        self.metrics.evaluated(scores)
+        return {f"{EVAL_PREFIX}{metric}": score for metric, score in scores.items()}
 
     def check_alignment(self) -> None:
         """Before step 1: the swapped operators and the first loss against their references on this rank's first
@@ -222,8 +274,10 @@ class _Worker:
         self.method.prepare(self.model)
         self.engine, scheduler = build_engine(self.model, self.spec, self.world, steps,
                                               bf16=self.device.type == "cuda")
-        self.steps = StepRunner(self.engine, self.method, t, RankPlace(self.rank, self.world, self.run.seed,
-                                                                        self.device),
+        parallel = self.spec.parallelism
+        place = RankPlace(self.rank, self.world, self.run.seed, self.device,
+                          collective_forward=parallel.expert_parallel_size > 1 or parallel.zero_stage == 3)
+        self.steps = StepRunner(self.engine, self.method, t, place,
                                 self.collectives, self.event, steps,
                                 fault_hook(self.settings.inject_faults, self.rank), self._record_oom)
         self.memory_budget_mb = memory_budget_bytes(self.device, t.memory_budget_mb) / 1e6
@@ -233,6 +287,10 @@ class _Worker:
         done, trained_tokens = self.resume()
         if not done and t.alignment_check:
             self.check_alignment()
+        if not done and self.eval_rows:
+            self.base_evaluation = self.generation_eval()
+            self.event("Evaluation at step 0 (base model): " + _scores(self.base_evaluation),
+                       data={"step": 0, **self.base_evaluation})
         if self.steps.tuner:
             self.restore_tuner()
         for step in range(done + 1, steps + 1):
@@ -248,6 +306,9 @@ class _Worker:
             if self.valid_set and ((t.eval_every and step % t.eval_every == 0) or step == steps):
                 record["valid_loss"] = evaluate(self.engine, self.method, self.valid_set, self.steps.micro_batch_size,
                                                 self.rank, self.world, self.device, self.collectives)
+            every = (self.spec.evaluation.every or t.checkpoint_every) if self.eval_rows else None
+            if self.eval_rows and ((every and step % every == 0) or step == steps):
+                record.update(self.generation_eval())
             moe = self.metrics.step_end(record, time.perf_counter() - started, self.steps.micro_batch_size,
                                         self.steps.grad_accum_steps)
             record.update(step_figures(moe, train_seconds, time.perf_counter() - started - train_seconds, self.rank,
@@ -265,6 +326,8 @@ class _Worker:
         return True
 
     def finish(self) -> None:
+        if selected := self._selected_checkpoint():
+            self._load_checkpoint(selected)
         local = os.path.join(self.node_dir, ADAPTER_DIR)
         save_adapter(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
         if self.chief:
@@ -275,11 +338,21 @@ class _Worker:
             summary = {k: last.get(k) for k in ("step", "train_loss", "valid_loss", "trained_tokens")}
             summary["first_train_loss"] = self.history[0]["train_loss"]
             summary["alignment"] = self.alignment
+            summary["base_evaluation"] = self.base_evaluation
+            summary["selected_step"] = selected or last["step"]
             storage.write_bytes(summary_uri(self.run.output_uri), json.dumps(summary).encode())
             self.event("Training finished", data=summary)
         self.collectives.barrier()
         if self.node_leader:
             shutil.rmtree(self.node_dir, ignore_errors=True)
+
+
+def _eval_scores(record: dict) -> dict[str, float]:
+    return {k: v for k, v in record.items() if k.startswith(EVAL_PREFIX)}
+
+
+def _scores(scores: dict[str, float]) -> str:
+    return ", ".join(f"{k.removeprefix(EVAL_PREFIX)}={v:.4g}" for k, v in scores.items())
 
 
 def train_loop_per_worker(config: dict) -> None:
