@@ -447,11 +447,11 @@ def _bench_sparse(s: Setting, peaks: dict) -> dict:
         pos = torch.arange(seq, device=s.device)
         # the top-k latest keys of each query (causal; -1 where the prefix is shorter): the gather is the cost
         latest = pos[:, None] - torch.arange(topk, device=s.device)
-        indices = torch.where(latest >= 0, latest, -1)[None]
-        kd, vd = (x.expand(1, seq, h, d).transpose(1, 2) for x in (k, v))
-        backend = "triton"
+        indices = torch.where(latest >= 0, latest, -1)[None].int()
+        # the dense baseline's kv heads expanded in memory: a stride-0 view would leave SDPA's flash kernel
+        kd, vd = (x.expand(1, seq, h, d).transpose(1, 2).contiguous() for x in (k, v))
         with torch.no_grad():
-            t_sparse = s.seconds(lambda: sparse_attention(q, k, v, indices.int(), d**-0.5, backend=backend), reps=5)
+            t_sparse = s.seconds(lambda: sparse_attention(q, k, v, indices, d**-0.5, backend="triton"), reps=5)
             t_dense = s.seconds(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), kd, vd, is_causal=True),
                                 reps=5)
         sparse_flops, dense_flops = 4 * seq * min(topk, seq) * h * d, 4 * seq * (seq + 1) / 2 * h * d

@@ -205,11 +205,13 @@ def kda_bwd_kernel(q, k, v, g, beta, states, dht, do, dq, dk, dv, dg, dbeta, dh0
     tl.store(dh0 + (i_n * H + i_h) * K * V + state_offs, dstate, mask=state_mask)
 
 
-def _launch_geometry(cu_seqlens):
+def _launch_geometry(cu_seqlens, total_tokens: int):
+    """(a bound on the packed sequences' chunk count, each sequence's first chunk), with no host sync: every
+    sequence adds at most one partial chunk to total_tokens / CHUNK, so the bound comes from shapes alone."""
     lengths = cu_seqlens.diff()
     chunks = (lengths + CHUNK - 1) // CHUNK
     chunk_offsets = torch.cat([chunks.new_zeros(1), chunks.cumsum(0)])
-    return int(chunk_offsets[-1]), chunk_offsets
+    return total_tokens // CHUNK + lengths.numel(), chunk_offsets
 
 
 def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_states):
@@ -217,7 +219,7 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     _, _, n_heads, dk = q.shape
     dv = v.shape[-1]
     n_seqs = cu_seqlens.numel() - 1
-    total_chunks, chunk_offsets = _launch_geometry(cu_seqlens)
+    total_chunks, chunk_offsets = _launch_geometry(cu_seqlens, q.shape[1])
     bk, bv = triton.next_power_of_2(max(dk, 16)), min(64, triton.next_power_of_2(max(dv, 16)))
     o = torch.empty_like(v, dtype=q.dtype)
     ht = q.new_empty(n_seqs, n_heads, dk, dv, dtype=torch.float32) if output_final_state else None
@@ -234,7 +236,7 @@ def kda_bwd(q, k, v, g, beta, scale, states, dht, do, cu_seqlens):
     _, _, n_heads, dk = q.shape
     dv_dim = v.shape[-1]
     n_seqs = cu_seqlens.numel() - 1
-    _, chunk_offsets = _launch_geometry(cu_seqlens)
+    _, chunk_offsets = _launch_geometry(cu_seqlens, q.shape[1])
     dq, dk_, dg = (torch.empty_like(q, dtype=torch.float32) for _ in range(3))
     dv = torch.empty_like(v, dtype=torch.float32)
     dbeta = torch.empty_like(beta, dtype=torch.float32)
