@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 REPORT_SCHEMA_VERSION = 1
+EVAL_PREFIX = "eval_"  # an evaluation score's key in a step record, a checkpoint's metrics and metrics.jsonl
 
 
 class _Report(BaseModel):
@@ -30,7 +31,8 @@ class AlignmentRow(_Report):
 
 
 class StepRecord(_Report):
-    """One optimizer step as the workers logged it (metrics.jsonl); other figures a step may carry are kept."""
+    """One optimizer step as the workers logged it (metrics.jsonl); other figures a step carries are kept
+    (evaluation scores as `eval_<metric>`)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -79,6 +81,16 @@ class ExpertImbalance(_Report):
     ratio: list[list[float]]
 
 
+class Evaluation(_Report):
+    """Generation-based evaluation: each metric's score at step 0 (the base model; None when a resumed run did not
+    evaluate it) and at each evaluated step (scores[metric][i] at steps[i])."""
+
+    metrics: list[str]
+    base: dict[str, float] | None
+    steps: list[int]
+    scores: dict[str, list[float]]
+
+
 class Reproduce(_Report):
     """The exact job body (POST /v1/fine_tuning/jobs) and the seed it ran with."""
 
@@ -99,6 +111,8 @@ class AdaptationReport(_Report):
     memory: Memory
     expert_imbalance: ExpertImbalance | None  # None without routed-expert layers
     checkpoints: list[CheckpointEntry]
+    evaluation: Evaluation | None  # None without an `evaluation` section
+    selected_step: int | None  # the step whose state is the exported adapter (training.select_checkpoint)
     resumes: list[int]  # the steps runs resumed from
     first_train_loss: float
     last_train_loss: float

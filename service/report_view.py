@@ -25,10 +25,11 @@ def _loss_rows(a: AdaptationReport, b: AdaptationReport) -> list[tuple[str, obje
 
 
 def _eval_figures(report: AdaptationReport) -> dict[str, float]:
-    """The last value of each evaluation figure the steps carry (`eval_<metric>`)."""
-    found: dict[str, float] = {}
-    for step in report.steps:
-        found.update({k: v for k, v in (step.model_extra or {}).items() if k.startswith("eval_")})
+    """The last score of each evaluation metric, and the base model's (step 0)."""
+    if report.evaluation is None:
+        return {}
+    found = {f"{m} @ step 0": v for m, v in (report.evaluation.base or {}).items()}
+    found |= {f"{m} (last)": scores[-1] for m, scores in report.evaluation.scores.items() if scores}
     return found
 
 

@@ -36,18 +36,21 @@ def _history(steps: int, start_loss: float) -> list[dict]:
                   "memory_peak_mb": [1000.0 + step, 1100.0], "memory_budget_mb": 4000.0,
                   "expert_imbalance": {"1": 1.0 + step / 10, "2": 2.0 - step / 20}}
         if step % 4 == 0:
-            record |= {"valid_loss": record["train_loss"] + 0.1, "checkpoint": f"step-{step}"}
+            record |= {"valid_loss": record["train_loss"] + 0.1, "checkpoint": f"step-{step}",
+                       "eval_exact_match": step / steps, "eval_chrf": 0.5}
         records.append(record)
     return records
 
 
 def _write(service, steps: int, start_loss: float) -> tuple[str, JobRunSpec]:
-    row = service.store.get_job(service.create_job()["id"])
+    evaluation = {"file": "s3://outputs/eval.jsonl", "metrics": ["exact_match", "chrf"]}
+    row = service.store.get_job(service.create_job(evaluation=evaluation)["id"])
     run = JobRunSpec(job_id=row.id, spec=JobCreate.model_validate(row.spec), seed=row.seed, output_uri=row.output_uri)
     storage.write_bytes(metrics_uri(run.output_uri),
                         "".join(json.dumps(r) + "\n" for r in _history(steps, start_loss)).encode())
-    write_report(run, [{"layer_type": "linear attention", "layers": 2}], {"alignment": ALIGNMENT},
-                 kept_steps={steps - steps % 4})
+    summary = {"alignment": ALIGNMENT, "base_evaluation": {"eval_exact_match": 0.0, "eval_chrf": 0.25},
+               "selected_step": steps}
+    write_report(run, [{"layer_type": "linear attention", "layers": 2}], summary, kept_steps={steps - steps % 4})
     return row.id, run
 
 
@@ -73,6 +76,8 @@ def test_report_is_served_and_downloaded_by_the_cli(service, two_reports, tmp_pa
     assert report.expert_imbalance.layers == ["1", "2"] and len(report.expert_imbalance.ratio[0]) == 12
     assert report.memory.peak_mb_per_rank == [1012.0, 1100.0]
     assert report.throughput.alltoall_share == pytest.approx(0.2)
+    assert report.evaluation.steps == [4, 8, 12] and report.evaluation.base == {"exact_match": 0.0, "chrf": 0.25}
+    assert report.evaluation.scores["exact_match"] == [4 / 12, 8 / 12, 1.0] and report.selected_step == 12
 
     cli = CliRunner().invoke(main, ["--url", service.url, "--token", TOKENS["tenant-a"], "jobs", "report", job_id,
                                     "--output", str(tmp_path / "out")])
@@ -95,6 +100,10 @@ def test_compare_prints_both_reports_figures_side_by_side(service, two_reports):
     assert not [line for line in lines if "train loss @ step 12" in line]
     (valid,) = [line for line in lines if "last valid loss" in line]
     assert f"{left.last_valid_loss:.4g}" in valid and f"{right.last_valid_loss:.4g}" in valid
+    (base,) = [line for line in lines if "exact_match @ step 0" in line]
+    (last,) = [line for line in lines if "exact_match (last)" in line]
+    cells = [[cell.strip() for cell in line.split("│")[2:4]] for line in (base, last)]
+    assert cells == [["0", "0"], ["1", "1"]], (base, last)
     (tps,) = [line for line in lines if "tokens/s" in line]
     assert f"{left.throughput.tokens_per_second:.4g}" in tps and f"{right.throughput.tokens_per_second:.4g}" in tps
 
@@ -109,7 +118,7 @@ def test_the_report_page_draws_every_plot_in_chromium_without_any_request(servic
     assert opened.from_page() == [], opened.requests  # the page itself requests nothing
     assert not re.search(r'(src|href)="(?!data:|#)', opened.dom)  # and names nothing it could fetch (#: in-page)
     plots = dict(re.findall(r'<figure class="plot" id="([\w-]+)">(.*?)</figure>', opened.dom, re.S))
-    assert set(plots) == {"plot-loss", "plot-throughput", "plot-memory", "plot-expert-load"}
+    assert set(plots) == {"plot-loss", "plot-throughput", "plot-memory", "plot-expert-load", "plot-evaluation"}
     for name, figure in plots.items():
         assert figure.startswith("<svg") and figure.count("<path") > 10, name  # axes, ticks and the drawn data
     assert "<image" in plots["plot-expert-load"]  # the heatmap: a raster embedded as a data: URI

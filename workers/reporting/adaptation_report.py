@@ -15,7 +15,7 @@ import time
 from moetune.api import storage
 from moetune.api.layout import metrics_uri, report_html_uri, report_json_uri, step_dir
 from moetune.api.models import JobRunSpec
-from moetune.api.report import AdaptationReport
+from moetune.api.report import EVAL_PREFIX, AdaptationReport
 from moetune.workers.reporting.report_page import render_page
 
 _PACKAGES = ("moetune", "torch", "transformers", "deepspeed", "peft", "triton")
@@ -53,6 +53,17 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def _evaluation(run: JobRunSpec, summary: dict, history: list[dict]) -> dict | None:
+    if run.spec.evaluation is None:
+        return None
+    metrics = list(run.spec.evaluation.metrics)
+    evaluated = [r for r in history if f"{EVAL_PREFIX}{metrics[0]}" in r]
+    base = summary.get("base_evaluation")
+    return {"metrics": metrics, "steps": [r["step"] for r in evaluated],
+            "base": {k.removeprefix(EVAL_PREFIX): v for k, v in base.items()} if base else None,
+            "scores": {m: [r[f"{EVAL_PREFIX}{m}"] for r in evaluated] for m in metrics}}
+
+
 def build_report(run: JobRunSpec, lora_coverage: list[dict], summary: dict, history: list[dict],
                  kept_steps: set[int]) -> AdaptationReport:
     train = [r.get("train_seconds", 0.0) for r in history]
@@ -78,6 +89,8 @@ def build_report(run: JobRunSpec, lora_coverage: list[dict], summary: dict, hist
         "checkpoints": [{"step": r["step"], "name": r["checkpoint"], "kept": r["step"] in kept_steps,
                          "train_loss": r["train_loss"], "valid_loss": r.get("valid_loss")}
                         for r in history if r.get("checkpoint") == step_dir(r["step"])],
+        "evaluation": _evaluation(run, summary, history),
+        "selected_step": summary.get("selected_step"),
         "resumes": [r["resumed_from_step"] for r in history if r.get("resumed_from_step")],
         "first_train_loss": history[0]["train_loss"], "last_train_loss": history[-1]["train_loss"],
         "last_valid_loss": valid[-1] if valid else None,

@@ -54,6 +54,8 @@ class WorkerMetrics:
                                                  "Trained tokens per second over all ranks in the last step")
             self.tokens = self._counter("moetune_train_tokens", "Trained (non-padding) tokens over all ranks")
             self.tokens.labels(*self.labels.values())  # from 0 before the first step, so rate() sees that step
+            self.eval_score = self._gauge("moetune_eval_score", "Generation-based evaluation score (mean over the "
+                                                                "evaluation rows, 0..1) at the last evaluation", "metric")
             self.tokens_counted = 0
         self.set_phase("loading")
         self.exporter = Exporter(self.registry, local_rank, _node_address(), f"{job_id}-rank{rank}",
@@ -98,6 +100,12 @@ class WorkerMetrics:
         self.tokens.labels(*labels).inc(record["trained_tokens"] - self.tokens_counted)
         self.tokens_counted = record["trained_tokens"]
         return figures
+
+    def evaluated(self, scores: dict[str, float]) -> None:
+        """The scores of an evaluation (metric -> score; rank 0 exports them)."""
+        if self.chief:
+            for metric, score in scores.items():
+                self.eval_score.labels(*self.labels.values(), metric).set(score)
 
     def close(self) -> None:
         self.exporter.close()

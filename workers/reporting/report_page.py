@@ -94,6 +94,24 @@ def _imbalance_plot(report: AdaptationReport):
     return _figure("plot-expert-load", "Expert-load imbalance per MoE layer over time", draw)
 
 
+def _evaluation_plot(report: AdaptationReport):
+    evaluation = report.evaluation
+
+    def draw(ax):
+        for metric in evaluation.metrics:
+            steps, scores = list(evaluation.steps), list(evaluation.scores[metric])
+            if evaluation.base:
+                steps, scores = [0, *steps], [evaluation.base[metric], *scores]
+            ax.plot(steps, scores, "o-", label=metric)
+        if report.selected_step is not None:
+            ax.axvline(report.selected_step, color="green", linestyle="--", linewidth=1, label="exported")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend()
+    return _figure("plot-evaluation", "Evaluation scores per evaluated step (step 0: the base model; dashed: the "
+                                      "exported checkpoint)", draw)
+
+
 def _table(rows: list[dict], bad_key: str | None = None) -> str:
     if not rows:
         return "<p>none</p>"
@@ -115,6 +133,8 @@ def render_page(report: AdaptationReport) -> str:
     plots = [_loss_plot(report), _throughput_plot(report), _memory_plot(report)]
     if report.expert_imbalance:
         plots.append(_imbalance_plot(report))
+    if report.evaluation and report.evaluation.steps:
+        plots.append(_evaluation_plot(report))
     alignment = ("<p>not checked (alignment_check off, or the run resumed)</p>" if report.alignment is None else
                  _table([r.model_dump(exclude_none=True) for r in report.alignment], bad_key="ok"))
     t = report.throughput
