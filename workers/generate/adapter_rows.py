@@ -89,6 +89,14 @@ class RowLoraLinear(nn.Module):
         self.base_layer, self.selection = base, selection
         self.factors = _SlotFactors(slots, {"a": ((0, in_features), 0), "b": ((out_features, 0), 1)}, dtype, device)
 
+    @property
+    def weight(self):  # what model code reads of a linear (its dtype, device), as of PEFT's wrapped linears
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
     def forward(self, x):
         y = self.base_layer(x)
         sel, f = self.selection, self.factors
@@ -111,7 +119,8 @@ class RowLoraExperts(nn.Module):
 
     FACTORS = ("gate_up_a", "gate_up_b", "down_a", "down_b")
 
-    def __init__(self, experts: nn.Module, selection: RowSelection, slots: int, dtype, transposed: bool = False):
+    def __init__(self, experts: nn.Module, selection: RowSelection, slots: int, dtype, device,
+                 transposed: bool = False):
         super().__init__()
         self.experts, self.selection, self.dtype = experts, selection, dtype  # dtype: the model's compute dtype
         self.transposed = transposed  # the checkpoint's tensors are [E, in, out] (moetune's module turned them)
@@ -120,7 +129,7 @@ class RowLoraExperts(nn.Module):
         intermediate = w_down.shape[2]
         self.factors = _SlotFactors(slots, {"gate_up_a": ((e, 0, hidden), 1), "gate_up_b": ((e, two_i, 0), 2),
                                             "down_a": ((e, 0, intermediate), 1), "down_b": ((e, hidden, 0), 2)},
-                                    self.dtype, w_down.device)
+                                    dtype, device)
 
     @property
     def num_experts(self) -> int:

@@ -51,7 +51,8 @@ def load_base(base_uri: str, device, selection: RowSelection, slots: int,
         transposed = {name: getattr(getattr(b, family.experts), "is_transposed", False) for name, b in blocks}
         parallelize(model, family, placement, LoraSpec(), fused_kernel=True)
         for name, block in blocks:
-            wrapper = RowLoraExperts(getattr(block, family.experts), selection, slots, dtype, transposed[name])
+            wrapper = RowLoraExperts(getattr(block, family.experts), selection, slots, dtype, device,
+                                     transposed[name])
             setattr(block, family.experts, wrapper)
             experts[f"{name}.{family.experts}"] = wrapper
     text_config = model.config.get_text_config()

@@ -22,11 +22,14 @@ def run(engine: Engine, prompt: list[int], adapter: str | None, n: int = NEW_TOK
     return asyncio.run(collect())
 
 
-def reference(checkpoint: str, adapter: str | None, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+def reference(checkpoint: str, adapter: str | None, prompt: list[int], n: int = NEW_TOKENS,
+              quantization_config=None) -> list[int]:
+    """transformers + PEFT greedy `generate` (a quantized checkpoint: transformers' own dequantized model)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                 quantization_config=quantization_config)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
     out = model.eval().generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
