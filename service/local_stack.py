@@ -122,7 +122,7 @@ def _save_buckets(s3_endpoint: str, snapshot_dir: Path) -> None:
         keys = fs.find(bucket)
         # folder markers (an empty `a/` object, as Ray Train writes) are no files: their folders come with their files
         folders = {key[:i] for key in keys for i, char in enumerate(key) if char == "/"}
-        for key in (k for k in keys if k not in folders):
+        for key in (k for k in keys if not k.endswith("/") and k not in folders):
             local = staging / key
             local.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(key, str(local))

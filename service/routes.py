@@ -19,6 +19,7 @@ from moetune.service import lifecycle, planning
 from moetune.service.deps import JobView, StoreDep, Tenant
 from moetune.service.errors import APIException, invalid_request, job_not_found
 from moetune.service.files import read_model_config
+from moetune.service.job_inputs import resolve_inputs
 from moetune.service.store import JobRow, Store
 from moetune.service.streaming import job_event_stream
 from moetune.service.uri_policy import check_job_uris
@@ -167,12 +168,13 @@ def get_report_page(job_id: str, request: Request, tenant: Tenant, store: StoreD
 
 
 @plans.post("", responses={503: {"model": ErrorResponse, "description": "The memory planner did not answer"}})
-def create_plan(request: Request, body: PlanRequest, tenant: Tenant) -> dict:
+def create_plan(request: Request, body: PlanRequest, tenant: Tenant, store: StoreDep) -> dict:
     """Per-GPU memory of a job on a described cluster and the smallest layout that fits (workers.planner)."""
     settings = request.app.state.settings
-    check_job_uris(body.job, tenant, settings)
+    job = resolve_inputs(body.job, store, tenant, request.app.state.base_models)  # names and file ids
+    check_job_uris(job, tenant, settings)
     try:
-        spec = resolve_spec(body.job)
+        spec = resolve_spec(job)
         config = read_model_config(spec, settings.s3_endpoint_url)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None

@@ -3,6 +3,7 @@ session's Ray head), their data kept across a restart, and the CLI finding the s
 
 from __future__ import annotations
 
+import boto3
 from click.testing import CliRunner
 
 from moetune.api.client import Client
@@ -28,6 +29,9 @@ def test_up_prints_how_to_reach_it_keeps_data_across_down_and_up(ray_head, tmp_p
     assert f"export MOETUNE_S3_ENDPOINT_URL={stack.s3_endpoint}" in output
     try:
         uploaded = Client(stack.url, stack.token).files.create(b'{"text": "kept"}\n', "kept.jsonl")
+        s3 = boto3.client("s3", endpoint_url=stack.s3_endpoint)
+        s3.put_object(Bucket="moetune", Key="outputs/", Body=b"")  # a folder marker, as Ray Train writes them
+        s3.put_object(Bucket="moetune", Key="outputs/run/adapter.bin", Body=b"weights")
         assert _run("jobs", "list").split() == ["id", "status", "step", "loss", "created", "model"]  # found it
         assert _run("down") == "down; data kept in .moetune\n"
         assert not local_stack.read_stack() and not any(local_stack._alive(p) for p in stack.pids.values())
@@ -36,6 +40,8 @@ def test_up_prints_how_to_reach_it_keeps_data_across_down_and_up(ray_head, tmp_p
         again = local_stack.read_stack()
         assert (again.url, again.token) == (stack.url, stack.token)  # same address and token
         assert Client(again.url, again.token).files.content(uploaded.id) == b'{"text": "kept"}\n'
+        s3 = boto3.client("s3", endpoint_url=again.s3_endpoint)
+        assert s3.get_object(Bucket="moetune", Key="outputs/run/adapter.bin")["Body"].read() == b"weights"
     finally:
         _run("down")
     assert _run("down") == "nothing was up\n"
