@@ -82,8 +82,8 @@ def served(s3_endpoint, ray_head, tmp_path_factory):
             httpx.delete(f"{ray_head.dashboard_url}/api/serve/applications/", timeout=60)
 
 
-def _engine_answer(base_dir: Path, adapter: str | None, max_tokens: int) -> str:
-    """The engine in this process, on the same base and adapter: the reference answer of a greedy request."""
+def _engine_answers(base_dir: Path, adapters: dict[str, str], max_tokens: int) -> dict[str, str]:
+    """The engine in this process, on the same base and adapters: the reference answers of a greedy request."""
     from moetune.workers.generate import Engine, GenerationRequest, SamplingParams
     from moetune.workers.serve.completions import end_of_turn_ids
 
@@ -93,12 +93,16 @@ def _engine_answer(base_dir: Path, adapter: str | None, max_tokens: int) -> str:
                        add_special_tokens=False)["input_ids"]
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, stop_token_ids=end_of_turn_ids(tokenizer))
 
-    async def tokens():
-        return [e.token_id async for e in engine.stream(GenerationRequest(prompt, adapter, params))
-                if e.token_id is not None]
+    async def answer(adapter: str) -> str:
+        tokens = [e.token_id async for e in engine.stream(GenerationRequest(prompt, adapter, params))
+                  if e.token_id is not None]
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+
+    async def all_answers() -> dict[str, str]:
+        return {kind: await answer(adapter) for kind, adapter in adapters.items()}
 
     try:
-        return tokenizer.decode(asyncio.run(tokens()), skip_special_tokens=True)
+        return asyncio.run(all_answers())
     finally:
         engine.close()
 
@@ -111,10 +115,11 @@ def test_the_openai_sdk_against_the_serve_app(served):
     assert names["tenant-b", "linear"] not in listed
 
     # greedy answers equal the engine's own, plain and streamed, for a linear and an expert-LoRA adapter
+    references = _engine_answers(served["work"] / "base", served["adapters"], 12)
     for kind in ("linear", "experts"):
         answer = a.chat.completions.create(model=names["tenant-a", kind], messages=MESSAGES, max_tokens=12,
                                            temperature=0)
-        expected = _engine_answer(served["work"] / "base", served["adapters"][kind], 12)
+        expected = references[kind]
         assert answer.choices[0].message.content == expected and answer.usage.completion_tokens <= 12
         chunks = list(a.chat.completions.create(model=names["tenant-a", kind], messages=MESSAGES, max_tokens=12,
                                                 temperature=0, stream=True))

@@ -19,6 +19,15 @@ class StreamingText:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # a multi-byte character still incomplete
             return ""
+        return self._advance(text, final=False)
+
+    def finish(self) -> str:
+        """Whatever was held back (and a last incomplete character, as decoding the whole answer shows it)."""
+        if self.stopped:
+            return ""
+        return self._advance(self.tokenizer.decode(self.ids, skip_special_tokens=True), final=True)
+
+    def _advance(self, text: str, final: bool) -> str:
         self.text = text
         cut = min((i for i in (text.find(s, max(0, self.emitted - len(s))) for s in self.stop) if i >= 0),
                   default=-1)
@@ -26,12 +35,9 @@ class StreamingText:
             self.text, self.stopped = text[:cut], True
             return self._take(len(self.text))
         # hold back a tail that could still become a stop string
-        held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        held = 0 if final else max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])),
+                                   default=0)
         return self._take(len(text) - held)
-
-    def finish(self) -> str:
-        """Whatever was held back, at the end of the answer."""
-        return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
         upto = max(upto, self.emitted)

@@ -32,3 +32,9 @@ def test_a_multibyte_character_comes_whole_and_held_back_text_comes_at_the_end()
     assert text == "café ab" and not stopped
     assert "é" in "".join(deltas) and all("\ufffd" not in d for d in deltas)
     assert deltas[-1] == "ab"  # a possible start of "abc", shown once the answer ended
+
+
+def test_an_answer_ending_inside_a_character_shows_it_as_decoding_the_whole_answer_does():
+    streaming = StreamingText(ByteTokenizer(), [])
+    shown = [streaming.add(byte) for byte in b"ok " + "é".encode()[:1]]
+    assert "".join(shown) + streaming.finish() == "ok \ufffd"
