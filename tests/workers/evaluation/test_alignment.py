@@ -10,13 +10,17 @@ import moetune.workers.families.kda as kda_module
 from moetune.api.models import JobCreate
 from moetune.kernels.kda import chunk_kda
 from moetune.api.environment import ENV_PERTURB_OP
-from moetune.workers.evaluation.alignment import FIRST_LOSS, check_alignment, failed_ops
+from moetune.workers.evaluation.alignment import FIRST_LOSS, check_alignment, verdict
 from moetune.workers.families import REGISTRY, apply_kernel_swaps
 from moetune.workers.model import trainable_model
 from moetune.workers.parallel.compute import fused_expert_forward
 from moetune.workers.parallel.experts import ExpertParallelExperts
 from moetune.workers.parallel.placement import placement_at
 from tests.support.families import batch, plain_model
+
+def failed_ops(rows: list[dict]) -> list[str]:
+    return [row["op"] for row in rows if not row["ok"]]
+
 
 SPEC = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
                  lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True})
@@ -38,6 +42,7 @@ def test_every_swapped_operator_matches_its_reference(swapped):
     assert [r["op"] for r in rows] == ["kda", "sparse_attention", "experts", FIRST_LOSS]
     assert failed_ops(rows) == [], rows
     assert all(0 <= r["rmse_ratio"] < 1e-4 for r in rows[:-1]), rows  # measured, not trivially zero
+    assert verdict(rows, True, 0.5)[::2] == ("info", None)
     # the check leaves the model's operators as it found them
     assert kda_module.chunk_kda is chunk_kda
     assert all(m.compute is fused_expert_forward for m in model.modules() if isinstance(m, ExpertParallelExperts))
@@ -49,3 +54,10 @@ def test_a_perturbed_operator_is_named(swapped, monkeypatch, op):
     monkeypatch.setenv(ENV_PERTURB_OP, op)
     rows = check_alignment(model, loss, torch.float32)
     assert [name for name in failed_ops(rows) if name != FIRST_LOSS] == [op], rows
+
+    # alignment_check true: the job fails naming the operator; "warn": a warning only
+    level, message, error = verdict(rows, True, 0.5)
+    assert level == "error" and error.code == "alignment_failed" and error.param == "training.alignment_check"
+    assert f"Precision alignment failed for {op}" in error.message and op in message
+    level, message, error = verdict(rows, "warn", 0.5)
+    assert level == "warn" and error is None and op in message
