@@ -21,6 +21,7 @@ from moetune.workers.generate.adapters import AdapterStore
 from moetune.workers.generate.decoding import DecodeBatch, Row, new_row
 from moetune.workers.generate.loading import LoadedBase, load_base
 from moetune.workers.generate.requests import (
+    BASE,
     AdapterLoadError,
     ContextLengthError,
     GenerationRequest,
@@ -166,7 +167,7 @@ class Engine:
                 continue
             request = job.request
             try:
-                slot = 0 if request.adapter is None else self.store.acquire(request.adapter)
+                slot = 0 if request.adapter in (None, BASE) else self.store.acquire(request.adapter)
             except AdapterLoadError as e:
                 job.emit(e)
                 continue

@@ -31,7 +31,8 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """`adapter`: None for the base model, else the URI (s3://..., file path) of a PEFT adapter of this base."""
+    """`adapter`: None (or BASE) for the base model, else the URI (s3://..., file path) of a PEFT adapter of this
+    base."""
 
     prompt_ids: list[int]
     adapter: str | None
