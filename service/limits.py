@@ -33,7 +33,7 @@ def schedule_warnings(spec: JobCreate, training_rows: int | None) -> list[str]:
     steps = total_steps(training_rows or 0, t.global_batch_size, t.max_steps, t.n_epochs)
     warmup = warmup_steps(steps, t.warmup_ratio)
     warnings = []
-    if warmup >= steps:
+    if warmup >= steps > 1:  # (one step at half the rate is what a 1-step job with any warm-up gets)
         warnings.append(f"training.warmup_ratio: the warm-up lasts all {steps} steps: the learning rate never "
                         f"reaches training.learning_rate ({t.learning_rate:g})")
     elif (first := lr_factor(0, steps, t.warmup_ratio, t.lr_scheduler)) < _FIRST_STEP_LR_FLOOR:
