@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from moetune.api.errors import ErrorCode
 from moetune.api.serving import ModelObject
 
 
@@ -31,7 +32,9 @@ class ModelResolver:
         hit = self._cache.get(key)
         if hit and time.monotonic() - hit[0] < self.ttl_s:
             return hit[1]
-        answer = await self.client.get(f"/v1/models/{model}", headers={"Authorization": authorization})
+        answer = await self._get(f"/v1/models/{model}", authorization)
+        if isinstance(answer, Refusal):
+            return answer
         if answer.status_code != 200:  # refusals are not cached: a model appears as soon as its job succeeds
             return Refusal(answer.status_code, _error_body(answer))
         found = ModelObject.model_validate(answer.json())
@@ -39,8 +42,17 @@ class ModelResolver:
         return found
 
     async def list(self, authorization: str) -> tuple[int, dict]:
-        answer = await self.client.get("/v1/models", headers={"Authorization": authorization})
+        answer = await self._get("/v1/models", authorization)
+        if isinstance(answer, Refusal):
+            return answer.status, answer.body
         return answer.status_code, _error_body(answer) if answer.status_code != 200 else answer.json()
+
+    async def _get(self, path: str, authorization: str) -> httpx.Response | Refusal:
+        try:
+            return await self.client.get(path, headers={"Authorization": authorization})
+        except httpx.HTTPError as e:  # the caller cannot be authenticated: a 503, not a stack trace
+            return Refusal(503, {"error": {"code": ErrorCode.not_ready, "param": None,
+                                           "message": f"The control plane did not answer: {e}"}})
 
 
 def _error_body(answer: httpx.Response) -> dict:
