@@ -466,24 +466,33 @@ def _bench_sparse(s: Setting, peaks: dict) -> dict:
 
 
 def _bench_moe(s: Setting, peaks: dict) -> dict:
+    """Forward of the grouped LoRA GEMM, Triton vs torch grouped_mm, at the seed model's expert widths (gate_up
+    7168 -> 4096, down 2048 -> 7168) and a small one; `choice_table` is kernels/moe/choice.py's MEASURED."""
     import torch
 
     from moetune.kernels.moe import moe_lora_grouped
 
-    experts, hidden, inter, rank, tokens = (2, 32, 48, 16, 64) if s.dry else (32, 2048, 1536, 16, 32768)
+    shapes = [(32, 48)] if s.dry else [(2048, 1536), (7168, 4096), (2048, 7168)]
+    experts, rank, tokens = (2, 16, 64) if s.dry else (32, 16, 16384)
     counts = torch.full((experts,), tokens // experts, device=s.device)
-    x, a, b = _leaves(s.device, torch.bfloat16, (tokens, hidden), (experts, hidden, rank), (experts, rank, inter),
-                      scale=0.02)
-    w = _leaves(s.device, torch.bfloat16, (experts, hidden, inter), scale=hidden**-0.5, grad=False)[0]
-    flops = 2 * tokens * hidden * inter
-    out = {"shape": [experts, tokens, hidden, inter, rank]}
-    for backend in ("triton", "torch"):  # torch: grouped_mm
-        with torch.no_grad():
-            sec = s.seconds(lambda: moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend))
-        out[backend] = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 2),
-                        "of_peak": round(flops / sec / 1e12 / peaks["peak_bf16_tflops"], 4)}
-    out["triton_vs_grouped_mm"] = round(out["torch"]["ms"] / out["triton"]["ms"], 2)
-    return out
+    out, table = {}, {}
+    for hidden, inter in shapes:
+        x, a, b = _leaves(s.device, torch.bfloat16, (tokens, hidden), (experts, hidden, rank),
+                          (experts, rank, inter), scale=0.02, grad=False)
+        w = _leaves(s.device, torch.bfloat16, (experts, hidden, inter), scale=hidden**-0.5, grad=False)[0]
+        flops = 2 * tokens * hidden * inter
+        row = {}
+        for backend in ("triton", "torch"):  # torch: grouped_mm
+            with torch.no_grad():
+                sec = s.seconds(lambda: moe_lora_grouped(x, counts, w, a, b, 2.0, backend=backend))
+            row[backend] = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 2),
+                            "of_peak": round(flops / sec / 1e12 / peaks["peak_bf16_tflops"], 4)}
+        row["triton_vs_grouped_mm"] = round(row["torch"]["ms"] / row["triton"]["ms"], 2)
+        out[f"{hidden}x{inter}"] = row
+        table[f"({hidden}, {inter})"] = "triton" if row["triton_vs_grouped_mm"] > 1 else "torch"
+        del x, a, b, w
+    return {"experts": experts, "tokens": tokens, "rank": rank, "shapes": out, "choice_table": table,
+            "triton_vs_grouped_mm": min(r["triton_vs_grouped_mm"] for r in out.values())}
 
 
 def stage_bench(s: Setting, peaks: dict) -> dict:
