@@ -76,7 +76,7 @@ def served(s3_endpoint, ray_head, tmp_path_factory):
             assert status != "DEPLOY_FAILED" and time.monotonic() < deadline, status
             time.sleep(0.5)
         try:
-            yield {"base_url": base_url, "control_plane": url, "names": {k: v["fine_tuned_model"] for k, v in names.items()},
+            yield {"base_url": base_url, "control_plane": url, "ray": ray_head.dashboard_url, "names": {k: v["fine_tuned_model"] for k, v in names.items()},
                    "base": base, "adapters": adapters, "work": work}
         finally:
             httpx.delete(f"{ray_head.dashboard_url}/api/serve/applications/", timeout=60)
@@ -178,6 +178,10 @@ def test_the_openai_sdk_against_the_serve_app(served):
     assert done.exit_code == 0, done.output
     assert json.loads((target / "adapter_config.json").read_text())["base_model_name_or_path"] == served["base"]
     assert (target / "adapter_model.safetensors").exists()
+    # `moetune serve` for a base already served: the same application, answered at once with the base URL
+    again = CliRunner().invoke(main, [*cli, "serve", BASE, "--ray-address", served["ray"],
+                                      "--serve-url", served["base_url"].removesuffix("/v1")])
+    assert again.exit_code == 0 and served["base_url"] in again.output, again.output
     talk = CliRunner().invoke(main, [*cli, "chat", names["tenant-a", "experts"], "--temperature", "0",
                                      "--max-tokens", "12", "--base-url", served["base_url"].removesuffix("/v1")],
                               input=MESSAGES[0]["content"] + "\n\n")
