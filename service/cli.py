@@ -13,6 +13,7 @@ import httpx
 import yaml
 from pydantic import ValidationError
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Column, Table
 
 from moetune.api.client import APIError, Client
@@ -174,7 +175,10 @@ def jobs_report(ctx: click.Context, job_id: str, output_dir: Path | None, open_p
 def jobs_compare(ctx: click.Context, job_a: str, job_b: str) -> None:
     """Two jobs' adaptation reports side by side: loss at the steps both ran, evaluation, throughput, memory."""
     client = _client(ctx.parent)
-    console.print(compare_table(client.jobs.report(job_a), client.jobs.report(job_b)))
+    table = compare_table(client.jobs.report(job_a), client.jobs.report(job_b))
+    # as wide as the table needs, whatever the terminal's width: a job id is never cut
+    needed = Measurement.get(console, console.options.update(max_width=1000), table).maximum
+    Console(width=max(needed, console.width)).print(table)
 
 
 @jobs.command("cancel")

@@ -3,7 +3,7 @@ validation loss and evaluation figures, throughput and memory."""
 
 from __future__ import annotations
 
-from rich.table import Table
+from rich.table import Column, Table
 
 from moetune.api.report import AdaptationReport
 
@@ -58,7 +58,9 @@ def _alignment(report: AdaptationReport) -> str:
 
 
 def compare_table(a: AdaptationReport, b: AdaptationReport) -> Table:
-    table = Table("", a.job_id, b.job_id)
+    # ids stay whole and copy-pasteable, whatever the console width
+    table = Table(Column("", no_wrap=True),
+                  *(Column(job_id, no_wrap=True, min_width=len(job_id)) for job_id in (a.job_id, b.job_id)))
     for name, left, right in compare_rows(a, b):
         table.add_row(name, _fmt(left), _fmt(right))
     return table

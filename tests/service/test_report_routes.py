@@ -94,18 +94,15 @@ def test_compare_prints_both_reports_figures_side_by_side(service, two_reports):
                              terminal_width=200)
     assert cli.exit_code == 0, cli.output
     lines = cli.output.splitlines()
+    assert [c.strip() for c in lines[1].split("┃")][2:4] == [a, b]  # the header: A left, B right
+    rows = {cells[1]: cells[2:4] for cells in ([c.strip() for c in line.split("│")] for line in lines)
+            if len(cells) == 5}
     for step in (1, 8):  # the first and last step both ran
-        (row,) = [line for line in lines if f"train loss @ step {step} " in line]
-        assert f"{left.steps[step - 1].train_loss:.4g}" in row and f"{right.steps[step - 1].train_loss:.4g}" in row
-    assert not [line for line in lines if "train loss @ step 12" in line]
-    (valid,) = [line for line in lines if "last valid loss" in line]
-    assert f"{left.last_valid_loss:.4g}" in valid and f"{right.last_valid_loss:.4g}" in valid
-    (base,) = [line for line in lines if "exact_match @ step 0" in line]
-    (last,) = [line for line in lines if "exact_match (last)" in line]
-    cells = [[cell.strip() for cell in line.split("│")[2:4]] for line in (base, last)]
-    assert cells == [["0", "0"], ["1", "1"]], (base, last)
-    (tps,) = [line for line in lines if "tokens/s" in line]
-    assert f"{left.throughput.tokens_per_second:.4g}" in tps and f"{right.throughput.tokens_per_second:.4g}" in tps
+        assert rows[f"train loss @ step {step}"] == [f"{r.steps[step - 1].train_loss:.4g}" for r in (left, right)]
+    assert "train loss @ step 12" not in rows
+    assert rows["last valid loss"] == [f"{r.last_valid_loss:.4g}" for r in (left, right)]
+    assert rows["exact_match @ step 0"] == ["0", "0"] and rows["exact_match (last)"] == ["1", "1"]
+    assert rows["tokens/s"] == [f"{r.throughput.tokens_per_second:.4g}" for r in (left, right)]
 
 
 @pytest.mark.skipif(chromium() is None, reason="needs Debian's chromium (.ci/run installs it)")
