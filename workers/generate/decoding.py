@@ -4,6 +4,7 @@ per-row adapter slots). The engine's loop and `generate_batch` (evaluation on tr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,6 @@ class Row:
     prompt_ids: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
-    max_tokens: int  # max_new_tokens, or fewer where the context ends first
     slot: int = 0  # adapter slot (0: the base)
     generator: torch.Generator | None = None
     tokens: list[int] = field(default_factory=list)
@@ -35,7 +35,7 @@ class Row:
             self.finish_reason = "stop"
         else:
             self.tokens.append(token)
-            if len(self.tokens) >= self.max_tokens:
+            if len(self.tokens) >= self.params.max_new_tokens:
                 self.finish_reason = "length"
         return self.finish_reason is not None
 
@@ -48,10 +48,9 @@ class DecodeBatch:
         self.cache = None
         self.steps = 0
 
-    def _forward(self, input_ids, cache, **kwargs):
+    def _forward(self, input_ids, cache, rows: list[Row], **kwargs):
         if self.selection is not None:
-            self.selection.set([r.slot for r in kwargs.pop("rows")], self.device)
-        kwargs.pop("rows", None)
+            self.selection.set([r.slot for r in rows], self.device)
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[:, -1]
 
@@ -59,7 +58,7 @@ class DecodeBatch:
         """Runs `row`'s prompt alone; returns (its first token, its one-row cache) for `join`."""
         cache = batch_cache.new_cache(self.model)
         ids = torch.tensor([row.prompt_ids], dtype=torch.long, device=self.device)
-        logits = self._forward(ids, cache, rows=[row])
+        logits = self._forward(ids, cache, [row])
         row.length = len(row.prompt_ids)
         return next_tokens(logits, [row])[0], cache
 
@@ -80,7 +79,7 @@ class DecodeBatch:
         for i, r in enumerate(rows):
             mask[i, :r.pad] = 0
         positions = torch.tensor([[r.length] for r in rows], dtype=torch.long, device=self.device)
-        logits = self._forward(ids, self.cache, rows=rows, attention_mask=mask, position_ids=positions)
+        logits = self._forward(ids, self.cache, rows, attention_mask=mask, position_ids=positions)
         for r in rows:
             r.length += 1
         self.steps += 1
@@ -98,12 +97,10 @@ class DecodeBatch:
             r.pad -= cut
 
 
-def new_row(prompt_ids: list[int], params: SamplingParams, eos_token_id, device, max_tokens: int | None = None,
-            slot: int = 0) -> Row:
+def new_row(prompt_ids: list[int], params: SamplingParams, eos_token_id, device, slot: int = 0) -> Row:
     eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else (eos_token_id,)
     stops = frozenset(t for t in (*eos, *params.stop_token_ids) if t is not None)
-    return Row(list(prompt_ids), params, stops, max_tokens or params.max_new_tokens, slot,
-               row_generator(params, device))
+    return Row(list(prompt_ids), params, stops, slot, row_generator(params, device))
 
 
 def generate_batch(model, prompts: list[list[int]], params: SamplingParams, *, eos_token_id,
@@ -114,8 +111,8 @@ def generate_batch(model, prompts: list[list[int]], params: SamplingParams, *, e
     every forward exchanges tokens) stay in step: each rank must then pass the same number of prompts."""
     device = next(model.parameters()).device
     seeded = params.seed is not None
-    rows = [new_row(p, SamplingParams(**{**params.__dict__, "seed": params.seed + i}) if seeded else params,
-                    eos_token_id, device) for i, p in enumerate(prompts)]
+    rows = [new_row(p, dataclasses.replace(params, seed=params.seed + i) if seeded else params, eos_token_id, device)
+            for i, p in enumerate(prompts)]
     batch = DecodeBatch(model)
     was_training = model.training
     model.eval()
