@@ -82,7 +82,7 @@ def test_the_exported_expert_layout_is_the_one_vllm_reads(tmp_path):
     base = plain_model(family)
     experts_name = prefix.removeprefix("base_model.model.")
     before = {n: p.detach().clone() for n, p in base.named_parameters() if n.startswith(experts_name)}
-    merged = PeftModel.from_pretrained(plain_model(family), adapter).merge_and_unload()
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()  # `before` holds the base's copy
     after = dict(merged.named_parameters())
     scaling = config["lora_alpha"] / config["r"]
     for (a, b), tensor in ((gate_up, "gate_up_proj"), (down, "down_proj")):
