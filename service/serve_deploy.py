@@ -53,9 +53,12 @@ def deploy(ray_address: str, serve_url: str, control_plane_url: str, bases: dict
     args = {"control_plane_url": control_plane_url, "bases": wanted, "s3_endpoint_url": s3_endpoint_url}
     if current and current["args"] == args:
         return current["status"]
+    where = urlsplit(serve_url)
     config = {
-        # the proxy listens where clients are told to connect (serve_url's port), on every interface of the node
-        "http_options": {"host": "0.0.0.0", "port": urlsplit(serve_url).port or 80},
+        # the proxy listens where clients are told to connect (serve_url's port): on loopback for a loopback URL
+        # (the embedded stack), else on every interface of the head node
+        "http_options": {"host": "127.0.0.1" if where.hostname in ("127.0.0.1", "localhost") else "0.0.0.0",
+                         "port": where.port or 80},
         "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": APP_BUILDER, "args": args}],
     }
     try:
