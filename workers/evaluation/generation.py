@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from moetune.api import storage
 from moetune.api.errors import ErrorCode
 from moetune.api.models import EvaluationSpec
-from moetune.api.report import EVAL_PREFIX
 from moetune.workers.errors import JobError
 from moetune.workers.evaluation.metrics import METRICS
 from moetune.workers.generate import SamplingParams, generate_batch
