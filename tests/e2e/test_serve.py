@@ -21,6 +21,9 @@ from moetune.service.embedded import control_plane_in_thread, free_port
 from tests.support.control_plane import TOKENS, RunningService, settings_for
 from tests.workers.generate.conftest import write_adapter, write_checkpoint
 
+# Ray heavy (Serve's controller, proxy and replicas on the Ray head): left out of `pytest -m "not ray_job"`
+pytestmark = pytest.mark.ray_job
+
 BUCKET = "serve-assets"
 BASE = "tiny-kimi"
 MESSAGES = [{"role": "user", "content": "What colour is the sky?"}]
