@@ -213,10 +213,12 @@ def down(state_dir: Path = STATE_DIR) -> bool:
         return False
     if stack.pids.get("server") is not None:
         _stop_group(stack.pids.pop("server"))  # no job changes while the buckets are copied
-    if _alive(stack.pids.get("s3")):
-        os.environ.update(s3_env(stack.s3_endpoint))
-        _save_buckets(stack.s3_endpoint, state_dir / "s3")
-    _stop(stack)
+    try:
+        if _alive(stack.pids.get("s3")):
+            os.environ.update(s3_env(stack.s3_endpoint))
+            _save_buckets(stack.s3_endpoint, state_dir / "s3")
+    finally:  # a failed copy must not leave the S3 server and the Ray head running
+        _stop(stack)
     # the token, the URLs' ports and the bases stay for the next up
     _state_file(state_dir).write_text(json.dumps({**saved, "pids": {}, "ray_temp_dir": None}, indent=2))
     return True
