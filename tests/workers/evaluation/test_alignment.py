@@ -61,3 +61,16 @@ def test_a_perturbed_operator_is_named(swapped, monkeypatch, op):
     assert f"Precision alignment failed for {op}" in error.message and op in message
     level, message, error = verdict(rows, "warn", 0.5)
     assert level == "warn" and error is None and op in message
+
+
+def test_a_quantized_linear_is_compared_with_its_dequantized_weight(monkeypatch):
+    from moetune.kernels.quant import QuantizedLinear, quantize_fp8_block
+
+    torch.manual_seed(0)
+    layer = QuantizedLinear(quantize_fp8_block(torch.randn(256, 128)), None)
+    x = torch.randn(4, 128)
+    rows = check_alignment(layer, lambda: layer(x).square().mean(), torch.float32)
+    assert [r["op"] for r in rows] == ["quantized_linear", FIRST_LOSS] and failed_ops(rows) == [], rows
+    monkeypatch.setenv(ENV_PERTURB_OP, "quantized_linear")
+    assert failed_ops(check_alignment(layer, lambda: layer(x).square().mean(), torch.float32)) == [
+        "quantized_linear", FIRST_LOSS]
