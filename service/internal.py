@@ -27,6 +27,7 @@ from moetune.service.lifecycle import finish_job
 from moetune.service.store import JobRow
 
 router = APIRouter(tags=["internal"], include_in_schema=False)
+_ETA_ORIGIN = "eta_origin"  # [step, epoch seconds] in JobRow.progress
 
 
 def _reporting_job(job_id: str, request: Request, store: StoreDep) -> JobRow:
@@ -37,11 +38,13 @@ def _reporting_job(job_id: str, request: Request, store: StoreDep) -> JobRow:
     return job
 
 
-def estimate_finish(started_at: float | None, step: int, total_steps: int | None, now: float) -> float | None:
-    """Linear extrapolation of the time per step since the job started."""
-    if not started_at or not total_steps or step <= 0:
+def estimate_finish(origin_at: float | None, origin_step: int, step: int, total_steps: int | None,
+                    now: float) -> float | None:
+    """Linear extrapolation of the time per step since the attempt's first reported step (`origin_step` at
+    `origin_at`): the start-up before it (Ray, weights, compilation) is no step's cost. None before a second step."""
+    if origin_at is None or not total_steps or step <= origin_step:
         return None
-    return now + (now - started_at) / step * max(total_steps - step, 0)
+    return now + (now - origin_at) / (step - origin_step) * max(total_steps - step, 0)
 
 
 def _progress_updater(data: dict):
@@ -55,12 +58,18 @@ def _progress_updater(data: dict):
     def update(job: JobRow) -> None:
         if JobStatus(job.status).terminal:
             return
-        progress = {**(job.progress or {}), **fields}
+        now, progress = time.time(), {**(job.progress or {}), **fields}
+        step = progress.get("step", 0)
+        # The ETA's origin, this attempt's first reported step, is kept in the stored progress (the view's
+        # Progress model leaves it out); a resumed attempt starts a new one.
+        origin = progress.get(_ETA_ORIGIN)
+        if step and (origin is None or origin[1] < (job.started_at or 0)):
+            progress[_ETA_ORIGIN] = origin = [step, now]
         job.progress = progress
         if data.get("trained_tokens") is not None:
             job.trained_tokens = int(data["trained_tokens"])
-        job.estimated_finish = estimate_finish(job.started_at, progress.get("step", 0), progress.get("total_steps"),
-                                               time.time())
+        origin_step, origin_at = origin or (0, None)
+        job.estimated_finish = estimate_finish(origin_at, origin_step, step, progress.get("total_steps"), now)
 
     return update
 
