@@ -39,6 +39,9 @@ _ERRORS = {code: {"model": ErrorResponse, "description": what} for code, what in
     (409, "The job's status does not allow this change, or the Idempotency-Key was used for another request"),
     (422, "Invalid request; `error.param` names the field"),
 )}
+# The same errors for a route whose success is not JSON (FastAPI files an error model under the route's media type)
+_JSON_ERRORS = {code: {"description": error["description"], "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}} for code, error in _ERRORS.items()}
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], responses=_ERRORS)
 plans = APIRouter(prefix="/v1/fine_tuning/plans", tags=["fine-tuning"], responses=_ERRORS)
 
@@ -160,7 +163,7 @@ def get_report(job_id: str, request: Request, tenant: Tenant, store: StoreDep) -
     return Response(_report_bytes(request, job, report_json_uri(job.output_uri)), media_type="application/json")
 
 
-@router.get("/{job_id}/report.html", response_class=HTMLResponse)
+@router.get("/{job_id}/report.html", response_class=HTMLResponse, responses=_JSON_ERRORS)
 def get_report_page(job_id: str, request: Request, tenant: Tenant, store: StoreDep) -> HTMLResponse:
     """The same report as one self-contained page (inline SVG plots, nothing fetched)."""
     job = _own_job(store, tenant, job_id)

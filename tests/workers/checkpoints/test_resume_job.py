@@ -120,6 +120,9 @@ def test_pause_resume_and_worker_loss(assets, ray_head, receiver, tiny_checkpoin
 
     # One history across both interruptions, and the final adapter loads into PEFT as trained.
     history = [json.loads(line) for line in storage.read_text(f"{run.output_uri}/metrics.jsonl").splitlines()]
+    # the history marks the steps that wrote a checkpoint (the pause's too), which the step's report did not know
+    marked = {r["step"] for r in history if r.pop("checkpoint", None) == f"step-{r['step']}"}
+    assert marked == {PAUSE_AT, *range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)}
     assert history == paused_run + [m for m in before_kill if m["step"] <= resumed] + after_kill
     assert result.trained_tokens == history[-1]["trained_tokens"]
     assert adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(history[-1]["valid_loss"], abs=1e-3)
