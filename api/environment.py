@@ -8,6 +8,7 @@ ENV_CALLBACK_URL = "MOETUNE_CALLBACK_URL"  # control plane base URL for reports
 ENV_JOB_TOKEN = "MOETUNE_JOB_TOKEN"  # per-job bearer token for the report endpoint
 ENV_S3_ENDPOINT_URL = "MOETUNE_S3_ENDPOINT_URL"  # S3-compatible endpoint (MinIO, Ceph, R2, local); unset = AWS
 ENV_MAX_WORKER_FAILURES = "MOETUNE_MAX_WORKER_FAILURES"  # worker-group restarts Ray Train may make per run
+ENV_PLACEMENT_TIMEOUT_S = "MOETUNE_PLACEMENT_TIMEOUT_S"  # how long a driver waits for Ray to place its workers
 ENV_WEIGHTS_CACHE_DIR = "MOETUNE_WEIGHTS_CACHE_DIR"  # node-local cache of streamed weights ("" turns it off)
 ENV_WEIGHTS_CACHE_MAX_GB = "MOETUNE_WEIGHTS_CACHE_MAX_GB"  # its size cap
 ENV_METRICS_PORT = "MOETUNE_METRICS_PORT"  # workers' Prometheus port base (+ local rank), 0 = any, "off"

@@ -14,6 +14,7 @@ from moetune.api.images import ImageLimits
 from moetune.api.uri_access import UriAccess
 
 DEFAULT_MAX_WORKER_FAILURES = 3
+DEFAULT_PLACEMENT_TIMEOUT_S = 600.0
 DEFAULT_METRICS_PORT = 9470  # + local rank
 _ANY_URI = '{"allow_file_uris": true}'  # a driver started without a control plane reads what its data names
 
@@ -36,6 +37,7 @@ class WorkerSettings:
     job_token: str | None = None
     s3_endpoint_url: str | None = None
     max_worker_failures: int = DEFAULT_MAX_WORKER_FAILURES
+    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S
     weights_cache_dir: str | None = None  # None: no cache
     weights_cache_max_bytes: int | None = None
     metrics_port: str = str(DEFAULT_METRICS_PORT)  # a port base, "0" (any free port) or "off"
@@ -56,6 +58,7 @@ class WorkerSettings:
             job_token=environ.get(env.ENV_JOB_TOKEN),
             s3_endpoint_url=environ.get(env.ENV_S3_ENDPOINT_URL),
             max_worker_failures=int(environ.get(env.ENV_MAX_WORKER_FAILURES, DEFAULT_MAX_WORKER_FAILURES)),
+            placement_timeout_s=float(environ.get(env.ENV_PLACEMENT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S)),
             weights_cache_dir=cache_dir or None,
             weights_cache_max_bytes=_cache_max_bytes(environ.get(env.ENV_WEIGHTS_CACHE_MAX_GB, "")),
             metrics_port=environ.get(env.ENV_METRICS_PORT, str(DEFAULT_METRICS_PORT)).strip(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import uuid
 
@@ -21,7 +22,7 @@ from moetune.api.layout import report_html_uri, report_json_uri, result_from_sum
 from moetune.api.models import JobRunSpec
 from moetune.workers.checkpoints.run_state import complete_checkpoints, paused_step
 from moetune.workers.entry.checks import validate
-from moetune.workers.entry.failures import ReportWorkerFailures, root_cause
+from moetune.workers.entry.failures import RAY_TRAIN_START_TIMEOUT, ReportWorkerFailures, root_cause
 from moetune.workers.loop.worker import train_loop_per_worker
 from moetune.workers.reporting.adaptation_report import write_report
 from moetune.workers.reporting.reporter import Reporter
@@ -47,6 +48,10 @@ def build_trainer(run: JobRunSpec, attempt: str, reporter: Reporter, settings: W
     use_gpu = par.gpus_per_worker > 0
     resources = par.worker_resources()
     storage_path, storage_fs = _storage_for_ray(storage.join(run.output_uri, "ray"), settings.s3_endpoint_url)
+    # Ray Train waits this long for the group's placement (its controller reads the variable from the driver's
+    # environment), then fails the run: controller_failure_limit=0, where Ray Train's default (-1) would retry,
+    # and so wait, forever
+    os.environ[RAY_TRAIN_START_TIMEOUT] = str(settings.placement_timeout_s)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -61,7 +66,7 @@ def build_trainer(run: JobRunSpec, attempt: str, reporter: Reporter, settings: W
             storage_path=storage_path,
             storage_filesystem=storage_fs,
             # A restarted group resumes from the newest complete checkpoint (workers.checkpoints.run_state).
-            failure_config=FailureConfig(max_failures=settings.max_worker_failures),
+            failure_config=FailureConfig(max_failures=settings.max_worker_failures, controller_failure_limit=0),
             callbacks=[ReportWorkerFailures(reporter, settings.max_worker_failures)],
         ),
     )

@@ -4,11 +4,19 @@ restarts the group."""
 
 from __future__ import annotations
 
-from ray.train import UserCallback
+import os
 
+from ray.train import UserCallback
+from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+from moetune.api.environment import ENV_PLACEMENT_TIMEOUT_S
 from moetune.api.errors import ErrorCode
 from moetune.workers.errors import JobError
 from moetune.workers.reporting.reporter import Reporter
+
+
+# Ray Train's wait for a worker group's placement, read by its controller from the driver's environment
+RAY_TRAIN_START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -34,6 +42,11 @@ def root_cause(error: BaseException) -> JobError:
     """The first JobError behind a Ray Train failure, or the innermost error in one line."""
     if found := job_error(error):
         return found
+    if timeout := next((e for e in _chain(error) if isinstance(e, WorkerGroupStartupTimeoutError)), None):
+        return JobError(ErrorCode.unschedulable, f"parallelism: Ray did not place the job's {timeout.num_workers} "
+                        f"workers within {float(os.environ.get(RAY_TRAIN_START_TIMEOUT, 0)):g} s (setting "
+                        f"{ENV_PLACEMENT_TIMEOUT_S}): the cluster has no room for them now (other work holds the "
+                        "resources, or a node left); submit it again later or ask for fewer resources", "parallelism")
     innermost = _chain(error)[-1]
     text = str(innermost).strip().splitlines()
     message = f"{type(innermost).__name__}: {text[-1] if text else ''}".strip()

@@ -206,3 +206,19 @@ def test_job_error_inside_a_worker_reaches_the_result(assets, ray_head, receiver
     (result,) = receiver.of_kind("result")
     assert (result.error.code, result.error.param) == ("invalid_training_file", "training_file")
     assert result.error.message.endswith("no row has a trained token within seq_len=16")
+
+
+@pytest.mark.ray_job
+def test_workers_ray_cannot_place_fail_the_job_after_the_placement_timeout(assets, ray_head, receiver, monkeypatch):
+    """More workers than the head has CPUs (a cluster that filled up after the scheduler looked): Ray Train would
+    wait, and retry, forever; the job fails once the placement timeout has passed, naming it."""
+    monkeypatch.setenv("MOETUNE_PLACEMENT_TIMEOUT_S", "2")
+    run = _run_spec(assets, "ftjob-unplaced", {"max_steps": 2, "global_batch_size": 64}, zero_stage=2)
+    run.spec.parallelism.num_workers = 64
+    started = time.monotonic()
+    assert not run_in_process(run, ray_head, receiver, monkeypatch)
+    (result,) = receiver.of_kind("result")
+    assert (result.error.code, result.error.param) == ("unschedulable", "parallelism")
+    assert result.error.message.startswith("parallelism: Ray did not place the job's 64 workers within 2 s "
+                                           "(setting MOETUNE_PLACEMENT_TIMEOUT_S)")
+    assert time.monotonic() - started < 60
