@@ -115,7 +115,8 @@ def test_the_driver_checks_the_tokenizer_and_the_output_again(control_plane, tmp
     config = REGISTRY["kimi_linear"].tiny_config().to_dict()
     check_tokenizer(f"s3://{bucket}/kimi", config, str(tmp_path / "a"))
     check_output(f"s3://{bucket}/out/ftjob-1")
-    cases = [(lambda: check_tokenizer(f"s3://{bucket}/no-tokenizer", config, str(tmp_path / "b")), "model", "has no tokenizer files"),
+    cases = [(lambda: check_tokenizer(f"s3://{bucket}/no-tokenizer", config, str(tmp_path / "b")), "model",
+              "has no tokenizer files"),
              (lambda: check_tokenizer(f"s3://{bucket}/kimi", {**config, "vocab_size": 4 * config["vocab_size"]},
                                      str(tmp_path / "c")),
               "model", "it is not this model's tokenizer"),

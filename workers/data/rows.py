@@ -1,7 +1,8 @@
 """Training data files: JSONL rows read and validated up front, each error naming the file and the row.
 
 The row rules are api/data_rows.py's (the control plane checks uploaded files with them too); what a row trains on
-is the training method's business (workers.methods). The driver also checks every image (workers/data/images.py); workers read rows already checked.
+is the training method's business (workers.methods). The driver also checks every image (workers/data/images.py);
+workers read rows already checked.
 """
 
 from __future__ import annotations

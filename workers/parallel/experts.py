@@ -151,7 +151,7 @@ class ExpertParallelExperts(nn.Module):
                                  self.lora_scaling)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        ep, n_local = self.ep, self.num_local_experts
+        ep = self.ep
         top_k = top_k_index.shape[-1]
         flat_experts = top_k_index.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # (token, slot) pairs grouped by global expert
