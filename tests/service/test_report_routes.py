@@ -11,14 +11,14 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from PIL import Image
-
 from moetune.api import storage
 from moetune.api.layout import metrics_uri, report_html_uri
 from moetune.api.models import JobCreate, JobRunSpec
 from moetune.service.cli import main
 from moetune.workers.reporting.adaptation_report import write_report
-from tests.support.browser import PAGE_URL, chromium, open_page
+from PIL import Image
+
+from tests.support.browser import PAGE_URL, open_page
 from tests.support.control_plane import TOKENS
 
 ALIGNMENT = [{"op": "kda", "rmse_ratio": 2e-7, "tolerance": 1e-3, "ok": True},
@@ -105,7 +105,6 @@ def test_compare_prints_both_reports_figures_side_by_side(service, two_reports):
     assert rows["tokens/s"] == [f"{r.throughput.tokens_per_second:.4g}" for r in (left, right)]
 
 
-@pytest.mark.skipif(chromium() is None, reason="needs Debian's chromium (.ci/run installs it)")
 def test_the_report_page_draws_every_plot_in_chromium_without_any_request(service, two_reports, tmp_path):
     (job_id, run), _ = two_reports
     page = service.sdk().jobs.report_html(job_id)

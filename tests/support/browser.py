@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
+
 PAGE_URL = "http://report.moetune.test/report.html"  # no such host: only the proxy answers for it
 
 
@@ -27,8 +29,11 @@ class Opened:
         return [url for url, _ in self.requests if url == PAGE_URL]
 
 
-def chromium() -> str | None:
-    return shutil.which("chromium")
+def chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail("`chromium` not found: install Debian's `chromium` package (.ci/run does)")
+    return path
 
 
 def open_page(html: bytes, tmp_path: Path, width: int = 1200, height: int = 4000) -> Opened:
