@@ -21,10 +21,11 @@ from dataclasses import dataclass
 SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one block may use on H100/H200
 MAX_REGISTERS = 255
 # Spills (stack bytes per thread) the kernels have today, measured with Triton 3.9 at the SM90_CASES shapes: the
-# budget a change must not exceed. Every other kernel must not spill. KDA and sparse attention's backward hold
-# whole [K, V] states / gathered rows per program (the known rewrites: fla-style chunk-parallel KDA, the absorbed
-# MLA sparse kernel); the INT4 / MXFP4 dequantizing GEMM spills a few bytes at 255 registers.
-STACK_BUDGET = {"kda_fwd_kernel": 1024, "kda_bwd_kernel": 12_336, "_sparse_attn_bwd": 1_048, "_grouped_lora_mm": 96}
+# budget a change must not exceed. Every other kernel must not spill. KDA holds whole [K, V] states per program (the
+# known rewrite: fla-style chunk-parallel KDA); sparse attention's key-major dK/dV at latent widths holds [16, 512]
+# fp32 accumulators for keys and values (its forward, 8 B in one config); the INT4 / MXFP4 dequantizing GEMM spills a few bytes at 255 registers.
+STACK_BUDGET = {"kda_fwd_kernel": 1024, "kda_bwd_kernel": 12_336, "_sparse_attn_fwd": 8, "_sparse_attn_bwd_dkv": 64,
+                "_grouped_lora_mm": 96}
 
 
 @dataclass
@@ -186,8 +187,9 @@ def _kda_launches(heads: int, dk: int, dv: int) -> list[Launch]:
     return launches
 
 
-def _sparse_launches(heads: int, kv_heads: int, dk: int, dv: int, topk: int) -> list[Launch]:
-    """Sparse attention forward (every autotune config) and backward (Triton) in bf16."""
+def _sparse_launches(heads: int, kv_heads: int, dk: int, dv: int, topk: int, shared_v: bool = False) -> list[Launch]:
+    """Sparse attention forward (every autotune config) and backward (Triton) in bf16; `shared_v`: the values are
+    the keys' first dv columns (MLA's latent, absorbed)."""
     import torch
 
     from moetune.kernels.sparse_attention import sparse_attention
@@ -195,25 +197,26 @@ def _sparse_launches(heads: int, kv_heads: int, dk: int, dv: int, topk: int) -> 
     t, bf16, device = 64, torch.bfloat16, "meta"
     q = torch.empty(1, t, heads, dk, dtype=bf16, device=device, requires_grad=True)
     k = torch.empty(1, t, kv_heads, dk, dtype=bf16, device=device, requires_grad=True)
-    v = torch.empty(1, t, kv_heads, dv, dtype=bf16, device=device, requires_grad=True)
+    v = k[..., :dv] if shared_v else torch.empty(1, t, kv_heads, dv, dtype=bf16, device=device, requires_grad=True)
     indices = torch.empty(1, t, topk, dtype=torch.int32, device=device)
     with captured_launches() as launches:
         out = sparse_attention(q, k, v, indices, dk ** -0.5, backend="triton")
-        torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+        torch.autograd.grad(out, (q, k) if shared_v else (q, k, v), torch.empty_like(out))
     return launches
 
 
 # What the CUDA path launches: MoE at the seed model's widths (7168 hidden, 2048 expert intermediate; gate_up and
 # down) over the ranks the API allows, and quantized weights; KDA at 32 heads of 128; sparse attention at the
-# seed's 64 query heads, top-2048, with MLA's 192/128 head dims expanded to one kv head per query head (how
-# transformers' glm5_next runs) and with one shared kv head.
+# seed's top-2048 as the MLA families run it, over the shared latent (glm5_next: 64 heads, 512-wide latent without
+# RoPE; deepseek_v32: 128 heads, 512 + 64 RoPE), and with per-head keys (192/128, grouped-query layouts).
 SM90_CASES = {
     **{f"moe {h}->{o} r{r}": (_moe_launches, (h, o, r)) for h, o in ((7168, 4096), (2048, 7168))
        for r in (8, 16, 64, 128, 256, 512, 1024)},
     **{f"moe {w} 7168->4096 r64": (_moe_launches, (7168, 4096, 64, w)) for w in ("fp8", "int4", "mxfp4")},
     "kda glm5_next H32 K128 V128": (_kda_launches, (32, 128, 128)),
-    "sparse glm5_next H64 per-head kv 192/128 top2048": (_sparse_launches, (64, 64, 192, 128, 2048)),
-    "sparse shared kv H64 192/128 top2048": (_sparse_launches, (64, 1, 192, 128, 2048)),
+    "sparse glm5_next latent H64 512/512 top2048": (_sparse_launches, (64, 1, 512, 512, 2048, True)),
+    "sparse deepseek_v32 latent H128 576/512 top2048": (_sparse_launches, (128, 1, 576, 512, 2048, True)),
+    "sparse per-head kv H64 192/128 top2048": (_sparse_launches, (64, 64, 192, 128, 2048)),
 }
 
 

@@ -1,7 +1,16 @@
-"""Sparse attention in Triton: one program per (query, kv head, batch) owns the query group of that kv head,
-walks the query's selected indices in blocks, gathers K/V rows, and keeps an online softmax (base 2). The forward
-saves the LSE; the backward recomputes the probabilities from it, accumulates dQ in registers and adds dK/dV to
-fp32 buffers with atomics (a key is shared by many queries).
+"""Sparse attention in Triton, shaped for MLA's shared latent (one kv head, up to 128 query heads, head dims
+512 + 64) as well as for grouped heads.
+
+Forward and dQ: one program per (query, block of query heads of one kv head, batch) walks the query's selected
+indices in blocks, gathers each key row once for all heads of the block, and keeps an online softmax (base 2).
+dK/dV: key-major, no atomics. The selection is inverted first (invert_selection: for each block of BLOCK_N keys,
+the queries that selected any of them, with a bitmask of which); one program per key block then walks those
+queries, like FlashAttention's backward over a sparse set of query rows, and stores its rows once: the result is
+deterministic, and each query's rows are read once per key block instead of being atomically added per element.
+
+The key head dim is split into a power-of-two main part and a tail (576 = 512 + 64, 192 = 128 + 64), so no tile is
+padded to the next power of two. When the values are the first columns of the keys (MLA's latent: v = kv[..., :r])
+the kernels read them from the key tile and dK/dV come back as one gradient of the keys.
 
 Layouts: q [B,T,H,Dk], k [B,S,Hkv,Dk], v [B,S,Hkv,Dv] (last dim contiguous), indices [B,T,K] int32, -1 = no key.
 """
@@ -23,12 +32,14 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _load_q_group(ptr, q_off, stride_h, hk, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    g = tl.arange(0, BLOCK_G)
+def _rows(base, rows, row_ok, stride, col0, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+    """[rows, BLOCK_D]: columns col0 .. col0 + D of the given rows of a row-major matrix; masked rows and the
+    padding columns read 0."""
     d = tl.arange(0, BLOCK_D)
-    mask = (g[:, None] < GROUP) & (d[None, :] < D)
-    return tl.load(ptr + q_off + (hk * GROUP + g[:, None]) * stride_h + d[None, :], mask=mask, other=0.0)
+    x = tl.load(base + rows[:, None] * stride + col0 + d[None, :], mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    if DOT_FP32:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -39,54 +50,54 @@ def _selection(row_ptr, start, n_sel, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _gather(base, idx, valid, stride, D: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr,
-            DOT_FP32: tl.constexpr):
-    """Rows idx of a [S, D] matrix as [BLOCK_S, BLOCK_D] (or transposed); invalid rows and padding read 0."""
-    d = tl.arange(0, BLOCK_D)
-    if TRANSPOSED:
-        x = tl.load(base + idx[None, :] * stride + d[:, None], mask=valid[None, :] & (d[:, None] < D), other=0.0)
-    else:
-        x = tl.load(base + idx[:, None] * stride + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
-    if DOT_FP32:
-        x = x.to(tl.float32)
-    return x
+def _head_block(pid, GROUP: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(kv head, query head ids [BLOCK_H], which of them exist) of the program `pid` along the head axis."""
+    n_hb: tl.constexpr = (GROUP + BLOCK_H - 1) // BLOCK_H
+    hk = pid // n_hb
+    g = (pid % n_hb) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return hk, hk * GROUP + g, g < GROUP
 
 
 def _forward_configs():
     if interpreting():  # the interpreter cannot autotune over several configs
-        return [triton.Config({"BLOCK_S": 64}, num_warps=4, num_stages=2)]
-    return [triton.Config({"BLOCK_S": s}, num_warps=w, num_stages=2) for s in (32, 64) for w in (4, 8)]
+        return [triton.Config({"BLOCK_S": 32}, num_warps=4, num_stages=2)]
+    return [triton.Config({"BLOCK_S": s}, num_warps=8, num_stages=2) for s in (32, 64)]
 
 
-@triton.autotune(configs=_forward_configs(), key=["GROUP", "DK", "DV"])
+@triton.autotune(configs=_forward_configs(), key=["GROUP", "BLOCK_H", "DKM", "DKT", "DV", "SHARED_V"])
 @triton.jit
 def _sparse_attn_fwd(
     Q, K, V, IDX, O, LSE,
     sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, si_b, si_t, so_b, so_t, so_h,
-    n_sel, scale_log2,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr,
+    q_len, n_heads, n_sel, scale_log2,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DKM: tl.constexpr, DKT: tl.constexpr,
+    BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    hk = tl.program_id(1).to(tl.int64)
+    hk, heads, head_ok = _head_block(tl.program_id(1).to(tl.int64), GROUP, BLOCK_H)
     b = tl.program_id(2).to(tl.int64)
-    g = tl.arange(0, BLOCK_G)
-    dv = tl.arange(0, BLOCK_DV)
-    q = _load_q_group(Q, b * sq_b + t * sq_t, sq_h, hk, GROUP, BLOCK_G, DK, BLOCK_DK)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    q_base = Q + b * sq_b + t * sq_t
+    q_main = _rows(q_base, heads, head_ok, sq_h, 0, DKM, DKM, DOT_FP32)
+    if DKT > 0:
+        q_tail = _rows(q_base, heads, head_ok, sq_h, DKM, DKT, BLOCK_DKT, DOT_FP32)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
     for start in range(0, n_sel, BLOCK_S):
         idx = _selection(IDX + b * si_b + t * si_t, start, n_sel, BLOCK_S)
         valid = idx >= 0
-        kt = _gather(k_base, idx, valid, sk_s, DK, BLOCK_DK, True, DOT_FP32)
-        vb = _gather(v_base, idx, valid, sv_s, DV, BLOCK_DV, False, DOT_FP32)
-        s = tl.dot(q, kt) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
+        k_main = _rows(k_base, idx, valid, sk_s, 0, DKM, DKM, DOT_FP32)
+        s = tl.dot(q_main, tl.trans(k_main))
+        if DKT > 0:
+            s += tl.dot(q_tail, tl.trans(_rows(k_base, idx, valid, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)))
+        if SHARED_V:
+            vb = k_main
+        else:
+            vb = _rows(v_base, idx, valid, sv_s, 0, DV, BLOCK_DV, DOT_FP32)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp2 finite
         p = tl.exp2(s - m_safe[:, None])
@@ -97,78 +108,194 @@ def _sparse_attn_fwd(
     has_keys = l > 0.0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
     lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) / LOG2E_CONST, float("-inf"))
-    o_mask = (g[:, None] < GROUP) & (dv[None, :] < DV)
-    tl.store(O + b * so_b + t * so_t + (hk * GROUP + g[:, None]) * so_h + dv[None, :], out.to(O.dtype.element_ty),
-             mask=o_mask)
-    # LSE is [B,T,H] contiguous
-    row = (b * tl.num_programs(0) + t) * (tl.num_programs(1) * GROUP) + hk * GROUP + g
-    tl.store(LSE + row, lse, mask=g < GROUP)
+    dv = tl.arange(0, BLOCK_DV)
+    tl.store(O + b * so_b + t * so_t + heads[:, None] * so_h + dv[None, :], out.to(O.dtype.element_ty),
+             mask=head_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + (b * q_len + t) * n_heads + heads, lse, mask=head_ok)  # LSE is [B,T,H] contiguous
 
 
 @triton.jit
-def _sparse_attn_bwd(
-    Q, K, V, IDX, DO, LSE, DELTA, DQ, DK, DV,
+def _sparse_attn_bwd_dq(
+    Q, K, V, IDX, DO, LSE, DELTA, DQ,
     sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, si_b, si_t, so_b, so_t, so_h,
-    sdk_b, sdk_s, sdk_h, sdv_b, sdv_s, sdv_h,
-    n_sel, scale,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    q_len, n_heads, n_sel, scale_log2, scale,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DKM: tl.constexpr, DKT: tl.constexpr,
+    BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    hk = tl.program_id(1).to(tl.int64)
+    hk, heads, head_ok = _head_block(tl.program_id(1).to(tl.int64), GROUP, BLOCK_H)
     b = tl.program_id(2).to(tl.int64)
-    g = tl.arange(0, BLOCK_G)
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    q = _load_q_group(Q, b * sq_b + t * sq_t, sq_h, hk, GROUP, BLOCK_G, HEAD_DK, BLOCK_DK)
-    do = _load_q_group(DO, b * so_b + t * so_t, so_h, hk, GROUP, BLOCK_G, HEAD_DV, BLOCK_DV)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    row = (b * tl.num_programs(0) + t) * (tl.num_programs(1) * GROUP) + hk * GROUP + g
-    lse = tl.load(LSE + row, mask=g < GROUP, other=float("-inf")) * LOG2E_CONST
+    q_base = Q + b * sq_b + t * sq_t
+    q_main = _rows(q_base, heads, head_ok, sq_h, 0, DKM, DKM, DOT_FP32)
+    if DKT > 0:
+        q_tail = _rows(q_base, heads, head_ok, sq_h, DKM, DKT, BLOCK_DKT, DOT_FP32)
+        dq_tail = tl.zeros([BLOCK_H, BLOCK_DKT], tl.float32)
+    do = _rows(DO + b * so_b + t * so_t, heads, head_ok, so_h, 0, DV, BLOCK_DV, DOT_FP32)
+    row = (b * q_len + t) * n_heads + heads
+    lse = tl.load(LSE + row, mask=head_ok, other=float("-inf")) * LOG2E_CONST
     lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows without keys: every p becomes 0
-    delta = tl.load(DELTA + row, mask=g < GROUP, other=0.0)
-    dq = tl.zeros([BLOCK_G, BLOCK_DK], tl.float32)
+    delta = tl.load(DELTA + row, mask=head_ok, other=0.0)
+    dq_main = tl.zeros([BLOCK_H, DKM], tl.float32)
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
-    dk_base = DK + b * sdk_b + hk * sdk_h
-    dv_base = DV + b * sdv_b + hk * sdv_h
     for start in range(0, n_sel, BLOCK_S):
         idx = _selection(IDX + b * si_b + t * si_t, start, n_sel, BLOCK_S)
         valid = idx >= 0
-        kt = _gather(k_base, idx, valid, sk_s, HEAD_DK, BLOCK_DK, True, DOT_FP32)
-        vt = _gather(v_base, idx, valid, sv_s, HEAD_DV, BLOCK_DV, True, DOT_FP32)
-        s = tl.dot(q, kt) * (scale * LOG2E_CONST)
-        p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
-        ds = p * (tl.dot(do, vt) - delta[:, None])
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
-        dk_blk = tl.dot(tl.trans(ds.to(q.dtype)), q) * scale
-        dv_blk = tl.dot(tl.trans(p.to(do.dtype)), do)
-        tl.atomic_add(dk_base + idx[:, None] * sdk_s + dk[None, :], dk_blk,
-                      mask=valid[:, None] & (dk[None, :] < HEAD_DK))
-        tl.atomic_add(dv_base + idx[:, None] * sdv_s + dv[None, :], dv_blk,
-                      mask=valid[:, None] & (dv[None, :] < HEAD_DV))
-    tl.store(DQ + b * sq_b + t * sq_t + (hk * GROUP + g[:, None]) * sq_h + dk[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=(g[:, None] < GROUP) & (dk[None, :] < HEAD_DK))
+        k_main = _rows(k_base, idx, valid, sk_s, 0, DKM, DKM, DOT_FP32)
+        s = tl.dot(q_main, tl.trans(k_main))
+        if DKT > 0:
+            k_tail = _rows(k_base, idx, valid, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)
+            s += tl.dot(q_tail, tl.trans(k_tail))
+        if SHARED_V:
+            vb = k_main
+        else:
+            vb = _rows(v_base, idx, valid, sv_s, 0, DV, BLOCK_DV, DOT_FP32)
+        p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+        ds = (p * (tl.dot(do, tl.trans(vb)) - delta[:, None])).to(k_main.dtype)
+        dq_main += tl.dot(ds, k_main)
+        if DKT > 0:
+            dq_tail += tl.dot(ds, k_tail)
+    dq_base = DQ + b * sq_b + t * sq_t
+    d = tl.arange(0, DKM)
+    tl.store(dq_base + heads[:, None] * sq_h + d[None, :], (dq_main * scale).to(DQ.dtype.element_ty),
+             mask=head_ok[:, None])
+    if DKT > 0:
+        d_tail = tl.arange(0, BLOCK_DKT)
+        tl.store(dq_base + heads[:, None] * sq_h + DKM + d_tail[None, :], (dq_tail * scale).to(DQ.dtype.element_ty),
+                 mask=head_ok[:, None] & (d_tail[None, :] < DKT))
 
 
-def _meta(q, k, v, indices) -> dict:
+@triton.jit
+def _sparse_attn_bwd_dkv(
+    Q, K, V, DO, LSE, DELTA, OFFSETS, PAIR_Q, PAIR_BITS, DK_OUT, DV_OUT,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_t, so_h,
+    sdk_b, sdk_s, sdk_h, sdv_b, sdv_s, sdv_h,
+    q_len, kv_len, n_heads, n_blocks, scale_log2, scale,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DKM: tl.constexpr, DKT: tl.constexpr,
+    BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One program per (block of BLOCK_N keys, kv head, batch): dK/dV of those rows from the queries that selected
+    any of them (PAIR_Q/PAIR_BITS[OFFSETS[b, blk] : OFFSETS[b, blk + 1]]). With SHARED_V the value gradient is
+    added to the key's main columns (the values are those columns) and DV_OUT is not written."""
+    blk = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < kv_len
+    k_base = K + b * sk_b + hk * sk_h
+    k_main = _rows(k_base, n, n_ok, sk_s, 0, DKM, DKM, DOT_FP32)
+    if DKT > 0:
+        k_tail = _rows(k_base, n, n_ok, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)
+        dk_tail = tl.zeros([BLOCK_N, BLOCK_DKT], tl.float32)
+    if SHARED_V:
+        vb = k_main
+    else:
+        vb = _rows(V + b * sv_b + hk * sv_h, n, n_ok, sv_s, 0, DV, BLOCK_DV, DOT_FP32)
+        dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    dk_main = tl.zeros([BLOCK_N, DKM], tl.float32)
+    bit = tl.arange(0, BLOCK_N).to(tl.int64)
+    lo = tl.load(OFFSETS + b * n_blocks + blk)
+    hi = tl.load(OFFSETS + b * n_blocks + blk + 1)
+    for pair in range(lo, hi):
+        t = tl.load(PAIR_Q + pair).to(tl.int64)
+        chosen = ((tl.load(PAIR_BITS + pair) >> bit) & 1) != 0  # which of the block's keys query t selected
+        q_base = Q + b * sq_b + t * sq_t
+        for h0 in range(0, GROUP, BLOCK_H):
+            g = h0 + tl.arange(0, BLOCK_H)
+            head_ok = g < GROUP
+            heads = hk * GROUP + g
+            q_main = _rows(q_base, heads, head_ok, sq_h, 0, DKM, DKM, DOT_FP32)
+            s = tl.dot(k_main, tl.trans(q_main))  # [BLOCK_N, BLOCK_H]
+            if DKT > 0:
+                q_tail = _rows(q_base, heads, head_ok, sq_h, DKM, DKT, BLOCK_DKT, DOT_FP32)
+                s += tl.dot(k_tail, tl.trans(q_tail))
+            do = _rows(DO + b * so_b + t * so_t, heads, head_ok, so_h, 0, DV, BLOCK_DV, DOT_FP32)
+            row = (b * q_len + t) * n_heads + heads
+            lse = tl.load(LSE + row, mask=head_ok, other=0.0) * LOG2E_CONST  # finite: query t has keys
+            delta = tl.load(DELTA + row, mask=head_ok, other=0.0)
+            p = tl.where(chosen[:, None] & head_ok[None, :], tl.exp2(s * scale_log2 - lse[None, :]), 0.0)
+            ds = (p * (tl.dot(vb, tl.trans(do)) - delta[None, :]) * scale).to(q_main.dtype)
+            dk_main += tl.dot(ds, q_main)
+            if DKT > 0:
+                dk_tail += tl.dot(ds, q_tail)
+            if SHARED_V:
+                dk_main += tl.dot(p.to(do.dtype), do)
+            else:
+                dv_acc += tl.dot(p.to(do.dtype), do)
+    dk_base = DK_OUT + b * sdk_b + hk * sdk_h
+    d = tl.arange(0, DKM)
+    tl.store(dk_base + n[:, None] * sdk_s + d[None, :], dk_main, mask=n_ok[:, None])
+    if DKT > 0:
+        d_tail = tl.arange(0, BLOCK_DKT)
+        tl.store(dk_base + n[:, None] * sdk_s + DKM + d_tail[None, :], dk_tail,
+                 mask=n_ok[:, None] & (d_tail[None, :] < DKT))
+    if not SHARED_V:
+        dv = tl.arange(0, BLOCK_DV)
+        tl.store(DV_OUT + b * sdv_b + hk * sdv_h + n[:, None] * sdv_s + dv[None, :], dv_acc,
+                 mask=n_ok[:, None] & (dv[None, :] < DV))
+
+
+def invert_selection(indices: torch.Tensor, kv_len: int, block_n: int):
+    """Key-major view of a selection, computed on its device without a host sync: (offsets [B * blocks + 1],
+    pair_q [P] int32, pair_bits [P] int64). The pairs offsets[b * blocks + j] : offsets[b * blocks + j + 1] are the
+    queries (ascending) of batch row b that selected keys of block j (keys j * block_n ..), and bit i of a pair's
+    bits says whether key j * block_n + i is one of them. P is bounded by the B * T * K slots (unused ones sit past
+    the last offset)."""
+    batch, q_len, _ = indices.shape
+    n_blocks = -(-kv_len // block_n)
+    idx = indices.long()
+    valid = idx >= 0
+    row = torch.arange(batch, device=idx.device).view(-1, 1, 1) * n_blocks + idx.clamp(min=0) // block_n
+    code = row * q_len + torch.arange(q_len, device=idx.device).view(1, -1, 1)  # sorts by (batch, block, query)
+    unused = batch * n_blocks * q_len
+    code, order = torch.where(valid, code, unused).flatten().sort()
+    bits = torch.where(valid, torch.ones_like(idx) << (idx.clamp(min=0) % block_n), 0).flatten()[order]
+    del order
+    pair = torch.ones_like(code, dtype=torch.bool)
+    pair[1:] = code[1:] != code[:-1]
+    pair = pair.cumsum(0) - 1  # the pair each slot belongs to (slots of one (block, query) are adjacent)
+    pair_code = torch.full_like(code, unused).scatter_(0, pair, code)  # every slot of a pair writes the same code
+    pair_bits = torch.zeros_like(bits).scatter_add_(0, pair, bits)  # a query's keys are distinct: sum = or
+    bounds = torch.arange(batch * n_blocks + 1, device=idx.device) * q_len
+    offsets = torch.searchsorted(pair_code, bounds)
+    return offsets, (pair_code % q_len).to(torch.int32), pair_bits
+
+
+def _split(dim: int) -> tuple[int, int, int]:
+    """A head dim as (power-of-two main part >= 16, tail, the tail's block): 576 -> (512, 64, 64)."""
+    main = max(16, 1 << (dim.bit_length() - 1))
+    tail = max(0, dim - main)
+    return main, tail, max(16, triton.next_power_of_2(tail)) if tail else 16
+
+
+def _shared_v(k, v) -> bool:
+    """v is k[..., :Dv] with Dv the key's main part (MLA's latent as keys and values)."""
+    return (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:3] == k.shape[:3]
+            and v.shape[3] == _split(k.shape[3])[0])
+
+
+def _meta(q, k, v) -> dict:
     group = q.shape[2] // k.shape[2]
+    dkm, dkt, block_dkt = _split(k.shape[3])
+    block_dv = max(16, triton.next_power_of_2(v.shape[3]))
     return {
-        "GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)),
-        "BLOCK_DK": max(16, triton.next_power_of_2(k.shape[3])),
-        "BLOCK_DV": max(16, triton.next_power_of_2(v.shape[3])),
+        # heads per program: every gathered row serves all of them; fewer when the fp32 accumulators grow
+        "GROUP": group, "BLOCK_H": min(max(16, triton.next_power_of_2(group)), 64 if block_dv <= 256 else 32),
+        "DKM": dkm, "DKT": dkt, "BLOCK_DKT": block_dkt, "DV": v.shape[3], "BLOCK_DV": block_dv,
+        "SHARED_V": _shared_v(k, v),
         # the interpreter multiplies bf16 bit patterns in tl.dot: compute in fp32 there
         "DOT_FP32": interpreting() and q.dtype == torch.bfloat16,
     }
 
 
-def _strides(q, k, v, indices, o):
-    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), indices.stride(0), indices.stride(1),
-            o.stride(0), o.stride(1), o.stride(2))
+def _grid_heads(k, meta) -> int:
+    return k.shape[2] * triton.cdiv(meta["GROUP"], meta["BLOCK_H"])
+
+
+def _strides(*tensors):
+    return tuple(s for x in tensors for s in x.stride()[:-1])
 
 
 def _check(*tensors):
@@ -184,23 +311,32 @@ def forward(q, k, v, indices, scale):
     batch, q_len, heads, _ = q.shape
     out = q.new_empty(batch, q_len, heads, v.shape[3])
     lse = torch.empty(batch, q_len, heads, dtype=torch.float32, device=q.device)
-    _sparse_attn_fwd[(q_len, k.shape[2], batch)](
-        q, k, v, indices, out, lse, *_strides(q, k, v, indices, out), indices.shape[2], scale * LOG2E,
-        DK=k.shape[3], DV=v.shape[3], **_meta(q, k, v, indices))
+    meta = _meta(q, k, v)
+    _sparse_attn_fwd[(q_len, _grid_heads(k, meta), batch)](
+        q, k, v, indices, out, lse, *_strides(q, k, v, indices, out), q_len, heads, indices.shape[2], scale * LOG2E,
+        **meta)
     return out, lse
 
 
 def backward(q, k, v, indices, scale, out, lse, grad_out):
+    """(dq, dk, dv) in the input dtypes; with values shared from the keys, dk carries both and dv is None."""
     indices = indices.to(torch.int32).contiguous()
     grad_out = grad_out.contiguous()
     _check(q, k, v)
+    batch, q_len, heads, _ = q.shape
+    meta = _meta(q, k, v)
     delta = (out.float() * grad_out.float()).sum(-1).contiguous()
     dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    _sparse_attn_bwd[(q.shape[1], k.shape[2], q.shape[0])](
-        q, k, v, indices, grad_out, lse, delta, dq, dk, dv, *_strides(q, k, v, indices, grad_out),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        indices.shape[2], scale, HEAD_DK=k.shape[3], HEAD_DV=v.shape[3], BLOCK_S=64, num_warps=4, num_stages=1,
-        **_meta(q, k, v, indices))
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    _sparse_attn_bwd_dq[(q_len, _grid_heads(k, meta), batch)](
+        q, k, v, indices, grad_out, lse, delta, dq, *_strides(q, k, v, indices, grad_out), q_len, heads,
+        indices.shape[2], scale * LOG2E, scale, BLOCK_S=32, num_warps=8, num_stages=1, **meta)
+    # 16 keys per program at latent widths: its [keys, 512] fp32 accumulators stay in registers (sm_90 build)
+    block_n = 16 if max(meta["BLOCK_DV"], meta["DKM"]) > 256 else 64
+    offsets, pair_q, pair_bits = invert_selection(indices, k.shape[1], block_n)
+    dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+    dv = dk if meta["SHARED_V"] else torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    n_blocks = triton.cdiv(k.shape[1], block_n)
+    _sparse_attn_bwd_dkv[(n_blocks, k.shape[2], batch)](
+        q, k, v, grad_out, lse, delta, offsets, pair_q, pair_bits, dk, dv, *_strides(q, k, v, grad_out, dk, dv),
+        q_len, k.shape[1], heads, n_blocks, scale * LOG2E, scale, BLOCK_N=block_n, num_warps=8, num_stages=1, **meta)
+    return dq, dk.to(k.dtype), None if meta["SHARED_V"] else dv.to(v.dtype)
