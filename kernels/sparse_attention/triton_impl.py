@@ -10,7 +10,8 @@ deterministic, and each query's rows are read once per key block instead of bein
 
 The key head dim is split into a power-of-two main part and a tail (576 = 512 + 64, 192 = 128 + 64), so no tile is
 padded to the next power of two. When the values are the first columns of the keys (MLA's latent: v = kv[..., :r])
-the kernels read them from the key tile and dK/dV come back as one gradient of the keys.
+the kernels read them from the key tiles (DVT of them from the tail: a LoRA adapter's per-token latent rides
+there, families/mla.py) and dK/dV come back as one gradient of the keys.
 
 Layouts: q [B,T,H,Dk], k [B,S,Hkv,Dk], v [B,S,Hkv,Dv] (last dim contiguous), indices [B,T,K] int32, -1 = no key.
 """
@@ -64,7 +65,7 @@ def _forward_configs():
     return [triton.Config({"BLOCK_S": s}, num_warps=8, num_stages=2) for s in (32, 64)]
 
 
-@triton.autotune(configs=_forward_configs(), key=["GROUP", "BLOCK_H", "DKM", "DKT", "DV", "SHARED_V"])
+@triton.autotune(configs=_forward_configs(), key=["GROUP", "BLOCK_H", "DKM", "DKT", "DV", "SHARED_V", "DVT"])
 @triton.jit
 def _sparse_attn_fwd(
     Q, K, V, IDX, O, LSE,
@@ -72,7 +73,7 @@ def _sparse_attn_fwd(
     q_len, n_heads, n_sel, scale_log2,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DKM: tl.constexpr, DKT: tl.constexpr,
     BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DVT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hk, heads, head_ok = _head_block(tl.program_id(1).to(tl.int64), GROUP, BLOCK_H)
@@ -84,6 +85,8 @@ def _sparse_attn_fwd(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    if DVT > 0:
+        acc_tail = tl.zeros([BLOCK_H, BLOCK_DKT], tl.float32)  # value columns DKM .. DKM + DVT
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
     for start in range(0, n_sel, BLOCK_S):
@@ -92,7 +95,8 @@ def _sparse_attn_fwd(
         k_main = _rows(k_base, idx, valid, sk_s, 0, DKM, DKM, DOT_FP32)
         s = tl.dot(q_main, tl.trans(k_main))
         if DKT > 0:
-            s += tl.dot(q_tail, tl.trans(_rows(k_base, idx, valid, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)))
+            k_tail = _rows(k_base, idx, valid, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)
+            s += tl.dot(q_tail, tl.trans(k_tail))
         if SHARED_V:
             vb = k_main
         else:
@@ -104,13 +108,20 @@ def _sparse_attn_fwd(
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        if DVT > 0:
+            acc_tail = acc_tail * alpha[:, None] + tl.dot(p.to(k_tail.dtype), k_tail)
         m = m_new
     has_keys = l > 0.0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    norm = tl.where(has_keys, l, 1.0)[:, None]
     lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) / LOG2E_CONST, float("-inf"))
+    o_base = O + b * so_b + t * so_t + heads[:, None] * so_h
     dv = tl.arange(0, BLOCK_DV)
-    tl.store(O + b * so_b + t * so_t + heads[:, None] * so_h + dv[None, :], out.to(O.dtype.element_ty),
+    tl.store(o_base + dv[None, :], (acc / norm).to(O.dtype.element_ty),
              mask=head_ok[:, None] & (dv[None, :] < DV))
+    if DVT > 0:
+        d_tail = tl.arange(0, BLOCK_DKT)
+        tl.store(o_base + DKM + d_tail[None, :], (acc_tail / norm).to(O.dtype.element_ty),
+                 mask=head_ok[:, None] & (d_tail[None, :] < DVT))
     tl.store(LSE + (b * q_len + t) * n_heads + heads, lse, mask=head_ok)  # LSE is [B,T,H] contiguous
 
 
@@ -121,7 +132,7 @@ def _sparse_attn_bwd_dq(
     q_len, n_heads, n_sel, scale_log2, scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DKM: tl.constexpr, DKT: tl.constexpr,
     BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DVT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hk, heads, head_ok = _head_block(tl.program_id(1).to(tl.int64), GROUP, BLOCK_H)
@@ -131,7 +142,10 @@ def _sparse_attn_bwd_dq(
     if DKT > 0:
         q_tail = _rows(q_base, heads, head_ok, sq_h, DKM, DKT, BLOCK_DKT, DOT_FP32)
         dq_tail = tl.zeros([BLOCK_H, BLOCK_DKT], tl.float32)
-    do = _rows(DO + b * so_b + t * so_t, heads, head_ok, so_h, 0, DV, BLOCK_DV, DOT_FP32)
+    do_base = DO + b * so_b + t * so_t
+    do = _rows(do_base, heads, head_ok, so_h, 0, DV, BLOCK_DV, DOT_FP32)
+    if DVT > 0:
+        do_tail = _rows(do_base, heads, head_ok, so_h, DKM, DVT, BLOCK_DKT, DOT_FP32)
     row = (b * q_len + t) * n_heads + heads
     lse = tl.load(LSE + row, mask=head_ok, other=float("-inf")) * LOG2E_CONST
     lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows without keys: every p becomes 0
@@ -152,7 +166,10 @@ def _sparse_attn_bwd_dq(
         else:
             vb = _rows(v_base, idx, valid, sv_s, 0, DV, BLOCK_DV, DOT_FP32)
         p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
-        ds = (p * (tl.dot(do, tl.trans(vb)) - delta[:, None])).to(k_main.dtype)
+        dp = tl.dot(do, tl.trans(vb))
+        if DVT > 0:
+            dp += tl.dot(do_tail, tl.trans(k_tail))
+        ds = (p * (dp - delta[:, None])).to(k_main.dtype)
         dq_main += tl.dot(ds, k_main)
         if DKT > 0:
             dq_tail += tl.dot(ds, k_tail)
@@ -174,11 +191,11 @@ def _sparse_attn_bwd_dkv(
     q_len, kv_len, n_heads, n_blocks, scale_log2, scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DKM: tl.constexpr, DKT: tl.constexpr,
     BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DVT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """One program per (block of BLOCK_N keys, kv head, batch): dK/dV of those rows from the queries that selected
     any of them (PAIR_Q/PAIR_BITS[OFFSETS[b, blk] : OFFSETS[b, blk + 1]]). With SHARED_V the value gradient is
-    added to the key's main columns (the values are those columns) and DV_OUT is not written."""
+    added to the key columns the values are (main, and DVT of the tail) and DV_OUT is not written."""
     blk = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -211,12 +228,18 @@ def _sparse_attn_bwd_dkv(
             if DKT > 0:
                 q_tail = _rows(q_base, heads, head_ok, sq_h, DKM, DKT, BLOCK_DKT, DOT_FP32)
                 s += tl.dot(k_tail, tl.trans(q_tail))
-            do = _rows(DO + b * so_b + t * so_t, heads, head_ok, so_h, 0, DV, BLOCK_DV, DOT_FP32)
+            do_base = DO + b * so_b + t * so_t
+            do = _rows(do_base, heads, head_ok, so_h, 0, DV, BLOCK_DV, DOT_FP32)
             row = (b * q_len + t) * n_heads + heads
             lse = tl.load(LSE + row, mask=head_ok, other=0.0) * LOG2E_CONST  # finite: query t has keys
             delta = tl.load(DELTA + row, mask=head_ok, other=0.0)
             p = tl.where(chosen[:, None] & head_ok[None, :], tl.exp2(s * scale_log2 - lse[None, :]), 0.0)
-            ds = (p * (tl.dot(vb, tl.trans(do)) - delta[None, :]) * scale).to(q_main.dtype)
+            dp = tl.dot(vb, tl.trans(do))
+            if DVT > 0:
+                do_tail = _rows(do_base, heads, head_ok, so_h, DKM, DVT, BLOCK_DKT, DOT_FP32)
+                dp += tl.dot(k_tail, tl.trans(do_tail))
+                dk_tail += tl.dot(p.to(do_tail.dtype), do_tail)
+            ds = (p * (dp - delta[None, :]) * scale).to(q_main.dtype)
             dk_main += tl.dot(ds, q_main)
             if DKT > 0:
                 dk_tail += tl.dot(ds, q_tail)
@@ -271,20 +294,22 @@ def _split(dim: int) -> tuple[int, int, int]:
 
 
 def _shared_v(k, v) -> bool:
-    """v is k[..., :Dv] with Dv the key's main part (MLA's latent as keys and values)."""
+    """v is k[..., :Dv] and covers at least the key's main part (MLA's latent as keys and values)."""
     return (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:3] == k.shape[:3]
-            and v.shape[3] == _split(k.shape[3])[0])
+            and v.shape[3] >= _split(k.shape[3])[0])
 
 
 def _meta(q, k, v) -> dict:
     group = q.shape[2] // k.shape[2]
     dkm, dkt, block_dkt = _split(k.shape[3])
-    block_dv = max(16, triton.next_power_of_2(v.shape[3]))
+    shared = _shared_v(k, v)
+    block_dv = dkm if shared else max(16, triton.next_power_of_2(v.shape[3]))
     return {
         # heads per program: every gathered row serves all of them; fewer when the fp32 accumulators grow
         "GROUP": group, "BLOCK_H": min(max(16, triton.next_power_of_2(group)), 64 if block_dv <= 256 else 32),
-        "DKM": dkm, "DKT": dkt, "BLOCK_DKT": block_dkt, "DV": v.shape[3], "BLOCK_DV": block_dv,
-        "SHARED_V": _shared_v(k, v),
+        # DV: the value columns of V, or of the key's main part when shared (DVT more come from its tail)
+        "DKM": dkm, "DKT": dkt, "BLOCK_DKT": block_dkt, "DV": dkm if shared else v.shape[3], "BLOCK_DV": block_dv,
+        "SHARED_V": shared, "DVT": v.shape[3] - dkm if shared else 0,
         # the interpreter multiplies bf16 bit patterns in tl.dot: compute in fp32 there
         "DOT_FP32": interpreting() and q.dtype == torch.bfloat16,
     }
@@ -325,6 +350,8 @@ def backward(q, k, v, indices, scale, out, lse, grad_out):
     _check(q, k, v)
     batch, q_len, heads, _ = q.shape
     meta = _meta(q, k, v)
+    if meta["DKM"] > 256 and meta["BLOCK_DKT"] > 64:  # a latent with a wide tail: fewer heads per program
+        meta["BLOCK_H"] = min(meta["BLOCK_H"], 16)
     delta = (out.float() * grad_out.float()).sum(-1).contiguous()
     dq = torch.empty_like(q)
     _sparse_attn_bwd_dq[(q_len, _grid_heads(k, meta), batch)](

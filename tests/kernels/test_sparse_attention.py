@@ -99,8 +99,8 @@ def test_triton_kernels_match_the_oracle(dtype, tol):
 
 @on_triton
 def test_triton_kernels_over_a_shared_latent(dtype=torch.bfloat16, tol=0.01):
-    """MLA absorbed: one kv head whose first columns are also the values (v = kv[..., :16]), a key dim with a tail
-    (24 = 16 + 8), 72 query heads (two head blocks), 70 keys (two key blocks of the dK/dV pass). The latent's
+    """MLA absorbed: one kv head whose first columns are also the values (v = kv[..., :20]: the key's main part
+    and 4 of its tail, 24 = 16 + 8), 72 query heads (two head blocks), 70 keys (two key blocks of the dK/dV pass). The latent's
     gradient (keys and values in one) matches the oracle's, and two backward passes agree bit for bit."""
     device = backend_device("triton")
     gen = torch.Generator().manual_seed(5)
@@ -108,10 +108,10 @@ def test_triton_kernels_over_a_shared_latent(dtype=torch.bfloat16, tol=0.01):
     kv = torch.randn(1, 70, 1, 24, generator=gen).to(dtype).to(device).requires_grad_()
     indices = select_topk(torch.randn(1, 70, 2, 8, generator=gen), torch.randn(1, 70, 8, generator=gen),
                           torch.randn(1, 70, 2, generator=gen), 24).to(device)
-    grad = torch.randn(1, 70, 72, 16, generator=gen).to(dtype).to(device)
-    expected = sparse_attention_reference(q.float(), kv.float(), kv.float()[..., :16], indices, 0.2)
+    grad = torch.randn(1, 70, 72, 20, generator=gen).to(dtype).to(device)
+    expected = sparse_attention_reference(q.float(), kv.float(), kv.float()[..., :20], indices, 0.2)
     want = torch.autograd.grad(expected, (q, kv), grad.float())
-    out = sparse_attention(q, kv, kv[..., :16], indices, 0.2, backend="triton")
+    out = sparse_attention(q, kv, kv[..., :20], indices, 0.2, backend="triton")
     got = torch.autograd.grad(out, (q, kv), grad, retain_graph=True)
     for name, a, b in zip(("out", "dq", "dkv"), (out, *got), (expected, *want)):
         assert rmse_ratio(a, b) <= tol, (name, rmse_ratio(a, b))

@@ -21,9 +21,8 @@ import torch
 from moetune.api.environment import ENV_PERTURB_OP
 from moetune.api.errors import ErrorCode
 import moetune.kernels.quant.modules as quant_modules
-import moetune.workers.families.deepseek_v32.dsa as dsa_module
-import moetune.workers.families.glm5_next.sparse_attention as glm5_sparse_module
 import moetune.workers.families.kda as kda_module
+import moetune.workers.families.mla as mla_module
 from moetune.kernels.kda import l2norm
 from moetune.kernels.kda.naive import naive_recurrent_kda
 from moetune.kernels.sparse_attention.reference import sparse_attention_reference
@@ -76,8 +75,7 @@ def _swapped_experts(model) -> list[tuple[object, str]]:
 
 OPERATORS = (
     Operator("kda", _module_site(kda_module, "chunk_kda"), _kda_reference),
-    Operator("sparse_attention", lambda model: [(glm5_sparse_module, "sparse_attention"),
-                                                (dsa_module, "sparse_attention")], _sparse_reference),
+    Operator("sparse_attention", _module_site(mla_module, "sparse_attention"), _sparse_reference),
     Operator("experts", _swapped_experts, grouped_expert_forward),
     Operator("quantized_linear", _module_site(quant_modules, "quantized_linear"), _quantized_reference),
 )

@@ -97,6 +97,11 @@ class RowLoraLinear(nn.Module):
     def bias(self):
         return self.base_layer.bias
 
+    @property
+    def varies_by_row(self) -> bool:
+        """Whether this forward's rows see different weights here (families.mla then keeps MLA expanded)."""
+        return self.selection.uniform is None and bool(self.selection.slots & self.factors.filled)
+
     def forward(self, x):
         y = self.base_layer(x)
         sel, f = self.selection, self.factors

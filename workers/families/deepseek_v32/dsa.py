@@ -6,8 +6,8 @@ each DSA attention module on the `moetune_dsa` implementation:
 - the causal mask becomes a `RowMask`, which builds the same mask a block of query rows at a time, on demand;
 - the indexer selects with `kernels.sparse_attention.select_topk` one block of queries at a time (same projections,
   RoPE and scores as transformers', the -inf of invisible keys turned into -1 slots);
-- attention runs `kernels.sparse_attention.sparse_attention` over the selected keys (transformers hands the top-k
-  indices to any implementation other than eager/SDPA).
+- attention runs `kernels.sparse_attention.sparse_attention` over the selected tokens' latent, not expanded per
+  head (families/mla.py; transformers hands the top-k indices to any implementation other than eager/SDPA).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
     apply_rotary_pos_emb,
 )
 
-from moetune.kernels.sparse_attention import select_topk, sparse_attention
+from moetune.kernels.sparse_attention import select_topk
+from moetune.workers.families.mla import mla_sparse_attention, use_latent_kv
 
 ATTN_IMPLEMENTATION = "moetune_dsa"
 ROW_ELEMENTS = 1 << 24  # bound on one block's [B, rows, heads, keys] indexer scores
@@ -74,15 +75,13 @@ def _row_mask(**kwargs) -> RowMask:
 
 
 def _dsa_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, indices=None, **_):
-    """transformers attention-interface signature: query/key/value [B, H, T|S, D]; `indices` [B, T, K] (-1 = none)
-    from the indexer. Returns ([B, T, H, Dv], None)."""
+    """transformers attention-interface signature: query [B, H, T, D], key/value the latent (mla.py); `indices`
+    [B, T, K] (-1 = none) from the indexer. Returns ([B, T, H, Dv], None)."""
     if indices is None:
         raise TypeError(f"{ATTN_IMPLEMENTATION} attention needs the indexer's top-k indices")
     if dropout:
         raise ValueError(f"{ATTN_IMPLEMENTATION} attention has no attention dropout (got {dropout})")
-    out = sparse_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), indices, scale=scaling,
-                           backend=module.sparse_attention_backend)
-    return out, None
+    return mla_sparse_attention(module, query, key, value, indices, scaling), None
 
 
 def apply_dsa_kernels(model, backend: str | None = None) -> int:
@@ -98,5 +97,6 @@ def apply_dsa_kernels(model, backend: str | None = None) -> int:
     for module in modules:
         module.indexer.__class__ = ChunkedDeepseekV32Indexer
         module.sparse_attention_backend = backend
+        use_latent_kv(module)
         module.config._attn_implementation = ATTN_IMPLEMENTATION
     return len(modules)

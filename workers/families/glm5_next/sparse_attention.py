@@ -1,10 +1,10 @@
 """glm5_next's indexed (DSA) attention on kernels/sparse_attention instead of a dense T×S mask.
 
 transformers turns each layer's top-k indices into a dense boolean/additive mask and runs full attention under it.
-The swap keeps the model's own projections and cross-layer index sharing, and changes three things on each
-indexed-attention module: its indexer becomes the query-chunked one (workers/glm5_next_indexer: same selection, no
-T×T tensor), the indices are handed through unchanged instead of becoming a mask, and the attention call resolves
-to `moetune_sparse`, which attends over the selected keys only.
+The swap keeps the model's own projections and cross-layer index sharing, and changes four things on each
+indexed-attention module: its indexer becomes the query-chunked one (indexer.py: same selection, no T×T tensor),
+the indices are handed through unchanged instead of becoming a mask, the latent is not expanded per head, and the
+attention call resolves to `moetune_sparse`, which attends over the selected tokens' latent only (families/mla.py).
 """
 
 from __future__ import annotations
@@ -13,23 +13,22 @@ import torch
 from transformers import AttentionInterface
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
 
-from moetune.kernels.sparse_attention import sparse_attention
 from moetune.workers.families.glm5_next.indexer import ChunkedGlm5NextIndexer
+from moetune.workers.families.mla import mla_sparse_attention, use_latent_kv
 
 ATTN_IMPLEMENTATION = "moetune_sparse"
 
 
 def _sparse_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **_):
-    """transformers attention-interface signature: query/key/value [B, H, T|S, D]; `attention_mask` carries the
-    int top-k indices [B, T, K] (-1 = none) from the patched mask builder. Returns ([B, T, H, Dv], None)."""
+    """transformers attention-interface signature: query [B, H, T, D], key/value the latent (mla.py);
+    `attention_mask` carries the int top-k indices [B, T, K] (-1 = none) from the patched mask builder.
+    Returns ([B, T, H, Dv], None)."""
     if attention_mask is None or attention_mask.is_floating_point() or attention_mask.dtype == torch.bool:
         raise TypeError(f"{ATTN_IMPLEMENTATION} attention needs top-k indices; only swapped indexed-attention "
                         "modules can use it")
     if dropout:
         raise ValueError(f"{ATTN_IMPLEMENTATION} attention has no attention dropout (got {dropout})")
-    out = sparse_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask,
-                           scale=scaling, backend=module.sparse_attention_backend)
-    return out, None
+    return mla_sparse_attention(module, query, key, value, attention_mask, scaling), None
 
 
 def _indices_as_mask(topk_indices, query_states, kv_length):
@@ -57,5 +56,6 @@ def apply_sparse_attention_kernels(model, backend: str | None = None) -> int:
         if module.indexer is not None:  # a "shared" layer reuses the previous layer's indices
             module.indexer.__class__ = ChunkedGlm5NextIndexer
         module.sparse_attention_backend = backend
+        use_latent_kv(module)
         module.config._attn_implementation = ATTN_IMPLEMENTATION
     return len(modules)
