@@ -12,8 +12,10 @@ Stages, each written as one JSON line to stdout and to $OUT/gpu_check.jsonl (whe
                with torch.cuda.set_sync_debug_mode("warn")
   job_step     one process group of one rank (NCCL), the tiny model of a family through moetune's own engine
                (DeepSpeed ZeRO-2 and ZeRO-3), custom kernels on vs off: the first losses must agree
-  bench        KDA (moetune's Triton vs fla's chunk_kda when fla is here), sparse attention vs dense causal SDPA
-               at 8K/32K, MoE Triton vs torch grouped_mm; time, TFLOP/s and GB/s against the env peaks
+  bench        KDA (moetune's Triton vs fla's chunk_kda when fla is here), sparse attention over the shared MLA
+               latent and over per-head keys, for the latest and for random top-k keys, forward and backward, vs
+               dense causal SDPA at 8K/32K, MoE Triton vs torch grouped_mm; time, TFLOP/s and GB/s against the env
+               peaks
 The last line is `RESULT key=value ...`. A failed check is recorded and the later stages still run; the exit
 status is 1 when any check failed.
 
@@ -226,17 +228,18 @@ def _check_kda(s: Setting, dtype, impl=None) -> float:
 
 
 def _check_sparse(s: Setting, dtype) -> float:
+    """Over a shared latent as the MLA families run it (one kv head; values = its first columns; a RoPE tail)."""
     from moetune.kernels.sparse_attention import select_topk, sparse_attention
     from moetune.kernels.sparse_attention.reference import sparse_attention_reference
 
-    t, h, hkv, d, topk = (20, 2, 1, 16, 8) if s.dry else (512, 16, 1, 128, 128)
-    q, k, v = _leaves(s.device, dtype, (1, t, h, d), (1, t, hkv, d), (1, t, hkv, d))
+    t, h, dk, dv, topk = (20, 2, 24, 16, 8) if s.dry else (512, 32, 576, 512, 128)
+    q, kv = _leaves(s.device, dtype, (1, t, h, dk), (1, t, 1, dk), scale=dk**-0.25)
     qi, ki, wi = _leaves(s.device, dtype, (1, t, 2, 16), (1, t, 16), (1, t, 2), grad=False)
     indices = select_topk(qi.float(), ki.float(), wi.float(), topk)
-    out = sparse_attention(q, k, v, indices, d**-0.5, backend="triton")
-    fp32 = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    ref = sparse_attention_reference(*fp32, indices, d**-0.5)
-    pairs = [(out, ref), *zip(_grads(out, (q, k, v)), _grads(ref, fp32))]
+    out = sparse_attention(q, kv, kv[..., :dv], indices, dk**-0.5, backend="triton")
+    fp32 = [x.detach().float().requires_grad_() for x in (q, kv)]
+    ref = sparse_attention_reference(fp32[0], fp32[1], fp32[1][..., :dv], indices, dk**-0.5)
+    pairs = [(out, ref), *zip(_grads(out, (q, kv)), _grads(ref, fp32))]
     return max(_rmse(a, b) for a, b in pairs)
 
 
@@ -436,34 +439,73 @@ def _bench_kda(s: Setting, peaks: dict) -> dict:
     return out
 
 
+def _selections(s: Setting, seq: int, topk: int) -> dict:
+    """Two causal top-k selections: the latest keys (every key block the dK/dV pass visits is full) and random
+    keys (the most (query, key block) pairs it can meet); -1 where the prefix is shorter."""
+    import torch
+
+    pos = torch.arange(seq, device=s.device)
+    latest = pos[:, None] - torch.arange(topk, device=s.device)
+    random = torch.full((seq, topk), -1, dtype=torch.int32, device=s.device)
+    gen = torch.Generator(device=s.device).manual_seed(0)
+    for start in range(0, seq, 1024):
+        rows = pos[start:start + 1024]
+        score = torch.rand(len(rows), seq, generator=gen, device=s.device).masked_fill(pos > rows[:, None], -1)
+        best, idx = score.topk(min(topk, seq), dim=-1)
+        random[start:start + 1024, :idx.shape[1]] = torch.where(best >= 0, idx, -1).int()
+    return {"latest": torch.where(latest >= 0, latest, -1)[None].int(), "random": random[None]}
+
+
 def _bench_sparse(s: Setting, peaks: dict) -> dict:
+    """glm5_next's indexed attention at 8K/32K: over the shared latent (64 heads, 512 wide; what the family runs)
+    and, at 8K, over per-head keys (transformers' expanded MLA, 256/256), forward and forward + backward, against
+    dense causal SDPA (flash) at the expanded head dims."""
     import torch
     import torch.nn.functional as F
 
     from moetune.kernels.sparse_attention import sparse_attention
 
     out = {}
+    h, latent, head, topk = (2, 16, 16, 8) if s.dry else (64, 512, 256, 2048)
     for seq in ((32,) if s.dry else (8192, 32768)):
-        h, d, topk = (2, 16, 8) if s.dry else (64, 128, 2048)
-        q, k, v = _leaves(s.device, torch.bfloat16, (1, seq, h, d), (1, seq, 1, d), (1, seq, 1, d), grad=False)
-        pos = torch.arange(seq, device=s.device)
-        # the top-k latest keys of each query (causal; -1 where the prefix is shorter): the gather is the cost
-        latest = pos[:, None] - torch.arange(topk, device=s.device)
-        indices = torch.where(latest >= 0, latest, -1)[None].int()
-        # the dense baseline's kv heads expanded in memory: a stride-0 view would leave SDPA's flash kernel
-        kd, vd = (x.expand(1, seq, h, d).transpose(1, 2).contiguous() for x in (k, v))
+        q_lat, kv = _leaves(s.device, torch.bfloat16, (1, seq, h, latent), (1, seq, 1, latent), scale=0.1)
+        q, k, v = _leaves(s.device, torch.bfloat16, (1, seq, h, head), (1, seq, h, head), (1, seq, h, head),
+                          scale=0.1)
+        row = {}
+        for name, indices in _selections(s, seq, topk).items():
+            def absorbed():
+                return sparse_attention(q_lat, kv, kv, indices, latent**-0.5, backend="triton")
+
+            def expanded():
+                return sparse_attention(q, k, v, indices, head**-0.5, backend="triton")
+
+            forms = (("latent", absorbed), ("per_head", expanded)) if seq <= 8192 else (("latent", absorbed),)
+            for form, fn in forms:  # per-head keys at 32K: minutes, not the check's budget
+                with torch.no_grad():
+                    fwd = s.seconds(fn, reps=3)
+                y = fn()
+                grad = torch.ones_like(y)
+                both = s.seconds(lambda: torch.autograd.grad(fn(), (q_lat, kv) if form == "latent" else (q, k, v),
+                                                              grad), reps=3)
+                row[f"{form}_{name}"] = {"fwd_ms": round(fwd * 1e3, 3), "fwd_bwd_ms": round(both * 1e3, 3)}
+        qd, kd, vd = (x.transpose(1, 2) for x in (q, k, v))
         with torch.no_grad():
-            t_sparse = s.seconds(lambda: sparse_attention(q, k, v, indices, d**-0.5, backend="triton"), reps=5)
-            t_dense = s.seconds(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), kd, vd, is_causal=True),
-                                reps=5)
-        sparse_flops, dense_flops = 4 * seq * min(topk, seq) * h * d, 4 * seq * (seq + 1) / 2 * h * d
-        gathered = seq * min(topk, seq) * 2 * d * 2  # bytes of K and V rows gathered (bf16)
-        out[f"{seq}"] = {"sparse_ms": round(t_sparse * 1e3, 3), "sdpa_ms": round(t_dense * 1e3, 3),
-                         "speedup": round(t_dense / t_sparse, 2),
-                         "sparse_tflops": round(sparse_flops / t_sparse / 1e12, 2),
-                         "sdpa_tflops": round(dense_flops / t_dense / 1e12, 2),
-                         "sparse_gather_gbs": round(gathered / t_sparse / 1e9, 1),
-                         "sparse_of_copy_peak": round(gathered / t_sparse / 1e9 / peaks["peak_copy_gbs"], 4)}
+            dense = s.seconds(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True), reps=3)
+        dense_both = s.seconds(lambda: torch.autograd.grad(F.scaled_dot_product_attention(
+            qd, kd, vd, is_causal=True), (q, k, v), torch.ones(1, h, seq, head, dtype=torch.bfloat16,
+                                                                 device=s.device)), reps=3)
+        row["sdpa"] = {"fwd_ms": round(dense * 1e3, 3), "fwd_bwd_ms": round(dense_both * 1e3, 3)}
+        kept = min(topk, seq)
+        latent_flops = 2 * seq * kept * h * 2 * latent  # scores and values over the latent, forward
+        row["latent_latest_fwd_tflops"] = round(latent_flops / row["latent_latest"]["fwd_ms"] / 1e9, 2)
+        row["latent_latest_of_peak"] = round(row["latent_latest_fwd_tflops"] / peaks["peak_bf16_tflops"], 4)
+        for name in ("latest", "random"):
+            row[f"speedup_vs_sdpa_{name}"] = round(row["sdpa"]["fwd_bwd_ms"] / row[f"latent_{name}"]["fwd_bwd_ms"], 2)
+            if f"per_head_{name}" in row:
+                row[f"latent_vs_per_head_{name}"] = round(row[f"per_head_{name}"]["fwd_bwd_ms"]
+                                                          / row[f"latent_{name}"]["fwd_bwd_ms"], 2)
+        out[f"{seq}"] = row
+        del q_lat, kv, q, k, v
     return out
 
 
@@ -527,7 +569,9 @@ def main(argv=None) -> int:
                                   if isinstance(v, float)), default=None),
                "moe_syncs": syncs.get("moe_layer_fwd_bwd"), "kda_syncs": syncs.get("kda_layer_fwd"),
                "job_step": "skipped" if "skipped" in job else ("error" if "error" in job else "ok"),
-               "moe_triton_vs_grouped_mm": bench.get("moe", {}).get("triton_vs_grouped_mm")}
+               "moe_triton_vs_grouped_mm": bench.get("moe", {}).get("triton_vs_grouped_mm"),
+               **{f"sparse_{seq}_vs_sdpa_{sel}": row.get(f"speedup_vs_sdpa_{sel}")
+                  for seq, row in bench.get("sparse_attention", {}).items() for sel in ("latest", "random")}}
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
     return 1 if report.failures else 0
 
