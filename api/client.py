@@ -46,9 +46,21 @@ def _raise_for_error(response: httpx.Response) -> None:
         raise APIError.from_response(response)
 
 
+def _send(http: httpx.Client, method: str, path: str, stream: bool = False, **kwargs) -> httpx.Response:
+    """One request; an idempotent one is sent once more when the server closed the pooled connection it went out
+    on without answering (the keep-alive race: the server's idle timeout ends just as the client reuses it)."""
+    request = http.build_request(method, path, **kwargs)
+    try:
+        return http.send(request, stream=stream)
+    except httpx.RemoteProtocolError:
+        if method not in ("GET", "HEAD", "DELETE"):
+            raise
+        return http.send(request, stream=stream)
+
+
 def _typed(http: httpx.Client, method: str, path: str, model: type[BaseModel], **kwargs) -> Any:
     """The answer as `model`; APIError for an error answer."""
-    response = http.request(method, path, **kwargs)
+    response = _send(http, method, path, **kwargs)
     _raise_for_error(response)
     return model.model_validate(response.json())
 
@@ -124,7 +136,7 @@ class Jobs:
 
     def report_html(self, job_id: str) -> str:
         """The same report as one self-contained HTML page."""
-        response = self._http.get(f"{JOBS_PATH}/{job_id}/report.html")
+        response = _send(self._http, "GET", f"{JOBS_PATH}/{job_id}/report.html")
         _raise_for_error(response)
         return response.text
 
@@ -135,13 +147,16 @@ class Jobs:
         The server sends keep-alive comments, so `read_timeout` only trips on a dead connection.
         """
         timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout)
-        with self._http.stream("GET", f"{JOBS_PATH}/{job_id}/events", params=_params(stream="true", after=after),
-                               headers={"Accept": "text/event-stream"}, timeout=timeout) as response:
+        response = _send(self._http, "GET", f"{JOBS_PATH}/{job_id}/events", stream=True, timeout=timeout,
+                         params=_params(stream="true", after=after), headers={"Accept": "text/event-stream"})
+        try:
             _raise_for_error(response)
             for name, data in _sse_events(response.iter_lines()):
                 if name == "done":
                     return
                 yield JobEvent.model_validate_json(data)
+        finally:
+            response.close()
 
     def wait(self, job_id: str, timeout: float, poll_interval: float = 2.0,
              on_event: Callable[[JobEvent], None] | None = None) -> Job:
@@ -196,7 +211,7 @@ class Files:
         return _typed(self._http, "GET", f"{FILES_PATH}/{file_id}", FileObject)
 
     def content(self, file_id: str) -> bytes:
-        response = self._http.get(f"{FILES_PATH}/{file_id}/content")
+        response = _send(self._http, "GET", f"{FILES_PATH}/{file_id}/content")
         _raise_for_error(response)
         return response.content
 

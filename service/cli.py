@@ -56,8 +56,16 @@ class _FriendlyErrors(click.Group):
             where = f" ({e.param})" if e.param else ""
             raise click.ClickException(f"{e.status_code} {e.code}{where}: {e.message}") from None
         except (OSError, httpx.TransportError) as e:  # connection refused, DNS, timeouts
-            where = (ctx.obj or {}).get("url", "")
-            raise click.ClickException(f"cannot reach the control plane at {where}: {e}") from None
+            raise click.ClickException(f"cannot reach the control plane at {_server_of(e, ctx)}: {e}") from None
+
+
+def _server_of(error: Exception, ctx) -> str:
+    """The server the failed request went to (`demo` runs its own control plane), else the configured URL."""
+    try:
+        url = error.request.url
+    except (AttributeError, RuntimeError):  # not an httpx error, or one raised before its request existed
+        return (ctx.obj or {}).get("url", "")
+    return f"{url.scheme}://{url.netloc.decode()}"
 
 
 @click.group(cls=_FriendlyErrors)
