@@ -59,6 +59,24 @@ def _head_block(pid, GROUP: tl.constexpr, BLOCK_H: tl.constexpr):
     return hk, hk * GROUP + g, g < GROUP
 
 
+@triton.jit
+def _gathered(q_main, q_tail, k_base, v_base, idx, valid, sk_s, sv_s, DKM: tl.constexpr, DKT: tl.constexpr,
+              BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
+              DOT_FP32: tl.constexpr):
+    """The key rows idx (main part, tail) and their values, gathered once for all heads of the block, and the
+    heads' raw scores against them [BLOCK_H, BLOCK_S]."""
+    k_main = _rows(k_base, idx, valid, sk_s, 0, DKM, DKM, DOT_FP32)
+    s = tl.dot(q_main, tl.trans(k_main))
+    k_tail = k_main  # unused without a tail
+    if DKT > 0:
+        k_tail = _rows(k_base, idx, valid, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)
+        s += tl.dot(q_tail, tl.trans(k_tail))
+    vb = k_main
+    if not SHARED_V:
+        vb = _rows(v_base, idx, valid, sv_s, 0, DV, BLOCK_DV, DOT_FP32)
+    return s, k_main, k_tail, vb
+
+
 def _forward_configs():
     if interpreting():  # the interpreter cannot autotune over several configs
         return [triton.Config({"BLOCK_S": 32}, num_warps=4, num_stages=2)]
@@ -80,6 +98,7 @@ def _sparse_attn_fwd(
     b = tl.program_id(2).to(tl.int64)
     q_base = Q + b * sq_b + t * sq_t
     q_main = _rows(q_base, heads, head_ok, sq_h, 0, DKM, DKM, DOT_FP32)
+    q_tail = q_main  # unused without a tail
     if DKT > 0:
         q_tail = _rows(q_base, heads, head_ok, sq_h, DKM, DKT, BLOCK_DKT, DOT_FP32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -92,15 +111,8 @@ def _sparse_attn_fwd(
     for start in range(0, n_sel, BLOCK_S):
         idx = _selection(IDX + b * si_b + t * si_t, start, n_sel, BLOCK_S)
         valid = idx >= 0
-        k_main = _rows(k_base, idx, valid, sk_s, 0, DKM, DKM, DOT_FP32)
-        s = tl.dot(q_main, tl.trans(k_main))
-        if DKT > 0:
-            k_tail = _rows(k_base, idx, valid, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)
-            s += tl.dot(q_tail, tl.trans(k_tail))
-        if SHARED_V:
-            vb = k_main
-        else:
-            vb = _rows(v_base, idx, valid, sv_s, 0, DV, BLOCK_DV, DOT_FP32)
+        s, k_main, k_tail, vb = _gathered(q_main, q_tail, k_base, v_base, idx, valid, sk_s, sv_s, DKM, DKT, BLOCK_DKT,
+                                          DV, BLOCK_DV, SHARED_V, DOT_FP32)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp2 finite
@@ -139,6 +151,7 @@ def _sparse_attn_bwd_dq(
     b = tl.program_id(2).to(tl.int64)
     q_base = Q + b * sq_b + t * sq_t
     q_main = _rows(q_base, heads, head_ok, sq_h, 0, DKM, DKM, DOT_FP32)
+    q_tail = q_main  # unused without a tail
     if DKT > 0:
         q_tail = _rows(q_base, heads, head_ok, sq_h, DKM, DKT, BLOCK_DKT, DOT_FP32)
         dq_tail = tl.zeros([BLOCK_H, BLOCK_DKT], tl.float32)
@@ -156,15 +169,8 @@ def _sparse_attn_bwd_dq(
     for start in range(0, n_sel, BLOCK_S):
         idx = _selection(IDX + b * si_b + t * si_t, start, n_sel, BLOCK_S)
         valid = idx >= 0
-        k_main = _rows(k_base, idx, valid, sk_s, 0, DKM, DKM, DOT_FP32)
-        s = tl.dot(q_main, tl.trans(k_main))
-        if DKT > 0:
-            k_tail = _rows(k_base, idx, valid, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)
-            s += tl.dot(q_tail, tl.trans(k_tail))
-        if SHARED_V:
-            vb = k_main
-        else:
-            vb = _rows(v_base, idx, valid, sv_s, 0, DV, BLOCK_DV, DOT_FP32)
+        s, k_main, k_tail, vb = _gathered(q_main, q_tail, k_base, v_base, idx, valid, sk_s, sv_s, DKM, DKT, BLOCK_DKT,
+                                          DV, BLOCK_DV, SHARED_V, DOT_FP32)
         p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(vb))
         if DVT > 0:

@@ -100,8 +100,8 @@ def test_triton_kernels_match_the_oracle(dtype, tol):
 @on_triton
 def test_triton_kernels_over_a_shared_latent(dtype=torch.bfloat16, tol=0.01):
     """MLA absorbed: one kv head whose first columns are also the values (v = kv[..., :20]: the key's main part
-    and 4 of its tail, 24 = 16 + 8), 72 query heads (two head blocks), 70 keys (two key blocks of the dK/dV pass). The latent's
-    gradient (keys and values in one) matches the oracle's, and two backward passes agree bit for bit."""
+    and 4 of its tail, 24 = 16 + 8), 72 query heads (two head blocks), 70 keys (two key blocks of the dK/dV pass).
+    The latent's gradient (keys and values in one) matches the oracle's; two backward passes agree bit for bit."""
     device = backend_device("triton")
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 70, 72, 24, generator=gen).to(dtype).to(device).requires_grad_()
