@@ -8,7 +8,8 @@ Stages, each written as one JSON line to stdout and to $OUT/gpu_check.jsonl (whe
   correctness  every kernel against its reference on the device in fp32 and bf16 (tolerances asserted): MoE
                grouped LoRA GEMM (dense at a fused and an unfused rank, FP8/INT4/MXFP4 weights), KDA, sparse
                attention, the fused linear cross-entropy (when liger-kernel is here)
-  syncs        host syncs per MoE layer (the expert-parallel experts module at EP=1) and per KDA layer, counted
+  syncs        host syncs per MoE layer (the expert-parallel experts module at EP=1), per KDA layer and per sparse
+               attention forward + backward over a latent, counted
                with torch.cuda.set_sync_debug_mode("warn")
   job_step     one process group of one rank (NCCL), the tiny model of a family through moetune's own engine
                (DeepSpeed ZeRO-2 and ZeRO-3), custom kernels on vs off: the first losses must agree
@@ -323,6 +324,7 @@ def stage_syncs(s: Setting) -> dict:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from moetune.kernels.kda import chunk_kda
+    from moetune.kernels.sparse_attention import sparse_attention
     from moetune.workers.families import REGISTRY
     from moetune.workers.parallel.experts import ExpertParallelExperts
     from moetune.workers.parallel.placement import placement_at
@@ -340,7 +342,12 @@ def stage_syncs(s: Setting) -> dict:
                                (1, 128, 2, 32), (1, 128, 2))
     run_kda = lambda: chunk_kda(q, k, v, -g.detach().abs(), beta.detach().sigmoid())  # noqa: E731
     run_kda()
-    return {"moe_layer_fwd_bwd": _count_syncs(s, run_moe), "kda_layer_fwd": _count_syncs(s, run_kda)}
+    q_lat, kv = _leaves(s.device, torch.float32, (1, 128, 4, 24), (1, 128, 1, 24))
+    indices = torch.randperm(128, device=s.device)[:16].int().expand(1, 128, 16).contiguous()  # unique per row
+    run_sparse = lambda: sparse_attention(q_lat, kv, kv[..., :16], indices, 0.2).sum().backward()  # noqa: E731
+    run_sparse()
+    return {"moe_layer_fwd_bwd": _count_syncs(s, run_moe), "kda_layer_fwd": _count_syncs(s, run_kda),
+            "sparse_attention_fwd_bwd": _count_syncs(s, run_sparse)}
 
 
 def _job_step(s: Setting, family: str, zero: int, kernels: bool, steps: int) -> list[float]:
@@ -568,6 +575,7 @@ def main(argv=None) -> int:
                "worst_rmse": max((v for v in correctness.get("rmse_ratio", {}).values()
                                   if isinstance(v, float)), default=None),
                "moe_syncs": syncs.get("moe_layer_fwd_bwd"), "kda_syncs": syncs.get("kda_layer_fwd"),
+               "sparse_syncs": syncs.get("sparse_attention_fwd_bwd"),
                "job_step": "skipped" if "skipped" in job else ("error" if "error" in job else "ok"),
                "moe_triton_vs_grouped_mm": bench.get("moe", {}).get("triton_vs_grouped_mm"),
                **{f"sparse_{seq}_vs_sdpa_{sel}": row.get(f"speedup_vs_sdpa_{sel}")
