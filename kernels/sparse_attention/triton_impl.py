@@ -275,19 +275,20 @@ def invert_selection(indices: torch.Tensor, kv_len: int, block_n: int):
     batch, q_len, _ = indices.shape
     n_blocks = -(-kv_len // block_n)
     idx = indices.long()
-    valid = idx >= 0
     row = torch.arange(batch, device=idx.device).view(-1, 1, 1) * n_blocks + idx.clamp(min=0) // block_n
     code = row * q_len + torch.arange(q_len, device=idx.device).view(1, -1, 1)  # sorts by (batch, block, query)
     unused = batch * n_blocks * q_len
-    code, order = torch.where(valid, code, unused).flatten().sort()
-    bits = torch.where(valid, torch.ones_like(idx) << (idx.clamp(min=0) % block_n), 0).flatten()[order]
-    del order
+    # one sort of (pair code, key bit) keys: no permutation to gather with afterwards
+    slots = torch.where(idx >= 0, code * block_n + idx % block_n, unused * block_n).flatten().msort()
+    del idx, row, code
+    code, bits = slots // block_n, torch.ones_like(slots) << (slots % block_n)
+    del slots
     pair = torch.ones_like(code, dtype=torch.bool)
     pair[1:] = code[1:] != code[:-1]
     pair = pair.cumsum(0) - 1  # the pair each slot belongs to (slots of one (block, query) are adjacent)
     pair_code = torch.full_like(code, unused).scatter_(0, pair, code)  # every slot of a pair writes the same code
     pair_bits = torch.zeros_like(bits).scatter_add_(0, pair, bits)  # a query's keys are distinct: sum = or
-    bounds = torch.arange(batch * n_blocks + 1, device=idx.device) * q_len
+    bounds = torch.arange(batch * n_blocks + 1, device=code.device) * q_len
     offsets = torch.searchsorted(pair_code, bounds)
     return offsets, (pair_code % q_len).to(torch.int32), pair_bits
 
