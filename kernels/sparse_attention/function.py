@@ -1,5 +1,6 @@
 """Autograd wrapper and backend choice: the Triton kernels on CUDA tensors (and, when asked, on CPU tensors under
-TRITON_INTERPRET=1), the PyTorch path (torch_impl) everywhere else. Both save only (q, k, v, indices, out, lse)."""
+TRITON_INTERPRET=1), shapes only on the meta device, the PyTorch path (torch_impl) everywhere else. All save only
+(q, k, v, indices, out, lse)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,22 @@ import torch
 from moetune.kernels.sparse_attention import torch_impl
 
 
+class _ShapesOnly:
+    """The meta device's backend (the memory planner's forward): outputs of the right shapes, nothing computed;
+    the autograd function saves what it saves on a device."""
+
+    @staticmethod
+    def forward(q, k, v, indices, scale):
+        return q.new_empty(*q.shape[:3], v.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @staticmethod
+    def backward(q, k, v, indices, scale, out, lse, grad_out):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _backend(name: str | None, device: torch.device):
+    if device.type == "meta":
+        return _ShapesOnly
     if name is None:
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
