@@ -56,3 +56,16 @@ def test_build_context_carries_every_package_setup_installs(repo):
     pyproject = tomllib.loads(repo["pyproject.toml"])
     allowed = {line[1:] for line in repo["deploy/Dockerfile.dockerignore"].splitlines() if line.startswith("!")}
     assert set(folders) | {"setup.py", "pyproject.toml", pyproject["project"]["readme"]} <= allowed
+
+
+def test_each_image_variant_installs_its_extras(repo):
+    """The CUDA image (Ray nodes) carries the `cuda` extra (fla's chunk_kda: without it the workers' KDA runs
+    moetune's own Triton kernel); the CPU image never does (transformers would dispatch to fla on CPU)."""
+    dockerfile = repo["deploy/Dockerfile"]
+    stages = dict(re.findall(r"^FROM \S+ AS (base-\w+)\n(.*?)(?=^FROM )", dockerfile, re.MULTILINE | re.DOTALL))
+    extras = {stage: set(re.search(r"MOETUNE_EXTRAS=(\S+)", body).group(1).split(",")) for stage, body in stages.items()}
+    assert extras == {"base-cpu": {"postgres"}, "base-cuda": {"postgres", "cuda"}}
+    installs = [line for line in dockerfile.splitlines() if line.startswith("RUN pip install")]
+    assert installs == ['RUN pip install "/tmp/moetune-src[${MOETUNE_EXTRAS}]" && rm -rf /tmp/moetune-src']
+    declared = tomllib.loads(repo["pyproject.toml"])["project"]["optional-dependencies"]
+    assert set().union(*extras.values()) <= declared.keys()
