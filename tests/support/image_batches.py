@@ -85,7 +85,8 @@ def assert_grads(got: dict, want: dict):
     assert got.keys() == want.keys() and any("vision" not in n for n in want)
     for name, expected in want.items():
         if expected is None:  # glm5_next's indexer LoRA: its top-k selection passes no gradient, on either side
-            assert got[name] is None and ".indexer." in name, name
+            # (a DeepSpeed engine reports it as zeros: its gradient buckets hold every trainable parameter)
+            assert ".indexer." in name and (got[name] is None or not got[name].any()), name
             continue
         assert expected.abs().max() > 0 or "lora_A" in name, name  # B starts at 0: only B has a first gradient
         torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=1e-6, msg=name)

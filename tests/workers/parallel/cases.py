@@ -45,4 +45,4 @@ RESUME_CASES = {
 }
 
 # case id -> (family, job): one image + text micro-batch per rank on the family's tiny multimodal checkpoint
-IMAGE_CASES = {"qwen3_5_moe-images-ep2-zero2": ("qwen3_5_moe", spec(ep=2, zero=2))}
+IMAGE_CASES = {f"{fam}-images-ep2-zero2": (fam, spec(ep=2, zero=2)) for fam in ("qwen3_5_moe", "glm5_next")}

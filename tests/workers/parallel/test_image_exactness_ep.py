@@ -1,6 +1,7 @@
-"""Image + text micro-batches with EP=2 (qwen3_5_moe: the routed experts split between the two ranks, on kernels.moe's
-grouped GEMMs, each rank its own image batch): first loss and every LoRA gradient equal single-process stock
-transformers + PEFT on both ranks' batches."""
+"""Image + text micro-batches with EP=2 (the routed experts split between the two ranks, on kernels.moe's grouped
+GEMMs, each rank its own image batch): first loss and every LoRA gradient equal single-process stock transformers +
+PEFT on both ranks' batches, for qwen3_5_moe and for glm5_next (KDA and sparse attention over the MLA latent
+swapped in too)."""
 
 import pytest
 
