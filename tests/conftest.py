@@ -16,6 +16,12 @@ from tests.support.receiver import ReportReceiver
 # Every process the suite starts (the Ray head and its workers, EP harness children) loads the DeepSpeed op that
 # `make install` prebuilt into this virtualenv (with its ninja) instead of compiling it again.
 use_prebuilt_ops()
+# Ray Train's controller polls its worker group every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (default 2 s) while it
+# starts the group, runs it and notices that it finished or lost a worker: each job paid several seconds of those
+# waits. Set here, before the session's Ray head starts, so that every driver sees it: those run in this process
+# (run_in_process), those the head's Jobs API starts (they inherit its environment), and `moetune demo`'s own head.
+# Ray Train propagates it from a driver to its controller. A poll that times out is only a missed health check.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 
 @pytest.fixture(scope="session")
