@@ -64,20 +64,37 @@ def _loss_on_rows(model, tokenizer, rows: list[dict]) -> float:
 
 
 def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, control_plane, tiny_assets, tmp_path):
-    job = client_a.jobs.create(_spec(tiny_assets, eval_every=6, checkpoint_every=4, keep_checkpoints=2))
+    """Also the whole ZeRO-2 job through Ray's Jobs API as tests/workers/entry checks a job run in its process:
+    step 1's loss recomputed on the plain model, the checkpoints' contents, the result, the adapter's valid loss."""
+    from moetune.api import storage
+    from moetune.api.models import JobRunSpec
+    from tests.support.jobs import adapter_valid_loss, expected_first_loss
+
+    spec = _spec(tiny_assets, eval_every=6, checkpoint_every=4, keep_checkpoints=2)
+    job = client_a.jobs.create(spec)
     assert job.status in (JobStatus.validating_files, JobStatus.queued)
 
     events = list(client_a.jobs.stream_events(job.id))  # the live SSE stream ends when the job does
     job = client_a.jobs.retrieve(job.id)
     assert job.status == JobStatus.succeeded, (job.error, [e.message for e in events][-10:])
 
+    assert any(e.message.startswith("Loading model") for e in events)
+    assert any(e.message.startswith("Training started: 12 steps on 2 workers") for e in events)
     assert any(e.message.startswith("Custom kernels swapped in: apply_kda_kernels") for e in events)
     metrics = [e.data for e in events if e.type == "metrics" and e.data and e.data.get("train_loss") is not None]
     assert [m["step"] for m in metrics] == list(range(1, 13))
-    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
-    assert any(e.data and e.data.get("valid_loss") is not None for e in events if e.type == "metrics")
-    assert job.trained_tokens and job.trained_tokens > 0
+    first, last = metrics[0]["train_loss"], metrics[-1]["train_loss"]
+    print(f"train loss {first:.3f} -> {last:.3f}; valid loss {metrics[5]['valid_loss']:.3f} -> "
+          f"{metrics[-1]['valid_loss']:.3f}")
+    run = JobRunSpec(job_id=job.id, spec=spec, seed=job.seed, output_uri=job.output_uri)
+    assert first == pytest.approx(expected_first_loss(run, tiny_assets["local_model"]), abs=1e-4)
+    assert last < 4.0 < 5.0 < first  # from the untrained model's loss, learnt (5.86 -> 3.55 when written)
+    assert metrics[5]["valid_loss"] > metrics[-1]["valid_loss"]  # evaluated at steps 6 and 12
+    assert all(m["learning_rate"] > 0 and m["tokens_per_second"] > 0 for m in metrics)
+    assert job.trained_tokens == metrics[-1]["trained_tokens"] > 0
     assert job.progress.step == 12
+    assert job.result_files == [f"{job.output_uri}/metrics.jsonl"]
+    assert len(storage.read_text(job.result_files[0]).splitlines()) == 12
 
     # Checkpoints at steps 4, 8 and 12; keep_checkpoints=2 retired step 4 from the list and from storage.
     checkpoints = client_a.jobs.checkpoints(job.id).data
@@ -86,7 +103,10 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, cont
                for e in events)
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["MOETUNE_S3_ENDPOINT_URL"]})
     for ckpt in checkpoints:
+        assert ckpt.fine_tuned_model_checkpoint == f"{job.output_uri}/checkpoints/step-{ckpt.step_number}"
         assert fs.ls(ckpt.fine_tuned_model_checkpoint), ckpt.fine_tuned_model_checkpoint
+        assert storage.exists(f"{ckpt.fine_tuned_model_checkpoint}/adapter/adapter_model.safetensors")
+        assert storage.exists(f"{ckpt.fine_tuned_model_checkpoint}/deepspeed/latest")
     # The official openai SDK reads the same job: events newest first over its pages, checkpoints newest first.
     oa = _openai(control_plane)
     assert [e.id for e in oa.fine_tuning.jobs.list_events(job.id, limit=40)] == [e.id for e in reversed(events)]
@@ -99,7 +119,7 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, cont
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert job.fine_tuned_model_uri.endswith("/adapter") and job.fine_tuned_model.endswith(f":{job.id}")
+    assert job.fine_tuned_model_uri == f"{job.output_uri}/adapter" and job.fine_tuned_model.endswith(f":{job.id}")
     adapter_dir = tmp_path / "adapter"
     fs.get(job.fine_tuned_model_uri.removeprefix("s3://") + "/", str(adapter_dir), recursive=True)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter_dir.iterdir()}
@@ -108,6 +128,9 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, cont
     base_loss = _loss_on_rows(AutoModelForCausalLM.from_pretrained(tiny_assets["local_model"]), tokenizer, rows)
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_assets["local_model"]), adapter_dir)
     assert _loss_on_rows(tuned, tokenizer, rows) < base_loss - 0.1
+    # and reproduces the job's last validation loss there
+    assert adapter_valid_loss(run, str(tiny_assets["local_model"]), tmp_path / "reloaded") == pytest.approx(
+        metrics[-1]["valid_loss"], abs=1e-3)
 
     # The precision alignment ran before step 1 and passed; its table is in the adaptation report, which is
     # served as JSON (valid against the published schema) and as a page with its plots.

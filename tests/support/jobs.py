@@ -1,5 +1,5 @@
-"""Real jobs from the test process: the driver's environment, run_job on the session's Ray head, and the
-exported adapter's validation loss recomputed on the plain transformers model."""
+"""Real jobs from the test process: the driver's environment, run_job on the session's Ray head, and what a job
+reports recomputed on the plain transformers model: its first train loss, its exported adapter's validation loss."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPE
 from moetune.api.layout import adapter_uri
 from moetune.api.models import JobRunSpec
 from moetune.workers.data.rows import load_rows
+from moetune.workers.data.sampling import step_micro_batches
 from moetune.workers.entry.driver import run_job
 from moetune.workers.methods.batch import IGNORE
 from moetune.workers.methods.sft import collate, tokenize_rows
@@ -37,6 +38,26 @@ def run_in_process(run: JobRunSpec, ray_head, receiver, monkeypatch, worker_env:
         return run_job(run, Reporter(run.job_id, settings.callback_url, settings.job_token), settings)
     finally:
         ray.shutdown()
+
+
+def expected_first_loss(run: JobRunSpec, checkpoint) -> float:
+    """Step 1's train loss recomputed on the plain transformers model: token mean over the global batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t, world = run.spec.training, run.spec.parallelism.num_workers
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    examples, _ = tokenize_rows(tokenizer, load_rows(run.spec.training_file, "training_file"), t.seq_len)
+    losses, counts = [], []
+    with torch.no_grad():
+        for rank in range(world):
+            for indices in step_micro_batches(len(examples), 0, t.global_batch_size, t.micro_batch_size,
+                                              rank, world, run.seed):
+                batch = collate([examples[i].truncated(t.seq_len_at(1, t.max_steps)) for i in indices],
+                                tokenizer.pad_token_id)
+                counts.append((batch.labels[:, 1:] != IGNORE).sum().item())
+                losses.append(model(**batch.inputs, labels=batch.labels).loss.item() * counts[-1])
+    return sum(losses) / sum(counts)
 
 
 def adapter_valid_loss(run: JobRunSpec, checkpoint: str, tmp_path) -> float:

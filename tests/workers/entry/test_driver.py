@@ -1,4 +1,6 @@
-"""The driver for real: fail-fast validation, and LoRA jobs on the local Ray head over the S3 server."""
+"""The driver for real: fail-fast validation, and LoRA jobs on the local Ray head over the S3 server. (A ZeRO-2 job
+through Ray's Jobs API is the control plane's job in tests/e2e/test_jobs_end_to_end.py, which checks it as
+closely.)"""
 
 import json
 import math
@@ -8,19 +10,14 @@ import sys
 import time
 
 import pytest
-import torch
 
 from moetune.api import storage
 from moetune.api.models import JobCreate, JobRunSpec
-from moetune.workers.data.rows import load_rows
-from moetune.workers.data.sampling import step_micro_batches
-from moetune.workers.methods.batch import IGNORE
-from moetune.workers.methods.sft import collate, tokenize_rows
 from moetune.workers.settings import WorkerSettings
 from moetune.workers.entry.driver import root_cause, run_job
 from moetune.workers.errors import JobError
 from moetune.workers.reporting.reporter import Reporter
-from tests.support.jobs import adapter_valid_loss, driver_env, run_in_process
+from tests.support.jobs import adapter_valid_loss, driver_env, expected_first_loss, run_in_process
 
 TRAINING = {"learning_rate": 3e-3, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 128}
 
@@ -86,82 +83,6 @@ def test_worker_job_errors_keep_code_and_param():
 # ------------------------------------------------------------------ real jobs on Ray
 
 
-def _expected_first_loss(run: JobRunSpec, checkpoint: str) -> float:
-    """Step 1's train loss recomputed on the plain transformers model: token mean over the global batch."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    t, world = run.spec.training, run.spec.parallelism.num_workers
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    examples, _ = tokenize_rows(tokenizer, load_rows(run.spec.training_file, "training_file"), t.seq_len)
-    losses, counts = [], []
-    with torch.no_grad():
-        for rank in range(world):
-            for indices in step_micro_batches(len(examples), 0, t.global_batch_size, t.micro_batch_size,
-                                              rank, world, run.seed):
-                batch = collate([examples[i].truncated(t.seq_len_at(1, t.max_steps)) for i in indices],
-                                tokenizer.pad_token_id)
-                counts.append((batch.labels[:, 1:] != IGNORE).sum().item())
-                losses.append(model(**batch.inputs, labels=batch.labels).loss.item() * counts[-1])
-    return sum(losses) / sum(counts)
-
-
-def _submit(client, **kwargs) -> str:
-    """submit_job, retried while a just-started head's job agent is not up yet."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return client.submit_job(**kwargs)
-        except RuntimeError as e:
-            if "No available agent" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-
-
-@pytest.mark.ray_job
-def test_zero2_job_through_the_jobs_api(assets, ray_head, receiver, tiny_checkpoint, tmp_path):
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
-    run = _run_spec(assets, "ftjob-zero2", {"max_steps": 20, "eval_every": 10, "checkpoint_every": 10},
-                    zero_stage=2)
-    client = JobSubmissionClient(ray_head.dashboard_url)
-    started = time.monotonic()
-    sid = _submit(client, entrypoint=f"{sys.executable} -m moetune.workers.entry.driver",
-                  runtime_env={"env_vars": driver_env(run, receiver)})
-    while (status := client.get_job_status(sid)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
-        assert time.monotonic() - started < 240, "job did not finish in time"
-        time.sleep(1)
-    wall = time.monotonic() - started
-    assert status == JobStatus.SUCCEEDED, client.get_job_logs(sid)[-4000:]
-    print(f"ZeRO-2 job: {wall:.1f}s wall")
-
-    messages = [e.message for e in receiver.of_kind("event")]
-    assert any(m.startswith("Loading model") for m in messages)
-    assert any(m.startswith("Training started: 20 steps on 2 workers") for m in messages)
-    metrics = receiver.metrics()
-    assert [m["step"] for m in metrics] == list(range(1, 21))
-    first, last = metrics[0]["train_loss"], metrics[-1]["train_loss"]
-    print(f"train loss {first:.3f} -> {last:.3f}; valid loss {metrics[-1]['valid_loss']:.3f}")
-    assert first == pytest.approx(_expected_first_loss(run, tiny_checkpoint), abs=1e-4)
-    assert last < 3.0 < 5.0 < first
-    assert metrics[9]["valid_loss"] > metrics[-1]["valid_loss"]
-    assert all(m["learning_rate"] > 0 and m["tokens_per_second"] > 0 for m in metrics)
-
-    checkpoints = receiver.of_kind("checkpoint")
-    assert [(c.step_number, c.uri) for c in checkpoints] == [
-        (step, f"{run.output_uri}/checkpoints/step-{step}") for step in (10, 20)]
-    for checkpoint in checkpoints:
-        assert storage.exists(f"{checkpoint.uri}/adapter/adapter_model.safetensors")
-        assert storage.exists(f"{checkpoint.uri}/deepspeed/latest")
-
-    (result,) = receiver.of_kind("result")
-    assert result.status == "succeeded" and result.fine_tuned_model == f"{run.output_uri}/adapter"
-    assert result.trained_tokens == metrics[-1]["trained_tokens"]
-    assert result.result_files == [f"{run.output_uri}/metrics.jsonl"]
-    assert len(storage.read_text(result.result_files[0]).splitlines()) == 20
-    assert adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
-
-
 @pytest.mark.ray_job
 def test_zero3_job_resumes_exactly(assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
     """ZeRO-3 as a whole job (ZeRO-1's checkpoints and resume are checked in process: tests/workers/parallel), with
@@ -180,7 +101,7 @@ def test_zero3_job_resumes_exactly(assets, ray_head, receiver, tiny_checkpoint, 
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     tokens = [b["trained_tokens"] - a["trained_tokens"] for a, b in zip([{"trained_tokens": 0}] + metrics, metrics)]
     assert max(tokens[:2]) <= 8 * 32 < min(tokens[2:])  # 8 rows a step, cut to 32 tokens, then longer
-    assert metrics[0]["train_loss"] == pytest.approx(_expected_first_loss(run, tiny_checkpoint), abs=1e-4)
+    assert metrics[0]["train_loss"] == pytest.approx(expected_first_loss(run, tiny_checkpoint), abs=1e-4)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"] and math.isfinite(metrics[-1]["valid_loss"])
     assert adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
     # the exported config names its base by URI (what PEFT, vLLM and `moetune models download` read)
