@@ -45,7 +45,7 @@ def _wait_for(predicate, timeout: float, what: str):
         value = predicate()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -179,7 +179,7 @@ def test_malformed_row_fails_the_job_with_the_row_number(client_a, tiny_assets, 
         Bucket=s3_bucket, Key="bad.jsonl", Body="\n".join(rows).encode())
     spec = _spec(tiny_assets).model_copy(update={"training_file": f"s3://{s3_bucket}/bad.jsonl",
                                                  "validation_file": None})
-    job = client_a.jobs.wait(client_a.jobs.create(spec).id, timeout=180)
+    job = client_a.jobs.wait(client_a.jobs.create(spec).id, timeout=180, poll_interval=0.2)
 
     assert job.status == JobStatus.failed
     assert job.error.param == "training_file"
