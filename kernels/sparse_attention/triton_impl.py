@@ -294,9 +294,9 @@ def invert_selection(indices: torch.Tensor, kv_len: int, block_n: int):
 
 
 def _split(dim: int) -> tuple[int, int, int]:
-    """A head dim as (power-of-two main part >= 16, tail, the tail's block): 576 -> (512, 64, 64)."""
-    main = max(16, 1 << (dim.bit_length() - 1))
-    tail = max(0, dim - main)
+    """A head dim (>= 16) as (power-of-two main part, tail, the tail's block): 576 -> (512, 64, 64)."""
+    main = 1 << (dim.bit_length() - 1)
+    tail = dim - main
     return main, tail, max(16, triton.next_power_of_2(tail)) if tail else 16
 
 
@@ -330,10 +330,13 @@ def _strides(*tensors):
     return tuple(s for x in tensors for s in x.stride()[:-1])
 
 
-def _check(*tensors):
-    for x in tensors:
+def _check(q, k, v):
+    for x in (q, k, v):
         if x.stride(-1) != 1:
             raise ValueError("sparse attention needs the feature dim contiguous")
+    if k.shape[3] < 16:  # tl.dot's least inner dimension on a GPU; every model's heads are wider
+        raise ValueError(f"the Triton sparse attention needs key heads of at least 16 dims (got {k.shape[3]}); "
+                         "backend='torch' takes any")
 
 
 def forward(q, k, v, indices, scale):

@@ -147,3 +147,5 @@ def test_default_backend_on_cpu_is_the_torch_path():
     torch.testing.assert_close(out, sparse_attention(q, k, v, indices, 0.3, backend="torch"), rtol=0, atol=0)
     with pytest.raises(ValueError, match="backend"):
         sparse_attention(q, k, v, indices, 0.3, backend="cuda-magic")
+    with pytest.raises(ValueError, match="at least 16 dims"):  # before any launch
+        sparse_attention(q[..., :8], k[..., :8], v, indices, 0.3, backend="triton")
