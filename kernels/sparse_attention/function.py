@@ -1,6 +1,6 @@
 """Autograd wrapper and backend choice: the Triton kernels on CUDA tensors (and, when asked, on CPU tensors under
-TRITON_INTERPRET=1), shapes only on the meta device unless one is named, the PyTorch path (torch_impl) everywhere else. All save only
-(q, k, v, indices, out, lse)."""
+TRITON_INTERPRET=1), shapes only on the meta device unless one is named, the PyTorch path (torch_impl) everywhere
+else. All save only (q, k, v, indices, out, lse)."""
 
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ def test_each_image_variant_installs_its_extras(repo):
     moetune's own Triton kernel); the CPU image never does (transformers would dispatch to fla on CPU)."""
     dockerfile = repo["deploy/Dockerfile"]
     stages = dict(re.findall(r"^FROM \S+ AS (base-\w+)\n(.*?)(?=^FROM )", dockerfile, re.MULTILINE | re.DOTALL))
-    extras = {stage: set(re.search(r"MOETUNE_EXTRAS=(\S+)", body).group(1).split(",")) for stage, body in stages.items()}
+    extras = {stage: set(re.search(r"MOETUNE_EXTRAS=(\S+)", body).group(1).split(","))
+              for stage, body in stages.items()}
     assert extras == {"base-cpu": {"postgres"}, "base-cuda": {"postgres", "cuda"}}
     installs = [line for line in dockerfile.splitlines() if line.startswith("RUN pip install")]
     assert installs == ['RUN pip install "/tmp/moetune-src[${MOETUNE_EXTRAS}]" && rm -rf /tmp/moetune-src']

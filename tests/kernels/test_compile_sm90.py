@@ -3,7 +3,8 @@ arguments (kernels.compile_check captures the real host code's launches: every a
 warps each launch passes), within the budgets: shared memory <= 227 KB, <= 255 registers, no spills beyond the
 stated STACK_BUDGET. The suite builds the seed model's shapes at the rank it trains with (16), the largest rank the
 API allows (1024: the unfused path), a quantized format, KDA as glm5_next runs it and sparse attention over
-deepseek_v32's shared latent; `python -m moetune.kernels.compile_check` builds all of SM90_CASES (bench/gpu_check.py runs that)."""
+deepseek_v32's shared latent; `python -m moetune.kernels.compile_check` builds all of SM90_CASES
+(bench/gpu_check.py runs that)."""
 
 from moetune.kernels.compile_check import SM90_SHARED_BYTES, over_budget
 from moetune.kernels.testing import compile_in_subprocess
