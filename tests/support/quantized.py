@@ -1,8 +1,9 @@
 """Tiny quantized checkpoints in the public formats, made by quantizing a random transformers model and rewriting
 its saved shards (DeepSeek's per-expert naming, as `save_pretrained` writes it):
 
-- FP8 block (DeepSeek-V3 / Kimi-K2): every linear weight but lm_head becomes float8_e4m3fn + `weight_scale_inv`
-  (router, norms and embeddings stay as they are); quantization_config {"quant_method": "fp8", ...};
+- FP8 block (DeepSeek-V3 / V3.2 / Kimi-K2): every linear weight but lm_head becomes float8_e4m3fn +
+  `weight_scale_inv` (router, norms, embeddings and V3.2's indexer head weights stay as they are);
+  quantization_config {"quant_method": "fp8", ...};
 - INT4 pack-quantized (Kimi K2 Thinking): only the routed experts become `weight_packed` / `weight_scale` /
   `weight_shape`, with compressed-tensors' quantization_config (attention, dense MLP, shared experts stay dense);
 - MXFP4 (gpt-oss, from a gpt_oss model): the fused experts' `gate_up_proj` / `down_proj` ([E, in, out]) become
@@ -24,7 +25,8 @@ from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mx
 FP8_BLOCK = (8, 8)  # divides every dimension of the tiny models (transformers' CPU dequant needs that)
 INT4_GROUP = 32
 _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-_NOT_FP8 = ("lm_head.weight", "embed_tokens.weight", "mlp.gate.weight")
+# DeepSeek-V3.2 keeps its indexer's head weights in full precision (transformers: _keep_in_fp32_modules)
+_NOT_FP8 = ("lm_head.weight", "embed_tokens.weight", "mlp.gate.weight", "indexer.weights_proj.weight")
 
 
 def _fp8(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> dict:

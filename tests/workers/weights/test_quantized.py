@@ -90,6 +90,41 @@ def test_logits_and_lora_gradients_match_the_dequantized_model(quantized):
         torch.testing.assert_close(quant_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_fp8_deepseek_v32_attends_over_the_latent_through_its_quantized_kv_b_proj(tmp_path):
+    """An FP8 DeepSeek-V3.2 (its MLA and indexer projections quantized, as released) streamed and kept quantized,
+    its DSA attention on the sparse kernel over the absorbed latent, kv_b_proj (and its LoRA) read through the FP8
+    weight: transformers' dequantized model's logits, and the dequantized base's LoRA gradients."""
+    from moetune.workers.families import apply_kernel_swaps, mla
+
+    dense = str(tmp_path / "dense")
+    plain_model(REGISTRY["deepseek_v32"]).save_pretrained(dense, max_shard_size="100KB")
+    path = quantize_checkpoint(dense, str(tmp_path / "fp8"), "fp8")
+    kv_heads, attend = [], mla.sparse_attention
+
+    def counted(q, k, *args, **kwargs):
+        kv_heads.append(k.shape[2])
+        return attend(q, k, *args, **kwargs)
+
+    runs = {}
+    for weights in ("kept", "dequantized"):
+        streamed = stream_model(f"file://{path}", CPU, F32, cache_dir="", base_weights=weights)
+        apply_kernel_swaps(streamed.model)
+        mla.sparse_attention = counted
+        try:
+            runs[weights] = _forward_backward(_trainable(streamed.model))
+        finally:
+            mla.sparse_attention = attend
+        if weights == "kept":
+            assert type(streamed.model.model.layers[0].self_attn.kv_b_proj.base_layer).__name__ == "QuantizedLinear"
+    assert kv_heads == [1] * 6  # three DSA layers, twice: over the latent
+    with torch.no_grad():
+        torch.testing.assert_close(runs["kept"][0], _reference("fp8", path)(**batch(0, 0, vocab=272)).logits,
+                                   rtol=1e-4, atol=1e-5)
+    assert any(".kv_b_proj.lora_" in n for n in runs["kept"][1])
+    for name, grad in runs["dequantized"][1].items():
+        torch.testing.assert_close(runs["kept"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _rank_share_bytes(path: str, rank: int, ep: int, num_experts: int) -> tuple[int, int]:
     """Bytes of the checkpoint tensors EP rank `rank` needs (all but the other ranks' routed experts: per-expert
     tensors, or rows of fused ones), and how many of them are INT4 `weight_shape` metadata (implied by the other

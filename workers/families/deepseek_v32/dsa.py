@@ -59,7 +59,9 @@ class ChunkedDeepseekV32Indexer(DeepseekV32Indexer):
         q, k = torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
         if cache is not None:
             k = cache.update_indexer(k, self.layer_idx)
-        weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        # weights_proj runs in its own dtype (fp32 in transformers); a checkpoint that quantized it keeps no weight
+        dtype = getattr(self.weights_proj.weight, "dtype", hidden_states.dtype)
+        weights = self.weights_proj(hidden_states.to(dtype)).float() * self.n_heads ** -0.5
         if isinstance(attention_mask, RowMask):
             visible = attention_mask.rows
         else:  # a materialized [B, S, T] mask (bool, or additive)

@@ -35,7 +35,9 @@ class ChunkedGlm5NextIndexer(Glm5NextTextIndexer):
         valid_keys = packed[..., -1].bool()
         pool_keys, pool_indices, pool_valid = self.get_pooled_states(packed_states=packed)
         pool_end = pool_indices[..., -1].clamp(0, kv_len - 1)
-        weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        # weights_proj runs in its own dtype (fp32 in transformers); a checkpoint that quantized it keeps no weight
+        dtype = getattr(self.weights_proj.weight, "dtype", hidden_states.dtype)
+        weights = self.weights_proj(hidden_states.to(dtype)).float() * self.n_heads ** -0.5
         select_k = min(self.index_topk // self.index_kpool, pool_indices.shape[1])
         width = self.index_topk + (self.index_kpool - 1 if self.index_kpool_always_select_tail else 0)
         key_pos = torch.arange(valid_keys.shape[-1], device=hidden_states.device)
