@@ -27,7 +27,7 @@ from moetune.kernels.sparse_attention import sparse_attention
 
 
 def _dropouts_active(proj) -> bool:
-    return proj.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in proj.modules())
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in proj.modules())
 
 
 def _per_token_adapters(proj) -> list[tuple] | None:
