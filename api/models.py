@@ -207,6 +207,12 @@ class ParallelismSpec(_Strict):
         the scheduler checks the cluster has them before it submits."""
         return {"CPU": 1, "GPU": self.gpus_per_worker} if self.gpus_per_worker else {"CPU": 1}
 
+    @property
+    def collective_forward(self) -> bool:
+        """Whether a forward itself runs collectives (expert all-to-all, ZeRO-3 parameter gathers): every rank must
+        then run each forward with its peers."""
+        return self.expert_parallel_size > 1 or self.zero_stage == 3
+
 
 class Hyperparameters(_Strict):
     """OpenAI-compatible knobs; when given they override the matching `training` fields."""

@@ -242,10 +242,9 @@ class _Worker:
     def generation_eval(self) -> dict[str, float]:
         """{"eval_<metric>": score} of the model now on the evaluation rows (every rank: a collective). Expert-
         parallel and ZeRO-3 forwards are collectives, so ranks then generate in lockstep."""
-        parallel = self.spec.parallelism
-        lockstep = parallel.expert_parallel_size > 1 or parallel.zero_stage == 3
         scores = evaluate_generation(self.engine.module, self.tokenizer, self.eval_rows, self.spec.evaluation,
-                                     self.rank, self.world, self.collectives.all_sum, self.run.seed, lockstep)
+                                     self.rank, self.world, self.collectives.all_sum, self.run.seed,
+                                     lockstep=self.spec.parallelism.collective_forward)
         self.metrics.evaluated(scores)
         return {f"{EVAL_PREFIX}{metric}": score for metric, score in scores.items()}
 
@@ -274,9 +273,8 @@ class _Worker:
         self.method.prepare(self.model)
         self.engine, scheduler = build_engine(self.model, self.spec, self.world, steps,
                                               bf16=self.device.type == "cuda")
-        parallel = self.spec.parallelism
         place = RankPlace(self.rank, self.world, self.run.seed, self.device,
-                          collective_forward=parallel.expert_parallel_size > 1 or parallel.zero_stage == 3)
+                          collective_forward=self.spec.parallelism.collective_forward)
         self.steps = StepRunner(self.engine, self.method, t, place,
                                 self.collectives, self.event, steps,
                                 fault_hook(self.settings.inject_faults, self.rank), self._record_oom)
