@@ -1,44 +1,15 @@
-"""The vLLM side without vLLM: the Ray Serve LLM config moetune builds, and the expert-LoRA key layout moetune
-exports read the way vLLM's 3D fused-MoE LoRA loader reads it (same per-expert update as PEFT applies)."""
+"""The expert-LoRA key layout moetune exports, read the way vLLM's 3D fused-MoE LoRA loader reads it: the same
+per-expert update as PEFT's own merge applies (PEFT is the reference; vLLM is not installed here)."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
-from moetune.workers.serve.vllm_config import engine_kind, llm_config, lora_id
 from tests.support.families import plain_model
 from tests.workers.generate.conftest import write_adapter
-
-
-def test_llm_config_serves_loras_from_storage():
-    config = llm_config("qwen3-moe", "s3://models/Qwen3-30B-A3B", "s3://outputs/runs/", max_loras=4,
-                        max_lora_rank=16, tensor_parallel_size=2, expert_parallel=True, kv_offload_gb=32,
-                        accelerator_type="H100")
-    assert config["model_loading_config"] == {"model_id": "qwen3-moe",
-                                              "model_source": {"bucket_uri": "s3://models/Qwen3-30B-A3B"}}
-    assert config["llm_engine"] == "vLLM" and config["accelerator_type"] == "H100"
-    assert config["engine_kwargs"] == {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": 16,
-                                       "tensor_parallel_size": 2, "enable_expert_parallel": True,
-                                       "kv_offloading_size": 32, "kv_offloading_backend": "native"}
-    assert config["lora_config"] == {"dynamic_lora_loading_path": "s3://outputs/runs", "max_num_adapters_per_replica": 4}
-    # Ray Serve LLM's LoRA model id is "<base id>:<lora id>", loaded from <dynamic_lora_loading_path>/<lora id>
-    assert lora_id("s3://outputs/runs/ftjob-1/adapter", "s3://outputs/runs/") == "ftjob-1/adapter"
-    with pytest.raises(ValueError, match="not under the LoRA root"):
-        lora_id("s3://elsewhere/ftjob-1/adapter", "s3://outputs/runs")
-    with pytest.raises(ValueError):
-        llm_config("b", "s3://m/b", "s3://o", max_loras=0)
-    assert "kv_offloading_size" not in llm_config("b", "s3://m/b", "s3://o")["engine_kwargs"]
-
-
-def test_engine_kind_is_vllm_only_on_a_gpu_for_a_family_it_serves_with_lora():
-    assert engine_kind("qwen3_moe", gpus=1, vllm_installed=True) == "vllm"
-    assert engine_kind("qwen3_moe", gpus=0, vllm_installed=True) == "moetune"
-    assert engine_kind("qwen3_moe", gpus=1, vllm_installed=False) == "moetune"
-    assert engine_kind("kimi_linear", gpus=8, vllm_installed=True) == "moetune"  # KDA layers: the moetune engine
 
 
 def _vllm_3d_moe_factors(a: torch.Tensor, b: torch.Tensor, num_experts: int):
