@@ -21,9 +21,7 @@ from moetune.api import storage
 from moetune.api.model_names import derive_base_name
 from moetune.api.models import JobCreate, JobStatus
 from moetune.api.plans import parse_cluster
-from moetune.service.app import create_app
 from moetune.service.data_cli import data
-from moetune.service.demo import run_demo
 from moetune.service.local_stack import read_stack
 from moetune.service import serve_cli, up_cli
 from moetune.service.models_cli import models
@@ -90,6 +88,8 @@ def main(ctx: click.Context, url: str | None, token: str | None) -> None:
 def server(host: str, port: int, log_level: str) -> None:
     """Run the control plane (settings from MOETUNE_* environment variables)."""
     import uvicorn
+
+    from moetune.service.app import create_app  # only this command loads the server
 
     uvicorn.run(create_app(), host=host, port=port, log_level=log_level)
 
@@ -236,7 +236,8 @@ def jobs_events(ctx: click.Context, job_id: str, follow: bool, timeout: float) -
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
     """Per-GPU memory of the job in SPEC_FILE on a cluster, and the smallest layout that fits (model built on the
-    meta device from its config.json; nothing is submitted)."""
+    meta device from its config.json, in this process: it needs the training stack installed; nothing is
+    submitted, no control plane is asked)."""
     from moetune.workers.errors import JobError
     from moetune.workers.planner.plan import plan as plan_job
 
@@ -263,6 +264,8 @@ def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
 @click.option("--images", is_flag=True, help="Train a tiny vision-language model (qwen3_5_moe) on image rows.")
 def demo(timeout: float, images: bool) -> None:
     """Run one tiny job end to end on the embedded default (loopback S3, local Ray, SQLite, CPU)."""
+    from moetune.service.demo import run_demo  # it runs a control plane in this process
+
     sys.exit(run_demo(timeout=timeout, images=images))
 
 

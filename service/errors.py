@@ -11,19 +11,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models import ErrorInfo, ErrorResponse
+from moetune.service.api_exception import APIException
 
 # pydantic appends the union member it tried to a location, e.g. ("batch_size", "int") or
 # ("target_modules", "literal['all-linear']"); such tags are not part of the field path.
 _UNION_TAG = re.compile(r"^(int|float|str|bool|none|[a-z-]+\[.*\])$")
 _LOCATION_ROOTS = ("body", "query", "path", "header", "cookie")
-
-
-class APIException(Exception):
-    def __init__(self, status_code: int, code: ErrorCode, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status_code, self.code, self.message, self.param = status_code, code, message, param
-        self.headers = headers
 
 
 def job_not_found(job_id: str, param: str | None = None) -> APIException:

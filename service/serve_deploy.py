@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from moetune.api.errors import ErrorCode
-from moetune.service.errors import APIException
+from moetune.service.api_exception import APIException
 
 APP_NAME = "moetune-serve"
 APP_BUILDER = "moetune.workers.serve.app:build_app"

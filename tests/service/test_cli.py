@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import boto3
 import pytest
 from click.testing import CliRunner
@@ -64,3 +67,14 @@ def test_models_push_to_a_missing_bucket_names_it_and_make_bucket_creates_it(s3_
 def test_a_trailing_slash_answers_like_the_path_without_it(service, path):
     response = service.http().get(path)
     assert response.status_code == 200 and response.json()["object"] == "list"
+
+
+@pytest.mark.parametrize("args", [["jobs", "list", "--help"], ["submit", "--help"], ["jobs", "deploy", "--help"]])
+def test_client_commands_import_no_server(args):
+    """A command that only talks to the control plane is an SDK client: it loads neither FastAPI nor SQLAlchemy
+    (the server's stack), only `moetune server`, `up` and `demo` do."""
+    code = ("import sys\nfrom moetune.service.cli import main\n"
+            f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'sqlalchemy', 'uvicorn'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
