@@ -60,7 +60,8 @@ class ExpertLoad:
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
             weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]
             self.top_k, flat = index.shape[-1], index.reshape(-1)
-            self.totals[0, layer, : module.num_experts] += torch.bincount(flat, minlength=module.num_experts)
+            # the dispatch's own counts: a bincount here would read the largest index back to the host on CUDA
+            self.totals[0, layer, : module.num_experts] += module.tokens_per_expert
             self.totals[1, layer].index_add_(0, flat, weights.reshape(-1).to(torch.float64).detach())
 
         return record

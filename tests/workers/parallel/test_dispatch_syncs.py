@@ -4,11 +4,13 @@ all-to-all split sizes). Tensor.tolist/item are wrapped by a counting probe that
 numbers the module computes are checked against transformers' own experts module as well."""
 
 import torch
+from torch import nn
 
 from moetune.workers.families import REGISTRY
 from moetune.workers.parallel.compute import fused_expert_forward
 from moetune.workers.parallel.experts import ExpertParallelExperts
 from moetune.workers.parallel.placement import placement_at
+from moetune.workers.reporting.expert_load import ExpertLoad
 
 
 def test_ep1_dispatch_reads_nothing_back_and_matches_transformers(monkeypatch):
@@ -43,3 +45,25 @@ def test_ep1_dispatch_reads_nothing_back_and_matches_transformers(monkeypatch):
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
     assert ours.lora_gate_up_b.grad.abs().sum() > 0
     assert ours.tokens_per_expert.tolist() == torch.bincount(index.flatten(), minlength=config.num_experts).tolist()
+
+
+def test_expert_load_counts_what_the_dispatch_counted_without_a_bincount(monkeypatch):
+    """The load metrics take the dispatch's on-device counts: no torch.bincount of their own (on CUDA it reads the
+    largest index back to the host, once per MoE layer and forward), the same counts as one over the routing."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = REGISTRY["qwen3_moe"].tiny_config()
+    experts = ExpertParallelExperts(Qwen3MoeExperts(config), placement_at(config.to_dict(), 1, 0))
+    model = nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"mlp": nn.ModuleDict({"experts": experts})})])})
+    load = ExpertLoad(model.train())
+    index = torch.randint(0, config.num_experts, (40, config.num_experts_per_tok))
+    weights = torch.rand(40, config.num_experts_per_tok)
+    bincounts = []
+    original = torch.bincount
+    monkeypatch.setattr(torch, "bincount", lambda *a, **k: bincounts.append(a) or original(*a, **k))
+    for _ in range(2):
+        experts(torch.randn(40, config.hidden_size), index, weights)
+    monkeypatch.undo()
+    assert bincounts == []
+    assert load.layers == ["0"]
+    assert load.totals[0, 0].tolist() == (2 * torch.bincount(index.flatten(), minlength=config.num_experts)).tolist()
