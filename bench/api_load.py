@@ -8,8 +8,10 @@ twice at once): no key may end up with two jobs (duplicates) or none (lost).
 
     python bench/api_load.py [--clients 64] [--seconds 5]
 
-The scheduler is off: this measures the API, not Ray. Ends with
-`RESULT get_per_s=<x> create_p99_ms=<y> duplicates=<n> lost=<m>`.
+The scheduler is off: this measures the API, not Ray. A moto S3 server holds the demo's tiny checkpoint, so every
+create runs the submission checks it runs in production (config.json, tokenizer, output probe) and `/readyz`
+finds its storage. Ends with
+`RESULT get_per_s=<x> get_ratio=<GET job / GET /healthz> create_p99_ms=<y> duplicates=<n> lost=<m>`.
 """
 
 from __future__ import annotations
@@ -27,18 +29,30 @@ from pathlib import Path
 
 import aiohttp
 
-from moetune.service.embedded import free_port, stop_process, wait_http
+from moetune.service.demo import demo_job_spec, make_demo_assets
+from moetune.service.embedded import free_port, s3_env, spawn_s3_server, stop_process, wait_http
 
 JOBS = "/v1/fine_tuning/jobs"
-SPEC = {"model": "s3://models/tiny", "training_file": "s3://data/train.jsonl"}
+SPEC = demo_job_spec().model_dump(mode="json", exclude_none=True)
 TOKENS = {"load": "tok-load", "idem": "tok-idem"}
 POLL_RATE = 1000.0  # GETs per second from all clients while creates are timed: the GET goal, below saturation
 CREATE_RATE = 50.0  # job submissions per second while the clients poll: far above any real fine-tuning load
 
 
-def start_server(work: Path) -> tuple[subprocess.Popen, str]:
+def start_storage(work: Path) -> tuple[subprocess.Popen, str]:
+    """A moto S3 server holding the demo's checkpoint and data (what a create checks before accepting a job)."""
     port = free_port()
-    env = {**os.environ,
+    proc = spawn_s3_server(port, str(work / "s3.log"))
+    url = f"http://127.0.0.1:{port}"
+    os.environ.update(s3_env(url))  # make_demo_assets writes through the same variables the server reads
+    make_demo_assets(work, url, images=False)
+    return proc, url
+
+
+def start_server(work: Path, s3_url: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, **s3_env(s3_url),
+           "MOETUNE_DEFAULT_OUTPUT_URI": SPEC["output_uri"],
            "MOETUNE_DATABASE_URL": f"sqlite:///{work / 'moetune.db'}",
            "MOETUNE_API_TOKENS": ",".join(f"{tok}:{tenant}" for tenant, tok in TOKENS.items()),
            "MOETUNE_SCHEDULER_ENABLED": "false"}
@@ -174,7 +188,8 @@ async def run(url: str, clients: int, seconds: float) -> None:
     print(f"POST job only ({len(burst)} creates): {burst_per_s:.0f} creates/s, p50 {p(burst, 50) * 1000:.1f} ms, "
           f"p99 {p(burst, 99) * 1000:.1f} ms (every client waits on the single SQLite writer)")
     print(f"500 creates, 250 Idempotency-Keys x2: duplicates={duplicates} lost={lost}")
-    print(f"RESULT get_per_s={get_per_s:.0f} create_p99_ms={p99:.1f} duplicates={duplicates} lost={lost}")
+    print(f"RESULT get_per_s={get_per_s:.0f} get_ratio={get_per_s / healthz:.2f} create_p99_ms={p99:.1f} "
+          f"duplicates={duplicates} lost={lost}")
 
 
 def main() -> None:
@@ -183,11 +198,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="moetune-load-") as tmp:
-        proc, url = start_server(Path(tmp))
+        s3, s3_url = start_storage(Path(tmp))
         try:
-            asyncio.run(run(url, args.clients, args.seconds))
+            proc, url = start_server(Path(tmp), s3_url)
+            try:
+                asyncio.run(run(url, args.clients, args.seconds))
+            finally:
+                stop_process(proc)
         finally:
-            stop_process(proc)
+            stop_process(s3)
 
 
 if __name__ == "__main__":
