@@ -74,6 +74,41 @@ def test_indexer_chunks_queries_against_a_longer_cache():
     assert [(row >= 0).sum().item() for row in indices[0]] == [8, 9, 10, 11, 12]
 
 
+def test_indexer_chunks_fill_the_memory_budget_and_select_exactly(monkeypatch):
+    """Chunks as large as the budget allows (not a fixed element cap: that left 2 rows at 128K keys), each the
+    same selection as one query row at a time."""
+    from moetune.kernels.sparse_attention import indexer
+
+    gen = torch.Generator().manual_seed(3)
+    q_idx, k_idx, w = torch.randn(1, 512, 8, 16, generator=gen), torch.randn(1, 512, 16, generator=gen), \
+        torch.randn(1, 512, 8, generator=gen)
+    row_bytes = 512 * (4 * 8 + indexer.ROW_OVERHEAD)  # [H, S] fp32 logits and the per-key overhead of one row
+    monkeypatch.setattr(indexer, "CPU_BUDGET_BYTES", 170 * row_bytes + 1)
+    spans, causal = [], indexer._causal(512, 512, "cpu")
+
+    def visible(start, stop):
+        spans.append((start, stop))
+        return causal(start, stop)
+
+    chunked = select_topk(q_idx, k_idx, w, 24, visible=visible)
+    assert spans == [(0, 170), (170, 340), (340, 510), (510, 512)]
+    torch.testing.assert_close(chunked, select_topk(q_idx, k_idx, w, 24, rows=1), rtol=0, atol=0)
+
+
+def test_indexer_budget_is_a_share_of_the_free_device_memory(monkeypatch):
+    """On CUDA: FREE_SHARE of the driver's free memory plus what torch's allocator holds unused."""
+    from moetune.kernels.sparse_attention import indexer
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * 2**30)
+    assert indexer.memory_budget("cuda:0") == int(indexer.FREE_SHARE * 80 * 2**30)
+    row_bytes = 131072 * (4 * 64 + indexer.ROW_OVERHEAD)  # 128K keys, 64 index heads
+    assert indexer.chunk_rows(131072, row_bytes, "cuda:0") == int(indexer.FREE_SHARE * 80 * 2**30) // row_bytes
+    assert indexer.chunk_rows(7, row_bytes, "cuda:0") == 7  # never more rows than queries
+    assert indexer.chunk_rows(7, 2**40, "cpu") == 1  # at least one row, whatever the budget
+
+
 def test_topk_mask_ignores_invalid_slots():
     mask = topk_mask(torch.tensor([[[0, -1, 2]]]), 4)
     assert mask.tolist() == [[[True, False, True, False]]]

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from moetune.kernels.sparse_attention import indexer as sparse_indexer
 from moetune.workers.families import REGISTRY, apply_kernel_swaps, auto_model_class, mla
 from moetune.workers.families.deepseek_v32 import dsa
 from tests.support.allocations import Allocations
@@ -125,7 +126,7 @@ def test_no_txt_tensor_at_2048_tokens(monkeypatch, swap):
     model = _model(num_hidden_layers=2, index_topk=64)
     if swap:
         apply_kernel_swaps(model.base_model.model)
-        monkeypatch.setattr(dsa, "ROW_ELEMENTS", 1 << 16)  # blocks of 16 query rows
+        monkeypatch.setattr(sparse_indexer, "CPU_BUDGET_BYTES", 1 << 20)  # blocks of ~20 query rows
     ids = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), Allocations() as recorder:
         model(input_ids=ids, attention_mask=torch.ones_like(ids))

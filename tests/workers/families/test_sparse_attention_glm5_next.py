@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.support.triton_child import on_triton, test_interpreter_run  # noqa: F401 (collected here)
+from moetune.kernels.sparse_attention import indexer as sparse_indexer
 from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.families.glm5_next import indexer as glm5_next_indexer
 from moetune.workers.families.glm5_next.sparse_attention import apply_sparse_attention_kernels
@@ -116,7 +117,7 @@ def _indexer_inputs(config, seq_len, batch=2, pad=0):
 def test_chunked_indexer_selects_what_transformers_selects(monkeypatch, kpool, tail):
     stock, chunked = _indexers(index_kpool=kpool, index_kpool_always_select_tail=tail, index_topk=8)
     inputs = _indexer_inputs(stock.config, seq_len=45, pad=6)
-    monkeypatch.setattr(glm5_next_indexer, "CHUNK_ELEMENTS", 2 * 2 * 45 * 7)  # 7 query rows per block: 7 blocks
+    monkeypatch.setattr(sparse_indexer, "CPU_BUDGET_BYTES", 8 * 2 * 2 * 45 * 7)  # 7 query rows per block: 7 blocks
     want, got = stock(*inputs, cache=None), chunked(*inputs, cache=None)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert (got.sort(-1).values == want.sort(-1).values).all()  # the same set per query (order is topk's own)
@@ -127,14 +128,14 @@ def test_chunked_indexer_never_builds_a_txt_tensor(monkeypatch):
     seq_len = 2048
     stock, chunked = _indexers(index_kpool=2)
     inputs = _indexer_inputs(stock.config, seq_len, batch=1)
-    monkeypatch.setattr(glm5_next_indexer, "CHUNK_ELEMENTS", 1 << 18)
+    monkeypatch.setattr(sparse_indexer, "CPU_BUDGET_BYTES", 8 << 18)
     with Allocations() as stock_seen:
         want = stock(*inputs, cache=None)
     with Allocations() as chunked_seen:
         got = chunked(*inputs, cache=None)
     assert stock_seen.largest_bytes >= seq_len * seq_len  # the hook sees transformers' T×T boolean mask
-    # at most CHUNK_ELEMENTS per block intermediate, 8 bytes each (the stock tail helper counts visible keys in int64)
-    assert chunked_seen.largest_bytes <= 8 * (1 << 18) < seq_len * seq_len, chunked_seen.largest_bytes
+    # each block's intermediates within the budget (8 bytes an element: the stock tail helper counts keys in int64)
+    assert chunked_seen.largest_bytes <= 8 << 18 < seq_len * seq_len, chunked_seen.largest_bytes
     assert (got.sort(-1).values == want.sort(-1).values).all()
 
 

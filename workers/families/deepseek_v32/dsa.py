@@ -4,8 +4,9 @@ transformers builds a [B, 1, T, T] causal mask for every forward, scores every q
 its indexer ([B, T, 64 heads, T] fp32: ~275 GB at 32K), and runs dense attention under a top-k mask. The swap puts
 each DSA attention module on the `moetune_dsa` implementation:
 - the causal mask becomes a `RowMask`, which builds the same mask a block of query rows at a time, on demand;
-- the indexer selects with `kernels.sparse_attention.select_topk` one block of queries at a time (same projections,
-  RoPE and scores as transformers', the -inf of invisible keys turned into -1 slots);
+- the indexer selects with `kernels.sparse_attention.select_topk` one block of queries at a time, blocks sized to
+  the free memory (same projections, RoPE and scores as transformers', the -inf of invisible keys turned into -1
+  slots);
 - attention runs `kernels.sparse_attention.sparse_attention` over the selected tokens' latent, not expanded per
   head (families/mla.py; transformers hands the top-k indices to any implementation other than eager/SDPA).
 """
@@ -25,7 +26,6 @@ from moetune.kernels.sparse_attention import select_topk
 from moetune.workers.families.mla import mla_sparse_attention, use_latent_kv
 
 ATTN_IMPLEMENTATION = "moetune_dsa"
-ROW_ELEMENTS = 1 << 24  # bound on one block's [B, rows, heads, keys] indexer scores
 
 
 class RowMask:
@@ -68,8 +68,7 @@ class ChunkedDeepseekV32Indexer(DeepseekV32Indexer):
             def visible(start, stop):
                 block = attention_mask[:, start:stop]
                 return block if block.dtype == torch.bool else block > torch.finfo(block.dtype).min / 2
-        rows = max(1, ROW_ELEMENTS // (batch * self.n_heads * k.shape[1]))
-        return select_topk(q, k, weights, self.index_topk, self.softmax_scale, visible, rows)
+        return select_topk(q, k, weights, self.index_topk, self.softmax_scale, visible)
 
 
 def _row_mask(**kwargs) -> RowMask:

@@ -4,7 +4,7 @@ transformers' `Glm5NextTextIndexer.forward` scores every query against every k-p
 and builds a [B, T, T] visibility mask: at 32K tokens that alone runs out of memory before attention starts. This
 subclass computes the same selection (same projections, pooling, tail and padding rules; the stock helpers are
 reused) with the kernels' chunked indexer over the pooled keys, one block of queries at a time, sized so each
-block's intermediates stay under CHUNK_ELEMENTS.
+block's intermediates (up to 8 bytes an element) fit the indexer's memory budget (kernels.sparse_attention.indexer).
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
 
 from moetune.kernels.sparse_attention import select_topk
-
-CHUNK_ELEMENTS = 1 << 24  # bound on a block's [B, rows, keys] / [B, rows, heads, pools] intermediates
+from moetune.kernels.sparse_attention.indexer import chunk_rows
 
 
 class ChunkedGlm5NextIndexer(Glm5NextTextIndexer):
@@ -50,7 +49,8 @@ class ChunkedGlm5NextIndexer(Glm5NextTextIndexer):
             ends = pool_end[:, None, :].expand(batch, stop - start, -1)
             return visible(start, stop).gather(-1, ends) & pool_valid[:, None]
 
-        rows = max(1, CHUNK_ELEMENTS // (batch * max(valid_keys.shape[-1], self.n_heads * pool_indices.shape[1])))
+        widest = max(valid_keys.shape[-1], self.n_heads * pool_indices.shape[1])  # [rows, keys], [rows, heads, pools]
+        rows = chunk_rows(seq_len, 8 * batch * widest, hidden_states.device)
         selected = select_topk(q, pool_keys.float(), weights, select_k, self.softmax_scale, candidates, rows).long()
         batch_idx = torch.arange(batch, device=hidden_states.device)[:, None, None]
         out = torch.full((batch, seq_len, width), -1, dtype=torch.int32, device=hidden_states.device)
