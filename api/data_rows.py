@@ -5,6 +5,7 @@ uploaded files with these rules and the driver checks every job's files with the
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 from moetune.api.chat_content import content_problem
@@ -31,7 +32,15 @@ def row_problem(row) -> str | None:
         if not isinstance(row["text"], str) or not row["text"]:
             return "'text' must be a non-empty string"
         return None
-    messages = row["messages"]
+    if problem := messages_problem(row["messages"]):
+        return problem
+    if not any(m["role"] == "assistant" for m in row["messages"]):
+        return "'messages' must contain an assistant turn (nothing to train on otherwise)"
+    return None
+
+
+def messages_problem(messages) -> str | None:
+    """What is wrong with a list of chat turns (training and evaluation rows alike), or None."""
     if not isinstance(messages, list) or not messages:
         return "'messages' must be a non-empty list"
     for i, message in enumerate(messages):
@@ -42,14 +51,41 @@ def row_problem(row) -> str | None:
             return f"{where}.role' must be one of {', '.join(CHAT_ROLES)}"
         if problem := content_problem(message.get("content"), where, message["role"]):
             return problem
-    if not any(m["role"] == "assistant" for m in messages):
-        return "'messages' must contain an assistant turn (nothing to train on otherwise)"
     return None
 
 
-def parse_rows(text: str, extra_check: Callable[[dict], str | None] | None = None) -> list[dict]:
-    """Every row of a JSONL text (blank lines skipped), checked by `row_problem` and then `extra_check`;
-    RowError at the first bad one."""
+def evaluation_row_problem(row, metrics=()) -> str | None:
+    """What is wrong with one row of an evaluation file (`{"messages": [...], "reference": "..."}`, or messages
+    ending with the assistant's answer), or None; with the "regex" metric the reference must compile."""
+    if not isinstance(row, dict) or "messages" not in row:
+        return 'expected {"messages": [...], "reference": "..."}'
+    if problem := messages_problem(row["messages"]):
+        return problem
+    if texts := [i for i, m in enumerate(row["messages"]) if not isinstance(m["content"], str)]:
+        return f"'messages[{texts[0]}].content' must be a string (evaluation prompts are text)"
+    if "reference" in row and not isinstance(row["reference"], str):
+        return "'reference' must be a string"
+    if "reference" not in row and (row["messages"][-1]["role"] != "assistant" or len(row["messages"]) < 2):
+        return "no reference: give 'reference' or end the messages with the assistant's answer"
+    if "regex" in metrics:
+        try:
+            re.compile(evaluation_turns(row)[1])
+        except re.error as e:
+            return f"the reference is the regex metric's pattern: not a regular expression ({e})"
+    return None
+
+
+def evaluation_turns(row: dict) -> tuple[list[dict], str]:
+    """An evaluation row's prompt (its messages without the answer) and its reference."""
+    if "reference" in row:
+        return row["messages"], row["reference"]
+    return row["messages"][:-1], row["messages"][-1]["content"]
+
+
+def parse_rows(text: str, extra_check: Callable[[dict], str | None] | None = None,
+               problem: Callable[[object], str | None] = row_problem) -> list[dict]:
+    """Every row of a JSONL text (blank lines skipped), checked by `problem` (the training rows' rules unless told)
+    and then `extra_check`; RowError at the first bad one."""
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -58,7 +94,7 @@ def parse_rows(text: str, extra_check: Callable[[dict], str | None] | None = Non
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise RowError(number, f"not valid JSON ({e.msg})") from None
-        if problem := row_problem(row) or (extra_check and extra_check(row)):
-            raise RowError(number, problem)
+        if found := problem(row) or (extra_check and extra_check(row)):
+            raise RowError(number, found)
         rows.append(row)
     return rows

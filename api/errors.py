@@ -51,10 +51,12 @@ class ErrorCode(StrEnum):
     unsupported_chat_template = "unsupported_chat_template"  # assistant turns cannot be located for masking
     invalid_training_file = "invalid_training_file"  # the training file is missing, unreadable or malformed
     invalid_validation_file = "invalid_validation_file"  # the same for the validation file
+    invalid_evaluation_file = "invalid_evaluation_file"  # the same for evaluation.file
     alignment_failed = "alignment_failed"  # a swapped operator differs from its reference (alignment_check)
     training_failed = "training_failed"  # any other training failure (also a failed result without an error)
 
     @classmethod
     def invalid_file(cls, param: str) -> ErrorCode:
-        """The code of a data file that cannot be used: `param` is "training_file" or "validation_file"."""
-        return cls(f"invalid_{param}")
+        """The code of a data file that cannot be used: `param` is "training_file", "validation_file" or
+        "evaluation.file"."""
+        return cls(f"invalid_{param.replace('.', '_')}")

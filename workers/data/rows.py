@@ -8,14 +8,17 @@ workers read rows already checked.
 from __future__ import annotations
 
 from moetune.api import storage
-from moetune.api.data_rows import RowError, parse_rows
+from collections.abc import Callable
+
+from moetune.api.data_rows import RowError, parse_rows, row_problem
 from moetune.workers.data.images import ImageCheck
 from moetune.workers.errors import DatasetError
 
 
-def load_rows(uri: str, param: str, images: ImageCheck | None = None) -> list[dict]:
-    """Reads and validates every row of a JSONL file (and with `images`, every image it names); raises
-    DatasetError naming file and row."""
+def load_rows(uri: str, param: str, images: ImageCheck | None = None,
+              problem: Callable[[object], str | None] = row_problem) -> list[dict]:
+    """Reads and validates every row of a JSONL file with `problem` (the training rows' rules unless told; with
+    `images`, every image it names too); raises DatasetError naming file and row."""
     try:
         text = storage.read_text(uri)
     except FileNotFoundError:
@@ -25,7 +28,7 @@ def load_rows(uri: str, param: str, images: ImageCheck | None = None) -> list[di
     except OSError as e:
         raise DatasetError(param, f"{param} {uri} cannot be read: {e}") from None
     try:
-        rows = parse_rows(text, images.row_problem if images else None)
+        rows = parse_rows(text, images.row_problem if images else None, problem)
     except RowError as e:
         raise DatasetError(param, f"{param} {uri} row {e.number}: {e.problem}") from None
     if not rows:

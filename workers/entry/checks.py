@@ -1,17 +1,19 @@
 """What the driver checks before any worker starts: the rules of submission again (the control plane skips those
 it cannot check when storage is unreachable), the model's config and tokenizer, the LoRA targets, the output
-location and every data row, with every image it names."""
+location and every data row (training, validation and evaluation files), with every image it names."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from functools import partial
 
 from moetune.api import storage
+from moetune.api.data_rows import evaluation_row_problem
 from moetune.api.checkpoint_files import check_tokenizer_files, check_tokenizer_size
 from moetune.api.errors import ErrorCode
-from moetune.api.families import check_model_spec, images_refusal
+from moetune.api.families import check_model_spec, facts_of, images_refusal
 from moetune.api.models import JobCreate, JobRunSpec, SpecError
 from moetune.workers.data.images import ImageCheck
 from moetune.workers.data.rows import load_rows
@@ -42,6 +44,9 @@ def validate(run: JobRunSpec, settings: WorkerSettings) -> tuple[int, Coverage]:
         rows = len(load_rows(spec.training_file, "training_file", images))
         if spec.validation_file:
             load_rows(spec.validation_file, "validation_file", images)
+    if spec.evaluation:
+        load_rows(spec.evaluation.file, "evaluation.file",
+                  problem=partial(evaluation_row_problem, metrics=spec.evaluation.metrics))
     return rows, lora
 
 
@@ -85,6 +90,10 @@ def read_remote_config(model_uri: str) -> dict:
     except (OSError, ValueError) as e:
         raise JobError(ErrorCode.invalid_model, f"model {model_uri}: config.json cannot be read ({e})",
                        "model") from None
+    try:
+        facts_of(config)  # a malformed field or an unsupported model_type in moetune's words, before transformers'
+    except SpecError as e:
+        raise JobError(ErrorCode.invalid_model, e.message, e.param) from None
     try:
         hf_config(config)
     except (KeyError, ValueError, TypeError) as e:

@@ -2,23 +2,23 @@
 serving engine's batched generation (workers.generate.generate_batch), each answer is scored against the row's
 reference by the metrics asked for (workers.evaluation.metrics), and the scores are averaged over all rows.
 
-Each rank answers its share of the rows. Under expert parallelism every forward exchanges tokens between ranks, so
-ranks generate in lockstep (a fixed number of forwards) over equally many prompts: a short share is padded with
-copies of its first row, whose scores are not counted.
+Each rank answers its share of the rows, all of its prompts prefilled in one forward and every decode step one
+forward for all of them: under ZeRO-3 each forward gathers every layer's weights, once per batch rather than once
+per prompt. Where every forward runs collectives (expert parallelism, ZeRO-3) ranks generate in lockstep (one
+prefill, then a fixed number of steps) over equally many prompts: a short share is padded with copies of its first
+row, whose scores are not counted.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
-from moetune.api import storage
-from moetune.api.errors import ErrorCode
+from moetune.api.data_rows import evaluation_row_problem, evaluation_turns
 from moetune.api.models import EvaluationSpec
-from moetune.workers.errors import JobError
+from moetune.workers.data.rows import load_rows
 from moetune.workers.evaluation.metrics import METRICS
 from moetune.workers.generate import SamplingParams, generate_batch
 from moetune.workers.methods.sft import FALLBACK_CHAT_TEMPLATE
@@ -32,28 +32,6 @@ class EvalRow:
     reference: str
 
 
-def _row_problem(row) -> str | None:
-    messages = row.get("messages") if isinstance(row, dict) else None
-    if not isinstance(messages, list) or not messages:
-        return "expected {\"messages\": [...], \"reference\": \"...\"}"
-    if any(not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in
-           ("system", "user", "assistant") for m in messages):
-        return "every message needs a role (system, user or assistant) and a text content"
-    if "reference" in row and not isinstance(row["reference"], str):
-        return "reference must be a string"
-    if "reference" not in row and (messages[-1]["role"] != "assistant" or len(messages) < 2):
-        return "no reference: give \"reference\" or end the messages with the assistant's answer"
-    return None
-
-
-def _pattern_problem(pattern: str) -> str | None:
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        return f"not a regular expression ({e})"
-    return None
-
-
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The conversation rendered up to the assistant's turn, as the training rows are rendered."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -62,32 +40,11 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def load_eval_rows(uri: str, tokenizer, metrics: list[str]) -> list[EvalRow]:
-    """Every row of the evaluation file as (prompt tokens, reference); a JobError naming the file and row (also
-    for a reference that is no regular expression, when `metrics` has "regex")."""
-    try:
-        lines = storage.read_text(uri).splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise JobError(ErrorCode.invalid_request, f"{PARAM} {uri} cannot be read ({e})", PARAM) from None
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise JobError(ErrorCode.invalid_request, f"{PARAM} {uri} row {number}: not valid JSON ({e.msg})",
-                           PARAM) from None
-        if problem := _row_problem(row):
-            raise JobError(ErrorCode.invalid_request, f"{PARAM} {uri} row {number}: {problem}", PARAM)
-        messages = row["messages"] if "reference" in row else row["messages"][:-1]
-        reference = row["reference"] if "reference" in row else row["messages"][-1]["content"]
-        if "regex" in metrics and (problem := _pattern_problem(reference)):
-            raise JobError(ErrorCode.invalid_request, f"{PARAM} {uri} row {number}: the reference is the regex "
-                                                      f"metric's pattern: {problem}", PARAM)
-        rows.append(EvalRow(prompt_ids(tokenizer, messages), reference))
-    if not rows:
-        raise JobError(ErrorCode.invalid_request, f"{PARAM} {uri} holds no rows", PARAM)
-    return rows
+    """Every row of the evaluation file as (prompt tokens, reference); a DatasetError naming the file and row (the
+    driver ran the same check, api/data_rows.evaluation_row_problem, before any worker started)."""
+    rows = load_rows(uri, PARAM, problem=partial(evaluation_row_problem, metrics=metrics))
+    return [EvalRow(prompt_ids(tokenizer, messages), reference)
+            for messages, reference in map(evaluation_turns, rows)]
 
 
 def answers(model, tokenizer, rows: list[EvalRow], spec: EvaluationSpec, seed: int, lockstep: bool) -> list[str]:

@@ -22,10 +22,11 @@ from tests.support.jobs import adapter_valid_loss, driver_env, expected_first_lo
 TRAINING = {"learning_rate": 3e-3, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 128}
 
 
-def _run_spec(base: str, job_id: str, training: dict, zero_stage: int, **spec) -> JobRunSpec:
+def _run_spec(base: str, job_id: str, training: dict, zero_stage: int, lora: dict | None = None,
+              **spec) -> JobRunSpec:
     create = JobCreate(
         model=f"{base}/models/tiny", training_file=f"{base}/data/train.jsonl",
-        validation_file=f"{base}/data/valid.jsonl", lora={"rank": 8, "alpha": 16, "dropout": 0.0},
+        validation_file=f"{base}/data/valid.jsonl", lora={"rank": 8, "alpha": 16, "dropout": 0.0, **(lora or {})},
         training={**TRAINING, **training}, parallelism={"num_workers": 2, "zero_stage": zero_stage}, **spec)
     return JobRunSpec(job_id=job_id, spec=create, seed=3, output_uri=f"{base}/out/{job_id}")
 
@@ -80,19 +81,38 @@ def test_worker_job_errors_keep_code_and_param():
     assert root_cause(RuntimeError("boom\nline two")).message == "RuntimeError: line two"
 
 
+def test_the_coverage_warnings_of_the_seed_recipe_reach_the_control_plane_as_warn_events(receiver):
+    """The seed documents' recipe leaves a kimi_linear model's routed experts unadapted: a `warn` event the
+    control plane accepts (the driver once sent level "warning", which failed every job whose coverage warns)."""
+    from moetune.api.models import LoraSpec
+    from moetune.workers.entry.driver import report_coverage
+    from moetune.workers.families import REGISTRY
+    from moetune.workers.lora.peft_lora import check_targets_on_config
+
+    spec = LoraSpec(target_modules=["q_proj", "v_proj", "gate_proj"])
+    coverage = check_targets_on_config(REGISTRY["kimi_linear"].tiny_config().to_dict(), spec)
+    report_coverage(Reporter("ftjob-coverage", callback_url=receiver.url, token="t"), coverage, spec)
+    summary, *warnings = receiver.of_kind("event")
+    assert summary.level == "info" and summary.data["trainable_parameters"] == coverage.trainable
+    assert [(e.level, e.data["layer_type"]) for e in warnings] == [("warn", "routed experts")]
+
+
 # ------------------------------------------------------------------ real jobs on Ray
 
 
 @pytest.mark.ray_job
 def test_zero3_job_resumes_exactly(assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
     """ZeRO-3 as a whole job (ZeRO-1's checkpoints and resume are checked in process: tests/workers/parallel), with
-    activation checkpointing and a staged context length (32 tokens for steps 1-2, then 128)."""
+    activation checkpointing and a staged context length (32 tokens for steps 1-2, then 128). LoRA on the attention
+    preset only: its coverage warnings (no dense MLP, no shared expert adapted) are events, the job goes on."""
     zero_stage = 3
     stages = [{"until_step": 2, "seq_len": 32}, {"seq_len": 128}]
     run = _run_spec(assets, f"ftjob-zero{zero_stage}", {"max_steps": 4, "checkpoint_every": 2,
                                                         "activation_checkpointing": True, "seq_len_schedule": stages},
-                    zero_stage=zero_stage)
+                    zero_stage=zero_stage, lora={"target_modules": "attention"})
     assert run_in_process(run, ray_head, receiver, monkeypatch)
+    warned = [e.data["layer_type"] for e in receiver.of_kind("event") if e.level == "warn" and e.data]
+    assert warned == ["dense MLP", "shared experts"]
     messages = [e.message for e in receiver.of_kind("event")]
     assert any(m.startswith("Activation checkpointing: each decoder layer") for m in messages)
     assert [m for m in messages if m.startswith("Context length")] == [
@@ -143,3 +163,21 @@ def test_workers_ray_cannot_place_fail_the_job_after_the_placement_timeout(asset
     assert result.error.message.startswith("parallelism: Ray did not place the job's 64 workers within 2 s "
                                            "(setting MOETUNE_PLACEMENT_TIMEOUT_S)")
     assert time.monotonic() - started < 60
+
+
+def test_a_malformed_evaluation_row_fails_the_checks_with_file_row_and_field(assets):
+    """evaluation.file is read with the training rows' chat rules (a tool turn is a turn) before any worker starts."""
+    from moetune.workers.entry.checks import validate
+    from moetune.workers.errors import DatasetError
+
+    uri = f"{assets}/data/eval.jsonl"
+    ask = [{"role": "user", "content": "2+2?"}, {"role": "tool", "content": "4"}]
+    storage.write_bytes(uri, (json.dumps({"messages": ask, "reference": "4"}) + "\n"
+                              + json.dumps({"messages": ask}) + "\n").encode())
+    run = _run_spec(assets, "ftjob-badeval", {"max_steps": 2}, zero_stage=2,
+                    evaluation={"file": uri, "metrics": ["exact_match"]})
+    with pytest.raises(DatasetError) as failed:
+        validate(run, WorkerSettings())
+    assert (failed.value.code, failed.value.param) == ("invalid_evaluation_file", "evaluation.file")
+    assert failed.value.message == (f"evaluation.file {uri} row 2: no reference: give 'reference' or end the "
+                                    "messages with the assistant's answer")
