@@ -260,13 +260,14 @@ class EvaluationSpec(_Strict):
     step (default: each checkpoint); each metric is the mean over rows, in [0, 1]. "regex": the reference is a
     regular expression the answer must contain a match of."""
 
-    file: str
+    file: str = Field(..., description="An uploaded file's id (file-..., purpose evaluation) or the URI of a JSONL "
+                                       "file")
     metrics: list[EvalMetric] = Field(..., min_length=1)
     every: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(64, ge=1, le=4096)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
 
-    _check_file = field_validator("file")(_check_uri)
+    _check_file = field_validator("file")(_check_data_file)
 
 
 class JobCreate(_Strict):
@@ -434,7 +435,15 @@ class Job(BaseModel):
     queue_reason: str | None = None
 
 
-EventLevel = Literal["info", "warn", "error"]
+class EventLevel(StrEnum):
+    """A job event's level (OpenAI's three). Senders name a member (`EventLevel.warn`) instead of spelling the
+    string: a level the wire does not allow was once found only when a running job's report failed validation."""
+
+    info = "info"
+    warn = "warn"
+    error = "error"
+
+
 EventType = Literal["message", "metrics"]
 
 
@@ -442,7 +451,7 @@ class JobEvent(BaseModel):
     id: str
     object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
     created_at: int
-    level: EventLevel = "info"
+    level: EventLevel = EventLevel.info
     message: str
     type: EventType = "message"
     data: dict[str, Any] | None = None
@@ -465,7 +474,8 @@ class Checkpoint(BaseModel):
     step_number: int
 
 
-FilePurpose = Literal["fine-tune"]
+# "fine-tune": training or validation rows (OpenAI's purpose); "evaluation": moetune's evaluation.file rows
+FilePurpose = Literal["fine-tune", "evaluation"]
 
 
 class FileObject(BaseModel):
@@ -512,7 +522,7 @@ class JobRunSpec(BaseModel):
 
 class EventReport(BaseModel):
     kind: Literal["event"] = "event"
-    level: EventLevel = "info"
+    level: EventLevel = EventLevel.info
     message: str
     type: EventType = "message"
     data: dict[str, Any] | None = None

@@ -19,11 +19,12 @@ from ray.train.torch import TorchTrainer
 
 from moetune.api import storage
 from moetune.api.layout import report_html_uri, report_json_uri, result_from_summary, summary_uri
-from moetune.api.models import JobRunSpec
+from moetune.api.models import EventLevel, JobRunSpec, LoraSpec
 from moetune.workers.checkpoints.run_state import complete_checkpoints, paused_step
 from moetune.workers.entry.checks import validate
 from moetune.workers.entry.failures import RAY_TRAIN_START_TIMEOUT, ReportWorkerFailures, root_cause
 from moetune.workers.loop.worker import train_loop_per_worker
+from moetune.workers.lora.coverage import Coverage
 from moetune.workers.reporting.adaptation_report import write_report
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.settings import WorkerSettings, worker_env
@@ -72,14 +73,19 @@ def build_trainer(run: JobRunSpec, attempt: str, reporter: Reporter, settings: W
     )
 
 
+def report_coverage(reporter: Reporter, lora: Coverage, spec: LoraSpec) -> None:
+    """What LoRA adapts, then a warning event for each layer type it leaves unadapted (the job goes on)."""
+    reporter.event(lora.summary(), data={"lora_coverage": lora.rows(), "trainable_parameters": lora.trainable})
+    for kind, message in lora.warnings(spec):
+        reporter.event(message, level=EventLevel.warn, data={"layer_type": kind})
+
+
 def run_job(run: JobRunSpec, reporter: Reporter, settings: WorkerSettings) -> bool:
     """Runs the whole job and sends its ResultReport; True on success or pause."""
     try:
         rows, lora = validate(run, settings)
         reporter.event(f"Files validated: {rows} training rows")
-        reporter.event(lora.summary(), data={"lora_coverage": lora.rows(), "trainable_parameters": lora.trainable})
-        for kind, message in lora.warnings(run.spec.lora):
-            reporter.event(message, level="warning", data={"layer_type": kind})
+        report_coverage(reporter, lora, run.spec.lora)
         if not ray.is_initialized():
             ray.init(logging_level=logging.WARNING)
         par = run.spec.parallelism

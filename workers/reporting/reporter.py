@@ -17,6 +17,7 @@ from moetune.api.models import (
     CheckpointMetrics,
     CheckpointReport,
     ErrorInfo,
+    EventLevel,
     EventReport,
     ReportAck,
     ResultReport,
@@ -59,7 +60,8 @@ class Reporter:
         log.warning("report dropped after %d attempts (%s): %s", self.attempts, problem, body["report"])
         return False
 
-    def event(self, message: str, level: str = "info", type: str = "message", data: dict[str, Any] | None = None):
+    def event(self, message: str, level: EventLevel = EventLevel.info, type: str = "message",
+              data: dict[str, Any] | None = None):
         return self.send(EventReport(message=message, level=level, type=type, data=data))
 
     def metrics(self, step: int, **values: Any):
