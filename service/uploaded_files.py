@@ -1,8 +1,9 @@
-"""OpenAI's files API for fine-tuning data: `POST /v1/files` (multipart, purpose=fine-tune), list, retrieve, delete
+"""OpenAI's files API for fine-tuning data: `POST /v1/files` (multipart, purpose=fine-tune, or evaluation for an
+`evaluation.file`), list, retrieve, delete
 and download. The bytes go to the operator's bucket, one folder per tenant (Settings.files_uri); every row is
 checked on upload by the rules the driver applies (api/data_rows.py, and the image URLs against the tenant's
 storage access), so a bad file is refused with its row number before any job names it. A job then names the
-file by its id (`training_file: "file-..."`), which create_job resolves to the stored URI."""
+file by its id (`training_file: "file-..."`, `evaluation.file`), which create_job resolves to the stored URI."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import Response
 
 from moetune.api import storage
-from moetune.api.data_rows import RowError, parse_rows
+from moetune.api.data_rows import RowError, evaluation_row_problem, parse_rows, row_problem
 from moetune.api.errors import ErrorCode
 from moetune.api.images import MB
 from moetune.api.models import FILE_ID_PREFIX, ErrorResponse, FileDeleted, FileObject, FilePurpose, ListPage
@@ -56,15 +57,17 @@ def _view(row: FileRow) -> FileObject:
                       purpose=row.purpose, rows=row.rows)
 
 
-def _checked_rows(data: bytes, filename: str, tenant: str, settings: Settings) -> int:
-    """How many rows the file holds; a 422 naming the first bad row (no model known yet: images are allowed)."""
+def _checked_rows(data: bytes, filename: str, purpose: FilePurpose, tenant: str, settings: Settings) -> int:
+    """How many rows the file holds; a 422 naming the first bad row by the rules of its purpose (no model known
+    yet: images are allowed; no metrics known yet: a regex reference is checked at submission)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise invalid_request(f"file: {filename} is not UTF-8 text", "file") from None
     access = tenant_access(tenant, settings)
     try:
-        rows = parse_rows(text, lambda row: row_image_refusal(row, access, None))
+        rows = parse_rows(text, lambda row: row_image_refusal(row, access, None),
+                          evaluation_row_problem if purpose == "evaluation" else row_problem)
     except RowError as e:
         raise invalid_request(f"file: {filename} row {e.number}: {e.problem}", "file") from None
     if not rows:
@@ -93,7 +96,7 @@ def upload_file(request: Request, tenant: Tenant, store: StoreDep, file: Annotat
         raise APIException(413, ErrorCode.invalid_request,
                            f"file: larger than this server's limit of {settings.max_upload_mb:g} MB", "file")
     filename = file.filename or "upload.jsonl"
-    rows = _checked_rows(data, filename, tenant, settings)
+    rows = _checked_rows(data, filename, purpose, tenant, settings)
     file_id = f"{FILE_ID_PREFIX}{secrets.token_hex(12)}"
     uri = storage.join(files_root(settings), tenant, f"{file_id}.jsonl")
     _write(uri, data, settings)

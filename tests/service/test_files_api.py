@@ -64,6 +64,31 @@ def test_upload_refuses_other_purposes(service):
     assert err.value.body["param"] == "purpose"
 
 
+def test_evaluation_files_upload_by_their_own_rules_and_jobs_name_them_by_id(service):
+    """purpose "evaluation": rows are prompts with a reference (no assistant turn needed), checked on upload by the
+    evaluation rules; `evaluation.file` takes the id, and a file of the other purpose is refused naming the field."""
+    oa = _openai(service)
+    prompt = [{"role": "user", "content": "2+2?"}]
+    evaluation = oa.files.create(file=("eval.jsonl", json.dumps({"messages": prompt, "reference": "4"}).encode()),
+                                 purpose="evaluation")
+    assert evaluation.purpose == "evaluation" and evaluation.id in [f.id for f in oa.files.list(purpose="evaluation")]
+    with pytest.raises(openai.UnprocessableEntityError) as err:
+        oa.files.create(file=("eval.jsonl", json.dumps({"messages": prompt}).encode()), purpose="evaluation")
+    assert err.value.body["message"] == ("file: eval.jsonl row 1: no reference: give 'reference' or end the messages "
+                                         "with the assistant's answer")
+    train = oa.files.create(file=("train.jsonl", JSONL), purpose="fine-tune")
+    job = oa.fine_tuning.jobs.create(model="s3://models/tiny", training_file=train.id,
+                                     extra_body={"evaluation": {"file": evaluation.id, "metrics": ["exact_match"]}})
+    stored = service.store.get_job(job.id).spec["evaluation"]["file"]
+    assert stored == f"s3://outputs/files/tenant-a/{evaluation.id}.jsonl"
+    for field, body in (("training_file", {"training_file": evaluation.id}),
+                        ("evaluation.file", {"training_file": train.id,
+                                             "extra_body": {"evaluation": {"file": train.id, "metrics": ["rouge_l"]}}})):
+        with pytest.raises(openai.UnprocessableEntityError) as err:
+            oa.fine_tuning.jobs.create(model="s3://models/tiny", **body)
+        assert err.value.body["param"] == field and "uploaded with purpose" in err.value.body["message"], field
+
+
 def test_job_names_uploaded_files_method_and_integrations(service):
     oa = _openai(service)
     train = oa.files.create(file=("train.jsonl", JSONL), purpose="fine-tune")
