@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetune.api.config_fields import config_error, read
 from moetune.api.models import SpecError
 from moetune.api.quantization import quantization_of
 
@@ -25,9 +26,19 @@ class FamilyFacts:
     text_config_key: str | None = None  # multimodal checkpoints: the text model's config lives under this key
     images: bool = False  # moetune feeds image rows through the family's processor (checkpoints with a vision tower)
 
+    def text_config(self, config: dict) -> dict:
+        """The part of config.json that configures the text model (all of it, unless the family nests it)."""
+        return read(config, self.text_config_key, dict) or {} if self.text_config_key else config
+
     def num_experts(self, config: dict) -> int | None:
-        config = config.get(self.text_config_key) or {} if self.text_config_key else config
-        return next((config[k] for k in self.expert_count_keys if isinstance(config.get(k), int)), None)
+        """The routed expert count (the first of its keys present); a SpecError naming a malformed one."""
+        where = self.text_config_key or ""
+        text = self.text_config(config)
+        key = next((k for k in self.expert_count_keys if text.get(k) is not None), None)
+        count = read(text, key, int, where) if key else None
+        if count is not None and count <= 0:
+            raise config_error(f"{where}.{key}".lstrip("."), f"must be a positive number of experts, not {count}")
+        return count
 
     def unknown_targets(self, targets: list[str]) -> list[str]:
         """Names that match no linear module of this family (PEFT matches a name exactly or as a suffix)."""
@@ -69,10 +80,37 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
 )}
 
 
+def unsupported_model_type(model_type) -> str:
+    """The one answer to a model_type no family has (submission, `moetune plan`, `models inspect`, the loader)."""
+    return f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+
+
+def _known(config: dict) -> FamilyFacts | None:
+    model_type = config.get("model_type")
+    return FAMILIES.get(model_type) if isinstance(model_type, str) else None
+
+
+def facts_of(config: dict) -> FamilyFacts:
+    """The family of a config.json, with every field moetune reads from it checked (a SpecError, param `model`,
+    naming a malformed field or listing the supported model types)."""
+    facts = _known(config)
+    if facts is None:
+        raise SpecError("model", f"model: {unsupported_model_type(read(config, 'model_type', str))}")
+    for key in ("text_config", "vision_config"):
+        read(config, key, dict)
+    facts.num_experts(config)
+    text = read(config, "text_config", dict) or {}
+    for where, part in (("", config), ("text_config", text)):
+        if (vocab := read(part, "vocab_size", int, where)) is not None and vocab <= 0:
+            raise config_error(f"{where}.vocab_size".lstrip("."), f"must be a positive integer, not {vocab}")
+    quantization_of(config)  # an unsupported or malformed quantized format
+    return facts
+
+
 def images_refusal(config: dict) -> str | None:
     """Why this checkpoint cannot train on rows with images, phrased to follow "but"; None when it can."""
     model_type = config.get("model_type")
-    facts = FAMILIES.get(model_type)
+    facts = _known(config)
     if facts is None or not facts.images:
         return f"moetune trains {model_type!r} models on text only (no image input for this family)"
     if "vision_config" not in config:
@@ -85,12 +123,7 @@ def check_model_spec(config: dict, spec) -> None:
 
     `spec` is a resolved JobCreate. Used at submission (422) and again by the driver before workers start.
     """
-    model_type = config.get("model_type")
-    facts = FAMILIES.get(model_type)
-    if facts is None:
-        raise SpecError("model", f"model: model_type {model_type!r} is not supported; supported: "
-                                 f"{', '.join(sorted(FAMILIES))}")
-    quantization_of(config)  # an unsupported quantized format is refused before the family's own rules
+    facts = facts_of(config)  # a malformed field or an unsupported model before the family's own rules
     par, lora = spec.parallelism, spec.lora
     experts = facts.num_experts(config)
     if experts is not None and experts % par.expert_parallel_size:

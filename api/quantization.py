@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetune.api.config_fields import checked, config_error, read, read_positive_ints
 from moetune.api.models import SpecError
 
 FP8, INT4, MXFP4 = "fp8-block", "int4-pack-quantized", "mxfp4"
+_SUPPORTED = "fp8 (block scales), compressed-tensors (pack-quantized INT4), mxfp4"
 
 
 @dataclass(frozen=True)
@@ -27,38 +29,49 @@ def _refuse(message: str) -> SpecError:
     return SpecError("model", f"model: {message}")
 
 
-def _int4(qc: dict) -> Quantization:
-    if qc.get("format") != "pack-quantized":
+def _int4(qc: dict, where: str) -> Quantization:
+    if read(qc, "format", str, where) != "pack-quantized":
         raise _refuse(f"compressed-tensors format {qc.get('format')!r} is not supported (only 'pack-quantized')")
-    groups = list((qc.get("config_groups") or {}).values())
-    weights = [g.get("weights") or {} for g in groups]
-    if not weights or any(w.get("num_bits") != 4 or w.get("type") != "int" or w.get("strategy") != "group"
-                          for w in weights) or len({(w.get("group_size"), w.get("symmetric")) for w in weights}) != 1:
+    groups, schemes = read(qc, "config_groups", dict, where) or {}, []
+    for name, group in groups.items():
+        field = f"{where}.config_groups.{name}"
+        if read(checked(group, dict, field) or {}, "input_activations", dict, field):
+            raise _refuse("compressed-tensors activation quantization is not supported (frozen weights only)")
+        weights = read(group or {}, "weights", dict, field) or {}
+        schemes.append((weights.get("num_bits") == 4 and weights.get("type") == "int"
+                        and weights.get("strategy") == "group", read(weights, "group_size", int, f"{field}.weights"),
+                        read(weights, "symmetric", bool, f"{field}.weights")))
+    if not schemes or not all(ok and size for ok, size, _ in schemes) or len(set(schemes)) != 1:
         raise _refuse("compressed-tensors weights must be one 4-bit int group scheme (num_bits 4, type int, "
-                      "strategy group)")
-    if any(g.get("input_activations") for g in groups):
-        raise _refuse("compressed-tensors activation quantization is not supported (frozen weights only)")
-    return Quantization(INT4, group_size=weights[0]["group_size"], symmetric=bool(weights[0].get("symmetric", True)))
+                      "strategy group, a group_size)")
+    _, group_size, symmetric = schemes[0]
+    return Quantization(INT4, group_size=group_size, symmetric=symmetric is not False)
+
+
+def _fp8(qc: dict, where: str) -> Quantization:
+    block = read_positive_ints(qc, "weight_block_size", where, length=2)
+    if (read(qc, "fmt", str, where) or "e4m3") != "e4m3" or block is None:
+        raise _refuse("FP8 checkpoints must be e4m3 with a weight_block_size [rows, cols] (block scales)")
+    if (read(qc, "activation_scheme", str, where) or "dynamic") != "dynamic":
+        raise _refuse("FP8 static activation scales are not supported (frozen weights only)")
+    return Quantization(FP8, block=(block[0], block[1]))
 
 
 def quantization_of(config: dict) -> Quantization | None:
     """The checkpoint's quantized format, None for an unquantized one; a SpecError (param `model`) for one
-    moetune does not read."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    qc = config.get("quantization_config") or text.get("quantization_config")
+    moetune does not read, or a malformed quantization_config (naming its field)."""
+    text = read(config, "text_config", dict) or {}
+    where = "quantization_config" if config.get("quantization_config") else "text_config.quantization_config"
+    qc = read(config, "quantization_config", dict) or read(text, "quantization_config", dict, "text_config")
     if not qc:
         return None
-    method = qc.get("quant_method")
+    method = read(qc, "quant_method", str, where)
+    if method is None:
+        raise config_error(f"{where}.quant_method", f"is missing; supported: {_SUPPORTED}")
     if method == "fp8":
-        block = qc.get("weight_block_size")
-        if qc.get("fmt", "e4m3") != "e4m3" or not (isinstance(block, list) and len(block) == 2):
-            raise _refuse("FP8 checkpoints must be e4m3 with a weight_block_size [rows, cols] (block scales)")
-        if qc.get("activation_scheme", "dynamic") != "dynamic":
-            raise _refuse("FP8 static activation scales are not supported (frozen weights only)")
-        return Quantization(FP8, block=(int(block[0]), int(block[1])))
+        return _fp8(qc, where)
     if method == "compressed-tensors":
-        return _int4(qc)
+        return _int4(qc, where)
     if method == "mxfp4":
         return Quantization(MXFP4, group_size=32)
-    raise _refuse(f"quantization_config.quant_method {method!r} is not supported; supported: fp8 (block scales), "
-                  "compressed-tensors (pack-quantized INT4), mxfp4")
+    raise _refuse(f"{where}.quant_method {method!r} is not supported; supported: {_SUPPORTED}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +14,8 @@ from rich.console import Console
 
 from moetune.service import cli
 from moetune.service.embedded import free_port, s3_env
+from moetune.workers.families import REGISTRY
+from tests.support.families import plain_model
 
 
 def _run(*args, env: dict | None = None):
@@ -78,3 +82,33 @@ def test_client_commands_import_no_server(args):
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'sqlalchemy', 'uvicorn'}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    """A tiny DeepSeek-V3 checkpoint as transformers saves it."""
+    path = tmp_path_factory.mktemp("deepseek")
+    plain_model(REGISTRY["deepseek_v3"]).save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"quantization_config": "fp8"}, "config.json field 'quantization_config' must be an object, not a string 'fp8'"),
+    ({"quantization_config": {"fmt": "e4m3", "weight_block_size": [128, 128]}},
+     "config.json field 'quantization_config.quant_method' is missing; supported: fp8 (block scales), "
+     "compressed-tensors (pack-quantized INT4), mxfp4"),
+    ({"n_routed_experts": "8"}, "config.json field 'n_routed_experts' must be an integer, not a string '8'"),
+    ({"model_type": "mythical_moe"}, "model_type 'mythical_moe' is not supported; supported: deepseek_v3, "
+                                     "deepseek_v32, deepseek_v4, glm5_next, gpt_oss, kimi_k25, kimi_linear, "
+                                     "nemotron_h, qwen3_5_moe, qwen3_moe, qwen3_next"),
+])
+def test_models_inspect_answers_a_malformed_or_unsupported_config_in_one_line(deepseek_dir, tmp_path, change,
+                                                                                message):
+    """The same answers as submission's 422 (tests/service/test_ep_submission.py), not a traceback or transformers'
+    own "Unrecognized model identifier"."""
+    model = tmp_path / "model"
+    shutil.copytree(deepseek_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **change}))
+    result = _run("models", "inspect", f"file://{model}")
+    assert result.exit_code == 1 and result.output.strip() == f"Error: file://{model}: {message}"

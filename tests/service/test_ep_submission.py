@@ -18,6 +18,25 @@ from moetune.workers.tiny import write_tiny_tokenizer
 from tests.support.control_plane import API_TOKENS, run_service
 
 JOBS = "/v1/fine_tuning/jobs"
+_DEEPSEEK = REGISTRY["deepseek_v3"].tiny_config().to_dict()
+# config.json fields the control plane reads, malformed: (config, the 422's words naming the field)
+MALFORMED = {
+    "fp8-string": ({**_DEEPSEEK, "quantization_config": "fp8"},
+                   "config.json field 'quantization_config' must be an object, not a string 'fp8'"),
+    "no-quant-method": ({**_DEEPSEEK, "quantization_config": {"fmt": "e4m3", "weight_block_size": [128, 128]}},
+                        "config.json field 'quantization_config.quant_method' is missing"),
+    "block-not-a-list": ({**_DEEPSEEK, "quantization_config": {"quant_method": "fp8", "weight_block_size": 128}},
+                         "config.json field 'quantization_config.weight_block_size' must be a list, not an integer"),
+    "groups-not-objects": ({**_DEEPSEEK, "quantization_config": {"quant_method": "compressed-tensors",
+                                                                 "format": "pack-quantized", "config_groups": [4]}},
+                           "config.json field 'quantization_config.config_groups' must be an object, not a list"),
+    "type-a-list": ({**_DEEPSEEK, "model_type": ["deepseek_v3"]}, "config.json field 'model_type' must be a string"),
+    "text-config-a-string": ({"model_type": "kimi_k25", "text_config": "deepseek_v3"},
+                             "config.json field 'text_config' must be an object, not a string 'deepseek_v3'"),
+    "experts-a-string": ({**_DEEPSEEK, "n_routed_experts": "8"},
+                         "config.json field 'n_routed_experts' must be an integer, not a string '8'"),
+    "vocab-a-string": ({**_DEEPSEEK, "vocab_size": "272"}, "config.json field 'vocab_size' must be an integer"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +58,7 @@ def control_plane(s3_endpoint, tmp_path_factory):
                "llama": json.dumps({"model_type": "llama"}), "not-json": "{'model_type': 'kimi_linear'",
                "awq": json.dumps({**REGISTRY["deepseek_v3"].tiny_config().to_dict(),
                                   "quantization_config": {"quant_method": "awq"}})}
+    configs.update({name: json.dumps(config) for name, (config, _) in MALFORMED.items()})
     for model, config in configs.items():
         s3.put_object(Bucket=bucket, Key=f"{model}/config.json", Body=config)
     settings = Settings(database_url=f"sqlite:///{tmp}/moetune.db", api_tokens=API_TOKENS, scheduler_enabled=False,
@@ -67,6 +87,7 @@ EP3_OF_6 = {"parallelism": {"num_workers": 6, "expert_parallel_size": 3}, "train
     ("not-json", {}, "model", "config.json is not JSON"),
     ("no-tokenizer", {}, "model", "has no tokenizer files (one of tokenizer.json, tokenizer.model"),
     ("awq", {}, "model", "quant_method 'awq' is not supported; supported: fp8 (block scales), compressed-tensors"),
+    *((name, {}, "model", words) for name, (_, words) in MALFORMED.items()),
 ])
 def test_config_dependent_rules_are_422_at_submission(control_plane, model, fields, param, words):
     response = _post(control_plane, model, **fields)
@@ -125,3 +146,15 @@ def test_the_driver_checks_the_tokenizer_and_the_output_again(control_plane, tmp
         with pytest.raises(JobError) as err:
             check()
         assert err.value.param == param and words in err.value.message
+
+
+def test_the_driver_names_a_malformed_config_field_as_submission_does(control_plane):
+    """The driver reads config.json again before any worker starts (the control plane skips what storage cannot
+    answer): the same words, not transformers' validation error or a traceback."""
+    from moetune.workers.entry.checks import read_remote_config
+
+    _, bucket = control_plane
+    for name, (_, words) in MALFORMED.items():
+        with pytest.raises(JobError) as err:
+            read_remote_config(f"s3://{bucket}/{name}")
+        assert (err.value.code, err.value.param) == ("invalid_model", "model") and words in err.value.message, name

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 from moetune.api.errors import ErrorCode
-from moetune.api.families import FAMILIES
+from moetune.api.families import FAMILIES, unsupported_model_type
 from moetune.workers.errors import JobError
 from moetune.workers.families.spec import Family
 
@@ -31,8 +31,7 @@ def family_for(config) -> Family:
     """The family of a config; a JobError naming the supported ones when there is none."""
     found = known_family(config)
     if found is None:
-        raise JobError(ErrorCode.unsupported_model, f"model_type {_model_type(config)!r} is not supported; supported: "
-                                            f"{', '.join(sorted(REGISTRY))}", "model")
+        raise JobError(ErrorCode.unsupported_model, unsupported_model_type(_model_type(config)), "model")
     return found
 
 

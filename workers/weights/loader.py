@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from moetune.api import storage
 from moetune.api.environment import ENV_WEIGHTS_CACHE_MAX_GB
+from moetune.api.families import facts_of
 from moetune.api.models import SpecError
 from moetune.api.quantization import Quantization, quantization_of
 from moetune.workers.families import auto_model_class, hf_config, known_family
@@ -88,6 +89,10 @@ def open_checkpoint(uri: str, cache: RangeCache | None = None, progress=None) ->
     fs, root = storage.filesystem(uri)
     root = root.rstrip("/")
     config = _read_json(fs, f"{root}/config.json", f"{uri}: config.json")
+    try:
+        facts_of(config)  # moetune's own answer to an unsupported model_type or a malformed field, not transformers'
+    except SpecError as e:
+        raise WeightsError(f"{uri}: {e.message.removeprefix('model: ')}") from None
     if fs.exists(f"{root}/{INDEX_FILE}"):
         shards = sorted(set(_read_json(fs, f"{root}/{INDEX_FILE}", f"{uri}: {INDEX_FILE}")["weight_map"].values()))
     elif fs.exists(f"{root}/{SINGLE_FILE}"):
