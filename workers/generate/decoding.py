@@ -1,6 +1,8 @@
-"""One batch of rows decoded together: each row's prompt is prefilled alone, then its cache joins the batch
-(workers.generate.cache) and every decode step runs all rows in one forward (left-padded KV, per-row positions,
-per-row adapter slots). The engine's loop and `generate_batch` (evaluation on training workers) both run it."""
+"""One batch of rows decoded together: every decode step runs all rows in one forward (left-padded KV, per-row
+positions, per-row adapter slots). The engine's loop prefills each arriving row alone and joins its cache to the
+batch (workers.generate.cache); `generate_batch` (evaluation on training workers) prefills all its prompts in one
+left-padded forward: under ZeRO-3 each forward gathers every layer's weights, so one prefill per prompt cost a full
+gather per prompt."""
 
 from __future__ import annotations
 
@@ -62,6 +64,19 @@ class DecodeBatch:
         row.length = len(row.prompt_ids)
         return next_tokens(logits, [row])[0], cache
 
+    def prefill_all(self, rows: list[Row]) -> list[int]:
+        """Starts an empty batch with `rows`, their prompts in one forward, left-padded to the longest (the padding
+        masked out, each row at its own positions); returns each row's first token."""
+        longest = max(len(r.prompt_ids) for r in rows)
+        for r in rows:
+            r.pad, r.length = longest - len(r.prompt_ids), len(r.prompt_ids)
+        ids = torch.tensor([[0] * r.pad + r.prompt_ids for r in rows], dtype=torch.long, device=self.device)
+        mask = torch.tensor([[0] * r.pad + [1] * r.length for r in rows], dtype=torch.long, device=self.device)
+        self.rows, self.cache = list(rows), batch_cache.new_cache(self.model)
+        logits = self._forward(ids, self.cache, rows, attention_mask=mask,
+                               position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        return next_tokens(logits, rows)
+
     def join(self, row: Row, cache) -> None:
         if not self.rows:
             self.cache, row.pad = cache, 0
@@ -106,9 +121,9 @@ def new_row(prompt_ids: list[int], params: SamplingParams, eos_token_id, device,
 def generate_batch(model, prompts: list[list[int]], params: SamplingParams, *, eos_token_id,
                    lockstep: bool = False) -> list[list[int]]:
     """The generated tokens of each prompt (no stop token), on an already built model (a training worker's PEFT
-    model, its active adapter). Rows leave the batch as they finish; `lockstep=True` keeps every row in and runs
-    exactly one prefill per prompt plus max_new_tokens - 1 decode steps, so that expert-parallel ranks (whose
-    every forward exchanges tokens) stay in step: each rank must then pass the same number of prompts."""
+    model, its active adapter). All prompts are prefilled in one forward; rows leave the batch as they finish.
+    `lockstep=True` keeps every row in and runs exactly one prefill plus max_new_tokens - 1 decode steps, so that
+    ranks whose every forward runs collectives (expert parallelism, ZeRO-3) stay in step."""
     device = next(model.parameters()).device
     seeded = params.seed is not None
     rows = [new_row(p, dataclasses.replace(params, seed=params.seed + i) if seeded else params, eos_token_id, device)
@@ -118,10 +133,8 @@ def generate_batch(model, prompts: list[list[int]], params: SamplingParams, *, e
     model.eval()
     try:
         with torch.no_grad():
-            for row in rows:
-                token, cache = batch.prefill(row)
+            for row, token in zip(rows, batch.prefill_all(rows) if rows else [], strict=True):
                 row.take(token)
-                batch.join(row, cache)
             for _ in range(params.max_new_tokens - 1):
                 if not lockstep:
                     batch.keep([i for i, r in enumerate(batch.rows) if r.finish_reason is None])
