@@ -6,6 +6,7 @@ importing torch; the workers' family adapters (workers/families/) use the same f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from moetune.api.config_fields import config_error, read
@@ -18,13 +19,36 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 _MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
+def _none(text: dict) -> tuple[str, ...]:
+    return ()
+
+
+def _mla_query(text: dict) -> tuple[str, ...]:
+    """MLA's query is one q_proj, or q_a_proj -> q_b_proj with a q_lora_rank: the other names are absent."""
+    return ("q_proj",) if text.get("q_lora_rank") else ("q_a_proj", "q_b_proj")
+
+
+def _mla_query_beside_kda(text: dict) -> tuple[str, ...]:
+    """The same, where KDA layers have a q_proj of their own."""
+    return () if text.get("q_lora_rank") else ("q_a_proj", "q_b_proj")
+
+
+def _qwen3_moe_mlp(text: dict) -> tuple[str, ...]:
+    """qwen3_moe has no shared experts: its MLP projections exist only in dense layers (`mlp_only_layers`, or
+    those `decoder_sparse_step` skips), as transformers' Qwen3MoeDecoderLayer builds them."""
+    dense = text.get("mlp_only_layers") or (text.get("decoder_sparse_step") or 1) > 1 or text.get("num_experts") == 0
+    return () if dense else _MLP
+
+
 @dataclass(frozen=True)
 class FamilyFacts:
     model_type: str
     expert_count_keys: tuple[str, ...]  # config.json keys holding the routed expert count, first present wins
-    linear_names: tuple[str, ...]  # LoRA target names PEFT can match (leaf names of nn.Linear modules)
+    linear_names: tuple[str, ...]  # LoRA target names PEFT can match (leaf names of nn.Linear modules) ...
     text_config_key: str | None = None  # multimodal checkpoints: the text model's config lives under this key
     images: bool = False  # moetune feeds image rows through the family's processor (checkpoints with a vision tower)
+    # ... of which these are absent from a model of the given (text) config
+    absent_linears: Callable[[dict], tuple[str, ...]] = _none
 
     def text_config(self, config: dict) -> dict:
         """The part of config.json that configures the text model (all of it, unless the family nests it)."""
@@ -40,15 +64,24 @@ class FamilyFacts:
             raise config_error(f"{where}.{key}".lstrip("."), f"must be a positive number of experts, not {count}")
         return count
 
-    def unknown_targets(self, targets: list[str]) -> list[str]:
-        """Names that match no linear module of this family (PEFT matches a name exactly or as a suffix)."""
-        return [t for t in targets if t.rsplit(".", 1)[-1] not in self.linear_names]
+    def linears(self, config: dict) -> list[str]:
+        """The leaf names of the linears LoRA may adapt in a model of this config.json."""
+        absent = self.absent_linears(self.text_config(config))
+        return sorted(set(self.linear_names) - set(absent))
+
+    def unknown_targets(self, config: dict, targets: list[str]) -> list[str]:
+        """Names that match no linear module of a model of this config.json (PEFT matches a name exactly or as a
+        suffix)."""
+        names = self.linears(config)
+        return [t for t in targets if t.rsplit(".", 1)[-1] not in names]
 
 
 FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
     FamilyFacts("kimi_linear", ("num_experts", "num_local_experts"),
-                _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj")),
-    FamilyFacts("qwen3_moe", ("num_experts", "num_local_experts"), ("q_proj", "k_proj", "v_proj", "o_proj") + _MLP),
+                _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj"),
+                absent_linears=_mla_query_beside_kda),
+    FamilyFacts("qwen3_moe", ("num_experts", "num_local_experts"), ("q_proj", "k_proj", "v_proj", "o_proj") + _MLP,
+                absent_linears=_qwen3_moe_mlp),
     FamilyFacts("qwen3_next", ("num_experts",),
                 ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj",
                  "shared_expert_gate") + _MLP),
@@ -56,9 +89,10 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
     FamilyFacts("qwen3_5_moe", ("num_experts",),
                 ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                  "out_proj", "shared_expert_gate") + _MLP, text_config_key="text_config", images=True),
-    FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP),
+    FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP, absent_linears=_mla_query),
     # DeepSeek-V3.2: DeepSeek-V3 plus the DSA indexer's own linears
-    FamilyFacts("deepseek_v32", ("n_routed_experts",), _MLA + _MLP + ("wq_b", "wk", "weights_proj")),
+    FamilyFacts("deepseek_v32", ("n_routed_experts",), _MLA + _MLP + ("wq_b", "wk", "weights_proj"),
+                absent_linears=_mla_query),
     # Nemotron-H: Mamba2 mixers (in_proj; PEFT refuses their out_proj), attention, and latent MoE (plain up/down
     # experts working at moe_latent_size between fc1/fc2_latent_proj; a shared expert)
     FamilyFacts("nemotron_h", ("n_routed_experts",),
@@ -69,14 +103,16 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
     FamilyFacts("deepseek_v4", ("n_routed_experts",),
                 ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "weights_proj") + _MLP),
     # Kimi K2.5: a DeepSeek-V3 text model (MLA + MoE) under a vision tower; text path only.
-    FamilyFacts("kimi_k25", ("n_routed_experts",), _MLA + _MLP, text_config_key="text_config"),
+    FamilyFacts("kimi_k25", ("n_routed_experts",), _MLA + _MLP, text_config_key="text_config",
+                absent_linears=_mla_query),
     # Every layer is MoE (no dense MLP); the router is not a linear; experts carry biases.
     FamilyFacts("gpt_oss", ("num_local_experts",), ("q_proj", "k_proj", "v_proj", "o_proj")),
     # KDA + DSA sparse MLA (its indexer's wq_b / wk / weights_proj) under a vision tower (frozen); image rows go
     # through its image processor.
     FamilyFacts("glm5_next", ("n_routed_experts",),
                 _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
-                               "wq_b", "wk", "weights_proj"), text_config_key="text_config", images=True),
+                               "wq_b", "wk", "weights_proj"), text_config_key="text_config", images=True,
+                absent_linears=_mla_query_beside_kda),
 )}
 
 
@@ -132,7 +168,15 @@ def check_model_spec(config: dict, spec) -> None:
     if lora.vision != "none" and (why := images_refusal(config)):
         raise SpecError("lora.vision", f"{lora.vision!r} puts LoRA on the model's vision tower, but {why}; "
                                        f"use \"none\" (the default)")
-    if isinstance(lora.target_modules, list) and (unknown := facts.unknown_targets(lora.target_modules)):
+    if isinstance(lora.target_modules, list):
+        check_target_names(config, lora.target_modules)
+
+
+def check_target_names(config: dict, targets: list[str]) -> None:
+    """The one rule for LoRA target names (submission, the driver, the workers' PEFT wrapping): each must name a
+    linear of a model of this config.json; a SpecError (param lora.target_modules) lists the ones it has."""
+    facts = facts_of(config)
+    if unknown := facts.unknown_targets(config, targets):
         raise SpecError("lora.target_modules",
-                        f"no linear module named {', '.join(map(repr, unknown))} in a {facts.model_type} model; "
-                        f"known names: {', '.join(sorted(set(facts.linear_names)))}")
+                        f"lora.target_modules: no linear module named {', '.join(map(repr, unknown))} in this "
+                        f"{facts.model_type} model; its linear modules: {', '.join(facts.linears(config))}")

@@ -59,6 +59,7 @@ def control_plane(s3_endpoint, tmp_path_factory):
                "awq": json.dumps({**REGISTRY["deepseek_v3"].tiny_config().to_dict(),
                                   "quantization_config": {"quant_method": "awq"}})}
     configs.update({name: json.dumps(config) for name, (config, _) in MALFORMED.items()})
+    configs.update({family: REGISTRY[family].tiny_config().to_json_string() for family in ("qwen3_moe", "kimi_k25")})
     for model, config in configs.items():
         s3.put_object(Bucket=bucket, Key=f"{model}/config.json", Body=config)
     settings = Settings(database_url=f"sqlite:///{tmp}/moetune.db", api_tokens=API_TOKENS, scheduler_enabled=False,
@@ -88,6 +89,13 @@ EP3_OF_6 = {"parallelism": {"num_workers": 6, "expert_parallel_size": 3}, "train
     ("no-tokenizer", {}, "model", "has no tokenizer files (one of tokenizer.json, tokenizer.model"),
     ("awq", {}, "model", "quant_method 'awq' is not supported; supported: fp8 (block scales), compressed-tensors"),
     *((name, {}, "model", words) for name, (_, words) in MALFORMED.items()),
+    # names the family has in other configs, not in this one (the driver refused them once the job had started):
+    # qwen3_moe without a dense layer has no MLP projections (no shared experts), K2.5's MLA has a q_lora_rank
+    ("qwen3_moe", {"lora": {"target_modules": ["q_proj", "gate_proj"]}}, "lora.target_modules",
+     "no linear module named 'gate_proj' in this qwen3_moe model; its linear modules: k_proj, o_proj, q_proj, v_proj"),
+    ("kimi_k25", {"lora": {"target_modules": ["q_proj"]}}, "lora.target_modules",
+     "no linear module named 'q_proj' in this kimi_k25 model; its linear modules: down_proj, gate_proj, "
+     "kv_a_proj_with_mqa, kv_b_proj, o_proj, q_a_proj, q_b_proj, up_proj"),
 ])
 def test_config_dependent_rules_are_422_at_submission(control_plane, model, fields, param, words):
     response = _post(control_plane, model, **fields)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import LoraSpec
+from moetune.api.families import check_target_names
+from moetune.api.models import LoraSpec, SpecError
 from moetune.workers.errors import JobError
 from moetune.workers.families import auto_model_class, family_for, hf_config, known_family
 from moetune.workers.lora.coverage import Coverage, coverage, in_vision_lora, modules, peft_targets
@@ -48,18 +49,12 @@ def _vision_targets(model, fam, vision: str) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and in_vision_lora(n, vision, fam)]
 
 
-def _check_targets(model, targets: list[str]) -> None:
-    """Every requested name must match a linear module the way PEFT matches it (exact or suffix)."""
-    linear = _linear_names(model)
-    unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
-    if unknown:
-        available = sorted({name.rsplit(".", 1)[-1] for name in linear})
-        raise JobError(
-            ErrorCode.invalid_target_modules,
-            f"lora.target_modules: no linear module named {', '.join(map(repr, unknown))}; "
-            f"linear modules of this model: {', '.join(available)}",
-            "lora.target_modules",
-        )
+def _check_targets(config: dict, targets: list[str]) -> None:
+    """Every requested name must match a linear module (api.families.check_target_names, the control plane's rule)."""
+    try:
+        check_target_names(config, targets)
+    except SpecError as e:
+        raise JobError(ErrorCode.invalid_target_modules, e.message, e.param) from None
 
 
 def check_targets_on_config(config: dict, spec: LoraSpec) -> Coverage:
@@ -70,7 +65,7 @@ def check_targets_on_config(config: dict, spec: LoraSpec) -> Coverage:
     with torch.device("meta"):
         model = auto_model_class(config).from_config(hf_config(config))
     if isinstance(spec.target_modules, list):
-        _check_targets(model, spec.target_modules)
+        _check_targets(config, spec.target_modules)
     fam = family_for(model.config)
     found = coverage(modules(model, fam, spec.vision), spec, fam)
     if not found.targets:  # PEFT wraps at least one linear; the routed experts' LoRA lives outside it
@@ -103,7 +98,7 @@ def apply_lora(model, spec: LoraSpec):
     from peft import LoraConfig, TaskType, get_peft_model
 
     if isinstance(spec.target_modules, list):
-        _check_targets(model, spec.target_modules)
+        _check_targets(model.config.to_dict(), spec.target_modules)
     config = LoraConfig(
         task_type=TaskType.CAUSAL_LM,
         r=spec.rank,
