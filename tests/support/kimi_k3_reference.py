@@ -1,0 +1,52 @@
+"""Kimi K3's executable reference: NeMo Automodel 0.7.0's `kimi_k3` with fla 0.6.0's pure-torch functions.
+
+They are installed `--no-deps` into the ignored folder `.reference/kimi_k3` (once; the stamp names the pins) and
+only ever imported by a child process (kimi_k3_reference_child.py): transformers dispatches to fla whenever it is
+importable, so fla on this process's path would change every other test."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+PINS = ("nemo-automodel==0.7.0", "fla-core==0.6.0", "flash-linear-attention==0.6.0")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TARGET = os.path.join(ROOT, ".reference", "kimi_k3")
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kimi_k3_reference_child.py")
+
+
+def ensure_installed() -> str:
+    """The reference's folder, installed from the package registry on first use (idempotent, safe to race)."""
+    stamp = os.path.join(TARGET, ".pins")
+    os.makedirs(os.path.dirname(TARGET), exist_ok=True)
+    with open(f"{TARGET}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(stamp) and open(stamp).read() == "\n".join(PINS):
+            return TARGET
+        shutil.rmtree(TARGET, ignore_errors=True)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
+                               "--target", TARGET, *PINS], capture_output=True, text=True, timeout=600, check=False)
+        if done.returncode:
+            raise RuntimeError(f"installing the Kimi K3 reference ({', '.join(PINS)}) failed:\n{done.stderr[-3000:]}")
+        with open(stamp, "w") as f:
+            f.write("\n".join(PINS))
+    return TARGET
+
+
+def run_reference(workdir: str, request: dict) -> dict:
+    """Checkpoints written by the reference under `workdir` (bf16/, mxfp4/) and its results on each:
+    {"bf16" | "mxfp4": {"logits", "loss", "lora_weights", "lora_grads"}}, LoRA tensors by released name."""
+    with open(os.path.join(workdir, "request.json"), "w") as f:
+        json.dump(request, f)
+    env = {**os.environ, "PYTHONPATH": ensure_installed(), "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, CHILD, workdir], env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    if done.returncode:
+        raise RuntimeError(f"the Kimi K3 reference failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}")
+    return torch.load(os.path.join(workdir, "reference.pt"))

@@ -1,0 +1,422 @@
+"""Kimi K3 in transformers' conventions, with the release's module names (so PEFT target names and exported adapter
+keys are the release's): `language_model.model.layers.{i}` decoder layers holding `self_attn` (KDA or NoPE MLA) and
+`mlp` (layer 0, dense) or `block_sparse_moe` (latent MoE), under block Attention Residuals.
+
+- KDA (`KimiK3DeltaAttention`): separate q/k/v projections, each through its own depthwise causal conv + SiLU;
+  forget gate g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias)) (A_log stored padded to a multiple of
+  128 heads, as released); full-rank output gate `g_proj` through the gated RMSNorm `o_norm`.
+- MLA (`KimiK3Attention`): no positional encoding (the rope slice of q and k is used as is), output multiplied by
+  sigmoid(g_proj(x)) before o_proj.
+- Attention Residuals: a layer's attention and MLP inputs are softmax mixes over the completed blocks' sums and the
+  current block's running sum (one tensor per block, kept as a list: no per-layer copies of the history).
+- MoE (`KimiK3MoE`): sigmoid router with bias-corrected (noaux_tc) selection; routed experts work at the latent
+  width: routed_expert_down_proj -> experts (SiTU-GLU) -> routed_expert_norm -> routed_expert_up_proj; shared
+  experts at full width.
+
+The KDA core and short convs are this module's `chunk_kimi_delta_attention` / `causal_conv1d_fn` (transformers'
+kimi_linear torch functions), so the KDA kernel swap (workers.families.kda) routes them like kimi_linear's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: F401  (module-level: routed by the swap)
+    causal_conv1d_fn,
+    chunk_kimi_delta_attention,
+    eager_attention_forward,
+)
+
+from moetune.workers.families.kimi_k3.configuration import KimiK3Config, KimiK3TextConfig
+
+
+def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU over [gate; up] halves, in fp32: beta·tanh(gate/beta)·sigmoid(gate) times the up half bounded by
+    linear_beta·tanh(up/linear_beta)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    activated = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    if linear_beta is not None:
+        up = linear_beta * torch.tanh(up / linear_beta)
+    return (activated * up).to(gate_up.dtype)
+
+
+class KimiK3RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * hidden_states.to(dtype)
+
+
+class KimiK3GatedRMSNorm(nn.Module):
+    """KDA's `o_norm`: fp32 RMSNorm of each head's output times sigmoid of the full-rank output gate."""
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight.float()
+        return (x * torch.sigmoid(gate.float())).to(hidden_states.dtype)
+
+
+class KimiK3MLP(nn.Module):
+    """The dense MLP of layer 0 and the shared experts: SiTU-GLU."""
+
+    def __init__(self, config: KimiK3TextConfig, intermediate_size: int):
+        super().__init__()
+        self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+        return self.down_proj(situ_glu(gate_up, self.beta, self.linear_beta))
+
+
+class KimiK3Attention(nn.Module):
+    """NoPE MLA with a sigmoid output gate."""
+
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.num_heads = config.num_attention_heads
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_head_dim = self.nope + self.rope
+        self.scaling = self.q_head_dim ** -0.5
+        self.is_causal = True
+        self.num_key_value_groups = 1
+        self.attention_dropout = config.attention_dropout
+        hidden = config.hidden_size
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * self.q_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = KimiK3RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.q_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = KimiK3RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(hidden, self.num_heads * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        batch, length = hidden_states.shape[:2]
+        if self.config.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        query = q.view(batch, length, self.num_heads, self.q_head_dim).transpose(1, 2)
+        latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, length, self.num_heads, self.nope + self.v_dim)
+        k_nope, value = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
+        k_rope = k_rope.view(batch, 1, length, self.rope).expand(-1, self.num_heads, -1, -1)
+        key = torch.cat((k_nope, k_rope), dim=-1)  # NoPE: no rotary on the rope slice
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, _ = attention(self, query, key, value, attention_mask, scaling=self.scaling,
+                           dropout=self.attention_dropout if self.training else 0.0, **kwargs)
+        out = out.reshape(batch, length, -1) * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(out)
+
+
+class KimiK3DeltaAttention(nn.Module):
+    """KDA with K3's gates: separate q/k/v convs, a lower-bounded forget gate, a full-rank output gate."""
+
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = config.kda_heads, config.kda_head_dim
+        self.lower_bound = float(config.linear_attn_config["gate_lower_bound"])
+        width = config.linear_attn_config["short_conv_kernel_size"]
+        hidden, proj = config.hidden_size, self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, proj, bias=False)
+        self.k_proj = nn.Linear(hidden, proj, bias=False)
+        self.v_proj = nn.Linear(hidden, proj, bias=False)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            nn.Conv1d(proj, proj, width, groups=proj, padding=width - 1, bias=False) for _ in range(3))
+        # stored as released: one entry per head, padded with zeros to a multiple of 128 entries
+        self.A_log = nn.Parameter(torch.zeros(-(-self.num_heads // 128) * 128))
+        self.dt_bias = nn.Parameter(torch.zeros(proj))
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, proj, bias=False)
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.g_proj = nn.Linear(hidden, proj, bias=False)
+        self.o_norm = KimiK3GatedRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(proj, hidden, bias=False)
+
+    def _conv(self, conv: nn.Conv1d, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return causal_conv1d_fn(x.transpose(1, 2), conv.weight.squeeze(1), activation="silu", **kwargs).transpose(1, 2)
+
+    def forget_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Log-space decay per head and key channel, in [lower_bound, 0): fp32 [B, T, H, D]."""
+        raw = self.f_b_proj(self.f_a_proj(hidden_states)).float() + self.dt_bias.float()
+        raw = raw.unflatten(-1, (self.num_heads, self.head_dim))
+        decay = self.A_log[: self.num_heads].float().exp()[:, None]
+        return self.lower_bound * torch.sigmoid(decay * raw)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        heads = (*hidden_states.shape[:2], self.num_heads, self.head_dim)
+        query = self._conv(self.q_conv1d, self.q_proj(hidden_states), **kwargs).reshape(heads)
+        key = self._conv(self.k_conv1d, self.k_proj(hidden_states), **kwargs).reshape(heads)
+        value = self._conv(self.v_conv1d, self.v_proj(hidden_states), **kwargs).reshape(heads)
+        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        out, _ = chunk_kimi_delta_attention(query, key, value, g=self.forget_gate(hidden_states), beta=beta,
+                                            use_qk_l2norm_in_kernel=True, **kwargs)
+        out = self.o_norm(out, self.g_proj(hidden_states).reshape(heads)).to(hidden_states.dtype)
+        return self.o_proj(out.flatten(-2))
+
+
+class KimiK3TopkRouter(nn.Module):
+    """Sigmoid scores; experts picked by score + e_score_correction_bias (noaux_tc, grouped), weighted by the plain
+    score, renormalised and scaled."""
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__()
+        self.top_k, self.num_experts = config.num_experts_per_token, config.num_experts
+        self.num_group, self.topk_group = config.num_expert_group, config.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = config.moe_renormalize, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def forward(self, hidden_states: torch.Tensor):
+        logits = F.linear(hidden_states.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = (scores + self.e_score_correction_bias).unflatten(-1, (self.num_group, -1))
+        groups = choice.topk(min(2, choice.shape[-1]), dim=-1)[0].sum(-1).topk(self.topk_group, dim=-1)[1]
+        keep = torch.zeros_like(choice[..., 0], dtype=torch.bool).scatter_(-1, groups, True)
+        choice = choice.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+        indices = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(-1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, weights * self.routed_scaling_factor, indices
+
+
+class KimiK3Experts(nn.Module):
+    """The routed experts at the latent width, fused as transformers' MoE families hold them: gate_up_proj
+    [E, 2·moe_intermediate, latent] (w1 then w3 of each released expert) and down_proj [E, latent, moe_intermediate]
+    (w2); SiTU-GLU between them."""
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        latent, inner = config.routed_expert_hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inner, latent))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, latent, inner))
+        self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return situ_glu(gate_up, self.beta, self.linear_beta)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == expert)
+            h = self.act(F.linear(hidden_states[token], self.gate_up_proj[expert]))
+            h = F.linear(h, self.down_proj[expert]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+
+class KimiK3MoE(nn.Module):
+    """Latent MoE: the router reads the full-width token; routed experts run between routed_expert_down_proj and
+    routed_expert_norm -> routed_expert_up_proj (so tokens can cross an all-to-all at latent width)."""
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__()
+        latent = config.routed_expert_hidden_size
+        self.gate = KimiK3TopkRouter(config)
+        self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent, bias=False)
+        self.experts = KimiK3Experts(config)
+        self.routed_expert_norm = KimiK3RMSNorm(latent, config.rms_norm_eps)
+        self.routed_expert_up_proj = nn.Linear(latent, config.hidden_size, bias=False)
+        self.shared_experts = KimiK3MLP(config, config.moe_intermediate_size * config.num_shared_experts)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        flat = hidden_states.flatten(0, -2)
+        _, weights, indices = self.gate(flat)
+        routed = self.experts(self.routed_expert_down_proj(flat), indices, weights)
+        out = self.routed_expert_up_proj(self.routed_expert_norm(routed)) + self.shared_experts(flat)
+        return out.view_as(hidden_states)
+
+
+def attn_res_mix(blocks: list[torch.Tensor], partial: torch.Tensor, norm: KimiK3RMSNorm, proj: nn.Linear):
+    """One Attention-Residual mix: softmax over the sources (completed blocks, then the running block sum) of
+    <RMSNorm(source), proj>, in fp32; the sources are never stacked."""
+    if not blocks:
+        return partial
+    sources = [*blocks, partial]
+    query = norm.weight.float() * proj.weight[0].float()
+    eps = norm.variance_epsilon
+    scores = torch.stack([(s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps) * query).sum(-1)
+                          for s in sources], dim=-1).softmax(-1)
+    mixed = sum(scores[..., i, None] * s.float() for i, s in enumerate(sources))
+    return mixed.to(partial.dtype)
+
+
+class KimiK3DecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.starts_block = layer_idx % config.attn_res_block_size == 0
+        self.is_linear = config.layer_types[layer_idx] == "linear_attention"
+        self.self_attn = (KimiK3DeltaAttention if self.is_linear else KimiK3Attention)(config, layer_idx)
+        if layer_idx < config.first_k_dense_replace:
+            self.mlp = KimiK3MLP(config, config.intermediate_size)
+        else:
+            self.block_sparse_moe = KimiK3MoE(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = KimiK3RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = KimiK3RMSNorm(config.hidden_size, eps)
+        self.self_attention_res_norm = KimiK3RMSNorm(config.hidden_size, eps)
+        self.self_attention_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+        self.mlp_res_norm = KimiK3RMSNorm(config.hidden_size, eps)
+        self.mlp_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return (self.mlp if hasattr(self, "mlp") else self.block_sparse_moe)(hidden_states)
+
+    def forward(self, partial: torch.Tensor, blocks: list[torch.Tensor], attention_mask=None, **kwargs):
+        """`partial`: the running sum of this block's sub-layer outputs (the embeddings before layer 0); `blocks`:
+        the sums of the completed blocks. Returns both, updated."""
+        attn_input = attn_res_mix(blocks, partial, self.self_attention_res_norm, self.self_attention_res_proj)
+        if self.starts_block:
+            blocks, partial = [*blocks, partial], None
+        attn_out = self.self_attn(self.input_layernorm(attn_input), attention_mask=attention_mask, **kwargs)
+        partial = attn_out if partial is None else partial + attn_out
+        mlp_input = attn_res_mix(blocks, partial, self.mlp_res_norm, self.mlp_res_proj)
+        mlp_out = self.feed_forward(self.post_attention_layernorm(mlp_input))
+        return partial + mlp_out, blocks
+
+
+class KimiK3PreTrainedModel(PreTrainedModel):
+    config_class = KimiK3TextConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiK3DecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.get_text_config().initializer_range
+        if isinstance(module, KimiK3DeltaAttention):
+            module.A_log.zero_()
+            module.A_log[: module.num_heads].uniform_(1, 16).log_()
+            module.dt_bias.zero_()
+        elif isinstance(module, KimiK3TopkRouter):
+            module.weight.normal_(0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, KimiK3Experts):
+            module.gate_up_proj.normal_(0, std)
+            module.down_proj.normal_(0, std)
+        elif isinstance(module, (KimiK3RMSNorm, KimiK3GatedRMSNorm)):
+            module.weight.fill_(1.0)
+
+
+class KimiK3TextModel(KimiK3PreTrainedModel):
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.output_attn_res_norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+        self.norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        positions = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
+        causal = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                    cache=None, position_ids=positions[None] if position_ids is None
+                                    else position_ids)
+        partial, blocks = inputs_embeds, []
+        for layer in self.layers:
+            partial, blocks = layer(partial, blocks, attention_mask=None if layer.is_linear else causal, **kwargs)
+        hidden = attn_res_mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+
+class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {}
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__(config)
+        self.model = KimiK3TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                logits_to_keep: int = 0, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, **kwargs).last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep])
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
+    """The release's top level: `language_model.` (the text model + lm_head); the vision tower (`vision_tower.`,
+    `mm_projector.`) is not built yet, so image inputs are not accepted."""
+
+    config_class = KimiK3Config
+    base_model_prefix = "language_model"
+    _tied_weights_keys = {}
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__(config)
+        self.language_model = KimiK3ForCausalLM(config.text_config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.language_model.get_input_embeddings()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                logits_to_keep: int = 0, **kwargs):
+        return self.language_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
+                                   **kwargs)
+
+
+def _experts_conversion() -> list[WeightConverter]:
+    """The release's per-expert w1 / w3 / w2 tensors into the fused experts (transformers' loader and moetune's
+    streaming loader both read this)."""
+    experts = "block_sparse_moe.experts"
+    return [
+        WeightConverter(source_patterns=[f"{experts}.*.w1.weight", f"{experts}.*.w3.weight"],
+                        target_patterns=f"{experts}.gate_up_proj",
+                        operations=[MergeModulelist(dim=0), Concatenate(dim=1)]),
+        WeightConverter(source_patterns=f"{experts}.*.w2.weight", target_patterns=f"{experts}.down_proj",
+                        operations=[MergeModulelist(dim=0)]),
+    ]
+
+
+for _name in ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM"):
+    register_checkpoint_conversion_mapping(_name, _experts_conversion(), overwrite=True)
