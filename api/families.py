@@ -49,6 +49,8 @@ class FamilyFacts:
     images: bool = False  # moetune feeds image rows through the family's processor (checkpoints with a vision tower)
     # ... of which these are absent from a model of the given (text) config
     absent_linears: Callable[[dict], tuple[str, ...]] = _none
+    # model_types of released checkpoints of this family's architecture that transformers does not know
+    release_model_types: tuple[str, ...] = ()
 
     def text_config(self, config: dict) -> dict:
         """The part of config.json that configures the text model (all of it, unless the family nests it)."""
@@ -89,7 +91,10 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
     FamilyFacts("qwen3_5_moe", ("num_experts",),
                 ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                  "out_proj", "shared_expert_gate") + _MLP, text_config_key="text_config", images=True),
-    FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP, absent_linears=_mla_query),
+    # Kimi-K2 / K2-Thinking ship DeepSeek-V3's architecture as model_type "kimi_k2" (their remote code is
+    # DeepseekV3ForCausalLM; transformers reads that name only inside Kimi K2.5's text_config)
+    FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP, absent_linears=_mla_query,
+                release_model_types=("kimi_k2",)),
     # DeepSeek-V3.2: DeepSeek-V3 plus the DSA indexer's own linears
     FamilyFacts("deepseek_v32", ("n_routed_experts",), _MLA + _MLP + ("wq_b", "wk", "weights_proj"),
                 absent_linears=_mla_query),
@@ -121,15 +126,27 @@ def unsupported_model_type(model_type) -> str:
     return f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
 
 
-def _known(config: dict) -> FamilyFacts | None:
+_BY_RELEASE_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.release_model_types}
+
+
+def known_facts(config: dict) -> FamilyFacts | None:
+    """The family of a config.json (by its model_type, a release's own included), None for none."""
     model_type = config.get("model_type")
-    return FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if not isinstance(model_type, str):
+        return None
+    return FAMILIES.get(model_type) or _BY_RELEASE_MODEL_TYPE.get(model_type)
+
+
+def as_transformers_reads_it(config: dict) -> dict:
+    """config.json with a release's model_type (kimi_k2) replaced by its family's, the one transformers builds."""
+    facts = _BY_RELEASE_MODEL_TYPE.get(config.get("model_type"))
+    return {**config, "model_type": facts.model_type} if facts else config
 
 
 def facts_of(config: dict) -> FamilyFacts:
     """The family of a config.json, with every field moetune reads from it checked (a SpecError, param `model`,
     naming a malformed field or listing the supported model types)."""
-    facts = _known(config)
+    facts = known_facts(config)
     if facts is None:
         raise SpecError("model", f"model: {unsupported_model_type(read(config, 'model_type', str))}")
     for key in ("text_config", "vision_config"):
@@ -146,7 +163,7 @@ def facts_of(config: dict) -> FamilyFacts:
 def images_refusal(config: dict) -> str | None:
     """Why this checkpoint cannot train on rows with images, phrased to follow "but"; None when it can."""
     model_type = config.get("model_type")
-    facts = _known(config)
+    facts = known_facts(config)
     if facts is None or not facts.images:
         return f"moetune trains {model_type!r} models on text only (no image input for this family)"
     if "vision_config" not in config:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import importlib
 
 from moetune.api.errors import ErrorCode
-from moetune.api.families import FAMILIES, unsupported_model_type
+from moetune.api.families import FAMILIES, as_transformers_reads_it, unsupported_model_type
 from moetune.workers.errors import JobError
 from moetune.workers.families.spec import Family
 
 REGISTRY: dict[str, Family] = {t: importlib.import_module(f"{__name__}.{t}").FAMILY for t in FAMILIES}
-_BY_MODEL_TYPE = {t: f for f in REGISTRY.values() for t in (f.model_type, *f.model_type_aliases)}
+_BY_MODEL_TYPE = {t: f for f in REGISTRY.values()
+                  for t in (f.model_type, *f.model_type_aliases, *f.facts.release_model_types)}
 
 
 def _model_type(config) -> str | None:
@@ -40,7 +41,7 @@ def hf_config(config: dict):
     cannot write as JSON, like nemotron_h's `time_step_limit` infinity, are `{"__float__": "Infinity"}` there)."""
     from transformers import AutoConfig, PreTrainedConfig
 
-    return AutoConfig.for_model(**PreTrainedConfig._decode_special_floats(config))
+    return AutoConfig.for_model(**PreTrainedConfig._decode_special_floats(as_transformers_reads_it(config)))
 
 
 def auto_model_class(config):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetune.api.errors import ErrorCode
-from moetune.api.families import FAMILIES
+from moetune.api.families import known_facts
 from moetune.workers.errors import JobError
 
 
@@ -52,7 +52,7 @@ class ExpertPlacement:
 
 def routed_experts(config: dict) -> int | None:
     """The routed expert count of a config.json, None for a model without a family (nothing to place)."""
-    facts = FAMILIES.get(config.get("model_type"))
+    facts = known_facts(config)
     return facts.num_experts(config) if facts else None
 
 
