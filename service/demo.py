@@ -107,7 +107,6 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
                 callback_url=f"http://127.0.0.1:{port}",
                 s3_endpoint_url=s3_url,
                 default_output_uri=f"s3://{BUCKET}/outputs",
-                allow_file_uris=True,  # a single-user laptop demo: local files are the user's own
                 base_models={MODELS[images]: f"s3://{BUCKET}/models/{MODELS[images]}"},
                 serve_url=f"http://127.0.0.1:{free_port()}",
             )

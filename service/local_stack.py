@@ -146,7 +146,6 @@ def _server_env(stack: Stack, state_dir: Path, base_models: dict[str, str]) -> d
         "MOETUNE_RAY_ADDRESS": stack.ray_address,
         "MOETUNE_CALLBACK_URL": f"http://127.0.0.1:{port}",
         "MOETUNE_DEFAULT_OUTPUT_URI": f"s3://{OUTPUT_BUCKET}/outputs",
-        "MOETUNE_ALLOW_FILE_URIS": "true",  # one user on their own machine, as `moetune demo`
         "MOETUNE_BASE_MODELS": json.dumps(base_models),
     }
 

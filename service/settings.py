@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from moetune.api.environment import PASSTHROUGH_ENV
@@ -40,8 +40,10 @@ class Settings(BaseSettings):
     # Storage a tenant's jobs may use: JSON {"tenant": ["s3://bucket/", "s3://shared/models/"], "*": [...]}
     # ("*" applies to every tenant). Empty: any bucket. See service/uri_policy.py.
     uri_allow_list: dict[str, list[str]] = {}
-    # file:// lets a job read and write the workers' disks: only for single-user setups (the demo turns it on).
+    # file:// lets a job read and write the workers' disks: only for single-user setups (the demo turns it on),
+    # and only under the listed directories (JSON list, or comma-separated), which it then requires.
     allow_file_uris: bool = False
+    file_uri_roots: Annotated[list[str], NoDecode] = []
     # The GPUs jobs run on, "nodes=8,gpus_per_node=8,gpu_memory=141GB,nic=400Gbps" (api.plans.parse_cluster):
     # submission then refuses a GPU job whose parallelism cannot fit them (service/planning.py). Unset: no check.
     cluster: str | None = None
@@ -62,7 +64,7 @@ class Settings(BaseSettings):
     # this URL's port); POST .../jobs/{id}/deploy answers with it + "/v1".
     serve_url: str = "http://127.0.0.1:8001"
 
-    @field_validator("worker_env_passthrough", mode="before")
+    @field_validator("worker_env_passthrough", "file_uri_roots", mode="before")
     @classmethod
     def _split_names(cls, value):
         if isinstance(value, str):
@@ -90,6 +92,20 @@ class Settings(BaseSettings):
                     raise ValueError(f"uri_allow_list[{tenant!r}]: {prefix!r} must be a URI with a bucket or "
                                      f"folder, starting with one of {', '.join(URI_SCHEMES)}")
         return value
+
+    @field_validator("file_uri_roots")
+    @classmethod
+    def _absolute_roots(cls, value: list[str]) -> list[str]:
+        if bad := [root for root in value if not root.startswith("/")]:
+            raise ValueError(f"file_uri_roots: {bad[0]!r} must be an absolute directory")
+        return [root.rstrip("/") or "/" for root in value]
+
+    @model_validator(mode="after")
+    def _file_uris_confined(self) -> Settings:
+        if self.allow_file_uris and not self.file_uri_roots:
+            raise ValueError("allow_file_uris needs file_uri_roots (MOETUNE_FILE_URI_ROOTS): the directories a "
+                             "job's file:// URIs may name")
+        return self
 
     @field_validator("cluster")
     @classmethod

@@ -2,7 +2,8 @@
 
 Jobs name objects as `s3://bucket/key` and always reach them through the operator's one S3 endpoint
 (MOETUNE_S3_ENDPOINT_URL): a URI cannot point the workers at another endpoint or host. `file://` reads the
-workers' own disks, so it is refused unless the operator turns it on (MOETUNE_ALLOW_FILE_URIS). The same rules
+workers' own disks, so it is refused unless the operator turns it on (MOETUNE_ALLOW_FILE_URIS), and then only under
+the directories MOETUNE_FILE_URI_ROOTS lists. The same rules
 cover the image URIs inside a job's data files (api/uri_access.py: the driver gets the tenant's access).
 """
 
@@ -19,7 +20,8 @@ _URI_FIELDS = ("model", "training_file", "validation_file", "output_uri")
 
 def tenant_access(tenant: str, settings: Settings) -> UriAccess:
     prefixes = settings.uri_allow_list.get(tenant, []) + settings.uri_allow_list.get(ANY_TENANT, [])
-    return UriAccess(prefixes=prefixes if settings.uri_allow_list else None, allow_file_uris=settings.allow_file_uris)
+    return UriAccess(prefixes=prefixes if settings.uri_allow_list else None, allow_file_uris=settings.allow_file_uris,
+                     file_roots=settings.file_uri_roots if settings.allow_file_uris else None)
 
 
 def check_job_uris(request: JobCreate, tenant: str, settings: Settings) -> None:

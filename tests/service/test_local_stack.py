@@ -4,6 +4,7 @@ session's Ray head), their data kept across a restart, and the CLI finding the s
 from __future__ import annotations
 
 import boto3
+import httpx
 from click.testing import CliRunner
 
 from moetune.api.client import Client
@@ -33,6 +34,9 @@ def test_up_prints_how_to_reach_it_keeps_data_across_down_and_up(ray_head, tmp_p
         s3.put_object(Bucket="moetune", Key="outputs/", Body=b"")  # a folder marker, as Ray Train writes them
         s3.put_object(Bucket="moetune", Key="outputs/run/adapter.bin", Body=b"weights")
         assert _run("jobs", "list").split() == ["id", "status", "step", "loss", "created", "model"]  # found it
+        reply = httpx.post(f"{stack.url}/v1/fine_tuning/jobs", headers={"Authorization": f"Bearer {stack.token}"},
+                           json={"model": "s3://moetune/models/x", "training_file": "file:///etc/passwd"})
+        assert (reply.status_code, reply.json()["error"]["param"]) == (422, "training_file")  # file:// is off
         assert _run("down") == "down; data kept in .moetune\n"
         assert not local_stack.read_stack() and not any(local_stack._alive(p) for p in stack.pids.values())
 

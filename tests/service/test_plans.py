@@ -44,7 +44,8 @@ def service(model_dir):
 
     cluster = ",".join(f"{k}={v}" for k, v in CLUSTER.items())
     settings = Settings(database_url=f"sqlite:///{model_dir}/moetune.db", api_tokens=API_TOKENS,
-                        scheduler_enabled=False, allow_file_uris=True, default_output_uri=f"file://{model_dir}/out",
+                        scheduler_enabled=False, allow_file_uris=True, file_uri_roots=[str(model_dir)],
+                        default_output_uri=f"file://{model_dir}/out",
                         cluster=cluster)
     with run_service(settings) as running:
         yield running

@@ -45,7 +45,23 @@ def test_file_uris_only_when_the_operator_enables_them(start_service):
     local = {"model": "file:///srv/models/tiny"}
     param, message = _refusal(start_service(), "tenant-a", **local)
     assert param == "model" and "file:// URIs are disabled on this server" in message
-    assert start_service(allow_file_uris=True).create_job(**local)["model"] == local["model"]
+    enabled = start_service(allow_file_uris=True, file_uri_roots=["/srv/models", "/data/"])
+    assert enabled.create_job(**local)["model"] == local["model"]
+    assert _refusal(enabled, "tenant-a", model="file:///srv/models-b/tiny") == (  # whole path segments
+        "model", "model: file:///srv/models-b/tiny is outside the directories file:// may name on this server "
+                 "(/srv/models, /data)")
+    assert _refusal(enabled, "tenant-a", training_file="file:///etc/passwd")[0] == "training_file"
+
+
+def test_file_uris_need_the_directories_they_may_name(monkeypatch):
+    from moetune.service.settings import Settings
+
+    monkeypatch.setenv("MOETUNE_ALLOW_FILE_URIS", "true")
+    with pytest.raises(ValueError, match="allow_file_uris needs file_uri_roots"):
+        Settings()
+    monkeypatch.setenv("MOETUNE_FILE_URI_ROOTS", "/data,srv")
+    with pytest.raises(ValueError, match="'srv' must be an absolute directory"):
+        Settings()
 
 
 def test_an_unknown_scheme_names_only_the_schemes_this_server_reads(service):
