@@ -346,7 +346,10 @@ def resolve_spec(req: JobCreate) -> JobCreate:
     if hp.n_epochs != "auto":
         if hp.n_epochs < 1:
             raise SpecError("hyperparameters.n_epochs", "must be >= 1")
-        training.n_epochs, training.max_steps = hp.n_epochs, None
+        if training.max_steps is not None:  # which one wins would be a guess: say so rather than drop one
+            raise SpecError("hyperparameters.n_epochs", "set either hyperparameters.n_epochs or training.max_steps, "
+                                                        "not both")
+        training.n_epochs = hp.n_epochs
     if training.max_steps is None and training.n_epochs is None:
         training.n_epochs = 1
 

@@ -20,10 +20,13 @@ def test_defaults_resolve_to_one_epoch():
 
 def test_openai_hyperparameters_override_training():
     resolved = resolve_spec(spec(hyperparameters={"batch_size": 16, "learning_rate_multiplier": 2.0, "n_epochs": 3},
-                                 training={"max_steps": 10}))
+                                 training={"global_batch_size": 4}))
     assert resolved.training.global_batch_size == 16
     assert resolved.training.learning_rate == pytest.approx(2e-4)
     assert (resolved.training.n_epochs, resolved.training.max_steps) == (3, None)
+    with pytest.raises(SpecError) as err:  # never silently drop one of the two lengths
+        resolve_spec(spec(hyperparameters={"n_epochs": 3}, training={"max_steps": 10}))
+    assert err.value.param == "hyperparameters.n_epochs" and "not both" in str(err.value)
 
 
 @pytest.mark.parametrize("fields, param", [
