@@ -70,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes.plans)
     app.include_router(model_routes.models)
     app.include_router(model_routes.deployments)
+    app.include_router(model_routes.inference)
     app.include_router(uploaded_files.router)
     app.include_router(internal.router)
 

@@ -61,3 +61,16 @@ async def deploy_job(job_id: str, request: Request, tenant: Tenant, store: Store
                                      settings.s3_endpoint_url)
     return Deployment(model=job.fine_tuned_model, base_model=base_models.name(base_uri),
                       base_url=serve_deploy.openai_base_url(settings.serve_url), status=status)
+
+
+inference = APIRouter(prefix="/v1", include_in_schema=False)
+
+
+@inference.post("/chat/completions")
+@inference.post("/completions")
+def inference_lives_on_the_serve_app(request: Request, _tenant: Tenant) -> None:
+    """OpenAI clients pointed at the control plane by mistake learn where the tuned models answer."""
+    serve = serve_deploy.openai_base_url(request.app.state.settings.serve_url)
+    raise APIException(404, ErrorCode.not_found, f"The control plane does not run models: send {request.url.path} "
+                                                 f"to the Serve app at {serve} (POST /v1/fine_tuning/jobs/{{id}}/deploy "
+                                                 f"starts it).")

@@ -64,3 +64,19 @@ def test_deploy_refuses_an_unfinished_job_and_says_when_serve_is_unreachable(mod
     down = models_service.http().post(f"/v1/fine_tuning/jobs/{done['id']}/deploy")
     assert down.status_code == 503 and down.json()["error"]["code"] == "serve_unavailable"
     assert "did not answer" in down.json()["error"]["message"]
+
+
+def test_chat_sent_to_the_control_plane_is_told_where_the_serve_app_is(models_service):
+    import openai
+
+    from tests.support.control_plane import TOKENS
+
+    client = openai.OpenAI(base_url=f"{models_service.url}/v1", api_key=TOKENS["tenant-a"], max_retries=0)
+    serve = models_service.app.state.settings.serve_url.rstrip("/") + "/v1"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="tiny-base", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["message"].startswith(f"The control plane does not run models: send /v1/chat/completions "
+                                                f"to the Serve app at {serve}")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="tiny-base", prompt="hi")
+    assert models_service.http(None).post("/v1/chat/completions", json={}).status_code == 401
