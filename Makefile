@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# fla-core's wheel (the [cuda] extra's pin), downloaded, never installed (transformers dispatches to fla whenever
+	# it is importable): tests/kernels/test_kda_fla.py imports it in a child process to build its launches for sm_90.
+	$(BIN)/python -m pip download -q --no-deps -d $(VENV)/wheels fla-core==0.6.0
 	# DeepSpeed JIT-compiles one C++ op (shm_comm) in init_distributed: build it now, into this virtualenv
 	# (workers look for it there: moetune.workers.settings), so no job waits ~40 s for a compiler.
 	$(BIN)/python -m moetune.workers.engine.prebuild

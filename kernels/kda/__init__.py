@@ -1,14 +1,24 @@
-"""KDA (Kimi Delta Attention): chunkwise gated delta rule with per-channel decay.
+"""KDA (Kimi Delta Attention): chunkwise gated delta rule with per-channel decay, and Gated DeltaNet, the same rule
+with one decay per head (`chunk_gated_delta_rule`).
 
 `chunk_kda` takes the layout of transformers' `chunk_kimi_delta_attention` / fla's `chunk_kda`: q, k, g (B, T, H, K),
-v (B, T, H, V), beta (B, T, H), states (N, H, K, V) in fp32. On CUDA it runs fla's `chunk_kda` (the maintained
-kernel, chunk-parallel; the `[cuda]` extra) where fla is installed, else moetune's own Triton kernels;
-MOETUNE_KDA_KERNEL=moetune|fla chooses (bench/gpu_check.py measures both). Elsewhere it runs the chunked PyTorch
-implementation; `naive_recurrent_kda` is the token-by-token oracle.
+v (B, T, H, V), beta (B, T, H), states (N, H, K, V) in fp32. `chunk_gated_delta_rule` takes transformers'
+`torch_chunk_gated_delta_rule` / fla's: q, k (B, T, H, K), v (B, T, HV, V), g and beta (B, T, HV), every H-th value
+head sharing one query/key head (HV a multiple of H).
+
+On CUDA both run fla (`fla.ops.kda.chunk_kda`, `fla.ops.gated_delta_rule.chunk_gated_delta_rule`; the `[cuda]`
+extra): chunk-parallel, maintained. fla normalises q and k itself (`use_qk_l2norm_in_kernel`), in their own dtype, so
+every operand its kernels multiply has the model's dtype (fp32 q/k against bf16 v fail to build). Gates known to lie
+in [lower_bound, 0) (glm5_next's bounded sigmoid gate) take fla's `safe_gate` path (tensor-core intra-chunk work).
+moetune's own Triton kernel (kernels/kda/triton_kda.py: one program per sequence and head, serial over chunks) serves
+only where fla cannot: a CUDA machine without fla installed, or MOETUNE_KDA_KERNEL=moetune (bench/gpu_check.py
+measures both). Elsewhere (CPU) the chunked PyTorch implementation runs; `naive_recurrent_kda` is the token-by-token
+oracle.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -17,7 +27,7 @@ import torch
 from .chunked import chunk_kda_torch
 from .naive import naive_recurrent_kda
 
-__all__ = ["chunk_kda", "chunk_kda_torch", "l2norm", "naive_recurrent_kda"]
+__all__ = ["chunk_gated_delta_rule", "chunk_kda", "chunk_kda_torch", "l2norm", "naive_recurrent_kda"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -29,28 +39,104 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 KERNEL_SETTING = "MOETUNE_KDA_KERNEL"
 
 
-def cuda_kda_kernel():
-    """The CUDA implementation MOETUNE_KDA_KERNEL names: "fla" (fla.ops.kda.chunk_kda; the default where fla is
-    installed) or "moetune" (kernels.kda.triton_kda; the default without fla)."""
+def _cuda_kernel_name() -> str:
     name = os.environ.get(KERNEL_SETTING) or ("fla" if importlib.util.find_spec("fla") else "moetune")
-    if name == "fla":
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    if name not in ("fla", "moetune"):
+        raise ValueError(f"{KERNEL_SETTING}={name!r}: expected 'fla' or 'moetune'")
+    return name
 
-        return fla_chunk_kda
-    if name == "moetune":
-        from .triton_kda import chunk_kda_triton  # triton only where it compiles
 
-        return chunk_kda_triton
-    raise ValueError(f"{KERNEL_SETTING}={name!r}: expected 'fla' or 'moetune'")
+def _normalising(impl):
+    """`impl` (chunk_kda_torch's contract) behind chunk_kda's: q and k l2-normalised first where asked."""
+
+    @functools.wraps(impl)
+    def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=False, cu_seqlens=None, lower_bound=None):
+        if use_qk_l2norm_in_kernel:
+            q, k = l2norm(q), l2norm(k)  # kept in fp32, as transformers does; these kernels compute in fp32
+        return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+    return run
+
+
+def _fla_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, cu_seqlens=None, lower_bound=None):
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+                         safe_gate=lower_bound is not None, lower_bound=lower_bound)
+
+
+def cuda_kda_kernel():
+    """The CUDA implementation MOETUNE_KDA_KERNEL names, with chunk_kda's contract: "fla" (the default where fla is
+    installed) or "moetune" (kernels.kda.triton_kda; the default without fla)."""
+    if _cuda_kernel_name() == "fla":
+        importlib.import_module("fla.ops.kda")  # asked for and missing: fails here, never a silent fallback
+        return _fla_kda
+    from .triton_kda import chunk_kda_triton  # triton only where it compiles
+
+    return _normalising(chunk_kda_triton)
+
+
+def kda_kernel(device: torch.device | str):
+    """chunk_kda's implementation for tensors on `device`."""
+    return cuda_kda_kernel() if torch.device(device).type == "cuda" else _normalising(chunk_kda_torch)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-    """Returns (o in q's dtype, final state or None); `cu_seqlens` (N + 1 offsets, B = 1) packs N sequences."""
-    dtype = q.dtype
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)  # kept in fp32, as transformers and fla do
-    impl = cuda_kda_kernel() if q.is_cuda else chunk_kda_torch
-    o, final_state = impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    return o.to(dtype), final_state
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, lower_bound=None):
+    """Returns (o in q's dtype, final state or None); `cu_seqlens` (N + 1 offsets, B = 1) packs N sequences;
+    `lower_bound`: every gate is known to lie in [lower_bound, 0) (a speed hint for fla, exact either way)."""
+    o, final_state = kda_kernel(q.device)(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                          output_final_state=output_final_state,
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                                          lower_bound=lower_bound)
+    return o.to(q.dtype), final_state
+
+
+def _fla_gated_delta(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+
+    return fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                      output_final_state=output_final_state,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                      cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+
+
+def _on_kda(kda, gate_per_channel: bool):
+    """Gated DeltaNet on a KDA implementation: query/key heads repeated for their value heads, the head's decay as
+    one gate channel that chunk_kda_torch broadcasts over K (`gate_per_channel`: spelled out, for the Triton
+    kernel)."""
+
+    def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        group = v.shape[2] // q.shape[2]
+        q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))
+        g = g.unsqueeze(-1).expand(*g.shape, q.shape[-1] if gate_per_channel else 1)
+        return kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+
+    return run
+
+
+def gated_delta_kernel(device: torch.device | str):
+    """chunk_gated_delta_rule's implementation for tensors on `device`: fla's own on CUDA where chosen, else KDA's."""
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda and _cuda_kernel_name() == "fla":
+        importlib.import_module("fla.ops.gated_delta_rule")
+        return _fla_gated_delta
+    return _on_kda(kda_kernel(device), gate_per_channel=on_cuda)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """Returns (o (B, T, HV, V) in q's dtype, final state (N, HV, K, V) or None); `cu_seqlens` as in chunk_kda."""
+    o, final_state = gated_delta_kernel(q.device)(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                                  output_final_state=output_final_state,
+                                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                                  cu_seqlens=cu_seqlens)
+    return o.to(q.dtype), final_state

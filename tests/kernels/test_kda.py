@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetune.kernels.kda import chunk_kda, chunk_kda_torch, l2norm, naive_recurrent_kda
+from moetune.kernels.kda import chunk_gated_delta_rule, chunk_kda, chunk_kda_torch, l2norm, naive_recurrent_kda
 from moetune.kernels.kda.chunked import _DecayedProducts
 from tests.support.kda_cases import (
     BF16_TOL,
@@ -118,6 +118,26 @@ def test_dispatch_normalises_and_matches_transformers_reference():
     torch.testing.assert_close(l2norm(q).norm(dim=-1), torch.ones(2, 40, 2), atol=1e-5, rtol=0)
 
 
+def test_gated_delta_rule_matches_transformers_reference():
+    """Gated DeltaNet (one decay per head, two value heads per query/key head, q and k unnormalised) against
+    transformers' torch_chunk_gated_delta_rule: output, final state and every gradient; 70 tokens at K = 16 run
+    chunks of 16 (default_chunk_size), transformers' of 64."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (3 * torch.randn(2, 70, 2, 16, generator=gen) for _ in range(2))
+    v = torch.randn(2, 70, 4, 8, generator=gen)
+    g = -torch.rand(2, 70, 4, generator=gen) * 4
+    beta, h0 = torch.rand(2, 70, 4, generator=gen), torch.randn(2, 4, 16, 8, generator=gen)
+    results = []
+    for fn in (torch_chunk_gated_delta_rule, chunk_gated_delta_rule):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, final = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        ((o * o.cos()).sum() + final.sin().sum()).backward()
+        results.append([o, final, *(x.grad for x in leaves)])
+    assert max(rmse_ratio(ours, ref) for ours, ref in zip(results[1], results[0])) <= 1e-5
+
+
 def test_packing_rejects_a_batch():
     inputs = make_inputs(2, 8, 1, 16, 16)
     with pytest.raises(ValueError, match="batch size 1"):
@@ -134,9 +154,9 @@ def test_the_cuda_kernel_setting_chooses_fla_or_moetunes_own(monkeypatch):
 
     assert importlib.util.find_spec("fla") is None
     monkeypatch.delenv(KERNEL_SETTING, raising=False)
-    assert cuda_kda_kernel() is chunk_kda_triton
+    assert cuda_kda_kernel().__wrapped__ is chunk_kda_triton  # behind chunk_kda's q/k normalisation
     monkeypatch.setenv(KERNEL_SETTING, "moetune")
-    assert cuda_kda_kernel() is chunk_kda_triton
+    assert cuda_kda_kernel().__wrapped__ is chunk_kda_triton
     monkeypatch.setenv(KERNEL_SETTING, "flash")
     with pytest.raises(ValueError, match="MOETUNE_KDA_KERNEL='flash'"):
         cuda_kda_kernel()

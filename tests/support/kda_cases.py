@@ -44,3 +44,57 @@ def run_with_grads(fn, inputs, cu_seqlens=None, seed=1):
 def as_fp32(inputs):
     """The same values in fp32, as fresh leaves (the oracle runs on the rounded low-precision values)."""
     return {n: x.detach().float().requires_grad_() for n, x in inputs.items()}
+
+
+def fla_launch_failures(op: str) -> dict:
+    """Run only in a child process where fla is importable (never in the suite's own: transformers would dispatch
+    to it). The Triton launches fla makes for moetune's CUDA kernel of `op` ("kda", "kda_bounded": with glm5_next's
+    gate lower bound, "gated_delta": two value heads per query/key head) on the dtypes the models hand it (bf16 q, k,
+    v and β, fp32 gates; q and k unnormalised), forward and backward, captured on CPU tensors and each lowered to
+    Triton IR for sm_90, where operand dtype errors arise. {"kernels": launched, "failures": {kernel: error}}."""
+    from moetune.kernels.compile_check import captured_launches, launch_source
+    from moetune.kernels.kda import gated_delta_kernel, kda_kernel
+
+    t, heads, dim, bf16 = 128, 2, 64, torch.bfloat16
+    value_heads = 2 * heads if op == "gated_delta" else heads
+    gate_shape = (1, t, value_heads) if op == "gated_delta" else (1, t, heads, dim)
+    q, k = (torch.zeros(1, t, heads, dim, dtype=bf16, requires_grad=True) for _ in range(2))
+    v = torch.zeros(1, t, value_heads, dim, dtype=bf16, requires_grad=True)
+    g = torch.zeros(gate_shape, requires_grad=True)
+    beta = torch.zeros(1, t, value_heads, dtype=bf16, requires_grad=True)
+    bound = {"lower_bound": -5.0} if op == "kda_bounded" else {}
+    kernel = gated_delta_kernel("cuda") if op == "gated_delta" else kda_kernel("cuda")
+    with captured_launches() as launches:
+        o, _ = kernel(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **bound)
+        torch.autograd.grad(o, (q, k, v, g, beta), torch.zeros_like(o))
+    failures, built = {}, set()
+    for launch in launches:  # every autotune config, many alike: each distinct specialisation once
+        source, options = launch_source(launch)
+        if source.hash() in built:
+            continue
+        built.add(source.hash())
+        error = _sm90_ir_error(source, options)
+        if error:
+            failures[launch.kernel.__name__] = error
+    return {"kernels": sorted({launch.kernel.__name__ for launch in launches}), "failures": failures}
+
+
+def _sm90_ir_error(source, options) -> str | None:
+    """The error lowering a launch (compile_check.launch_source) to Triton IR for sm_90 raises, if any: the front
+    end, where dtypes are checked, without the minutes a full cubin build of fla's launches takes."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options(options)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    try:
+        source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                       context)
+    except Exception as error:  # noqa: BLE001 (Triton's CompilationError and the errors it wraps)
+        return str(error).strip().splitlines()[-1]
+    return None

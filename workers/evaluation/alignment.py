@@ -41,7 +41,7 @@ FIRST_LOSS = "first loss"
 
 
 def _kda_reference(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                   use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, lower_bound=None):
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     o, state = naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,

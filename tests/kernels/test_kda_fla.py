@@ -1,0 +1,64 @@
+"""fla's KDA and Gated DeltaNet kernels as moetune's CUDA path calls them (kernels.kda), built for sm_90 without a
+GPU: the launches fla's host code makes on the dtypes the models hand it (bf16 q, k, v and β, fp32 gates), each
+lowered to Triton IR for sm_90, where operand dtypes are checked. fla is never importable in this suite's process
+(transformers dispatches to it whenever it is): `make install` downloads fla-core's wheel into the virtualenv's
+wheels/ folder without installing it, and a child process imports it from there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _fla_wheel() -> Path:
+    """fla-core's wheel at the version the `[cuda]` extra pins."""
+    pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cuda"]
+    version = next(pin.split("==")[1] for pin in pins if pin.startswith("fla-core=="))
+    wheel = Path(sys.prefix) / "wheels" / f"fla_core-{version}-py3-none-any.whl"
+    if not wheel.is_file():
+        pytest.fail(f"{wheel} is missing: `make install` downloads it (pip download --no-deps fla-core=={version})")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def fla_path(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("fla")
+    with zipfile.ZipFile(_fla_wheel()) as wheel:
+        wheel.extractall(folder)
+    return folder
+
+
+def _in_fla_child(fla_path: Path, ops: list[str]) -> dict:
+    """tests.support.kda_cases.fla_launch_failures of each op, in a child where fla is importable."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces kernels
+    env["PYTHONPATH"] = os.pathsep.join([str(fla_path), str(REPO)])
+    env.pop("MOETUNE_KDA_KERNEL", None)  # the default: fla, where it is importable
+    code = ("import json, sys\nfrom tests.support.kda_cases import fla_launch_failures\n"
+            "print(json.dumps({op: fla_launch_failures(op) for op in sys.argv[1:]}))")
+    done = subprocess.run([sys.executable, "-c", code, *ops], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_fla_launches_build_for_sm90_on_the_models_dtypes(fla_path):
+    """kimi_linear's and glm5_next's KDA (the latter on fla's bounded-gate path) and qwen3_next / qwen3_5_moe's
+    Gated DeltaNet: every launch builds. q and k normalised in fp32 before fla, against bf16 v, failed in
+    recompute_w_u_fwd_kda_kernel, chunk_kda_bwd_kernel_dAv and chunk_kda_bwd_kernel_wy_dqkg_fused."""
+    results = _in_fla_child(fla_path, ["kda", "kda_bounded", "gated_delta"])
+    assert {op: r["failures"] for op, r in results.items()} == {"kda": {}, "kda_bounded": {}, "gated_delta": {}}
+    # fla's own kernels ran, its normalisation included, and the bound chose its sub-chunk path
+    assert {"recompute_w_u_fwd_kda_kernel", "chunk_kda_bwd_kernel_dAv", "l2norm_fwd_kernel"} <= set(
+        results["kda"]["kernels"])
+    assert "chunk_kda_fwd_kernel_intra_sub_chunk" in set(results["kda_bounded"]["kernels"]) - set(
+        results["kda"]["kernels"])
+    assert {"recompute_w_u_fwd_kernel", "chunk_local_cumsum_scalar_kernel"} <= set(results["gated_delta"]["kernels"])
