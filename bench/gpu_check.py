@@ -6,17 +6,18 @@ Stages, each written as one JSON line to stdout and to $OUT/gpu_check.jsonl (whe
   compile      every Triton launch variant the CUDA path makes, built for sm_90 as the launcher specialises it,
                with registers, spills and shared memory (moetune.kernels.compile_check)
   correctness  every kernel against its reference on the device in fp32 and bf16 (tolerances asserted): MoE
-               grouped LoRA GEMM (dense at a fused and an unfused rank, FP8/INT4/MXFP4 weights), KDA, sparse
+               grouped LoRA GEMM (dense at a fused and an unfused rank, FP8/INT4/MXFP4 weights), KDA and (fla)
+               Gated DeltaNet on the dtypes the models hand them (q, k, v, β in the run's dtype, fp32 gates), sparse
                attention, the fused linear cross-entropy (when liger-kernel is here)
   syncs        host syncs per MoE layer (the expert-parallel experts module at EP=1), per KDA layer and per sparse
                attention forward + backward over a latent, counted
                with torch.cuda.set_sync_debug_mode("warn")
   job_step     one process group of one rank (NCCL), the tiny model of a family through moetune's own engine
                (DeepSpeed ZeRO-2 and ZeRO-3), custom kernels on vs off: the first losses must agree
-  bench        KDA (moetune's Triton vs fla's chunk_kda when fla is here), sparse attention over the shared MLA
-               latent and over per-head keys, for the latest and for random top-k keys, forward and backward, vs
-               dense causal SDPA at 8K/32K, MoE Triton vs torch grouped_mm; time, TFLOP/s and GB/s against the env
-               peaks
+  bench        KDA (moetune's Triton vs fla's chunk_kda when fla is here, as kernels.kda calls each), sparse
+               attention over the shared MLA latent and over per-head keys, for the latest and for random top-k
+               keys, forward and backward, vs dense causal SDPA at 8K/32K, MoE Triton vs torch grouped_mm; time,
+               TFLOP/s and GB/s against the env peaks
 The last line is `RESULT key=value ...`. A failed check is recorded and the later stages still run; the exit
 status is 1 when any check failed.
 
@@ -202,28 +203,38 @@ def _check_moe(s: Setting, dtype, rank: int, weight: str) -> float:
     return max(_rmse(g, w_) for g, w_ in pairs)
 
 
-def _fla_chunk_kda():
-    from fla.ops.kda import chunk_kda
+def _cuda_kda(name: str, op: str = "kda"):
+    """The CUDA implementation MOETUNE_KDA_KERNEL=name gives `op` ("kda" or "gated_delta"), with the contract of
+    kernels.kda's chunk_kda / chunk_gated_delta_rule, which the model layers call (q and k normalised inside)."""
+    import os
+    from unittest import mock
 
-    return chunk_kda
+    from moetune.kernels.kda import KERNEL_SETTING, cuda_kda_kernel, gated_delta_kernel
+
+    with mock.patch.dict(os.environ, {KERNEL_SETTING: name}):
+        return gated_delta_kernel("cuda") if op == "gated_delta" else cuda_kda_kernel()
 
 
-def _check_kda(s: Setting, dtype, impl=None) -> float:
-    """moetune's Triton KDA (or `impl`, fla's chunk_kda) against the recurrent oracle."""
+def _check_kda(s: Setting, dtype, impl: str = "moetune", op: str = "kda") -> float:
+    """A CUDA KDA (or Gated DeltaNet: one decay per head, two value heads per query/key head) implementation on the
+    dtypes the model layers hand it: q, k (unnormalised), v and β in `dtype`, the gates in fp32; against the
+    recurrent oracle on the same values in fp32."""
     import torch
-    import torch.nn.functional as F
 
-    from moetune.kernels.kda import naive_recurrent_kda, triton_kda
+    from moetune.kernels.kda import l2norm, naive_recurrent_kda
 
     t, h, d = (20, 1, 16) if s.dry else (300, 4, 64)
-    q, k, v, g, beta = _leaves(s.device, torch.float32, (1, t, h, d), (1, t, h, d), (1, t, h, d), (1, t, h, d),
-                               (1, t, h), grad=False)
-    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    hv = 2 * h if op == "gated_delta" else h
+    gate = (1, t, hv) if op == "gated_delta" else (1, t, h, d)
+    q, k, v, g, beta = _leaves(s.device, torch.float32, (1, t, h, d), (1, t, h, d), (1, t, hv, d), gate, (1, t, hv),
+                               grad=False)
     g, beta = -g.abs() * 0.5, beta.sigmoid()
     inputs = [x.to(dtype if i != 3 else torch.float32).requires_grad_() for i, x in enumerate((q, k, v, g, beta))]
-    ours, _ = (impl or triton_kda.chunk_kda_triton)(*inputs)
+    ours, _ = _cuda_kda(impl, op)(*inputs, use_qk_l2norm_in_kernel=True)
     fp32 = [x.detach().float().requires_grad_() for x in inputs]
-    ref, _ = naive_recurrent_kda(*fp32)
+    q_ref, k_ref = (l2norm(x).repeat_interleave(hv // h, dim=2) for x in fp32[:2])
+    g_ref = fp32[3][..., None].expand(*fp32[3].shape, d) if op == "gated_delta" else fp32[3]
+    ref, _ = naive_recurrent_kda(q_ref, k_ref, fp32[2], g_ref, fp32[4])
     pairs = [(ours, ref), *zip(_grads(ours, inputs), _grads(ref, fp32))]
     return max(_rmse(a, b) for a, b in pairs)
 
@@ -283,7 +294,8 @@ def stage_correctness(s: Setting) -> dict:
         if _installed("liger_kernel"):
             checks[f"linear_cross_entropy_{name}"] = lambda d=dtype: _check_loss(s, d)
         if _installed("fla") and s.device.type == "cuda":
-            checks[f"kda_fla_{name}"] = lambda d=dtype: _check_kda(s, d, _fla_chunk_kda())
+            checks[f"kda_fla_{name}"] = lambda d=dtype: _check_kda(s, d, "fla")
+            checks[f"gated_delta_fla_{name}"] = lambda d=dtype: _check_kda(s, d, "fla", "gated_delta")
     if s.dry:
         checks = {name: check for name, check in checks.items() if name in DRY_CHECKS}
     errors, failed = {}, []
@@ -423,21 +435,17 @@ def stage_job_step(s: Setting) -> dict:
 
 def _bench_kda(s: Setting, peaks: dict) -> dict:
     import torch
-    import torch.nn.functional as F
-
-    from moetune.kernels.kda import triton_kda
 
     t, h, d = (32, 1, 16) if s.dry else (8192, 16, 128)
     q, k, v, g, beta = _leaves(s.device, torch.bfloat16, (1, t, h, d), (1, t, h, d), (1, t, h, d),
                                (1, t, h, d), (1, t, h), grad=False)
-    q, k = F.normalize(q.float(), dim=-1).to(q.dtype), F.normalize(k.float(), dim=-1).to(k.dtype)
-    g, beta = -g.float().abs() * 0.1, beta.float().sigmoid().to(beta.dtype)
+    g, beta = -g.float().abs() * 0.1, beta.float().sigmoid().to(beta.dtype)  # fp32 gates, as the models give
     flops = 2 * t * h * (4 * 64 * d + 3 * d * d)  # per token: the chunk's pairwise rows and the state products
     out = {"shape": [t, h, d]}
-    impls = {"moetune_triton": lambda: triton_kda.chunk_kda_triton(q, k, v, g, beta)}
-    if _installed("fla") and s.device.type == "cuda":
-        fla_chunk_kda = _fla_chunk_kda()
-        impls["fla_chunk_kda"] = lambda: fla_chunk_kda(q, k, v, g, beta)
+    names = ("moetune", "fla") if _installed("fla") and s.device.type == "cuda" else ("moetune",)
+    kernels = {name: _cuda_kda(name) for name in names}  # as chunk_kda calls them: q and k normalised inside
+    impls = {f"{name}_kda": lambda fn=fn: fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+             for name, fn in kernels.items()}
     with torch.no_grad():
         for name, fn in impls.items():
             sec = s.seconds(fn)
