@@ -11,6 +11,7 @@ import functools
 import json
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from moetune.api import storage
@@ -243,14 +244,15 @@ def _run_conversions(model, plan: Plan, targets: dict) -> None:
                 targets[name].copy_(tensor)
 
 
-def _install_quantized(model, plan: Plan, targets: dict, shapes_of: dict, quantization, dense_dtype) -> int:
-    """Builds each quantized parameter from its loaded parts and puts it in the model (see
-    workers.weights.quantized); returns the bytes of frozen quantized weights this rank now holds."""
+def quantized_weights(model, plan: Plan, targets: dict, shapes_of: dict, quantization) -> Iterator[tuple]:
+    """(parameter, QuantizedWeight) of each quantized parameter, built from its parts (`targets`: storage name ->
+    tensor) and checked to fit together (the format's block or group shapes) and to fit the model; a WeightsError
+    names the parameter. The loader runs it on the loaded parts, `models inspect` on meta tensors of the planned
+    shapes (check_quantized_parts): the same checks."""
     parts = defaultdict(dict)
     for name in plan.storage:
         param, part = parse_storage_name(name)
         parts[param][part] = targets[name]
-    held = 0
     for param, tensors in parts.items():
         try:
             qweight = build(quantization, tensors)
@@ -259,6 +261,27 @@ def _install_quantized(model, plan: Plan, targets: dict, shapes_of: dict, quanti
         if tuple(qweight.shape) != (expected := quantized_shape(model, param, shapes_of[param])):
             raise WeightsError(f"{param}: quantized weight of shape {list(qweight.shape)}, the model's is "
                                f"{list(expected)} ([..., out, in])")
+        yield param, qweight
+
+
+def check_quantized_parts(model, plan: Plan, placement: ExpertPlacement | None, quantization) -> None:
+    """The loader's checks of the quantized parts of one rank's plan, on their shapes alone (no data read)."""
+    import torch
+
+    if not plan.storage:
+        return
+    meta = {name: torch.empty(shape, dtype=torch_dtype(dtype), device="meta")
+            for name, (shape, dtype) in plan.storage.items()}
+    for _ in quantized_weights(model, plan, meta, allocated_shapes(model, expert_shares(model, placement)),
+                               quantization):
+        pass
+
+
+def _install_quantized(model, plan: Plan, targets: dict, shapes_of: dict, quantization, dense_dtype) -> int:
+    """Builds each quantized parameter from its loaded parts and puts it in the model (see
+    workers.weights.quantized); returns the bytes of frozen quantized weights this rank now holds."""
+    held = 0
+    for param, qweight in quantized_weights(model, plan, targets, shapes_of, quantization):
         install(model, param, qweight, dense_dtype)
         held += qweight.nbytes
     return held

@@ -126,7 +126,7 @@ def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shap
     # a quantized parameter is covered once each of its parts' storage tensors is (every expert, every half)
     converted = {t for conv, _ in conversions.values() for t in conv.targets}
     _check(pieces, {**shapes, **{name: shape for name, (shape, _) in {**storage, **staged}.items()}},
-           (required - set(quantized) - converted) | set(storage) | set(staged))
+           (required - set(quantized) - converted) | set(storage) | set(staged), experts)
     return Plan(pieces, unexpected, storage, metadata, staged, conversions)
 
 
@@ -203,8 +203,10 @@ def _place(raw) -> list[Piece]:
     return pieces
 
 
-def _check(pieces: list[Piece], shapes: dict[str, tuple[int, ...]], required: set[str]) -> None:
-    """Every piece fits its destination exactly and every parameter is fully covered; errors list the names."""
+def _check(pieces: list[Piece], shapes: dict[str, tuple[int, ...]], required: set[str],
+           experts: dict[str, ExpertPlacement]) -> None:
+    """Every piece fits its destination exactly and every parameter is fully covered; errors list the names (and
+    the experts a fused parameter lacks)."""
     import torch
 
     metas = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
@@ -221,7 +223,27 @@ def _check(pieces: list[Piece], shapes: dict[str, tuple[int, ...]], required: se
         raise WeightsError(f"shape mismatch between checkpoint and model: {tensor_list(mismatched)}")
     missing = [name for name in required if covered[name] != math.prod(shapes[name])]
     if missing:
-        raise WeightsError(f"checkpoint lacks tensors for: {tensor_list(missing)}")
+        by_param = _by_param(pieces)
+        raise WeightsError("checkpoint lacks tensors for: " + tensor_list(
+            _lacking(name, by_param[name], shapes[name], experts.get(_param_of(name))) for name in missing))
+
+
+def _param_of(name: str) -> str:
+    """The parameter a destination fills (a quantized part's storage tensor names it first)."""
+    parsed = parse_storage_name(name)
+    return parsed[0] if parsed else name
+
+
+def _lacking(name: str, pieces: list[Piece], shape: tuple[int, ...], share: ExpertPlacement | None) -> str:
+    """`name`, with the experts it has no whole tensor of when it is a fused [E, ...] parameter merged from
+    per-expert checkpoint tensors (numbered as the checkpoint numbers them)."""
+    per_expert = defaultdict(int)
+    for p in pieces:
+        if p.index is not None:
+            per_expert[p.index] += math.prod(p.shape)
+    first = share.first if share else 0
+    lacking = [str(first + e) for e in range(shape[0]) if per_expert and per_expert[e] != math.prod(shape[1:])]
+    return f"{name} (expert{'s' * (len(lacking) > 1)} {', '.join(lacking)})" if lacking else name
 
 
 def merge_ranges(pieces: list[Piece], gap: int) -> list[tuple[str, int, int]]:

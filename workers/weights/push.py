@@ -27,6 +27,7 @@ from moetune.workers.weights.header import TensorInfo, read_header
 from moetune.workers.weights.loader import (
     INDEX_FILE,
     SINGLE_FILE,
+    check_quantized_parts,
     empty_model,
     fused_expert_params,
     is_weight_file,
@@ -159,8 +160,13 @@ def inspect(uri: str, ep: int = 1, progress=None, lora: LoraSpec | None = None) 
     experts = fused_expert_params(model)
     expert_params = sum(params[name].numel() for name in experts)
     total_bytes = sum(info.nbytes for shard in ckpt.tensors.values() for info in shard.values())
-    ranks = [plan_for(ckpt, model, placement_at(ckpt.config, ep, rank)).nbytes for rank in range(ep)]
     quantization = ckpt.quantization
+    ranks = []
+    for rank in range(ep):
+        placement = placement_at(ckpt.config, ep, rank)
+        plan = plan_for(ckpt, model, placement)
+        check_quantized_parts(model, plan, placement, quantization)  # what the loader would refuse
+        ranks.append(plan.nbytes)
     return {"uri": uri, "model_type": ckpt.config.get("model_type"),
             "parameters": sum(p.numel() for p in params.values()),
             "quantization": quantization.format if quantization else None,

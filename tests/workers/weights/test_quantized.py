@@ -168,8 +168,9 @@ def test_each_ep_rank_reads_and_holds_only_its_quantized_share(quantized):
         assert f"{streamed.quantization} base" in message and data["quantized_bytes"] == streamed.quantized_bytes
 
 
-def _rewrite(path, tmp_path, config_update=None, drop=()) -> str:
-    """A copy of the checkpoint at `path` with config.json changed and some tensors left out."""
+def _rewrite(path, tmp_path, config_update=None, drop=(), truncate=()) -> str:
+    """A copy of the checkpoint at `path` with config.json changed, some tensors left out and some cut short (by
+    their last row)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -186,31 +187,48 @@ def _rewrite(path, tmp_path, config_update=None, drop=()) -> str:
     index = json.loads((out / "model.safetensors.index.json").read_text())
     for shard in set(index["weight_map"].values()):
         tensors = load_file(str(out / shard))
-        save_file({k: v for k, v in tensors.items() if not k.endswith(drop) or not drop}, str(out / shard),
-                  metadata={"format": "pt"})
+        save_file({k: v[:-1] if truncate and k.endswith(truncate) else v for k, v in tensors.items()
+                   if not k.endswith(drop) or not drop}, str(out / shard), metadata={"format": "pt"})
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not drop or not k.endswith(drop)}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     return f"file://{out}"
 
 
+def _refused_by_the_loader_and_inspect(uri: str, match: str) -> None:
+    """`models inspect` (at EP=4: expert 3 is rank 1's second) refuses what the loader refuses, with its words."""
+    from moetune.workers.weights.push import inspect
+
+    with pytest.raises(WeightsError, match=match):
+        stream_model(uri, CPU, F32, cache_dir="")
+    with pytest.raises(WeightsError, match=match):
+        inspect(uri, ep=4)
+
+
 def test_what_cannot_load_correctly_is_an_error_naming_the_tensor(quantized, tmp_path):
     fmt, path = quantized
-    with pytest.raises(WeightsError, match="quant_method 'awq' is not supported"):
-        stream_model(_rewrite(path, tmp_path / "a", {"quantization_config": {"quant_method": "awq"}}), CPU, F32,
-                     cache_dir="")
+    _refused_by_the_loader_and_inspect(_rewrite(path, tmp_path / "a", {"quantization_config": {"quant_method": "awq"}}),
+                                       "quant_method 'awq' is not supported")
     no_config = _rewrite(path, tmp_path / "b", {"quantization_config": None})
     unread = "quantization tensors that no weight of this model reads .*config.json has no quantization_config"
     expected = {"fp8": "is F8_E4M3 but config.json has no quantization_config", "int4": f"{unread}.*weight_packed",
                 "mxfp4": f"{unread}.*_blocks"}[fmt]
-    with pytest.raises(WeightsError, match=expected):
-        stream_model(no_config, CPU, F32, cache_dir="")
+    _refused_by_the_loader_and_inspect(no_config, expected)
     scale = {"fp8": ".weight_scale_inv", "int4": ".weight_scale", "mxfp4": "_scales"}[fmt]
     if fmt != "mxfp4":  # gpt-oss's experts are fused: no one expert's scale to lose
-        with pytest.raises(WeightsError, match=f"lacks tensors for: .*experts.down_proj:{scale[1:]}"):
-            stream_model(_rewrite(path, tmp_path / "c", drop=(f"experts.3.down_proj{scale}",)), CPU, F32,
-                         cache_dir="")
-    with pytest.raises(WeightsError, match=f"quantized weights without all their parts: .*down_proj.*{scale[1:]}"):
-        stream_model(_rewrite(path, tmp_path / "d", drop=(f"down_proj{scale}",)), CPU, F32, cache_dir="")
+        _refused_by_the_loader_and_inspect(_rewrite(path, tmp_path / "c", drop=(f"experts.3.down_proj{scale}",)),
+                                           rf"lacks tensors for: .*experts.down_proj:{scale[1:]} \(expert 3\)")
+    _refused_by_the_loader_and_inspect(_rewrite(path, tmp_path / "d", drop=(f"down_proj{scale}",)),
+                                       f"quantized weights without all their parts: .*down_proj.*{scale[1:]}")
+    if fmt == "mxfp4":
+        return
+    # parts that are all there but do not fit together: scales cut short, scales of another block size
+    _refused_by_the_loader_and_inspect(_rewrite(path, tmp_path / "e", truncate=(f"down_proj{scale}",)),
+                                       "down_proj(.weight)?: its quantized parts do not fit together")
+    if fmt == "fp8":
+        wide = {"quantization_config": {**json.loads(open(f"{path}/config.json").read())["quantization_config"],
+                                        "weight_block_size": [64, 64]}}
+        _refused_by_the_loader_and_inspect(_rewrite(path, tmp_path / "f", wide), "its quantized parts do not fit "
+                                                                                 r"together \(scale_inv")
 
 
 def test_push_keeps_a_quantized_checkpoint_quantized_and_inspect_names_its_format(quantized, tmp_path):
