@@ -366,6 +366,11 @@ def resolve_spec(req: JobCreate) -> JobCreate:
         raise SpecError("training.memory_budget_mb", "only applies to micro_batch_size \"auto\"")
     if par.num_workers % par.expert_parallel_size:
         raise SpecError("parallelism.expert_parallel_size", "must divide parallelism.num_workers")
+    if par.gpus_per_worker > 1:  # a worker is one rank and drives one device: the rest would sit idle
+        raise SpecError("parallelism.gpus_per_worker",
+                        f"must be 0 (CPU workers) or 1: each worker is one training rank on one GPU; for "
+                        f"{par.num_workers * par.gpus_per_worker} GPUs ask for num_workers: "
+                        f"{par.num_workers * par.gpus_per_worker} with gpus_per_worker: 1")
     return req.model_copy(update={"training": training})
 
 

@@ -34,6 +34,7 @@ def test_openai_hyperparameters_override_training():
      "training.global_batch_size"),
     ({"training": {"global_batch_size": 8}, "parallelism": {"num_workers": 4, "expert_parallel_size": 3}},
      "parallelism.expert_parallel_size"),
+    ({"parallelism": {"num_workers": 2, "gpus_per_worker": 4}}, "parallelism.gpus_per_worker"),
 ])
 def test_inconsistent_specs_name_the_field(fields, param):
     with pytest.raises(SpecError) as err:

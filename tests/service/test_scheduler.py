@@ -106,7 +106,7 @@ def _ray_reports_nodes(scheduler: Scheduler) -> None:
 
 
 @pytest.mark.parametrize("parallelism, param, cause", [
-    ({"gpus_per_worker": 8}, "parallelism.gpus_per_worker", "no node of the Ray cluster has more than 0 GPU"),
+    ({"gpus_per_worker": 1}, "parallelism.gpus_per_worker", "no node of the Ray cluster has more than 0 GPU"),
     ({"num_workers": 1000}, "parallelism.num_workers", "1000 workers need 1000 CPU"),
 ])
 def test_a_job_no_node_can_hold_fails_before_submission(start_service, s3_endpoint, inputs, ray_head,
