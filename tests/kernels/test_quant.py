@@ -222,6 +222,28 @@ def test_quantized_linear_in_bf16(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_linear_backward_in_bf16_rounds_once(fmt):
+    """dX in bf16 is the fp32 product dY·W (W rounded to bf16, as the forward uses it) rounded once, whatever the
+    tiles: their partials are summed in fp32 from exact products, never rounded to bf16 tile by tile."""
+    q = FORMATS[fmt][0](_weight(OUT, IN))
+    w = q.dequantize(dtype=torch.bfloat16).float()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, IN, generator=gen).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(7, OUT, generator=gen).to(torch.bfloat16)
+    (got,) = torch.autograd.grad(quantized_linear(x, q, tile_rows=16), x, grad)  # 16 + 16 + 16 + 16 + 6 rows
+    assert torch.equal(got, (grad.float() @ w).to(torch.bfloat16))
+
+
+def test_default_tiles_are_sized_from_memory():
+    from moetune.kernels.quant.linear import TILE_BYTES, _tile_rows
+
+    q = quantize_fp8_block(torch.zeros(4096, 7168))
+    assert _tile_rows(q, tokens=8192) == 1024  # fp32 rows of 7168 and dY columns of 8192 in TILE_BYTES
+    assert 1024 * 4 * (7168 + 8192) <= TILE_BYTES < 1152 * 4 * (7168 + 8192)
+    assert _tile_rows(q, tokens=1) == 2304 and _tile_rows(q, tokens=10**7) == 128  # one FP8 block at least
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_linear_holds_one_tile_of_dense_weight_at_most(fmt):
     out, cols, tile = 256, 128, 64
     w = _weight(out, cols)

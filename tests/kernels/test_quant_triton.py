@@ -12,7 +12,7 @@ import torch
 
 from moetune.kernels.moe import moe_lora_grouped, moe_lora_mlp
 from moetune.kernels.moe.reference import moe_lora_reference
-from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
+from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4, quantized_linear
 from moetune.kernels.testing import rmse_ratio
 from tests.support.moe_reference import check_grouped
 from tests.support.triton_child import (  # noqa: F401 (test_interpreter_run: collected here)
@@ -60,6 +60,26 @@ def _check(backend, fmt, dtype, tol):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_triton_dequantizes_in_the_kernel(fmt, dtype):
     _check("triton", fmt, dtype, TOLERANCE[dtype])
+
+
+@on_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_triton_quantized_linear_is_the_kernel_with_one_expert(fmt, dtype):
+    """quantized_linear's CUDA path (a frozen quantized nn.Linear): the grouped kernel over one expert, forward and
+    dX against x Wᵀ with W dequantized to the compute dtype, leading dims kept."""
+    quantize, d_in, d_out = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(7)
+    q = quantize(torch.randn(d_out, d_in, generator=gen) * d_in ** -0.5)
+    x = torch.randn(2, 35, d_in, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(2, 35, d_out, generator=gen).to(dtype)
+    q, x, grad = to_device(backend_device(), q, x, grad)
+    w = q.dequantize(dtype=dtype).float()
+    out = quantized_linear(x, q, backend="triton")
+    (dx,) = torch.autograd.grad(out, x, grad)
+    assert out.dtype == dx.dtype == dtype and out.shape == (2, 35, d_out)
+    assert rmse_ratio(out, x.float() @ w.T) <= TOLERANCE[dtype]
+    assert rmse_ratio(dx, grad.float() @ w) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
