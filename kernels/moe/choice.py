@@ -16,10 +16,10 @@ LARGE = 1024 * 1024  # d_in * d_out from which grouped_mm is the default where n
 
 
 def cuda_backend(x: torch.Tensor, w, quantized: bool) -> str:
-    """"triton" or "torch" for x [N, d_in] times w [E, d_in, d_out] on CUDA."""
+    """"triton" or "torch" for x [N, d_in] times the stored w [E, d_out, d_in] on CUDA."""
     if quantized:
         return "triton"
-    d_in, d_out = w.shape[1], w.shape[2]
+    d_out, d_in = w.shape[1], w.shape[2]
     aligned = _aligned(d_in, x.dtype) and _aligned(d_out, x.dtype)
     # torch's CUDA grouped_mm takes bf16 on Hopper (sm_90) and later
     grouped_mm_runs = aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from moetune.kernels.moe.function import moe_lora_grouped
-from moetune.kernels.quant import QuantizedWeight
+from moetune.kernels.moe.function import moe_lora_linear
 
 
 def _t(x):
-    """[E, out, in] to the grouped GEMM's [E, in, out]; a QuantizedWeight is taken as it is stored, [E, out, in]."""
-    return x if x is None or isinstance(x, QuantizedWeight) else x.transpose(1, 2)
+    """A PEFT-layout LoRA factor [E, out, in] to the grouped GEMM's [E, in, out]."""
+    return x if x is None else x.transpose(1, 2)
 
 
 def moe_lora_mlp(x_sorted, counts, w_gate_up, w_down, activation, gate_up_a=None, gate_up_b=None, down_a=None,
@@ -21,5 +20,5 @@ def moe_lora_mlp(x_sorted, counts, w_gate_up, w_down, activation, gate_up_a=None
     QuantizedWeight); activation maps the gate/up projection [N, 2I] to [N, I] (the family's GLU, e.g.
     silu(gate) * up, clamped or not); LoRA factors A [E, r, in] and B [E, out, r] (or None). Returns [N, H]."""
     counts = torch.as_tensor(counts, device=x_sorted.device)
-    gate_up = moe_lora_grouped(x_sorted, counts, _t(w_gate_up), _t(gate_up_a), _t(gate_up_b), scaling, backend)
-    return moe_lora_grouped(activation(gate_up), counts, _t(w_down), _t(down_a), _t(down_b), scaling, backend)
+    gate_up = moe_lora_linear(x_sorted, counts, w_gate_up, _t(gate_up_a), _t(gate_up_b), scaling, backend)
+    return moe_lora_linear(activation(gate_up), counts, w_down, _t(down_a), _t(down_b), scaling, backend)

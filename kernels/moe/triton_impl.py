@@ -216,7 +216,8 @@ def grouped_outer(left, right, offs, scale: float, out_dtype):
 
 
 class MoeLoraFn(torch.autograd.Function):
-    """y = x W + s (x A) B per expert; w dense [E, Din, Dout] or a QuantizedWeight [E, Dout, Din]; frozen either way."""
+    """y = x Wᵀ + s (x A) B per expert; w [E, Dout, Din] as stored, dense (kept itself for the backward, never a
+    view: see kernels.moe.torch_impl.FrozenLinear) or a QuantizedWeight; frozen either way."""
 
     @staticmethod
     def forward(ctx, x, counts, w, a, b, scale):
@@ -224,18 +225,17 @@ class MoeLoraFn(torch.autograd.Function):
         ctx.qweight = w if isinstance(w, QuantizedWeight) else None  # no tensor: held like kernels.quant's linear
         ctx.save_for_backward(x, None if ctx.qweight is not None else w, a, b, *tiles)
         ctx.scale = scale
-        return grouped_lora_mm(x, w, a, b, scale, tiles, transpose=ctx.qweight is not None)
+        return grouped_lora_mm(x, w, a, b, scale, tiles, transpose=True)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, a, b, *tiles = ctx.saved_tensors
-        # dX multiplies by W^T: the dense [E, Din, Dout] transposed, the quantized [E, Dout, Din] as stored
-        w, transpose = (w, True) if ctx.qweight is None else (ctx.qweight, False)
+        w = w if ctx.qweight is None else ctx.qweight  # dX multiplies by W as stored, [E, Dout, Din]
         dy = dy.contiguous()
         s = ctx.scale
         if a is None:
-            return grouped_lora_mm(dy, w, None, None, s, tiles, transpose=transpose), None, None, None, None, None
-        dx = grouped_lora_mm(dy, w, b.transpose(1, 2), a.transpose(1, 2), s, tiles, transpose=transpose)
+            return grouped_lora_mm(dy, w, None, None, s, tiles), None, None, None, None, None
+        dx = grouped_lora_mm(dy, w, b.transpose(1, 2), a.transpose(1, 2), s, tiles)
         dy_bt = grouped_lora_mm(dy, b.transpose(1, 2), None, None, 1.0, tiles)  # dY B^T  [N, r]
         xa = grouped_lora_mm(x, a, None, None, 1.0, tiles)  # X A  [N, r]
         offs = tiles[2]

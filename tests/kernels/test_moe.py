@@ -158,11 +158,51 @@ def test_expert_mlp_is_a_drop_in_for_the_expert_parallel_compute(backend):
         assert rmse_ratio(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("path", ["loop", "torch", pytest.param("triton", marks=on_triton)])
+def test_autograd_keeps_the_frozen_weights_themselves_so_zero3_can_release_them(path):
+    """Under ZeRO-3 a gathered expert weight is freed after its module's forward (the Parameter's .data emptied)
+    and gathered again before the module's backward. No tensor autograd saved may be a view of it: such a view
+    keeps the whole gathered weight alive until the backward. Released and gathered again here the same way
+    (the per-expert loop, the grouped_mm path and the Triton kernel), the gradients are an untouched run's."""
+    from moetune.workers.parallel.compute import ExpertLoraFactors, GatedActivation, grouped_expert_forward
+
+    gen = torch.Generator().manual_seed(6)
+    counts, hidden, inter, rank = [7, 0, 12], 32, 16, 4
+    device = backend_device(path)
+    weights = [torch.nn.Parameter((torch.randn(*s, generator=gen) * 0.2).to(device), requires_grad=False)
+               for s in ((3, 2 * inter, hidden), (3, hidden, inter))]
+    factors = [(torch.randn(*s, generator=gen) * 0.3).requires_grad_() for s in
+               ((3, rank, hidden), (3, 2 * inter, rank), (3, rank, inter), (3, hidden, rank))]
+    x, grad = torch.randn(sum(counts), hidden, generator=gen).requires_grad_(), torch.randn(sum(counts), hidden)
+    x, factors, grad = to_device(device, x, factors, grad)
+    activation = GatedActivation(torch.nn.functional.silu)
+
+    def run():
+        if path == "loop":
+            return grouped_expert_forward(x, counts, *weights, activation, ExpertLoraFactors(*factors, 0.5))
+        return moe_lora_mlp(x, counts, *weights, activation, *factors, scaling=0.5, backend=path)
+
+    want = torch.autograd.grad(run(), [x, *factors], grad)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = run()
+    gathered = [w.data for w in weights]
+    for w in weights:  # what ZeRO-3 does after the forward
+        w.data = torch.empty(0, device=device)
+    storages = {g.untyped_storage().data_ptr() for g in gathered}
+    assert [t.shape for t in saved if t.untyped_storage().data_ptr() in storages] == []
+    for w, g in zip(weights, gathered):  # and before the backward
+        w.data = g
+    got = torch.autograd.grad(out, [x, *factors], grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_cuda_choice_keeps_quantized_unaligned_and_fp32_on_the_triton_kernel():
     """Only the Triton kernel reads quantized weights; torch's CUDA grouped_mm takes aligned bf16 only."""
     from moetune.kernels.moe.choice import cuda_backend
 
     x = torch.empty(8, 4096, dtype=torch.bfloat16)
     assert cuda_backend(x, torch.empty(2, 4096, 2048, dtype=torch.bfloat16), quantized=True) == "triton"
-    assert cuda_backend(x[:, :4093], torch.empty(2, 4093, 2048, dtype=torch.bfloat16), quantized=False) == "triton"
-    assert cuda_backend(x.float(), torch.empty(2, 4096, 2048), quantized=False) == "triton"
+    assert cuda_backend(x[:, :4093], torch.empty(2, 2048, 4093, dtype=torch.bfloat16), quantized=False) == "triton"
+    assert cuda_backend(x.float(), torch.empty(2, 2048, 4096), quantized=False) == "triton"
