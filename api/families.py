@@ -118,6 +118,13 @@ FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
                 _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
                                "wq_b", "wk", "weights_proj"), text_config_key="text_config", images=True,
                 absent_linears=_mla_query_beside_kda),
+    # Kimi K3: KDA (full-rank output gate g_proj) + NoPE MLA (sigmoid output gate g_proj), latent MoE
+    # (routed_expert_down/up_proj around the experts); the Attention Residuals' *_res_proj weights are the mixes'
+    # pseudo-queries, never called as linears (no LoRA). Its vision tower is not built (text path only).
+    FamilyFacts("kimi_k3", ("num_experts",),
+                _MLA + _MLP + ("k_proj", "v_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj",
+                               "routed_expert_down_proj", "routed_expert_up_proj"), text_config_key="text_config",
+                absent_linears=_mla_query_beside_kda),
 )}
 
 

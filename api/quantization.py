@@ -3,6 +3,8 @@ the control plane refuses an unsupported one at submission; the workers' loader 
 
 - "fp8": FP8 e4m3 with per-block `weight_scale_inv` (DeepSeek-V3/V3.2, Kimi-K2, Qwen3-FP8);
 - "compressed-tensors", format "pack-quantized", 4-bit int weights in groups (Kimi K2 Thinking / K2.5);
+- "compressed-tensors", format "mxfp4-pack-quantized": MXFP4 stored per weight as `weight_packed` (two e2m1 codes a
+  byte) + `weight_scale` (e8m0, one per 32) (Kimi K3's routed experts, per expert);
 - "mxfp4": e2m1 codes in groups of 32 with e8m0 scales (gpt-oss's routed experts).
 """
 
@@ -13,13 +15,14 @@ from dataclasses import dataclass
 from moetune.api.config_fields import checked, config_error, read, read_positive_ints
 from moetune.api.models import SpecError
 
-FP8, INT4, MXFP4 = "fp8-block", "int4-pack-quantized", "mxfp4"
-_SUPPORTED = "fp8 (block scales), compressed-tensors (pack-quantized INT4), mxfp4"
+FP8, INT4, MXFP4, MXFP4_PACKED = "fp8-block", "int4-pack-quantized", "mxfp4", "mxfp4-pack-quantized"
+_SUPPORTED = "fp8 (block scales), compressed-tensors (pack-quantized INT4, mxfp4-pack-quantized), mxfp4"
+_CT_FORMATS = ("pack-quantized", "mxfp4-pack-quantized")
 
 
 @dataclass(frozen=True)
 class Quantization:
-    format: str  # FP8 | INT4 | MXFP4
+    format: str  # FP8 | INT4 | MXFP4 | MXFP4_PACKED
     block: tuple[int, int] | None = None  # FP8: weight_block_size
     group_size: int | None = None  # INT4: input channels per scale
     symmetric: bool = True  # INT4: no zero point
@@ -29,18 +32,26 @@ def _refuse(message: str) -> SpecError:
     return SpecError("model", f"model: {message}")
 
 
-def _int4(qc: dict, where: str) -> Quantization:
-    if read(qc, "format", str, where) != "pack-quantized":
-        raise _refuse(f"compressed-tensors format {qc.get('format')!r} is not supported (only 'pack-quantized')")
+def _compressed_tensors(qc: dict, where: str) -> Quantization:
+    fmt = read(qc, "format", str, where)
+    if fmt not in _CT_FORMATS:
+        raise _refuse(f"compressed-tensors format {fmt!r} is not supported (only "
+                      f"{' and '.join(map(repr, _CT_FORMATS))})")
     groups, schemes = read(qc, "config_groups", dict, where) or {}, []
+    kind = "float" if fmt == "mxfp4-pack-quantized" else "int"
     for name, group in groups.items():
         field = f"{where}.config_groups.{name}"
         if read(checked(group, dict, field) or {}, "input_activations", dict, field):
             raise _refuse("compressed-tensors activation quantization is not supported (frozen weights only)")
         weights = read(group or {}, "weights", dict, field) or {}
-        schemes.append((weights.get("num_bits") == 4 and weights.get("type") == "int"
+        schemes.append((weights.get("num_bits") == 4 and weights.get("type") == kind
                         and weights.get("strategy") == "group", read(weights, "group_size", int, f"{field}.weights"),
                         read(weights, "symmetric", bool, f"{field}.weights")))
+    if fmt == "mxfp4-pack-quantized":
+        if not schemes or any(s != (True, 32, True) for s in schemes):
+            raise _refuse("compressed-tensors mxfp4-pack-quantized weights must be one symmetric 4-bit float group "
+                          "scheme of group_size 32 (num_bits 4, type float, strategy group)")
+        return Quantization(MXFP4_PACKED, group_size=32)
     if not schemes or not all(ok and size for ok, size, _ in schemes) or len(set(schemes)) != 1:
         raise _refuse("compressed-tensors weights must be one 4-bit int group scheme (num_bits 4, type int, "
                       "strategy group, a group_size)")
@@ -71,7 +82,7 @@ def quantization_of(config: dict) -> Quantization | None:
     if method == "fp8":
         return _fp8(qc, where)
     if method == "compressed-tensors":
-        return _int4(qc, where)
+        return _compressed_tensors(qc, where)
     if method == "mxfp4":
         return Quantization(MXFP4, group_size=32)
     raise _refuse(f"{where}.quant_method {method!r} is not supported; supported: {_SUPPORTED}")

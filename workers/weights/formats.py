@@ -4,7 +4,8 @@
 A quantized model parameter `P` (a linear's `....weight`, or a fused expert tensor) is stored as parts: FP8 keeps
 `P` itself (e4m3 codes) plus `P_scale_inv`; INT4 pack-quantized stores `P_packed`, `P_scale` (and, asymmetric,
 `P_zero_point`) plus `P_shape`, a metadata vector the logical shape already implies; MXFP4 (gpt-oss experts)
-stores `P_blocks` and `P_scales`. Each part is planned like any
+stores `P_blocks` and `P_scales`; compressed-tensors' mxfp4-pack-quantized (Kimi K3's experts, one `P` per expert)
+stores `P_packed` ([out, in/2] bytes) and `P_scale` ([out, in/32] e8m0). Each part is planned like any
 checkpoint tensor (the same name mapping, expert slicing and concatenation as `P`), into a storage tensor named
 `P:<part>` that keeps the checkpoint's dtype; nothing dense is ever allocated for `P`.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moetune.api.quantization import FP8, INT4, MXFP4, Quantization
+from moetune.api.quantization import FP8, INT4, MXFP4, MXFP4_PACKED, Quantization
 from moetune.kernels.quant import Fp8BlockWeight, Int4PackedWeight, Mxfp4Weight, QuantizedWeight
 
 PART_SEPARATOR = ":"
@@ -35,9 +36,9 @@ def split(quantization: Quantization, key: str, dtype: str) -> Part | None:
         if key.endswith("_scale_inv"):
             return Part(key.removesuffix("_scale_inv"), "weight_scale_inv")
         return Part(key, "weight") if dtype in _FP8_CODES else None
-    if quantization.format == INT4:
-        for suffix, part in (("_packed", "weight_packed"), ("_scale", "weight_scale"),
-                             ("_zero_point", "weight_zero_point"), ("_shape", None)):
+    if quantization.format in (INT4, MXFP4_PACKED):
+        int4 = (("_zero_point", "weight_zero_point"), ("_shape", None)) if quantization.format == INT4 else ()
+        for suffix, part in (("_packed", "weight_packed"), ("_scale", "weight_scale"), *int4):
             if key.endswith(".weight" + suffix):
                 return Part(key.removesuffix(suffix), part)
     if quantization.format == MXFP4:
@@ -71,6 +72,8 @@ def build(quantization: Quantization, parts: dict) -> QuantizedWeight:
         return Fp8BlockWeight(parts["weight"], parts["weight_scale_inv"], quantization.block)
     if quantization.format == MXFP4:
         return Mxfp4Weight(parts["blocks"], parts["scales"])
+    if quantization.format == MXFP4_PACKED:  # a row's in/2 bytes are its groups of 16
+        return Mxfp4Weight(parts["weight_packed"].unflatten(-1, (-1, 16)), parts["weight_scale"])
     return Int4PackedWeight(parts["weight_packed"], parts["weight_scale"], parts.get("weight_zero_point"))
 
 
@@ -79,4 +82,6 @@ def required_parts(quantization: Quantization) -> set[str]:
         return {"weight", "weight_scale_inv"}
     if quantization.format == MXFP4:
         return {"blocks", "scales"}
+    if quantization.format == MXFP4_PACKED:
+        return {"weight_packed", "weight_scale"}
     return {"weight_packed", "weight_scale"} | (set() if quantization.symmetric else {"weight_zero_point"})

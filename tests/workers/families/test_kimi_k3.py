@@ -1,6 +1,7 @@
 """Kimi K3 (moetune's own model definition) against NeMo Automodel 0.7.0's reference, on tiny checkpoints the
 reference writes in the release's naming: bf16, and with the routed experts in compressed-tensors'
-mxfp4-pack-quantized per expert. Both models run in fp32 for the comparison (the reference in a child process)."""
+mxfp4-pack-quantized per expert. moetune's model comes from its streaming loader; both models run in fp32 for the
+comparison (the reference in a child process)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from moetune.api.families import check_model_spec
+from moetune.api.models import JobCreate
+from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.families.kimi_k3 import TINY_TEXT, tiny_config
+from moetune.workers.model import trainable_model
+from moetune.workers.parallel.placement import placement_at
+from moetune.workers.weights.loader import stream_model
+from moetune.workers.weights.push import inspect
 from tests.support.kimi_k3_reference import run_reference
 
 # every linear both models hold as nn.Linear (the reference's routed experts are grouped parameters)
@@ -33,10 +41,9 @@ def _tensors(folder: str) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def _load(folder: str):
-    from moetune.workers.families.kimi_k3.modeling import KimiK3ForConditionalGeneration
-
-    return KimiK3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+def _stream(folder: str, base_weights: str = "dequantized"):
+    return stream_model(f"file://{folder}", torch.device("cpu"), torch.float32, cache_dir="",
+                        base_weights=base_weights)
 
 
 def test_layer_kinds_from_the_released_one_indexed_lists():
@@ -72,7 +79,7 @@ def test_loaded_state_dict_is_the_checkpoint(reference):
     experts (w1 rows, then w3 rows)."""
     workdir, _, _ = reference
     released = _tensors(f"{workdir}/bf16")
-    ours = _load(f"{workdir}/bf16").state_dict()
+    ours = _stream(f"{workdir}/bf16").model.state_dict()
     experts = "language_model.model.layers.2.block_sparse_moe.experts"
     fused = torch.stack([torch.cat((released[f"{experts}.{e}.w1.weight"], released[f"{experts}.{e}.w3.weight"]))
                          for e in range(8)])
@@ -96,11 +103,16 @@ def _with_reference_lora(model, weights: dict[str, torch.Tensor]):
     return peft, params
 
 
-@pytest.mark.parametrize("checkpoint", ["bf16"])
-def test_logits_loss_and_lora_gradients_equal_the_reference(reference, checkpoint):
+@pytest.mark.parametrize("kernels", [False, True], ids=["stock", "swapped"])
+@pytest.mark.parametrize("checkpoint", ["bf16", "mxfp4"])
+def test_logits_loss_and_lora_gradients_equal_the_reference(reference, checkpoint, kernels):
+    """The MXFP4 checkpoint dequantized at load (the kept-quantized base is the next test's)."""
     workdir, ids, results = reference
     expected = results[checkpoint]
-    model, lora = _with_reference_lora(_load(f"{workdir}/{checkpoint}"), expected["lora_weights"])
+    model = _stream(f"{workdir}/{checkpoint}").model
+    if kernels:  # KDA on kernels.kda, packed-sequence MLA
+        assert apply_kernel_swaps(model) == {"apply_kda_kernels": 2, "apply_segment_attention": 2}
+    model, lora = _with_reference_lora(model, expected["lora_weights"])
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     torch.testing.assert_close(out.logits, expected["logits"], rtol=1e-4, atol=1e-4)
@@ -109,3 +121,50 @@ def test_logits_loss_and_lora_gradients_equal_the_reference(reference, checkpoin
         assert grad.abs().max() > 0, name  # every compared gradient carries signal
         torch.testing.assert_close(lora[name].grad, grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item(),
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_mxfp4_experts_stay_packed_and_train_as_the_dequantized_base(reference):
+    """Streamed kept quantized, the routed experts are held as MXFP4 in the fused experts' layout (per-expert packed
+    rows merged, w1 then w3), a quarter of their bf16 bytes plus the scales; a LoRA job's model (expert LoRA
+    included) gives the logits and gradients of the same checkpoint dequantized at load."""
+    workdir, ids, _ = reference
+    kept = _stream(f"{workdir}/mxfp4", "quantized")
+    experts = kept.model.language_model.model.layers[2].block_sparse_moe.experts
+    assert {k: tuple(v.shape) for k, v in experts.named_buffers()} == {
+        "gate_up_proj_q_blocks": (8, 64, 1, 16), "gate_up_proj_q_scales": (8, 64, 1),
+        "down_proj_q_blocks": (8, 32, 1, 16), "down_proj_q_scales": (8, 32, 1)}
+    bf16_bytes = 3 * 8 * (64 * 32 + 32 * 32) * 2  # 3 MoE layers of 8 experts
+    assert kept.quantized_bytes == bf16_bytes * (1 / 4 + 1 / 64)
+    spec = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
+                     lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True})
+    runs = []
+    for streamed in (kept, _stream(f"{workdir}/mxfp4")):
+        torch.manual_seed(1)
+        model = trainable_model(streamed.model, spec, placement_at(streamed.model.config.to_dict(), 1, 0))
+        with torch.no_grad():  # LoRA B != 0, so that the experts' LoRA A gets gradients too
+            for name, p in model.named_parameters():
+                if "lora_" in name and ("lora_B" in name or "_b" in name.rsplit(".", 1)[-1]):
+                    p.normal_(0, 0.1)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        runs.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (logits, grads), (dense_logits, dense_grads) = runs
+    torch.testing.assert_close(logits, dense_logits, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == dense_grads.keys() and any(".experts.lora_" in n for n in grads)
+    for name, grad in dense_grads.items():
+        assert grad is not None and grad.abs().max() > 0, name
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_released_checkpoint_is_accepted_and_inspected(reference):
+    workdir, _, _ = reference
+    with open(f"{workdir}/mxfp4/config.json") as f:
+        config = json.load(f)
+    spec = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
+                     lora={"target_modules": ["q_proj", "g_proj", "kv_b_proj", "routed_expert_down_proj"]},
+                     parallelism={"expert_parallel_size": 2})
+    check_model_spec(config, spec)
+    summary = inspect(f"file://{workdir}/mxfp4", ep=2)
+    assert (summary["model_type"], summary["quantization"]) == ("kimi_k3", "mxfp4-pack-quantized")
+    assert (summary["moe_layers"], summary["experts_per_layer"]) == (3, 8)
+    assert summary["expert_parameters"] == 3 * 8 * (64 * 32 + 32 * 32)
