@@ -107,8 +107,9 @@ def tiny_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
         num_key_value_heads=4,
         kv_lora_rank=16,
         q_lora_rank=None,
+        # the released MLA head ratio (nope 128 : rope 64 : v 128): the key wider than the value
         qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
+        qk_nope_head_dim=16,
         v_head_dim=16,
         linear_num_heads=4,
         linear_head_dim=16,

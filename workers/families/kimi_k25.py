@@ -4,6 +4,7 @@ text model under `model.language_model`); the vision side stays frozen and witho
 routed experts as compressed-tensors INT4 (moetune.api.quantization)."""
 
 from moetune.api.families import FAMILIES
+from moetune.workers.families.deepseek_v3 import FAMILY as DEEPSEEK_V3
 from moetune.workers.families.deepseek_v3 import tiny_config as deepseek_v3_tiny_config
 from moetune.workers.families.spec import Family
 
@@ -18,4 +19,5 @@ def tiny_config(**overrides):
 
 
 FAMILY = Family(FAMILIES["kimi_k25"], moe_block="DeepseekV3MoE", shared_experts="shared_experts",
-                tiny_config=tiny_config, auto_class="AutoModelForImageTextToText", lora_scope=".language_model.")
+                tiny_config=tiny_config, auto_class="AutoModelForImageTextToText", lora_scope=".language_model.",
+                swaps=DEEPSEEK_V3.swaps)

@@ -1,6 +1,12 @@
-"""Sparse MLA attention over the shared latent (the "absorbed" form), for the families whose DSA attention is MLA
-(deepseek_v32, glm5_next).
+"""MLA attention: dense through SDPA at the key width (every MLA family's full attention), and sparse over the shared
+latent (the "absorbed" form), for the families whose DSA attention is MLA (deepseek_v32, glm5_next).
 
+Dense: an MLA key (qk_nope + rope, 192 in the releases) is wider than its value (128). PyTorch's fused SDPA kernels
+want one width; on CPU an unequal one falls back to the math path, which keeps the whole [B, H, T, T] attention
+matrix for the backward. `sdpa_at_key_width` pads the value with zeros to the key width and cuts the output back:
+the same numbers (the padded output columns are zero and dropped), on the fused kernel.
+
+Sparse:
 transformers expands the latent per head before attention (`expand_kv`: kv_b_proj gives every head its own keys
 and values), so a sparse kernel gathers, for each query and head, that head's rows: 64-128 gathers of the same
 token per query. Absorbed, every head attends over the latent itself:
@@ -22,8 +28,19 @@ from __future__ import annotations
 import types
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from moetune.kernels.sparse_attention import sparse_attention
+
+
+def sdpa_at_key_width(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention (same signature, [B, T, H, Dv] out) with a value narrower than the key padded to
+    the key's width for the kernel and the output cut back to the value's."""
+    width = value.shape[-1]
+    if width < key.shape[-1]:
+        value = torch.nn.functional.pad(value, (0, key.shape[-1] - width))
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return out[..., :width], weights
 
 
 def _dropouts_active(proj) -> bool:

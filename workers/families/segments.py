@@ -2,9 +2,9 @@
 the offsets transformers' flash-attention path takes), with no mask of any size.
 
 A swapped attention module runs on `moetune_segments`: with boundaries, transformers' own SDPA attention per
-sequence (each plainly causal); without them, transformers' SDPA unchanged. Its mask function builds no mask for a
-row without padding (transformers would build a [T, T] block-diagonal one from packed position ids), and
-transformers' SDPA mask for a padded one."""
+sequence (each plainly causal); without them, transformers' SDPA unchanged; both at the key width where the value is
+narrower (MLA: families/mla.py). Its mask function builds no mask for a row without padding (transformers would
+build a [T, T] block-diagonal one from packed position ids), and transformers' SDPA mask for a padded one."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from moetune.workers.families.mla import sdpa_at_key_width
 
 ATTN_IMPLEMENTATION = "moetune_segments"
 
@@ -24,10 +25,10 @@ def _segments_attention(module, query, key, value, attention_mask, dropout=0.0, 
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
     if offsets is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return sdpa_at_key_width(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     bounds = offsets.tolist()
-    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, dropout,
-                                   scaling, **kwargs)[0] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    outs = [sdpa_at_key_width(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, dropout,
+                              scaling, **kwargs)[0] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     return torch.cat(outs, dim=1), None
 
 

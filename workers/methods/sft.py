@@ -109,21 +109,25 @@ def tokenize_rows(tokenizer, rows: list[dict], seq_len: int) -> tuple[list[Examp
     return with_loss([tokenize_row(tokenizer, row, seq_len) for row in rows])
 
 
-def collate(examples: list[Example], pad_id: int) -> Batch:
-    """Right-padded input_ids, attention_mask and labels (IGNORE on padding)."""
+def collate(examples: list[Example], pad_id: int, with_mask: bool = False) -> Batch:
+    """Right-padded input_ids and labels (IGNORE on padding), and no attention mask (unless `with_mask`), so that
+    transformers builds no [B, 1, T, T] one: with the padding after every real token, each real token sees under the
+    plain causal mask exactly the tokens the padding mask would let it see, and no real token and no loss reads a
+    padding position."""
     import torch
 
     width = max(len(e.input_ids) for e in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
     for i, e in enumerate(examples):
         n = len(e.input_ids)
         input_ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, :n] = torch.tensor(e.labels)
-        attention_mask[i, :n] = 1
-    return Batch({"input_ids": input_ids, "attention_mask": attention_mask}, labels,
-                 sum(len(e.input_ids) for e in examples))
+    inputs = {"input_ids": input_ids}
+    if with_mask:
+        lengths = torch.tensor([len(e.input_ids) for e in examples])
+        inputs["attention_mask"] = (torch.arange(width) < lengths[:, None]).long()
+    return Batch(inputs, labels, sum(len(e.input_ids) for e in examples))
 
 
 def collate_packed(examples: list[Example]) -> Batch:
