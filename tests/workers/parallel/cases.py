@@ -46,3 +46,6 @@ RESUME_CASES = {
 
 # case id -> (family, job): one image + text micro-batch per rank on the family's tiny multimodal checkpoint
 IMAGE_CASES = {f"{fam}-images-ep2-zero2": (fam, spec(ep=2, zero=2)) for fam in ("qwen3_5_moe", "glm5_next")}
+
+# case id -> (family, job): one step of the wide-expert model under ZeRO-3 (harness.run_saved_experts)
+SAVED_CASES = {"qwen3_moe-experts-ep2-zero3-wide": ("qwen3_moe", spec(ep=2, zero=3, steps=1, train_experts=True))}

@@ -69,14 +69,22 @@ def expert_bytes(model) -> int:
     return total
 
 
-def make_engine(rank: int, world: int, family_name: str, job: JobCreate, skew: bool = False):
+def wide_config(family_name: str):
+    """The tiny config with experts wide enough that ZeRO-3 frees them after their forward, as every real model's
+    (DeepSpeed keeps tensors of up to 1e5 elements gathered: the tiny model's experts all stay)."""
+    from moetune.workers.families import REGISTRY
+
+    return REGISTRY[family_name].tiny_config(moe_intermediate_size=512)
+
+
+def make_engine(rank: int, world: int, family_name: str, job: JobCreate, skew: bool = False, config=None):
     """The moetune engine of this rank, built exactly as a job builds it (same seeds on every rank)."""
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.families import REGISTRY
     from moetune.workers.model import trainable_model
     from moetune.workers.parallel import job_placement
 
-    model = plain_model(REGISTRY[family_name], skew_to_first_half=skew)
+    model = plain_model(REGISTRY[family_name], skew_to_first_half=skew, config=config)
     torch.manual_seed(1)
     placement = job_placement(model.config.to_dict(), job)
     engine, _ = build_engine(trainable_model(model, job, placement), job, world, job.training.max_steps, bf16=False)
@@ -96,7 +104,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, str, str, str, bool]
     tiny multimodal checkpoint's folder)."""
     from tests.support.image_batches import run_image_ep
 
-    runners = {"train": run_engine, "resume": run_and_resume,
+    runners = {"train": run_engine, "resume": run_and_resume, "saved": run_saved_experts,
                "image": lambda rank, world, model_dir, spec_json, out, _: run_image_ep(rank, world, model_dir,
                                                                                         spec_json, out)}
     for case_id, runner, family_name, spec_json, skew in cases:
@@ -130,6 +138,39 @@ def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir:
                 "a2a_row_bytes": row_bytes}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def run_saved_experts(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False):
+    """One step of the wide-expert model (wide_config) under ZeRO-3: the bytes that the tensors autograd saved in
+    the forward still hold of gathered frozen expert weights once the forward is done (accounted through
+    saved-tensor hooks: a saved tensor sharing storage with a gathered expert weight when it is saved), whether
+    DeepSpeed released those weights, and the first step's loss and full LoRA gradients."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from moetune.workers.parallel.experts import ExpertParallelExperts
+
+    job = JobCreate.model_validate_json(spec_json)
+    engine = make_engine(rank, world, family_name, job, skew, wide_config(family_name))
+    frozen = [p for m in engine.module.modules() if isinstance(m, ExpertParallelExperts)
+              for name, p in m.named_parameters() if not name.startswith("lora_")]
+    kept = []
+
+    def pack(t):
+        gathered = {p.untyped_storage().data_ptr() for p in frozen if p.numel()}
+        if t.untyped_storage().data_ptr() in gathered:
+            kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = engine(**batch(rank, 0, job.training.micro_batch_size)).loss
+    held = sum(t.untyped_storage().nbytes() for t in kept)
+    released = all(p.numel() == 0 for p in frozen)
+    engine.backward(loss)
+    grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save({"losses": [loss.item()], "grads": grads, "saved_expert_tensors": len(kept),
+                "saved_expert_bytes_after_forward": held, "released": released},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
     """Trains STEPS steps with a checkpoint after SAVE_AFTER, exports the adapter, then resumes a fresh engine
     from the checkpoint and trains the remaining steps again."""
@@ -154,7 +195,7 @@ def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_
     torch.save({"losses": losses, "resumed": resumed, "logits": logits}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
+def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool, model_config=None):
     """The same adapter as PEFT sees it: linear LoRA plus `target_parameters` LoRA on the fused experts, with the
     expert A drawn exactly as the engine draws them (B = 0)."""
     from peft import (
@@ -186,7 +227,7 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool):
     old = peft_model.peft_config["default"]
     config = LoraConfig(r=r, lora_alpha=old.lora_alpha, lora_dropout=0.0, target_modules=old.target_modules,
                         target_parameters=target_parameters(in_proj))
-    model = plain_model(fam, skew_to_first_half=skew)
+    model = plain_model(fam, skew_to_first_half=skew, config=model_config)
     with _no_v4_target_conversion(model):
         reference_model = get_peft_model(model, config)
     assert not set_peft_model_state_dict(reference_model, state).unexpected_keys
@@ -206,17 +247,19 @@ def expert_grads_in_engine_layout(peft_model, fam) -> dict:
     return out
 
 
-def reference(family_name: str, job: JobCreate, world: int, skew: bool = False, micro: int = 2) -> dict:
-    """Plain transformers + PEFT in one process: the same batches, DeepSpeed's rank-mean loss, AdamW, clipping."""
+def reference(family_name: str, job: JobCreate, world: int, skew: bool = False, micro: int = 2,
+              config=None) -> dict:
+    """Plain transformers + PEFT in one process: the same batches, DeepSpeed's rank-mean loss, AdamW, clipping.
+    `config`: another config of the family (the tiny one by default)."""
     from moetune.workers.families import REGISTRY
     from moetune.workers.lora.peft_lora import apply_lora
 
     fam = REGISTRY[family_name]
-    model = plain_model(fam, skew_to_first_half=skew)
+    model = plain_model(fam, skew_to_first_half=skew, config=config)
     torch.manual_seed(1)
     peft_model = apply_lora(model, job.lora)
     if job.lora.train_experts:
-        peft_model = _with_expert_lora(peft_model, fam, job, skew)
+        peft_model = _with_expert_lora(peft_model, fam, job, skew, config)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=job.training.learning_rate, weight_decay=0.0)
     losses, grads = [], {}

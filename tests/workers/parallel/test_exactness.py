@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moetune.workers.families import REGISTRY
-from tests.workers.parallel.cases import TRAIN_CASES
-from tests.workers.parallel.harness import launch, reference, run_cases, spec
+from tests.workers.parallel.cases import SAVED_CASES, TRAIN_CASES
+from tests.workers.parallel.harness import launch, reference, run_cases, spec, wide_config
 
 
 def test_ep2_of_4_ranks_replicates_experts(tmp_path):
@@ -70,3 +70,17 @@ def test_engine_matches_plain_transformers_peft(ep_runs, case):
     if skew:  # rank 1's experts got no token, and nothing hung
         for r in ranks:
             assert r["routed"][:4].sum() > 0 and r["routed"][4:].sum() == 0
+
+
+@pytest.mark.parametrize("case", list(SAVED_CASES))
+def test_zero3_frees_gathered_experts_after_their_forward(ep_runs, case):
+    """ZeRO-3 frees a layer's gathered frozen experts once its forward is done and gathers them again for its
+    backward: what autograd saved holds none of their storage by the end of the forward (it keeps the expert
+    Parameters themselves, empty by then, not views of the gathered weights), and the backward's loss and
+    gradients still equal the reference."""
+    family, job = SAVED_CASES[case]
+    _, ranks = ep_runs(case)
+    for r in ranks:
+        assert r["released"] and r["saved_expert_tensors"] > 0
+        assert r["saved_expert_bytes_after_forward"] == 0
+    _assert_matches(ranks, reference(family, job, world=2, config=wide_config(family)), ep=2)
