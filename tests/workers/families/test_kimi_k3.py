@@ -14,10 +14,12 @@ from safetensors import safe_open
 
 from moetune.api.families import check_model_spec
 from moetune.api.models import JobCreate
+from moetune.api.plans import ClusterSpec
 from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.families.kimi_k3 import TINY_TEXT, tiny_config
 from moetune.workers.model import trainable_model
 from moetune.workers.parallel.placement import placement_at
+from moetune.workers.planner.plan import plan
 from moetune.workers.weights.loader import stream_model
 from moetune.workers.weights.push import inspect
 from tests.support.kimi_k3_reference import run_reference
@@ -168,3 +170,16 @@ def test_a_released_checkpoint_is_accepted_and_inspected(reference):
     assert (summary["model_type"], summary["quantization"]) == ("kimi_k3", "mxfp4-pack-quantized")
     assert (summary["moe_layers"], summary["experts_per_layer"]) == (3, 8)
     assert summary["expert_parameters"] == 3 * 8 * (64 * 32 + 32 * 32)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_planner_counts_the_packed_experts_the_loader_keeps(reference, ep):
+    workdir, _, _ = reference
+    with open(f"{workdir}/mxfp4/config.json") as f:
+        config = json.load(f)
+    spec = JobCreate(model="file:///unused", training_file="file:///unused.jsonl", lora={"rank": 4},
+                     training={"seq_len": 64, "global_batch_size": 2, "micro_batch_size": 1},
+                     parallelism={"expert_parallel_size": ep, "num_workers": 2})
+    frozen = plan(config, spec, ClusterSpec(nodes=1, gpus_per_node=2, gpu_memory="80GB"))["submitted"]["bytes"]
+    kept = _stream(f"{workdir}/mxfp4", "quantized").quantized_bytes
+    assert frozen["frozen_weights"]["mxfp4-pack-quantized"] == kept / ep

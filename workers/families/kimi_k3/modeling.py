@@ -372,6 +372,9 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
+    def get_output_embeddings(self):
+        return self.lm_head
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 logits_to_keep: int = 0, **kwargs):
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -397,6 +400,9 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
 
     def get_input_embeddings(self):
         return self.language_model.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.language_model.lm_head
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 logits_to_keep: int = 0, **kwargs):
