@@ -15,6 +15,7 @@ from safetensors import safe_open
 from moetune.api.families import check_model_spec
 from moetune.api.models import JobCreate
 from moetune.api.plans import ClusterSpec
+from moetune.workers.evaluation.alignment import check_alignment
 from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.families.kimi_k3 import TINY_TEXT, tiny_config
 from moetune.workers.model import trainable_model
@@ -141,12 +142,16 @@ def test_mxfp4_experts_stay_packed_and_train_as_the_dequantized_base(reference):
                      lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True})
     runs = []
     for streamed in (kept, _stream(f"{workdir}/mxfp4")):
+        apply_kernel_swaps(streamed.model)
         torch.manual_seed(1)
         model = trainable_model(streamed.model, spec, placement_at(streamed.model.config.to_dict(), 1, 0))
         with torch.no_grad():  # LoRA B != 0, so that the experts' LoRA A gets gradients too
             for name, p in model.named_parameters():
                 if "lora_" in name and ("lora_B" in name or "_b" in name.rsplit(".", 1)[-1]):
                     p.normal_(0, 0.1)
+        if streamed is kept:  # the job-start alignment check, on K3's swapped operators over the packed experts
+            rows = check_alignment(model, lambda: model(input_ids=ids, labels=ids).loss, torch.float32)
+            assert [(r["op"], r["ok"]) for r in rows] == [("kda", True), ("experts", True), ("first loss", True)]
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         runs.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
