@@ -1,4 +1,4 @@
-"""Packed micro-batches (kimi_linear, deepseek_v3 and kimi_k25 with their kernel swaps): sequences end to end in one
+"""Packed micro-batches (kimi_linear, deepseek_v3, kimi_k25 and kimi_k3 with their kernel swaps): sequences end to end in one
 row train exactly as the same sequences right-padded — loss and every LoRA gradient — and the KDA short conv reads
 nothing across a boundary.
 """
@@ -26,7 +26,7 @@ def _examples() -> list[Example]:
     return out
 
 
-@pytest.mark.parametrize("name", ["kimi_linear", "deepseek_v3", "kimi_k25"])
+@pytest.mark.parametrize("name", ["kimi_linear", "deepseek_v3", "kimi_k25", "kimi_k3"])
 def test_packed_micro_batch_trains_as_the_padded_one(name):
     torch.manual_seed(1)
     model = plain_model(REGISTRY[name])
