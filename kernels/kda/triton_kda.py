@@ -1,5 +1,10 @@
 """Triton kernels for the chunkwise gated delta rule (forward and backward), packed-sequence native.
 
+The CUDA path runs fla's chunk-parallel kernels (kernels/kda/__init__.py); these serve only where fla cannot: a
+CUDA machine without fla installed, or MOETUNE_KDA_KERNEL=moetune. One program per (sequence, head) walks its
+chunks in order, so a few long sequences leave most SMs idle, and the backward holds whole [K, V] states per
+program (255 registers with spills at K = V = 128).
+
 Every launch works on a packed row: sequence n spans tokens [cu_seqlens[n], cu_seqlens[n+1]) of a (1, T, H, D)
 layout, a plain batch being the special case of equal lengths. Chunks of BT tokens start at each sequence's first
 token; a partial last chunk is loaded with zeros, which leaves the state untouched (k = β = g = 0).
@@ -90,11 +95,20 @@ def _chunk_forward(q, k, v, g, beta, state, t, valid, rows, rk, rv, mk, mv, scal
 
 @triton.jit
 def _sequence(cu_seqlens, chunk_offsets, i_nh, H):
-    """(sequence, head, first token, end token, index of its first chunk) of program row i_nh."""
+    """(sequence, head, first token, end token, index of its first chunk) of program row i_nh, all int64: a
+    program id is int32, and the offsets built from it (`_state_offset`) pass 2^31 from 4096 sequences × 32 heads at
+    K = V = 128."""
+    i_nh = i_nh.to(tl.int64)
     i_n = i_nh // H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     return i_n, i_nh % H, bos, eos, tl.load(chunk_offsets + i_n).to(tl.int64)
+
+
+@triton.jit
+def _state_offset(i_n, i_h, H, K, V):
+    """Where sequence i_n's state of head i_h starts in an (N, H, K, V) tensor."""
+    return (i_n * H + i_h) * K * V
 
 
 @triton.jit
@@ -112,7 +126,7 @@ def kda_fwd_kernel(q, k, v, g, beta, h0, o, ht, states, cu_seqlens, chunk_offset
     state_mask = mk[:, None] & mv[None, :]
     state = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_H0:
-        state = tl.load(h0 + (i_n * H + i_h) * K * V + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+        state = tl.load(h0 + _state_offset(i_n, i_h, H, K, V) + state_offs, mask=state_mask, other=0.0).to(tl.float32)
     for c in range(tl.cdiv(eos - bos, BT)):
         if STORE_STATES:
             tl.store(states + ((first_chunk + c) * H + i_h) * K * V + state_offs, state, mask=state_mask)
@@ -125,7 +139,7 @@ def kda_fwd_kernel(q, k, v, g, beta, h0, o, ht, states, cu_seqlens, chunk_offset
                  mask=valid[:, None] & mv[None, :])
         state = state * tl.exp(g_last)[:, None] + tl.dot(tl.trans(k_to_end), v_new)
     if STORE_HT:
-        tl.store(ht + (i_n * H + i_h) * K * V + state_offs, state, mask=state_mask)
+        tl.store(ht + _state_offset(i_n, i_h, H, K, V) + state_offs, state, mask=state_mask)
 
 
 @triton.jit
@@ -141,7 +155,7 @@ def kda_bwd_kernel(q, k, v, g, beta, states, dht, do, dq, dk, dv, dg, dbeta, dh0
     state_mask = mk[:, None] & mv[None, :]
     dstate = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_DHT:
-        dstate = tl.load(dht + (i_n * H + i_h) * K * V + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+        dstate = tl.load(dht + _state_offset(i_n, i_h, H, K, V) + state_offs, mask=state_mask, other=0.0).to(tl.float32)
     n_chunks = tl.cdiv(eos - bos, BT)
     for cc in range(n_chunks):
         c = n_chunks - 1 - cc
@@ -202,7 +216,7 @@ def kda_bwd_kernel(q, k, v, g, beta, states, dht, do, dq, dk, dv, dg, dbeta, dh0
         tl.store(dg + out_k, dg_c, mask=mask_k)
         tl.store(dv + (t[:, None] * H + i_h) * V + rv[None, :], dv_c, mask=valid[:, None] & mv[None, :])
         tl.store(dbeta + t * H + i_h, db_c, mask=valid)
-    tl.store(dh0 + (i_n * H + i_h) * K * V + state_offs, dstate, mask=state_mask)
+    tl.store(dh0 + _state_offset(i_n, i_h, H, K, V) + state_offs, dstate, mask=state_mask)
 
 
 def _launch_geometry(cu_seqlens, total_tokens: int):

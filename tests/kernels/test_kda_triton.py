@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from moetune.kernels.kda import naive_recurrent_kda, triton_kda
+from moetune.kernels.kda.triton_kda import _sequence, _state_offset
 from tests.support.kda_cases import BF16_TOL, FP32_TOL, NAMES, as_fp32, make_inputs, rmse_ratio, run_with_grads
 from tests.support.triton_child import (  # noqa: F401 (test_interpreter_run: collected here)
     backend_device,
@@ -62,3 +65,21 @@ def test_interpreted_without_states():
         o_inference, _ = triton_kda.chunk_kda_triton(*args)
     assert final is None and all(inputs[n].grad is not None for n in NAMES[:5])
     assert rmse_ratio(o, ref) <= FP32_TOL and rmse_ratio(o_inference, ref) <= FP32_TOL
+
+
+@triton.jit
+def _state_offset_probe(cu_seqlens, chunk_offsets, out, i_nh, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """The kernels' state offset of program row i_nh (an int32, as a program id is)."""
+    i_n, i_h, _, _, _ = _sequence(cu_seqlens, chunk_offsets, i_nh, H)
+    tl.store(out, _state_offset(i_n, i_h, H, K, V))
+
+
+@on_triton
+def test_interpreted_state_offsets_past_int32():
+    """The last head of the 4097th packed sequence at H = 32, K = V = 128: its h0/ht/dh0 state starts at
+    (4096·32 + 31)·128² > 2^31, which int32 arithmetic wraps to a negative offset."""
+    heads, width, row = 32, 128, 4096 * 32 + 31
+    cu_seqlens = torch.arange(4098, dtype=torch.int32, device=backend_device())
+    out = torch.zeros(1, dtype=torch.int64, device=backend_device())
+    _state_offset_probe[(1,)](cu_seqlens, cu_seqlens, out, row, H=heads, K=width, V=width)
+    assert out.item() == row * width * width > 2**31
