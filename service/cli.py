@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import webbrowser
 from datetime import UTC, datetime
@@ -78,6 +79,8 @@ def main(ctx: click.Context, url: str | None, token: str | None) -> None:
     stack = read_stack() if url is None or token is None else None
     ctx.obj = {"url": url or (stack.url if stack else "http://127.0.0.1:8000"),
                "token": token or (stack.token if stack else "dev-token")}
+    for name, value in (stack.env() if stack else {}).items():  # deploy's Ray address, download's S3 credentials
+        os.environ.setdefault(name, value)
 
 
 @main.command()

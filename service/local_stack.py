@@ -39,8 +39,10 @@ class Stack:
     ray_temp_dir: str | None = None  # a Ray head of its own (not one given with --ray-address)
 
     def env(self) -> dict[str, str]:
-        """What a shell needs to use the stack: the CLI's, the SDK's and boto3's variables."""
-        return {"MOETUNE_URL": self.url, "MOETUNE_TOKEN": self.token, **s3_env(self.s3_endpoint)}
+        """What a shell needs to use the stack: the CLI's (deploy and serve talk to Ray), the SDK's and boto3's
+        variables."""
+        return {"MOETUNE_URL": self.url, "MOETUNE_TOKEN": self.token, "MOETUNE_RAY_ADDRESS": self.ray_address,
+                **s3_env(self.s3_endpoint)}
 
 
 def _state_file(state_dir: Path) -> Path:
