@@ -1,7 +1,8 @@
 """Precision alignment at job start (`training.alignment_check`): on the job's first micro-batch, every operator
-the family swapped (KDA core, sparse attention, expert compute, quantized linear) is compared with its reference
-on the very inputs the job gave it, in the job's dtype (RMSE ratio, as the kernel tests measure it), and the
-micro-batch's loss with the swapped operators is compared with its loss when each runs its reference instead.
+the family swapped (KDA or Gated DeltaNet core, sparse attention, expert compute, quantized linear) is compared
+with its reference on the very inputs the job gave it, in the job's dtype (RMSE ratio, as the kernel tests measure
+it), and the micro-batch's loss with the swapped operators is compared with its loss when each runs its reference
+instead.
 
 An operator is probed by wrapping the function the model calls at its call site for the two check forwards only:
 the first forward records each operator's first call (inputs and output), the second replaces every operator by
@@ -49,6 +50,14 @@ def _kda_reference(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     return o.to(v.dtype), state
 
 
+def _gated_delta_reference(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """Gated DeltaNet as KDA: query/key heads repeated for their value heads, each head's decay over all of K."""
+    q, k = (x.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for x in (q, k))
+    return _kda_reference(q, k, v, g.unsqueeze(-1).expand(*g.shape, q.shape[-1]), beta, scale, initial_state,
+                          output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+
+
 def _sparse_reference(q, k, v, indices, scale=None, gate=None, backend=None):
     return sparse_attention_reference(q, k, v, indices, q.shape[-1] ** -0.5 if scale is None else scale, gate)
 
@@ -75,6 +84,7 @@ def _swapped_experts(model) -> list[tuple[object, str]]:
 
 OPERATORS = (
     Operator("kda", _module_site(kda_module, "chunk_kda"), _kda_reference),
+    Operator("gated_delta", _module_site(kda_module, "chunk_gated_delta_rule"), _gated_delta_reference),
     Operator("sparse_attention", _module_site(mla_module, "sparse_attention"), _sparse_reference),
     Operator("experts", _swapped_experts, grouped_expert_forward),
     Operator("quantized_linear", _module_site(quant_modules, "quantized_linear"), _quantized_reference),

@@ -1,5 +1,7 @@
-"""The KDA kernel swap, shared by the families with Kimi Delta Attention layers (kimi_linear, glm5_next): their
-chunked core runs `kernels.kda` instead of transformers' `chunk_kimi_delta_attention`, without editing transformers.
+"""The KDA kernel swaps, without editing transformers: the families with Kimi Delta Attention layers (kimi_linear,
+glm5_next) run their chunked core on `kernels.kda.chunk_kda` instead of transformers' `chunk_kimi_delta_attention`;
+those with Gated DeltaNet layers (qwen3_next, qwen3_5_moe: KDA with one decay per head) on
+`kernels.kda.chunk_gated_delta_rule` instead of `torch_chunk_gated_delta_rule`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from moetune.kernels.kda import chunk_kda
+from moetune.kernels.kda import chunk_gated_delta_rule, chunk_kda
 
-_in_swapped_layer = contextvars.ContextVar("moetune_kda_swapped", default=False)
+# the swapped layer whose forward is running (None outside one)
+_swapped_layer = contextvars.ContextVar("moetune_kda_swapped", default=None)
 
 
 def _kda_core(stock, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
@@ -23,7 +26,17 @@ def _kda_core(stock, query, key, value, g, beta, chunk_size=64, initial_state=No
     """transformers' chunk_kimi_delta_attention contract, computed by `kernels.kda.chunk_kda`; packed sequences
     (`cu_seq_lens_q`, workers.families.segments) keep their own states."""
     return chunk_kda(query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=kwargs.get("cu_seq_lens_q"))
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                     lower_bound=_swapped_layer.get()._moetune_gate_lower_bound)
+
+
+def _gated_delta_core(stock, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    """transformers' torch_chunk_gated_delta_rule contract (the layer hands `cu_seq_lens_q` as `cu_seqlens`),
+    computed by `kernels.kda.chunk_gated_delta_rule`."""
+    return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                  output_final_state=output_final_state,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
 
 
 def _short_conv(stock, hidden_states, weight, bias=None, activation=None, cu_seq_lens_q=None, **kwargs):
@@ -46,19 +59,22 @@ def _short_conv(stock, hidden_states, weight, bias=None, activation=None, cu_seq
     return out.to(hidden_states.dtype)
 
 
-# The KDA layer's transformers functions (module-level in its modeling module, looked up at call time) and ours
-_OURS = {"chunk_kimi_delta_attention": _kda_core, "causal_conv1d_fn": _short_conv}
+# The layers' transformers functions (module-level in their modeling modules, looked up at call time) and ours
+_OURS = {"chunk_kimi_delta_attention": _kda_core, "torch_chunk_gated_delta_rule": _gated_delta_core,
+         "causal_conv1d_fn": _short_conv}
 
 
 def _route(modeling) -> None:
-    """Replace the modeling module's functions, once, by ones that take ours inside swapped layers only."""
+    """Replace the modeling module's functions (those it has), once, by ones that take ours inside swapped layers
+    only."""
     for name, ours in _OURS.items():
-        stock = getattr(modeling, name)
-        if getattr(stock, "_moetune_stock", None) is not None:
+        stock = getattr(modeling, name, None)
+        if stock is None or getattr(stock, "_moetune_stock", None) is not None:
             continue
 
         def routed(*args, _stock=stock, _ours=ours, **kwargs):
-            return _ours(_stock, *args, **kwargs) if _in_swapped_layer.get() else _stock(*args, **kwargs)
+            inside = _swapped_layer.get() is not None
+            return _ours(_stock, *args, **kwargs) if inside else _stock(*args, **kwargs)
 
         functools.update_wrapper(routed, stock)
         routed._moetune_stock = stock
@@ -66,19 +82,25 @@ def _route(modeling) -> None:
 
 
 def _enter_swapped(module, args):
-    _in_swapped_layer.set(True)
+    _swapped_layer.set(module)
 
 
 def _leave_swapped(module, args, output):
-    _in_swapped_layer.set(False)
+    _swapped_layer.set(None)
 
 
-def kda_swap(layer_class: str) -> Callable[[torch.nn.Module], int]:
-    """The swap for a family whose KDA layers are `layer_class` modules."""
+def _unbounded(layer) -> None:
+    return None
+
+
+def kda_swap(layer_class: str, gate_lower_bound: Callable[[torch.nn.Module], float | None] = _unbounded
+             ) -> Callable[[torch.nn.Module], int]:
+    """The swap for a family whose KDA (or Gated DeltaNet) layers are `layer_class` modules; `gate_lower_bound`
+    reads from a layer the bound its gates keep (fla's faster path for bounded gates), if any."""
 
     def apply_kda_kernels(model: torch.nn.Module) -> int:
-        """The KDA layers' chunked core runs `kernels.kda` (Triton on CUDA, the chunked PyTorch path on CPU), and
-        their short conv keeps packed sequences apart. Single-token decoding keeps transformers' recurrent step.
+        """The layers' chunked core runs `kernels.kda` (fla on CUDA, the chunked PyTorch path on CPU), and their
+        short conv keeps packed sequences apart. Single-token decoding keeps transformers' recurrent step.
         Returns the layers swapped.
 
         The layer is marked by hooks around its forward (they travel with deepcopy and gradient-checkpoint
@@ -91,6 +113,7 @@ def kda_swap(layer_class: str) -> Callable[[torch.nn.Module], int]:
             module.register_forward_pre_hook(_enter_swapped)
             module.register_forward_hook(_leave_swapped, always_call=True)
             module._moetune_kda = True
+            module._moetune_gate_lower_bound = gate_lower_bound(module)
             swapped += 1
         return swapped
 

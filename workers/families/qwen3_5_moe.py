@@ -1,9 +1,10 @@
 """Qwen3.5 MoE, text path: Gated DeltaNet linear attention in 3 of 4 layers, gated full attention, softmax router,
 a sigmoid-gated shared expert. The checkpoint is multimodal (`Qwen3_5MoeForConditionalGeneration`, the text model
-under `model.language_model`); the vision tower stays frozen and without LoRA. The DeltaNet core runs transformers'
-own code (fla's kernel where installed)."""
+under `model.language_model`); the vision tower stays frozen and without LoRA. The DeltaNet core runs on
+`kernels.kda` (workers.families.kda)."""
 
 from moetune.api.families import FAMILIES
+from moetune.workers.families.kda import kda_swap
 from moetune.workers.families.spec import Family
 
 
@@ -21,5 +22,5 @@ def tiny_config(**overrides):
 
 FAMILY = Family(FAMILIES["qwen3_5_moe"], moe_block="Qwen3_5MoeSparseMoeBlock", shared_experts="shared_expert",
                 tiny_config=tiny_config, auto_class="AutoModelForImageTextToText", lora_scope=".language_model.",
-                vision_scopes=(".visual.", ".visual.merger."),
+                vision_scopes=(".visual.", ".visual.merger."), swaps=(kda_swap("Qwen3_5MoeGatedDeltaNet"),),
                 model_type_aliases=("qwen3_5_moe_text",))

@@ -1,6 +1,8 @@
-"""Qwen3-Next: gated DeltaNet + gated attention, softmax router, a sigmoid-gated shared expert."""
+"""Qwen3-Next: gated DeltaNet (on `kernels.kda`, workers.families.kda) + gated attention, softmax router, a
+sigmoid-gated shared expert."""
 
 from moetune.api.families import FAMILIES
+from moetune.workers.families.kda import kda_swap
 from moetune.workers.families.spec import Family
 
 
@@ -17,4 +19,4 @@ def tiny_config(**overrides):
 
 
 FAMILY = Family(FAMILIES["qwen3_next"], moe_block="Qwen3NextSparseMoeBlock", shared_experts="shared_expert",
-                tiny_config=tiny_config)
+                tiny_config=tiny_config, swaps=(kda_swap("Qwen3NextGatedDeltaNet"),))

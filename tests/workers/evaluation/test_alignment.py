@@ -74,3 +74,16 @@ def test_a_quantized_linear_is_compared_with_its_dequantized_weight(monkeypatch)
     monkeypatch.setenv(ENV_PERTURB_OP, "quantized_linear")
     assert failed_ops(check_alignment(layer, lambda: layer(x).square().mean(), torch.float32)) == [
         "quantized_linear", FIRST_LOSS]
+
+
+def test_gated_deltanet_is_compared_with_its_reference(monkeypatch):
+    """qwen3_next's swapped Gated DeltaNet core (one decay per head) against the recurrent oracle, and named when
+    perturbed."""
+    model = plain_model(REGISTRY["qwen3_next"])
+    assert apply_kernel_swaps(model) == {"apply_kda_kernels": 3}
+    inputs = batch(0, 0, seq=40, vocab=272)
+    rows = check_alignment(model, lambda: model(**inputs).loss, torch.float32)
+    assert [r["op"] for r in rows] == ["gated_delta", FIRST_LOSS] and failed_ops(rows) == [], rows
+    assert 0 <= rows[0]["rmse_ratio"] < 1e-4
+    monkeypatch.setenv(ENV_PERTURB_OP, "gated_delta")
+    assert "gated_delta" in failed_ops(check_alignment(model, lambda: model(**inputs).loss, torch.float32))

@@ -38,18 +38,21 @@ def logits_and_lora_grads(model, input_ids):
     return out.logits.detach(), grads
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Counts calls into kernels.kda.chunk_kda made through the swap (the real function still runs)."""
-    calls = []
-    real = kda.chunk_kda
+def _count_calls(monkeypatch, name: str) -> list:
+    """Counts calls into kernels.kda's `name` made through the swap (the real function still runs)."""
+    calls, real = [], getattr(kda, name)
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kda, "chunk_kda", counted)
+    monkeypatch.setattr(kda, name, counted)
     return calls
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    return _count_calls(monkeypatch, "chunk_kda")
 
 
 def test_swapped_model_matches_stock(stock_model, kernel_calls):
@@ -113,3 +116,37 @@ def test_glm5_next_linear_attention_swapped(kernel_calls):
     assert len(kernel_calls) == 2 and rmse_ratio(ours, ref) <= 1e-4
     assert any("f_a_proj" in name for name in grads)
     assert max(rmse_ratio(grads[name], ref_grads[name]) for name in ref_grads) <= 0.005
+
+
+@pytest.fixture
+def gated_delta_calls(monkeypatch):
+    return _count_calls(monkeypatch, "chunk_gated_delta_rule")
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_gated_deltanet_swapped_matches_transformers(family, gated_delta_calls):
+    """Gated DeltaNet (one decay per head, two value heads per query/key head in the tiny configs) on kernels.kda:
+    the stock transformers model's logits and LoRA gradients (qwen3_5_moe: its text path, no image)."""
+    from peft import LoraConfig, get_peft_model
+
+    from moetune.workers.families import REGISTRY
+    from tests.support.families import plain_model
+
+    stock = plain_model(REGISTRY[family])
+    with torch.no_grad():  # a spread of decays, as in a trained model
+        for name, param in stock.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                param.normal_(0.0, 1.0)
+    targets = ["in_proj_qkvz", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "in_proj_ba", "out_proj"]
+    stock = get_peft_model(stock, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    swapped = copy.deepcopy(stock)
+    assert apply_kernel_swaps(swapped.base_model.model) == {"apply_kda_kernels": 3}
+    input_ids = torch.randint(3, 264, (2, 75))  # 75 tokens: a full and a partial 64-token chunk
+    ref_logits, ref_grads = logits_and_lora_grads(stock, input_ids)
+    assert gated_delta_calls == []
+    logits, grads = logits_and_lora_grads(swapped, input_ids)
+    assert len(gated_delta_calls) == 3
+    assert rmse_ratio(logits, ref_logits) <= 1e-5
+    assert grads.keys() == ref_grads.keys() and any("in_proj_a" in name or "in_proj_ba" in name for name in grads)
+    worst = max(rmse_ratio(grads[name], ref_grads[name]) for name in grads)
+    assert worst <= 1e-4, worst
