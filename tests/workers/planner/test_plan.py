@@ -47,6 +47,28 @@ def test_quantized_experts_are_planned_at_their_stored_size():
     assert sum(expert_bytes.values()) < sum(t.nbytes for t in dense.tensors if t.expert) / 3
 
 
+def _as_printed(plan: dict) -> list[str]:
+    """What `moetune plan` prints for `plan` on a 120-column terminal, without trailing spaces."""
+    import io
+
+    from rich.console import Console
+
+    from moetune.service.plan_view import plan_summary, plan_table
+
+    console = Console(width=120, file=io.StringIO(), record=True)
+    console.print(plan_table(plan))
+    for line in plan_summary(plan):
+        console.print(line)
+    return [line.rstrip() for line in console.export_text().splitlines()]
+
+
+def _readme_seed_plan() -> list[str]:
+    """The README's seed plan example: the code block after the line naming examples/seed-plan.job.yaml."""
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("(`examples/seed-plan.job.yaml`"):].split("```\n", 2)[1]
+    return [line.rstrip() for line in block.splitlines()]
+
+
 def test_the_seed_model_is_planned_in_seconds_within_2_gib():
     code = ("import json, resource, sys, time, yaml; from moetune.api.models import JobCreate; "
             "from moetune.api.plans import parse_cluster; from moetune.workers.planner import plan; "
@@ -64,6 +86,9 @@ def test_the_seed_model_is_planned_in_seconds_within_2_gib():
     fit = p["recommended"]
     assert fit["fits"] and fit["expert_parallel_size"] > 1 and 896 % fit["expert_parallel_size"] == 0
     assert fit["tuner_start_micro_batch"] >= 1 and p["load"]["seconds"] > 0
+    assert _as_printed(p) == _readme_seed_plan(), (
+        "README.md's seed plan is not what the planner gives now: replace its block with the output of `COLUMNS=120 "
+        "moetune plan examples/seed-plan.job.yaml --cluster " + H200S + "`")
 
 
 def _tiny_job(**training) -> JobCreate:
