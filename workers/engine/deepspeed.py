@@ -8,7 +8,7 @@ from moetune.workers.engine.schedule import lr_scheduler
 
 def deepspeed_config(spec: JobCreate, world_size: int, bf16: bool) -> dict:
     t = spec.training
-    micro_batch_size = 1 if t.micro_batch_size == "auto" else t.micro_batch_size  # the tuner starts at 1
+    micro_batch_size = 1 if t.micro_batch_size == "auto" else t.micro_batch_size  # StepRunner sets the tuned start
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,

@@ -23,6 +23,9 @@ class Collectives:
     def all_max(self, *values: float) -> list[float]:
         return self._all_reduce(values, dist.ReduceOp.MAX)
 
+    def all_min(self, *values: float) -> list[float]:
+        return self._all_reduce(values, dist.ReduceOp.MIN)
+
     def _all_reduce(self, values, op) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         comm.all_reduce(t, op=op)

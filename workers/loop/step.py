@@ -53,6 +53,9 @@ class StepRunner:
         if training.micro_batch_size == "auto":
             self.tuner = MicroBatchTuner.planned(engine.module, self.per_rank, training, self._budget_bytes(),
                                                  place.device)
+            # each rank planned from its own free memory: all start at the smallest, or they run different numbers
+            # of micro-batches and one waits alone in the experts' all-to-all or ZeRO's reductions
+            self.tuner.size = int(collectives.all_min(self.tuner.size)[0])
             self.probe = MemoryProbe(engine.module, place.device)
             self._switch(self.tuner.size)
         else:

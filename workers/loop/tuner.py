@@ -74,14 +74,15 @@ class MicroBatchTuner:
 
     @classmethod
     def planned(cls, model, per_rank: int, training, budget_bytes: float | None, device) -> MicroBatchTuner:
-        """Starts at the planner's micro-batch size on GPUs (what is allocated now plus the planned activations
-        of each size, workers.planner); at 1 on CPU, whose measure is the saved activations alone."""
+        """Starts at the planner's micro-batch size (workers.planner): the largest whose planned activations fit
+        the budget less the measure's fixed part, what is allocated now on a GPU (on CPU the measure has none);
+        at 1 without a budget. A rank's start is its own: the step agrees on one (StepRunner)."""
         size = 1
-        if device.type == "cuda" and budget_bytes is not None:
+        if budget_bytes is not None:
             import torch
 
-            free = budget_bytes - torch.cuda.memory_allocated(device)
-            size = starting_micro_batch(model, training, per_rank, free)
+            fixed = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            size = starting_micro_batch(model, training, per_rank, budget_bytes - fixed)
         return cls(per_rank, training.seq_len, budget_bytes, size)
 
     def predicted(self, size: int, fixed: float, per_token: float) -> float:

@@ -49,3 +49,6 @@ IMAGE_CASES = {f"{fam}-images-ep2-zero2": (fam, spec(ep=2, zero=2)) for fam in (
 
 # case id -> (family, job): one step of the wide-expert model under ZeRO-3 (harness.run_saved_experts)
 SAVED_CASES = {"qwen3_moe-experts-ep2-zero3-wide": ("qwen3_moe", spec(ep=2, zero=3, steps=1, train_experts=True))}
+
+# case id -> (family, job): the "auto" micro-batch start on ranks with different memory (harness.run_tuner_start)
+TUNER_START_CASES = {"qwen3_moe-ep2-zero2-auto": ("qwen3_moe", spec(ep=2, zero=2, micro="auto", global_batch=16))}

@@ -3,7 +3,7 @@ import torch
 
 from moetune.workers.families import REGISTRY
 from moetune.workers.tiny import write_tiny_multimodal_checkpoint
-from tests.workers.parallel.cases import IMAGE_CASES, RESUME_CASES, SAVED_CASES, TRAIN_CASES
+from tests.workers.parallel.cases import IMAGE_CASES, RESUME_CASES, SAVED_CASES, TRAIN_CASES, TUNER_START_CASES
 from tests.workers.parallel.harness import launch, run_cases
 
 
@@ -14,7 +14,8 @@ def ep_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep-runs")
     cases = [(case, "train", fam, job.model_dump_json(), skew) for case, (fam, job, skew) in TRAIN_CASES.items()]
     cases += [(case, "resume", fam, job.model_dump_json(), False) for case, (fam, job) in RESUME_CASES.items()]
-    cases += [(case, "saved", fam, job.model_dump_json(), False) for case, (fam, job) in SAVED_CASES.items()]
+    for runner, more in (("saved", SAVED_CASES), ("tuner_start", TUNER_START_CASES)):
+        cases += [(case, runner, fam, job.model_dump_json(), False) for case, (fam, job) in more.items()]
     for case, (fam, job) in IMAGE_CASES.items():  # their runner takes the checkpoint folder for the family
         model_dir = write_tiny_multimodal_checkpoint(str(out / f"{case}-model"), REGISTRY[fam].tiny_config)
         cases.append((case, "image", model_dir, job.model_dump_json(), False))

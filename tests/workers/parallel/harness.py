@@ -19,11 +19,14 @@ LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0}
 SAVE_AFTER, STEPS = 2, 4  # checkpoint tests: save after step 2 of 4
 
 
-def spec(ep: int, zero: int, train_experts: bool = False, world: int = 2, steps: int = 1, micro: int = 2,
-         lr: float = 1e-2, targets="all-linear", kernels: bool = True, checkpointing: bool = False) -> JobCreate:
+def spec(ep: int, zero: int, train_experts: bool = False, world: int = 2, steps: int = 1, micro: int | str = 2,
+         lr: float = 1e-2, targets="all-linear", kernels: bool = True, checkpointing: bool = False,
+         global_batch: int | None = None) -> JobCreate:
+    """global_batch: micro * world by default."""
     return JobCreate(model="file:///unused", training_file="file:///unused",
                      lora={**LORA, "train_experts": train_experts, "target_modules": targets},
-                     training={"max_steps": steps, "global_batch_size": micro * world, "micro_batch_size": micro,
+                     training={"max_steps": steps, "global_batch_size": global_batch or micro * world,
+                               "micro_batch_size": micro,
                                "learning_rate": lr, "warmup_ratio": 0.0, "lr_scheduler": "constant",
                                "custom_kernels": kernels, "activation_checkpointing": checkpointing},
                      parallelism={"num_workers": world, "expert_parallel_size": ep, "zero_stage": zero})
@@ -105,6 +108,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, str, str, str, bool]
     from tests.support.image_batches import run_image_ep
 
     runners = {"train": run_engine, "resume": run_and_resume, "saved": run_saved_experts,
+               "tuner_start": run_tuner_start,
                "image": lambda rank, world, model_dir, spec_json, out, _: run_image_ep(rank, world, model_dir,
                                                                                         spec_json, out)}
     for case_id, runner, family_name, spec_json, skew in cases:
@@ -168,6 +172,30 @@ def run_saved_experts(rank: int, world: int, family_name: str, spec_json: str, o
     os.makedirs(out_dir, exist_ok=True)
     torch.save({"losses": [loss.item()], "grads": grads, "saved_expert_tensors": len(kept),
                 "saved_expert_bytes_after_forward": held, "released": released},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_tuner_start(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False):
+    """The job's step runner with micro_batch_size "auto" on ranks with different memory: rank 0's budget would
+    start it at the whole per-rank batch, the others' at 2. Records the size each rank planned for itself and the
+    one it starts at (its own and DeepSpeed's view)."""
+    from moetune.workers.loop.collectives import Collectives
+    from moetune.workers.loop.step import RankPlace, StepRunner
+    from moetune.workers.loop.tuner import MicroBatchTuner
+    from moetune.workers.planner.start import sequence_bytes
+
+    job = JobCreate.model_validate_json(spec_json)
+    engine = make_engine(rank, world, family_name, job, skew)
+    per_rank = job.training.global_batch_size // world
+    sequences = per_rank + 0.5 if rank == 0 else 2.5
+    budget_mb = sequences * sequence_bytes(engine.module, job.training) / 1e6
+    training = job.training.model_copy(update={"memory_budget_mb": budget_mb})
+    cpu = torch.device("cpu")
+    own = MicroBatchTuner.planned(engine.module, per_rank, training, budget_mb * 1e6, cpu).size
+    runner = StepRunner(engine, None, training, RankPlace(rank, world, 0, cpu), Collectives(cpu),
+                        lambda *args, **kwargs: None, total_steps=1)
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save({"own": own, "start": runner.micro_batch_size, "deepspeed": engine.train_micro_batch_size_per_gpu()},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
