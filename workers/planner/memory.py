@@ -66,5 +66,24 @@ def breakdown(model, layout: Layout) -> dict[str, object]:
     }
 
 
+def _largest_partition(model, layout: Layout) -> float:
+    """Bytes of the largest ZeRO-3 partition one rank holds of a frozen parameter (experts over the ranks holding
+    the same ones, the rest over all ranks)."""
+    replicas = layout.world // layout.ep
+    return max((t.nbytes / (layout.ep * replicas if t.expert else layout.world) for t in model.tensors
+                if t.partitionable), default=0.0)
+
+
+def load_breakdown(model, layout: Layout) -> dict[str, float]:
+    """Bytes one rank holds at load, before ZeRO-3 has partitioned anything: the streaming loader
+    (workers.weights.loader) allocates every frozen tensor whole, the routed experts at this rank's 1/EP, and PEFT
+    adds the LoRA parameters whole. Under ZeRO-3, DeepSpeed's initialize then converts one parameter at a time,
+    allocating its partition before it frees the whole tensor: the largest partition comes on top, once."""
+    lora = model.lora_dense + model.lora_experts // layout.ep
+    return {"frozen_weights": model.load_bytes(layout.ep), "lora_parameters": lora * model.compute_bytes,
+            "zero3_conversion": _largest_partition(model, layout) if layout.zero == 3 else 0.0,
+            "cuda_context": CUDA_CONTEXT_BYTES}
+
+
 def total(parts: dict[str, object]) -> float:
     return sum(sum(v.values()) if isinstance(v, dict) else v for v in parts.values())
