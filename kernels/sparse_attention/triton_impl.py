@@ -3,10 +3,14 @@
 
 Forward and dQ: one program per (query, block of query heads of one kv head, batch) walks the query's selected
 indices in blocks, gathers each key row once for all heads of the block, and keeps an online softmax (base 2).
-dK/dV: key-major, no atomics. The selection is inverted first (invert_selection: for each block of BLOCK_N keys,
-the queries that selected any of them, with a bitmask of which); one program per key block then walks those
-queries, like FlashAttention's backward over a sparse set of query rows, and stores its rows once: the result is
-deterministic, and each query's rows are read once per key block instead of being atomically added per element.
+dK/dV in one of two orders (dkv_order chooses from the shapes). Key-major, no atomics: the selection is inverted
+first (invert_selection: for each block of BLOCK_N keys, the queries that selected any of them, with a bitmask of
+which); one program per key block then walks those queries, like FlashAttention's backward over a sparse set of
+query rows, and stores its rows once (deterministic). Its cost grows with the (query, key block) pairs: each reads
+the query's q and dO for all heads and computes the whole block, so scattered selections pay up to a block per
+selected key, and a block every query selects is one program's serial work. Query-major, fp32 atomics: one
+program per query walks its own selection in blocks, as the forward does, and adds each block's dK/dV rows
+atomically: its cost is the selection's size whatever its pattern.
 
 The key head dim is split into a power-of-two main part and a tail (576 = 512 + 64, 192 = 128 + 64), so no tile is
 padded to the next power of two. When the values are the first columns of the keys (MLA's latent: v = kv[..., :r])
@@ -60,20 +64,31 @@ def _head_block(pid, GROUP: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
+def _key_rows(k_base, v_base, rows, ok, sk_s, sv_s, DKM: tl.constexpr, DKT: tl.constexpr, BLOCK_DKT: tl.constexpr,
+              DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The key rows `rows` (main part, tail) and their values; without a tail or with shared values the unused
+    tiles are the main part's."""
+    k_main = _rows(k_base, rows, ok, sk_s, 0, DKM, DKM, DOT_FP32)
+    k_tail = k_main
+    if DKT > 0:
+        k_tail = _rows(k_base, rows, ok, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)
+    vb = k_main
+    if not SHARED_V:
+        vb = _rows(v_base, rows, ok, sv_s, 0, DV, BLOCK_DV, DOT_FP32)
+    return k_main, k_tail, vb
+
+
+@triton.jit
 def _gathered(q_main, q_tail, k_base, v_base, idx, valid, sk_s, sv_s, DKM: tl.constexpr, DKT: tl.constexpr,
               BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
               DOT_FP32: tl.constexpr):
     """The key rows idx (main part, tail) and their values, gathered once for all heads of the block, and the
     heads' raw scores against them [BLOCK_H, BLOCK_S]."""
-    k_main = _rows(k_base, idx, valid, sk_s, 0, DKM, DKM, DOT_FP32)
+    k_main, k_tail, vb = _key_rows(k_base, v_base, idx, valid, sk_s, sv_s, DKM, DKT, BLOCK_DKT, DV, BLOCK_DV,
+                                   SHARED_V, DOT_FP32)
     s = tl.dot(q_main, tl.trans(k_main))
-    k_tail = k_main  # unused without a tail
     if DKT > 0:
-        k_tail = _rows(k_base, idx, valid, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)
         s += tl.dot(q_tail, tl.trans(k_tail))
-    vb = k_main
-    if not SHARED_V:
-        vb = _rows(v_base, idx, valid, sv_s, 0, DV, BLOCK_DV, DOT_FP32)
     return s, k_main, k_tail, vb
 
 
@@ -190,6 +205,85 @@ def _sparse_attn_bwd_dq(
 
 
 @triton.jit
+def _dkv_of_query(dk_main, dk_tail, dv_acc, k_main, k_tail, vb, chosen, Q, DO, LSE, DELTA, b, t, hk,
+                  sq_b, sq_t, sq_h, so_b, so_t, so_h, q_len, n_heads, scale_log2, scale,
+                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DKM: tl.constexpr, DKT: tl.constexpr,
+                  BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
+                  DVT: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The accumulators (dK main and tail, dV; [rows, ...] fp32) plus what query t's heads of kv head hk give the
+    key rows (k_main, k_tail, vb), of which it selected those `chosen`. With SHARED_V the value gradient goes to
+    the key columns the values are (main, and DVT of the tail) and dv_acc is passed through."""
+    q_base = Q + b * sq_b + t * sq_t
+    do_base = DO + b * so_b + t * so_t
+    for h0 in range(0, GROUP, BLOCK_H):
+        g = h0 + tl.arange(0, BLOCK_H)
+        head_ok = g < GROUP
+        heads = hk * GROUP + g
+        q_main = _rows(q_base, heads, head_ok, sq_h, 0, DKM, DKM, DOT_FP32)
+        s = tl.dot(k_main, tl.trans(q_main))  # [rows, BLOCK_H]
+        if DKT > 0:
+            q_tail = _rows(q_base, heads, head_ok, sq_h, DKM, DKT, BLOCK_DKT, DOT_FP32)
+            s += tl.dot(k_tail, tl.trans(q_tail))
+        do = _rows(do_base, heads, head_ok, so_h, 0, DV, BLOCK_DV, DOT_FP32)
+        row = (b * q_len + t) * n_heads + heads
+        lse = tl.load(LSE + row, mask=head_ok, other=0.0) * LOG2E_CONST  # -inf only where nothing is chosen
+        delta = tl.load(DELTA + row, mask=head_ok, other=0.0)
+        p = tl.where(chosen[:, None] & head_ok[None, :], tl.exp2(s * scale_log2 - lse[None, :]), 0.0)
+        dp = tl.dot(vb, tl.trans(do))
+        if DVT > 0:
+            do_tail = _rows(do_base, heads, head_ok, so_h, DKM, DVT, BLOCK_DKT, DOT_FP32)
+            dp += tl.dot(k_tail, tl.trans(do_tail))
+            dk_tail += tl.dot(p.to(do_tail.dtype), do_tail)
+        ds = (p * (dp - delta[None, :]) * scale).to(q_main.dtype)
+        dk_main += tl.dot(ds, q_main)
+        if DKT > 0:
+            dk_tail += tl.dot(ds, q_tail)
+        if SHARED_V:
+            dk_main += tl.dot(p.to(do.dtype), do)
+        else:
+            dv_acc += tl.dot(p.to(do.dtype), do)
+    return dk_main, dk_tail, dv_acc
+
+
+@triton.jit
+def _dkv_zeros(ROWS: tl.constexpr, DKM: tl.constexpr, DKT: tl.constexpr, BLOCK_DKT: tl.constexpr,
+               BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr):
+    """Zero accumulators (dK main, dK tail, dV) for ROWS key rows; the unused ones are the main part's."""
+    dk_main = tl.zeros([ROWS, DKM], tl.float32)
+    dk_tail = dk_main
+    if DKT > 0:
+        dk_tail = tl.zeros([ROWS, BLOCK_DKT], tl.float32)
+    dv_acc = dk_main
+    if not SHARED_V:
+        dv_acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
+    return dk_main, dk_tail, dv_acc
+
+
+@triton.jit
+def _put(ptrs, value, mask, ATOMIC: tl.constexpr):
+    if ATOMIC:
+        tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
+def _put_dkv(dk_base, dv_base, rows, ok, sdk_s, sdv_s, dk_main, dk_tail, dv_acc, ATOMIC: tl.constexpr,
+             DKM: tl.constexpr, DKT: tl.constexpr, BLOCK_DKT: tl.constexpr, DV: tl.constexpr,
+             BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr):
+    """Stores (key-major: each row once) or adds (ATOMIC, query-major: fp32, relaxed) the accumulators to `rows`."""
+    d = tl.arange(0, DKM)
+    _put(dk_base + rows[:, None] * sdk_s + d[None, :], dk_main, ok[:, None], ATOMIC)
+    if DKT > 0:
+        d_tail = tl.arange(0, BLOCK_DKT)
+        _put(dk_base + rows[:, None] * sdk_s + DKM + d_tail[None, :], dk_tail, ok[:, None] & (d_tail[None, :] < DKT),
+             ATOMIC)
+    if not SHARED_V:
+        dv = tl.arange(0, BLOCK_DV)
+        _put(dv_base + rows[:, None] * sdv_s + dv[None, :], dv_acc, ok[:, None] & (dv[None, :] < DV), ATOMIC)
+
+
+@triton.jit
 def _sparse_attn_bwd_dkv(
     Q, K, V, DO, LSE, DELTA, OFFSETS, PAIR_Q, PAIR_BITS, DK_OUT, DV_OUT,
     sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_t, so_h,
@@ -199,71 +293,60 @@ def _sparse_attn_bwd_dkv(
     BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
     DVT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """One program per (block of BLOCK_N keys, kv head, batch): dK/dV of those rows from the queries that selected
-    any of them (PAIR_Q/PAIR_BITS[OFFSETS[b, blk] : OFFSETS[b, blk + 1]]). With SHARED_V the value gradient is
-    added to the key columns the values are (main, and DVT of the tail) and DV_OUT is not written."""
+    """Key-major: one program per (block of BLOCK_N keys, kv head, batch): dK/dV of those rows from the queries that
+    selected any of them (PAIR_Q/PAIR_BITS[OFFSETS[b, blk] : OFFSETS[b, blk + 1]]), stored once."""
     blk = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < kv_len
-    k_base = K + b * sk_b + hk * sk_h
-    k_main = _rows(k_base, n, n_ok, sk_s, 0, DKM, DKM, DOT_FP32)
-    if DKT > 0:
-        k_tail = _rows(k_base, n, n_ok, sk_s, DKM, DKT, BLOCK_DKT, DOT_FP32)
-        dk_tail = tl.zeros([BLOCK_N, BLOCK_DKT], tl.float32)
-    if SHARED_V:
-        vb = k_main
-    else:
-        vb = _rows(V + b * sv_b + hk * sv_h, n, n_ok, sv_s, 0, DV, BLOCK_DV, DOT_FP32)
-        dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    dk_main = tl.zeros([BLOCK_N, DKM], tl.float32)
+    k_main, k_tail, vb = _key_rows(K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, n, n_ok, sk_s, sv_s, DKM,
+                                   DKT, BLOCK_DKT, DV, BLOCK_DV, SHARED_V, DOT_FP32)
+    dk_main, dk_tail, dv_acc = _dkv_zeros(BLOCK_N, DKM, DKT, BLOCK_DKT, BLOCK_DV, SHARED_V)
     bit = tl.arange(0, BLOCK_N).to(tl.int64)
     lo = tl.load(OFFSETS + b * n_blocks + blk)
     hi = tl.load(OFFSETS + b * n_blocks + blk + 1)
     for pair in range(lo, hi):
         t = tl.load(PAIR_Q + pair).to(tl.int64)
         chosen = ((tl.load(PAIR_BITS + pair) >> bit) & 1) != 0  # which of the block's keys query t selected
-        q_base = Q + b * sq_b + t * sq_t
-        for h0 in range(0, GROUP, BLOCK_H):
-            g = h0 + tl.arange(0, BLOCK_H)
-            head_ok = g < GROUP
-            heads = hk * GROUP + g
-            q_main = _rows(q_base, heads, head_ok, sq_h, 0, DKM, DKM, DOT_FP32)
-            s = tl.dot(k_main, tl.trans(q_main))  # [BLOCK_N, BLOCK_H]
-            if DKT > 0:
-                q_tail = _rows(q_base, heads, head_ok, sq_h, DKM, DKT, BLOCK_DKT, DOT_FP32)
-                s += tl.dot(k_tail, tl.trans(q_tail))
-            do_base = DO + b * so_b + t * so_t
-            do = _rows(do_base, heads, head_ok, so_h, 0, DV, BLOCK_DV, DOT_FP32)
-            row = (b * q_len + t) * n_heads + heads
-            lse = tl.load(LSE + row, mask=head_ok, other=0.0) * LOG2E_CONST  # finite: query t has keys
-            delta = tl.load(DELTA + row, mask=head_ok, other=0.0)
-            p = tl.where(chosen[:, None] & head_ok[None, :], tl.exp2(s * scale_log2 - lse[None, :]), 0.0)
-            dp = tl.dot(vb, tl.trans(do))
-            if DVT > 0:
-                do_tail = _rows(do_base, heads, head_ok, so_h, DKM, DVT, BLOCK_DKT, DOT_FP32)
-                dp += tl.dot(k_tail, tl.trans(do_tail))
-                dk_tail += tl.dot(p.to(do_tail.dtype), do_tail)
-            ds = (p * (dp - delta[None, :]) * scale).to(q_main.dtype)
-            dk_main += tl.dot(ds, q_main)
-            if DKT > 0:
-                dk_tail += tl.dot(ds, q_tail)
-            if SHARED_V:
-                dk_main += tl.dot(p.to(do.dtype), do)
-            else:
-                dv_acc += tl.dot(p.to(do.dtype), do)
-    dk_base = DK_OUT + b * sdk_b + hk * sdk_h
-    d = tl.arange(0, DKM)
-    tl.store(dk_base + n[:, None] * sdk_s + d[None, :], dk_main, mask=n_ok[:, None])
-    if DKT > 0:
-        d_tail = tl.arange(0, BLOCK_DKT)
-        tl.store(dk_base + n[:, None] * sdk_s + DKM + d_tail[None, :], dk_tail,
-                 mask=n_ok[:, None] & (d_tail[None, :] < DKT))
-    if not SHARED_V:
-        dv = tl.arange(0, BLOCK_DV)
-        tl.store(DV_OUT + b * sdv_b + hk * sdv_h + n[:, None] * sdv_s + dv[None, :], dv_acc,
-                 mask=n_ok[:, None] & (dv[None, :] < DV))
+        dk_main, dk_tail, dv_acc = _dkv_of_query(
+            dk_main, dk_tail, dv_acc, k_main, k_tail, vb, chosen, Q, DO, LSE, DELTA, b, t, hk, sq_b, sq_t, sq_h,
+            so_b, so_t, so_h, q_len, n_heads, scale_log2, scale, GROUP, BLOCK_H, DKM, DKT, BLOCK_DKT, DV, BLOCK_DV,
+            SHARED_V, DVT, DOT_FP32)
+    _put_dkv(DK_OUT + b * sdk_b + hk * sdk_h, DV_OUT + b * sdv_b + hk * sdv_h, n, n_ok, sdk_s, sdv_s, dk_main,
+             dk_tail, dv_acc, False, DKM, DKT, BLOCK_DKT, DV, BLOCK_DV, SHARED_V)
+
+
+@triton.jit
+def _sparse_attn_bwd_dkv_query_major(
+    Q, K, V, IDX, DO, LSE, DELTA, DK_OUT, DV_OUT,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, si_b, si_t, so_b, so_t, so_h,
+    sdk_b, sdk_s, sdk_h, sdv_b, sdv_s, sdv_h,
+    q_len, n_heads, n_sel, scale_log2, scale,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DKM: tl.constexpr, DKT: tl.constexpr,
+    BLOCK_DKT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
+    DVT: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Query-major: one program per (query, kv head, batch): for each BLOCK_S of the query's selected keys, what all
+    its heads of that kv head give their dK/dV, added atomically (fp32) to those rows (DK_OUT/DV_OUT start zeroed).
+    Each query's q and dO are read once per block of its own selection, and only selected rows are computed."""
+    t = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    k_base = K + b * sk_b + hk * sk_h
+    v_base = V + b * sv_b + hk * sv_h
+    for start in range(0, n_sel, BLOCK_S):
+        idx = _selection(IDX + b * si_b + t * si_t, start, n_sel, BLOCK_S)
+        valid = idx >= 0
+        k_main, k_tail, vb = _key_rows(k_base, v_base, idx, valid, sk_s, sv_s, DKM, DKT, BLOCK_DKT, DV, BLOCK_DV,
+                                       SHARED_V, DOT_FP32)
+        dk_main, dk_tail, dv_acc = _dkv_zeros(BLOCK_S, DKM, DKT, BLOCK_DKT, BLOCK_DV, SHARED_V)
+        dk_main, dk_tail, dv_acc = _dkv_of_query(
+            dk_main, dk_tail, dv_acc, k_main, k_tail, vb, valid, Q, DO, LSE, DELTA, b, t, hk, sq_b, sq_t, sq_h,
+            so_b, so_t, so_h, q_len, n_heads, scale_log2, scale, GROUP, BLOCK_H, DKM, DKT, BLOCK_DKT, DV, BLOCK_DV,
+            SHARED_V, DVT, DOT_FP32)
+        _put_dkv(DK_OUT + b * sdk_b + hk * sdk_h, DV_OUT + b * sdv_b + hk * sdv_h, idx, valid, sdk_s, sdv_s,
+                 dk_main, dk_tail, dv_acc, True, DKM, DKT, BLOCK_DKT, DV, BLOCK_DV, SHARED_V)
 
 
 def invert_selection(indices: torch.Tensor, kv_len: int, block_n: int):
@@ -353,8 +436,38 @@ def forward(q, k, v, indices, scale):
     return out, lse
 
 
-def backward(q, k, v, indices, scale, out, lse, grad_out):
-    """(dq, dk, dv) in the input dtypes; with values shared from the keys, dk carries both and dv is None."""
+DKV_ORDERS = ("key_major", "query_major")
+KEY_MAJOR_MIN_DENSITY = 0.5  # bench/gpu_check.py's sparse_dkv stage times both orders on a device
+
+
+def dkv_order(kv_len: int, n_sel: int) -> str:
+    """The dK/dV pass for a top-n_sel selection over kv_len keys, from the shapes alone (no host sync): key-major
+    where the selection covers at least KEY_MAJOR_MIN_DENSITY of the keys (the key blocks a query touches are then
+    mostly chosen, whatever it selects), else query-major."""
+    return "key_major" if n_sel >= KEY_MAJOR_MIN_DENSITY * kv_len else "query_major"
+
+
+def _dkv_key_major(q, k, v, indices, grad_out, lse, delta, dk, dv, block_n, scale, meta):
+    offsets, pair_q, pair_bits = invert_selection(indices, k.shape[1], block_n)
+    n_blocks = triton.cdiv(k.shape[1], block_n)
+    _sparse_attn_bwd_dkv[(n_blocks, k.shape[2], q.shape[0])](
+        q, k, v, grad_out, lse, delta, offsets, pair_q, pair_bits, dk, dv, *_strides(q, k, v, grad_out, dk, dv),
+        q.shape[1], k.shape[1], q.shape[2], n_blocks, scale * LOG2E, scale, BLOCK_N=block_n, num_warps=8,
+        num_stages=1, **meta)
+
+
+def _dkv_query_major(q, k, v, indices, grad_out, lse, delta, dk, dv, block_s, scale, meta):
+    _sparse_attn_bwd_dkv_query_major[(q.shape[1], k.shape[2], q.shape[0])](
+        q, k, v, indices, grad_out, lse, delta, dk, dv, *_strides(q, k, v, indices, grad_out, dk, dv), q.shape[1],
+        q.shape[2], indices.shape[2], scale * LOG2E, scale, BLOCK_S=block_s, num_warps=8, num_stages=1, **meta)
+
+
+def backward(q, k, v, indices, scale, out, lse, grad_out, order: str | None = None):
+    """(dq, dk, dv) in the input dtypes; with values shared from the keys, dk carries both and dv is None.
+    `order`: the dK/dV pass, one of DKV_ORDERS (default: dkv_order's choice)."""
+    order = order or dkv_order(k.shape[1], indices.shape[2])
+    if order not in DKV_ORDERS:
+        raise ValueError(f"unknown dK/dV order {order!r} (expected one of {DKV_ORDERS})")
     indices = indices.to(torch.int32).contiguous()
     grad_out = grad_out.contiguous()
     _check(q, k, v)
@@ -368,12 +481,14 @@ def backward(q, k, v, indices, scale, out, lse, grad_out):
         q, k, v, indices, grad_out, lse, delta, dq, *_strides(q, k, v, indices, grad_out), q_len, heads,
         indices.shape[2], scale * LOG2E, scale, BLOCK_S=32, num_warps=8, num_stages=1, **meta)
     # 16 keys per program at latent widths: its [keys, 512] fp32 accumulators stay in registers (sm_90 build)
-    block_n = 16 if max(meta["BLOCK_DV"], meta["DKM"]) > 256 else 64
-    offsets, pair_q, pair_bits = invert_selection(indices, k.shape[1], block_n)
-    dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-    dv = dk if meta["SHARED_V"] else torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    n_blocks = triton.cdiv(k.shape[1], block_n)
-    _sparse_attn_bwd_dkv[(n_blocks, k.shape[2], batch)](
-        q, k, v, grad_out, lse, delta, offsets, pair_q, pair_bits, dk, dv, *_strides(q, k, v, grad_out, dk, dv),
-        q_len, k.shape[1], heads, n_blocks, scale * LOG2E, scale, BLOCK_N=block_n, num_warps=8, num_stages=1, **meta)
+    rows = 16 if max(meta["BLOCK_DV"], meta["DKM"]) > 256 else 64
+    # key-major stores every row; query-major adds into zeros
+    new = torch.empty if order == "key_major" else torch.zeros
+    dk = new(k.shape, dtype=torch.float32, device=k.device)
+    dv = dk if meta["SHARED_V"] else new(v.shape, dtype=torch.float32, device=v.device)
+    if order == "key_major":
+        _dkv_key_major(q, k, v, indices, grad_out, lse, delta, dk, dv, rows, scale, meta)
+    else:  # no wider than the selection
+        rows = max(16, min(rows, triton.next_power_of_2(indices.shape[2])))
+        _dkv_query_major(q, k, v, indices, grad_out, lse, delta, dk, dv, rows, scale, meta)
     return dq, dk.to(k.dtype), None if meta["SHARED_V"] else dv.to(v.dtype)
