@@ -8,9 +8,11 @@ image processor, image tokens repeated per merged patch):
 - moetune: the same model and LoRA with the family's kernel swaps, EP=2 (each rank half of the routed experts, on
   kernels.moe's grouped GEMMs) and the loss through the output layer (SupervisedImageMethod), ZeRO-2.
 The vision tower runs (frozen) in both. Tokens are every token of the rows, image tokens included. On CPU,
-qwen3_5_moe has no kernel swap (its DeltaNet runs transformers' code on both sides): its ratio is EP and the loss
-head alone, near 1 at this size (0.96-1.18 over runs on a busy 2-core machine); glm5_next adds its KDA and
-sparse-attention swaps (2.3x). The first losses must agree: same model, LoRA draw and rows.
+qwen3_5_moe's swap is its Gated DeltaNet core on kernels.kda (16-token chunks at its 16-wide heads): about 1.4x
+transformers' core alone at this size, and the rows are short (~70 tokens), so the core is not all of the step;
+before the swap the ratio was EP and the loss head alone (0.96-1.18; 0.98 on 2026-12-02), 0.85 with it on the same
+busy 2-core machine (load 4-5: runs there differ by 1.7x, see the load averages printed). glm5_next adds its KDA
+and sparse-attention swaps (2.3x). The first losses must agree: same model, LoRA draw and rows.
 Last line: `RESULT image_step_speedup=<moetune tok/s over baseline> image_tokens_per_s=<moetune's>`.
 
     python bench/images.py [--family qwen3_5_moe|glm5_next] [--steps 6] [--micro 32]
