@@ -1,16 +1,31 @@
-"""The model a job trains: the streamed base (workers.weights), the family's kernel swaps (workers.families), PEFT
-LoRA (workers.lora), then this rank's share of the experts (workers.parallel)."""
+"""The one builder of a model, for training (`train`), serving (`serve`) and the planner (`meta`), in one order (as
+torchtitan's model spec + parallelize_*): family spec (workers.families) → checkpoint plan (this rank's routed
+experts) → weights streamed (workers.weights; the meta device for the planner) → kernel swaps → PEFT LoRA
+(workers.lora) → expert parallelism (workers.parallel) → training only: LoRA in the compute dtype, activation
+checkpointing. The engine (workers.engine) is the loop's: it is built over `Built.model` once the data says how many
+steps it runs and the method has set up its output layer (workers.methods sits beside this room, not below it)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+
 from moetune.api.errors import ErrorCode
-from moetune.api.models import JobCreate
+from moetune.api.models import JobCreate, LoraSpec
 from moetune.workers.errors import JobError
-from moetune.workers.families import family_for
+from moetune.workers.families import auto_model_class, family_for, hf_config
+from moetune.workers.families.spec import Family
 from moetune.workers.lora.peft_lora import apply_lora
-from moetune.workers.parallel import needs_expert_module, parallelize, quantized_experts
-from moetune.workers.parallel.placement import ExpertPlacement
+from moetune.workers.parallel import job_placement, needs_expert_module, parallelize, quantized_experts
+from moetune.workers.parallel.placement import ExpertPlacement, placement_at
 from moetune.workers.recompute import enable_activation_checkpointing
+from moetune.workers.weights.loader import StreamedModel, stream_model
+
+Mode = Literal["train", "serve", "meta"]
+TRAIN, SERVE, META = "train", "serve", "meta"
 
 
 def load_tokenizer(local_dir: str):
@@ -31,24 +46,114 @@ def load_dtype(device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def trainable_model(model, spec: JobCreate, placement: ExpertPlacement | None):
-    """PEFT LoRA, then (with expert parallelism or `train_experts`) this rank's share of the routed experts.
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where `train` and `serve` stream the weights from: the checkpoint and the node's weights cache (None or "":
+    none; `cache_max_bytes` None: bounded by free disk)."""
 
-    Every rank must have drawn the same random state (LoRA init). `training.activation_checkpointing: true`
-    checkpoints every decoder layer ("auto" is resolved to true or false before this is called)."""
+    uri: str
+    cache_dir: str | None = None
+    cache_max_bytes: int | None = None
+
+
+@dataclass
+class Built:
+    model: Any  # train, meta: the PEFT model; serve: the base, frozen, in eval mode
+    family: Family
+    placement: ExpertPlacement | None  # this rank's routed experts (None: the model has none)
+    streamed: StreamedModel | None  # the load's figures (None on the meta device)
+    swapped: dict[str, int]  # kernel swap -> modules it changed
+    base: Any = None  # what `read_base` answered
+
+
+def build_model(mode: Mode, config: dict, spec: JobCreate | None = None, *, device=None, dtype=None,
+                weights: WeightsSource | None = None, read_base: Callable[[Any, Family], Any] | None = None) -> Built:
+    """The model of `config` (the checkpoint's config.json) for `mode`.
+
+    `spec`: the job (train, meta); serving has none: no LoRA (adapters are applied per row, workers.generate), every
+    kernel swap, the base as stored. `dtype`: the compute dtype (default: load_dtype(device)). `read_base` is called
+    with the base as built (weights or meta) and its family, before any swap: what a caller reads of the
+    checkpoint's own modules (the planner its tensors, serving its expert layout); its answer is `Built.base`.
+    `train` needs torch.distributed up (the expert process groups) and every rank to have drawn the same random
+    state (LoRA init)."""
+    family = family_for(config)
+    placement = job_placement(config, spec) if mode == TRAIN else placement_at(config, 1, 0)
+    dtype = dtype or load_dtype(device)
+    streamed = None
+    if mode == META:
+        model = meta_model(config, dtype)
+    else:
+        streamed = stream_model(weights.uri, device, dtype, placement, weights.cache_dir, weights.cache_max_bytes,
+                                spec.training.base_weights if spec else "quantized")
+        model = streamed.model
+    base = read_base(model, family) if read_base else None
+    custom_kernels = spec.training.custom_kernels if spec else True
+    swapped = family.apply_kernel_swaps(model) if custom_kernels else {}
+    return Built(_adapted(mode, model, family, spec, placement), family, placement, streamed, swapped, base)
+
+
+def meta_model(config: dict, dtype):
+    """The model of `config` with every tensor on the meta device: shapes only, any size, in seconds."""
+    import torch
+
+    with torch.device("meta"):
+        return auto_model_class(config).from_config(hf_config(config), dtype=dtype)
+
+
+def trainable_model(model, spec: JobCreate, placement: ExpertPlacement | None):
+    """`train`'s steps after the kernel swaps, on a model whose weights are in (tests and benchmarks build a plain
+    transformers model and swap its kernels themselves). `training.activation_checkpointing` "auto" is resolved to
+    true or false before this is called."""
+    return _adapted(TRAIN, model, family_for(model.config), spec, placement)
+
+
+def _adapted(mode: Mode, model, family: Family, spec: JobCreate | None, placement: ExpertPlacement | None):
+    """LoRA (serving has none: its adapters are applied per row), then expert parallelism (stand-ins on the meta
+    device), then what training alone needs: LoRA in the compute dtype, activation checkpointing."""
     dtype = model.dtype  # the compute dtype: that of the dense weights (a quantized base keeps some: embeddings)
-    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        config.use_cache = False  # training: no KV cache is built, none is kept
-    peft_model = apply_lora(model, spec.lora)
-    if placement is not None:
-        family = family_for(model.config)
-        if needs_expert_module(placement, spec.lora) or quantized_experts(model, family):
-            parallelize(peft_model, family, placement, spec.lora, spec.training.custom_kernels)
+    lora = spec.lora if spec is not None else None
+    if lora is not None:
+        model = apply_lora(_no_kv_cache(model), lora)
+    if mode == META:
+        install_stand_ins(model, family)
+        return model.train()
+    if runs_expert_module(placement, lora, quantized_experts(model, family), serving=mode == SERVE):
+        parallelize(model, family, placement, lora, spec.training.custom_kernels if spec else True)
+    if mode == SERVE:
+        return model.requires_grad_(False)
     # PEFT puts a linear's LoRA in its weight's dtype; a quantized weight has no such dtype, so LoRA joins the
     # compute dtype here, like every other trainable tensor
-    for param in peft_model.parameters():
+    for param in model.parameters():
         if param.requires_grad and param.dtype != dtype:
             param.data = param.data.to(dtype)
     if spec.training.activation_checkpointing is True:
-        enable_activation_checkpointing(peft_model)
-    return peft_model
+        enable_activation_checkpointing(model)
+    return model
+
+
+def runs_expert_module(placement: ExpertPlacement | None, lora: LoraSpec | None, quantized: bool,
+                       serving: bool = False) -> bool:
+    """Whether the routed experts leave the family's module for moetune's expert-parallel one: they are sharded,
+    get their own LoRA, are kept quantized (the family's module cannot run them), or are served (per-row expert
+    adapters wrap moetune's module, workers.generate)."""
+    return placement is not None and (serving or quantized or needs_expert_module(placement, lora))
+
+
+def _no_kv_cache(model):
+    """A model that trains (or is planned as it trains) builds no KV cache and keeps none."""
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.use_cache = False
+    return model
+
+
+class RoutedStandIn(nn.Module):
+    """The routed experts on the meta device, which cannot route tokens (counts, sorts and splits read data):
+    saves nothing; the planner adds the experts' share for each layout it considers (planner.experts)."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states * 0.0  # a product with a number saves no tensor
+
+
+def install_stand_ins(model, family: Family) -> None:
+    for _, block in family.moe_blocks(model):
+        setattr(block, family.experts, RoutedStandIn())

@@ -1,6 +1,6 @@
-"""The served base, built the way a training worker builds it (workers.weights streams the checkpoint, quantized
-weights stay quantized; the family's kernel swaps), at EP=1: the routed experts move into moetune's experts
-module (which runs dense and quantized experts alike) wrapped for per-row adapter selection."""
+"""The served base, built by workers.model's builder in its `serve` mode (the checkpoint streamed, quantized weights
+kept quantized, the family's kernel swaps, the routed experts in moetune's experts module at EP=1, which runs dense
+and quantized experts alike), its experts then wrapped for per-row adapter selection."""
 
 from __future__ import annotations
 
@@ -10,13 +10,9 @@ import tempfile
 from dataclasses import dataclass
 
 from moetune.api import storage
-from moetune.api.models import LoraSpec
-from moetune.workers.families import apply_kernel_swaps, family_for
 from moetune.workers.generate.adapter_rows import RowLoraExperts, RowSelection
-from moetune.workers.model import load_dtype, load_tokenizer
-from moetune.workers.parallel import parallelize
-from moetune.workers.parallel.placement import placement_at
-from moetune.workers.weights.loader import stream_model, streamed_or_unused
+from moetune.workers.model import SERVE, WeightsSource, build_model, load_dtype, load_tokenizer
+from moetune.workers.weights.loader import streamed_or_unused
 
 
 @dataclass
@@ -39,28 +35,25 @@ def load_base(base_uri: str, device, selection: RowSelection, slots: int,
         tokenizer = load_tokenizer(local)
         with open(os.path.join(local, "config.json")) as f:
             config = json.load(f)
-    dtype = load_dtype(device)
-    streamed = stream_model(base_uri, device, dtype, None, weights_cache_dir)
-    model = streamed.model
-    apply_kernel_swaps(model)
-    family = family_for(model.config)
+    built = build_model(SERVE, config, device=device, weights=WeightsSource(base_uri, weights_cache_dir),
+                        read_base=_transposed_experts)
+    model, family, dtype = built.model, built.family, load_dtype(device)
     experts = {}
-    placement = placement_at(config, 1, 0)
-    if placement is not None:
-        blocks = list(family.moe_blocks(model))
-        transposed = {name: getattr(getattr(b, family.experts), "is_transposed", False) for name, b in blocks}
-        parallelize(model, family, placement, LoraSpec(), fused_kernel=True)
-        for name, block in blocks:
-            wrapper = RowLoraExperts(getattr(block, family.experts), selection, slots, dtype, device,
-                                     transposed[name])
-            setattr(block, family.experts, wrapper)
-            experts[f"{name}.{family.experts}"] = wrapper
+    for name, block in list(family.moe_blocks(model)):
+        wrapper = RowLoraExperts(getattr(block, family.experts), selection, slots, dtype, device, built.base[name])
+        setattr(block, family.experts, wrapper)
+        experts[f"{name}.{family.experts}"] = wrapper
     text_config = model.config.get_text_config()
     context = getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length
-    model.eval()
-    model.requires_grad_(False)
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stop_ids = frozenset(t for t in (tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos]))
                          if t is not None)
     return LoadedBase(model, tokenizer, int(context), experts, dtype, stop_ids,
-                      getattr(text_config, "layer_types", None), streamed.seconds, streamed.stats.bytes_from_storage)
+                      getattr(text_config, "layer_types", None), built.streamed.seconds,
+                      built.streamed.stats.bytes_from_storage)
+
+
+def _transposed_experts(model, family) -> dict[str, bool]:
+    """MoE block -> whether the checkpoint stores its experts [E, in, out] (the adapters' layout follows it)."""
+    return {name: getattr(getattr(block, family.experts), "is_transposed", False)
+            for name, block in family.moe_blocks(model)}

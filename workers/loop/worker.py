@@ -30,20 +30,18 @@ from moetune.workers.engine.schedule import total_steps
 from moetune.workers.errors import DatasetError
 from moetune.workers.evaluation.alignment import check_alignment, verdict
 from moetune.workers.evaluation.generation import evaluate_generation, load_eval_rows
-from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.loop.collectives import Collectives
 from moetune.workers.loop.evaluate import evaluate
 from moetune.workers.loop.faults import fault_hook
 from moetune.workers.loop.step import RankPlace, StepRunner
 from moetune.workers.methods import method_for
-from moetune.workers.model import load_dtype, load_tokenizer, trainable_model
-from moetune.workers.parallel import job_placement
+from moetune.workers.model import TRAIN, WeightsSource, build_model, load_tokenizer
 from moetune.workers.planner import needs_activation_checkpointing
 from moetune.workers.reporting.metrics import WorkerMetrics
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.reporting.step_figures import memory_budget_bytes, step_figures
 from moetune.workers.settings import enter_worker_env
-from moetune.workers.weights.loader import load_summary, stream_model, streamed_or_unused
+from moetune.workers.weights.loader import load_summary, streamed_or_unused
 
 
 class _Worker:
@@ -83,22 +81,17 @@ class _Worker:
         self.tokenizer = load_tokenizer(model_dir)
         with open(os.path.join(model_dir, "config.json")) as f:
             config = json.load(f)
-        ep_size = self.spec.parallelism.expert_parallel_size
-        placement = job_placement(config, self.spec)
-        # Each rank streams its own share of the weights (workers.weights): non-expert tensors, its experts.
-        streamed = stream_model(self.spec.model, self.device, load_dtype(self.device), placement,
-                                self.settings.weights_cache_dir, self.settings.weights_cache_max_bytes,
-                                self.t.base_weights)
-        message, data = load_summary(streamed, ep_size)
-        data["bytes_from_storage_all_ranks"] = int(self.collectives.all_sum(streamed.stats.bytes_from_storage)[0])
-        self.event(message, data=data)
-        model = streamed.model
-        if self.t.custom_kernels:
-            swapped = {name: n for name, n in apply_kernel_swaps(model).items() if n}
-            if swapped:
-                self.event("Custom kernels swapped in: " + ", ".join(f"{k} ({n} modules)" for k, n in swapped.items()))
         self._resolve_activation_checkpointing(config)
-        self.model = trainable_model(model, self.spec, placement)
+        # Each rank streams its own share of the weights (workers.weights): non-expert tensors, its experts.
+        built = build_model(TRAIN, config, self.spec, device=self.device, weights=WeightsSource(
+            self.spec.model, self.settings.weights_cache_dir, self.settings.weights_cache_max_bytes))
+        message, data = load_summary(built.streamed, self.spec.parallelism.expert_parallel_size)
+        data["bytes_from_storage_all_ranks"] = int(self.collectives.all_sum(built.streamed.stats.bytes_from_storage)[0])
+        self.event(message, data=data)
+        swapped = {name: n for name, n in built.swapped.items() if n}
+        if swapped:
+            self.event("Custom kernels swapped in: " + ", ".join(f"{k} ({n} modules)" for k, n in swapped.items()))
+        self.model = built.model
         if self.t.activation_checkpointing is True:
             self.event("Activation checkpointing: each decoder layer keeps its inputs only and is recomputed in "
                        "the backward")

@@ -10,10 +10,10 @@ from moetune.workers.parallel.experts import ExpertParallelExperts, trainable_ex
 from moetune.workers.parallel.placement import ExpertPlacement, expert_placement, placement_at
 
 
-def needs_expert_module(placement: ExpertPlacement | None, lora: LoraSpec) -> bool:
+def needs_expert_module(placement: ExpertPlacement | None, lora: LoraSpec | None) -> bool:
     """Whether the routed experts need the expert-parallel module's process groups: they are sharded, or they get
     their own LoRA."""
-    return placement is not None and (placement.sharded or lora.train_experts)
+    return placement is not None and (placement.sharded or (lora is not None and lora.train_experts))
 
 
 def quantized_experts(model, family: Family) -> bool:
@@ -29,15 +29,23 @@ def job_placement(config: dict, spec: JobCreate) -> ExpertPlacement | None:
     return expert_placement(config, size) if needs_expert_module(single, spec.lora) else single
 
 
-def parallelize(model, family: Family, placement: ExpertPlacement, lora: LoraSpec, fused_kernel: bool = True) -> int:
-    """Replaces the routed experts of every MoE block of `model` by this rank's expert-parallel share, with
-    per-expert LoRA when `lora.train_experts`; returns how many blocks changed. `fused_kernel`: the local experts
-    run kernels.moe's grouped GEMMs, else a per-expert loop (see parallel.compute)."""
-    rank = lora.rank if lora.train_experts else 0
+def expert_parallel(experts, family: Family, placement: ExpertPlacement, lora: LoraSpec | None,
+                    fused_kernel: bool = True):
+    """The expert-parallel module that takes this rank's share of one MoE block's `experts`, with per-expert LoRA
+    when `lora.train_experts` (frozen experts without `lora`). `fused_kernel`: the local experts run kernels.moe's
+    grouped GEMMs, else a per-expert loop (see parallel.compute)."""
+    rank = lora.rank if lora is not None and lora.train_experts else 0
     cls = trainable_experts_class() if rank else ExpertParallelExperts
+    activation = family.expert_activation(experts) if family.expert_activation else None
+    return cls(experts, placement, rank, lora.alpha if lora is not None else 1.0, fused_kernel, activation)
+
+
+def parallelize(model, family: Family, placement: ExpertPlacement, lora: LoraSpec | None,
+                fused_kernel: bool = True) -> int:
+    """Replaces the routed experts of every MoE block of `model` by `expert_parallel`; returns how many blocks
+    changed."""
     blocks = list(family.moe_blocks(model))
     for _, block in blocks:
-        experts = getattr(block, family.experts)
-        activation = family.expert_activation(experts) if family.expert_activation else None
-        setattr(block, family.experts, cls(experts, placement, rank, lora.alpha, fused_kernel, activation))
+        setattr(block, family.experts, expert_parallel(getattr(block, family.experts), family, placement, lora,
+                                                       fused_kernel))
     return len(blocks)

@@ -1,13 +1,13 @@
 """Activation bytes of one sequence of `seq_len` tokens, from a forward of the job's trainable model on the meta
 device (no memory, no compute: only shapes), counted as the tuner's CPU measure counts them (planner.saved).
 
-The forward is the one a job runs: the family's kernel swaps, PEFT LoRA, the method's loss, training mode; the
-routed experts are stand-ins that save nothing (planner.experts adds their share). Every sequence is taken as
-`seq_len` long and unpadded, as the tuner assumes. Each decoder layer's share is recorded, which gives the figure
-with activation checkpointing too: every layer then keeps only its input hidden states, and the backward reruns one
-layer at a time with all of its activations. Up to MEASURED_UP_TO tokens the forward runs at `seq_len` itself;
-beyond, bytes are the quadratic through three measured lengths, so a term that grows with T² (a [T, T] mask) is
-extrapolated as one.
+The forward is the one a job runs, on the model workers.model builds for the meta device: the family's kernel
+swaps, PEFT LoRA, the method's loss, training mode; the routed experts are stand-ins that save nothing
+(planner.experts adds their share). Every sequence is taken as `seq_len` long and unpadded, as the tuner assumes.
+Each decoder layer's share is recorded, which gives the figure with activation checkpointing too: every layer then
+keeps only its input hidden states, and the backward reruns one layer at a time with all of its activations. Up to
+MEASURED_UP_TO tokens the forward runs at `seq_len` itself; beyond, bytes are the quadratic through three measured
+lengths, so a term that grows with T² (a [T, T] mask) is extrapolated as one.
 """
 
 from __future__ import annotations
@@ -17,12 +17,7 @@ from unittest import mock
 
 import torch
 
-from moetune.api.models import JobCreate
-from moetune.workers.families import apply_kernel_swaps, family_for
-from moetune.workers.lora.peft_lora import apply_lora
-from moetune.workers.methods import method_for
 from moetune.workers.methods.batch import Batch
-from moetune.workers.planner import experts as routed
 from moetune.workers.planner.saved import SavedBytes
 from moetune.workers.recompute import decoder_layers
 
@@ -88,35 +83,6 @@ class _Recorder:
     def remove(self):
         for handle in self._handles:
             handle.remove()
-
-
-def meta_model(config: dict, dtype):
-    from moetune.workers.families import auto_model_class, hf_config
-
-    with torch.device("meta"):
-        return auto_model_class(config).from_config(hf_config(config), dtype=dtype)
-
-
-def trainable(model, spec: JobCreate):
-    """The job's trainable model from a plain (meta) one, as the workers make it (routed experts not replaced),
-    and the job's method, prepared on it (its output layer computes the loss)."""
-    if spec.training.custom_kernels:
-        apply_kernel_swaps(model)
-    model = apply_lora(model, spec.lora).train()
-    method = method_for(spec, tokenizer=None)
-    method.prepare(model)
-    return model, method
-
-
-def install_stand_ins(model) -> object | None:
-    """Every MoE block's experts module becomes a stand-in (planner.experts); returns one of the replaced modules
-    (None for a model without routed experts)."""
-    family = family_for(model.config)
-    replaced = None
-    for _, block in family.moe_blocks(model):
-        replaced = getattr(block, family.experts)
-        setattr(block, family.experts, routed.StandIn())
-    return replaced
 
 
 def _no_packed_sequence_check():

@@ -1,7 +1,7 @@
 """The routed experts in a meta-device forward: their token routing is data-dependent (counts, sorts, splits), which
-the meta device cannot run, so each MoE block's experts module becomes a stand-in, and what the real module saves is
-added for each layout the planner considers. That figure is measured once per job on the real module (the
-family's own, or the expert-parallel one the job would run) at the model's true widths, holding two and then four
+the meta device cannot run, so each MoE block's experts module is a stand-in there (workers.model), and what the real
+module saves is added for each layout the planner considers. That figure is measured once per job on the real module
+(the family's own, or the expert-parallel one the job would run) at the model's true widths, holding two and then four
 experts: the saved bytes are a constant, plus an amount per local expert (expert LoRA keeps per-expert copies of
 its factors), plus an amount per routed slot."""
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from moetune.api.models import JobCreate
 from moetune.workers.families.spec import Family, in_proj_name
-from moetune.workers.parallel import ExpertParallelExperts, trainable_experts_class
+from moetune.workers.parallel import expert_parallel
 from moetune.workers.parallel.placement import ExpertPlacement
 from moetune.workers.planner.saved import SavedBytes
 
@@ -42,11 +42,7 @@ def _sample(experts: nn.Module, count: int, dtype) -> nn.Module:
 def _as_job_runs_it(small: nn.Module, family: Family, spec: JobCreate, expert_module: bool) -> nn.Module:
     if not expert_module:
         return small
-    rank = spec.lora.rank if spec.lora.train_experts else 0
-    cls = trainable_experts_class() if rank else ExpertParallelExperts
-    activation = family.expert_activation(small) if family.expert_activation else None
-    return cls(small, ExpertPlacement(small.num_experts), rank, spec.lora.alpha, spec.training.custom_kernels,
-               activation)
+    return expert_parallel(small, family, ExpertPlacement(small.num_experts), spec.lora, spec.training.custom_kernels)
 
 
 @dataclass(frozen=True)
@@ -83,10 +79,3 @@ def expert_bytes(experts: nn.Module, family: Family, spec: JobCreate, expert_mod
     per_slot = (saved[e0, n1] - saved[e0, n0]) / (n1 - n0)
     per_expert = (saved[e1, n0] - saved[e0, n0]) / (e1 - e0)
     return ExpertBytes(saved[e0, n0] - per_expert * e0 - per_slot * n0, per_expert, per_slot)
-
-
-class StandIn(nn.Module):
-    """Saves nothing: the planner adds the experts' share (ExpertBytes) for each layout it considers."""
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        return hidden_states * 0.0  # a product with a number saves no tensor

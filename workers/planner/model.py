@@ -10,9 +10,11 @@ import torch
 
 from moetune.api.models import JobCreate
 from moetune.api.quantization import quantization_of
-from moetune.workers.families import family_for
-from moetune.workers.lora.coverage import ROUTED_EXPERTS, coverage, modules
-from moetune.workers.planner.activations import Activations, activations, install_stand_ins, meta_model, trainable
+from moetune.workers.families.spec import Family
+from moetune.workers.lora.coverage import ROUTED_EXPERTS, Coverage, coverage, modules
+from moetune.workers.methods import method_for
+from moetune.workers.model import META, build_model, runs_expert_module
+from moetune.workers.planner.activations import Activations, activations
 from moetune.workers.planner.experts import ExpertBytes, expert_bytes, input_width
 from moetune.workers.planner.weights import Tensor, frozen_tensors
 
@@ -63,26 +65,41 @@ class ModelFacts:
         return sum(t.nbytes / (ep if t.expert else 1) for t in self.tensors)
 
 
+@dataclass(frozen=True)
+class _Base:
+    """What the planner reads of the plain model, before any swap or LoRA."""
+
+    tensors: list[Tensor]
+    coverage: Coverage
+    parameters: int
+    moe_layers: frozenset[int]
+    experts: object | None  # the first MoE block's experts module (meta tensors)
+
+
+def _read_base(model, family: Family, config: dict, spec: JobCreate, dtype: torch.dtype) -> _Base:
+    blocks = list(family.moe_blocks(model))
+    return _Base(frozen_tensors(model, family, config, dtype, spec.training.base_weights == "dequantized"),
+                 coverage(modules(model, family), spec.lora, family), sum(p.numel() for p in model.parameters()),
+                 frozenset(int(m.group(1)) for name, _ in blocks if (m := _LAYER.search(f".{name}."))),
+                 getattr(blocks[0][1], family.experts) if blocks else None)
+
+
 def model_facts(config: dict, spec: JobCreate, dtype: torch.dtype = torch.bfloat16) -> ModelFacts:
     """Builds the model on the meta device (any size, in seconds); `dtype`: the compute dtype (bf16 on GPUs)."""
-    family = family_for(config)
-    model = meta_model(config, dtype)
-    quantization = quantization_of(config)
-    dequantized = spec.training.base_weights == "dequantized"
-    tensors = frozen_tensors(model, family, config, dtype, dequantized)
-    found = coverage(modules(model, family), spec.lora, family)
+    built = build_model(META, config, spec, dtype=dtype,
+                        read_base=lambda model, family: _read_base(model, family, config, spec, dtype))
+    base, family, quantization = built.base, built.family, quantization_of(config)
+    found, experts = base.coverage, base.experts
     routed = found.kinds[ROUTED_EXPERTS].trainable if ROUTED_EXPERTS in found.kinds else 0
-    blocks = list(family.moe_blocks(model))
-    experts = getattr(blocks[0][1], family.experts) if blocks else None
-    at_ep1 = spec.lora.train_experts or (quantization is not None and not dequantized)
-    saved = {flag: expert_bytes(experts, family, spec, flag, dtype) for flag in {at_ep1, True}} if blocks else {}
-    moe_layers = frozenset(int(m.group(1)) for name, _ in blocks if (m := _LAYER.search(f".{name}.")))
-    text = model.config.get_text_config()
-    width = input_width(experts) if blocks else 0
-    count = sum(p.numel() for p in model.parameters())
-    model, method = trainable(model, spec)
-    install_stand_ins(model)
-    return ModelFacts(config.get("model_type"), count, quantization.format if quantization else None, tensors,
-                      found.trainable - routed, routed, experts.num_experts if blocks else 0,
-                      getattr(text, "num_experts_per_tok", 0) or 0, width, moe_layers, saved, at_ep1,
-                      activations(model, method, spec.training.seq_len), spec.training.seq_len, dtype.itemsize)
+    kept_quantized = quantization is not None and spec.training.base_weights != "dequantized"
+    at_ep1 = runs_expert_module(built.placement, spec.lora, kept_quantized)
+    saved = ({flag: expert_bytes(experts, family, spec, flag, dtype) for flag in {at_ep1, True}}
+             if experts is not None else {})
+    text = built.model.config.get_text_config()
+    method = method_for(spec, tokenizer=None)
+    method.prepare(built.model)  # its output layer computes the loss, as in a job
+    return ModelFacts(config.get("model_type"), base.parameters, quantization.format if quantization else None,
+                      base.tensors, found.trainable - routed, routed, experts.num_experts if experts else 0,
+                      getattr(text, "num_experts_per_tok", 0) or 0, input_width(experts) if experts else 0,
+                      base.moe_layers, saved, at_ep1, activations(built.model, method, spec.training.seq_len),
+                      spec.training.seq_len, dtype.itemsize)
