@@ -97,3 +97,12 @@ def quantize_checkpoint(dense_dir: str, out_dir: str, fmt: str, fp8_block: tuple
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     return out_dir
+
+
+def dequantized_reference(fmt: str, path: str, dtype=torch.float32):
+    """transformers' own dequantization of the `fmt` checkpoint at `path` (FP8: FineGrainedFP8; INT4:
+    compressed-tensors; MXFP4: its Mxfp4 integration), in eval mode."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config, Mxfp4Config
+
+    config = {"fp8": FineGrainedFP8Config, "int4": CompressedTensorsConfig, "mxfp4": Mxfp4Config}[fmt](dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=dtype).eval()

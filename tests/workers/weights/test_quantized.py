@@ -20,7 +20,7 @@ from moetune.workers.parallel.placement import placement_at
 from moetune.workers.weights.errors import WeightsError
 from moetune.workers.weights.loader import load_summary, stream_model
 from tests.support.families import batch, plain_model
-from tests.support.quantized import FAMILY_OF, quantize_checkpoint
+from tests.support.quantized import FAMILY_OF, dequantized_reference, quantize_checkpoint
 
 CPU, F32 = torch.device("cpu"), torch.float32
 FORMAT_NAMES = {"fp8": "fp8-block", "int4": "int4-pack-quantized", "mxfp4": "mxfp4"}
@@ -45,15 +45,6 @@ def quantized(request, dense_dirs, tmp_path_factory) -> tuple[str, str]:
     return fmt, quantize_checkpoint(dense_dirs[FAMILY_OF[fmt]], str(tmp_path_factory.mktemp(fmt)), fmt)
 
 
-def _reference(fmt: str, path: str):
-    """transformers' own dequantization of the checkpoint (FP8: FineGrainedFP8; INT4: compressed-tensors; MXFP4:
-    its Mxfp4 integration)."""
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config, Mxfp4Config
-
-    config = {"fp8": FineGrainedFP8Config, "int4": CompressedTensorsConfig, "mxfp4": Mxfp4Config}[fmt](dequantize=True)
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=F32).eval()
-
-
 def _trainable(model):
     torch.manual_seed(1)
     return trainable_model(model, SPEC, placement_at(model.config.to_dict(), 1, 0))
@@ -73,7 +64,7 @@ def test_logits_and_lora_gradients_match_the_dequantized_model(quantized):
     assert streamed.quantization == FORMAT_NAMES[fmt]
     kept = [m for m in streamed.model.modules() if type(m).__name__ == "QuantizedLinear"]
     assert bool(kept) == (fmt == "fp8")  # INT4 (Kimi K2 Thinking) and MXFP4 quantize only the routed experts
-    reference = _reference(fmt, path)
+    reference = dequantized_reference(fmt, path)
     # transformers keeps the decompressed INT4 experts in bf16 (whatever dtype it is asked for): bf16 tolerance
     tolerance = {"rtol": 2e-2, "atol": 2e-3} if fmt == "int4" else {"rtol": 1e-4, "atol": 1e-5}
     quant_logits, quant_grads = _forward_backward(_trainable(streamed.model))
@@ -118,7 +109,7 @@ def test_fp8_deepseek_v32_attends_over_the_latent_through_its_quantized_kv_b_pro
             assert type(streamed.model.model.layers[0].self_attn.kv_b_proj.base_layer).__name__ == "QuantizedLinear"
     assert kv_heads == [1] * 6  # three DSA layers, twice: over the latent
     with torch.no_grad():
-        torch.testing.assert_close(runs["kept"][0], _reference("fp8", path)(**batch(0, 0, vocab=272)).logits,
+        torch.testing.assert_close(runs["kept"][0], dequantized_reference("fp8", path)(**batch(0, 0, vocab=272)).logits,
                                    rtol=1e-4, atol=1e-5)
     assert any(".kv_b_proj.lora_" in n for n in runs["kept"][1])
     for name, grad in runs["dequantized"][1].items():
