@@ -1,6 +1,6 @@
 """Kimi K3's executable reference: NeMo Automodel 0.7.0's `kimi_k3` with fla 0.6.0's pure-torch functions.
 
-They are installed `--no-deps` into the ignored folder `.reference/kimi_k3` (once; the stamp names the pins) and
+They are installed `--no-deps` into the ignored folder `.reference/kimi_k3` by `make install` (the stamp names the pins) and
 only ever imported by a child process (kimi_k3_reference_child.py): transformers dispatches to fla whenever it is
 importable, so fla on this process's path would change every other test."""
 
@@ -21,13 +21,14 @@ TARGET = os.path.join(ROOT, ".reference", "kimi_k3")
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kimi_k3_reference_child.py")
 
 
-def ensure_installed() -> str:
-    """The reference's folder, installed from the package registry on first use (idempotent, safe to race)."""
+def install() -> str:
+    """Installs the reference into its folder from the package registry (`make install` runs this: tests use no
+    network); idempotent, safe to race. Returns the folder."""
     stamp = os.path.join(TARGET, ".pins")
     os.makedirs(os.path.dirname(TARGET), exist_ok=True)
     with open(f"{TARGET}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(stamp) and open(stamp).read() == "\n".join(PINS):
+        if _installed():
             return TARGET
         shutil.rmtree(TARGET, ignore_errors=True)
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
@@ -36,6 +37,19 @@ def ensure_installed() -> str:
             raise RuntimeError(f"installing the Kimi K3 reference ({', '.join(PINS)}) failed:\n{done.stderr[-3000:]}")
         with open(stamp, "w") as f:
             f.write("\n".join(PINS))
+    return TARGET
+
+
+def _installed() -> bool:
+    stamp = os.path.join(TARGET, ".pins")
+    return os.path.exists(stamp) and open(stamp).read() == "\n".join(PINS)
+
+
+def ensure_installed() -> str:
+    """The reference's folder; a clear error when `make install` has not put it there."""
+    if not _installed():
+        raise RuntimeError(f"the Kimi K3 reference ({', '.join(PINS)}) is not installed in {TARGET}: run `make "
+                           f"install` (or `python tests/support/kimi_k3_reference.py`)")
     return TARGET
 
 
@@ -50,3 +64,7 @@ def run_reference(workdir: str, request: dict) -> dict:
     if done.returncode:
         raise RuntimeError(f"the Kimi K3 reference failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}")
     return torch.load(os.path.join(workdir, "reference.pt"))
+
+
+if __name__ == "__main__":
+    print(install())
