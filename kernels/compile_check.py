@@ -23,9 +23,11 @@ MAX_REGISTERS = 255
 # Spills (stack bytes per thread) the kernels have today, measured with Triton 3.9 at the SM90_CASES shapes: the
 # budget a change must not exceed. Every other kernel must not spill. KDA holds whole [K, V] states per program (the
 # known rewrite: fla-style chunk-parallel KDA); sparse attention's key-major dK/dV at latent widths holds [16, 512]
-# fp32 accumulators for keys and values (16-64 B; 216 B with a LoRA adapter's latent in the tail), its forward 8 B
-# in one config; the INT4 / MXFP4 dequantizing GEMM spills a few bytes at 255 registers.
+# fp32 accumulators for keys and values (16-64 B; 216 B with a LoRA adapter's latent in the tail), its query-major
+# pass the same ones (8-16 B at the latent shapes), its forward 8 B in one config; the INT4 / MXFP4 dequantizing
+# GEMM spills a few bytes at 255 registers.
 STACK_BUDGET = {"kda_fwd_kernel": 1024, "kda_bwd_kernel": 12_336, "_sparse_attn_fwd": 8, "_sparse_attn_bwd_dkv": 216,
+                "_sparse_attn_bwd_dkv_query_major": 216,
                 "_grouped_lora_mm": 96}
 
 
@@ -195,14 +197,17 @@ def _sparse_launches(heads: int, kv_heads: int, dk: int, dv: int, topk: int, sha
 
     from moetune.kernels.sparse_attention import sparse_attention
 
-    t, bf16, device = 64, torch.bfloat16, "meta"
-    q = torch.empty(1, t, heads, dk, dtype=bf16, device=device, requires_grad=True)
-    k = torch.empty(1, t, kv_heads, dk, dtype=bf16, device=device, requires_grad=True)
-    v = k[..., :dv] if shared_v else torch.empty(1, t, kv_heads, dv, dtype=bf16, device=device, requires_grad=True)
-    indices = torch.empty(1, t, topk, dtype=torch.int32, device=device)
-    with captured_launches() as launches:
-        out = sparse_attention(q, k, v, indices, dk ** -0.5, backend="triton")
-        torch.autograd.grad(out, (q, k) if shared_v else (q, k, v), torch.empty_like(out))
+    bf16, device, launches = torch.bfloat16, "meta", []
+    for t in (64, 4 * topk):  # the top-k covers all keys, a quarter of them: both dK/dV orders (dkv_order)
+        q = torch.empty(1, t, heads, dk, dtype=bf16, device=device, requires_grad=True)
+        k = torch.empty(1, t, kv_heads, dk, dtype=bf16, device=device, requires_grad=True)
+        v = k[..., :dv] if shared_v else torch.empty(1, t, kv_heads, dv, dtype=bf16, device=device,
+                                                     requires_grad=True)
+        indices = torch.empty(1, t, topk, dtype=torch.int32, device=device)
+        with captured_launches() as found:
+            out = sparse_attention(q, k, v, indices, dk ** -0.5, backend="triton")
+            torch.autograd.grad(out, (q, k) if shared_v else (q, k, v), torch.empty_like(out))
+        launches += found
     return launches
 
 

@@ -22,7 +22,7 @@ def test_every_launch_variant_builds_for_sm90_within_budget():
     assert all(0 < r["shared_bytes"] <= SM90_SHARED_BYTES for r in rows)
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"_grouped_lora_mm", "_grouped_outer", "kda_fwd_kernel", "kda_bwd_kernel", "_sparse_attn_fwd",
-                       "_sparse_attn_bwd_dq", "_sparse_attn_bwd_dkv"}, kernels
+                       "_sparse_attn_bwd_dq", "_sparse_attn_bwd_dkv", "_sparse_attn_bwd_dkv_query_major"}, kernels
     sparse_forwards = [r for r in rows if r["kernel"] == "_sparse_attn_fwd"]
     assert len(sparse_forwards) == 2  # each autotune config
     assert all("SHARED_V=True" in r["launch"] and "DKT=64" in r["launch"] for r in rows if "sparse" in r["kernel"])
