@@ -1,10 +1,9 @@
 """GPU readiness check for one GPU, in under 8 minutes: correctness first, throughput last.
 
-Stages, each written as one JSON line to stdout and to $OUT/gpu_check.jsonl (when OUT is set) as it finishes:
+Stages, each with a time budget (PLAN, printed first as the `plan` line: 8 minutes in all), each written as one
+JSON line to stdout and to $OUT/gpu_check.jsonl (when OUT is set) as it finishes:
   env          torch, Triton, the device, which optional packages are here; the device's measured bf16 matmul
                TFLOP/s and copy GB/s (the peaks the benchmarks are reported against)
-  compile      every Triton launch variant the CUDA path makes, built for sm_90 as the launcher specialises it,
-               with registers, spills and shared memory (moetune.kernels.compile_check)
   correctness  every kernel against its reference on the device in fp32 and bf16 (tolerances asserted): MoE
                grouped LoRA GEMM (dense at a fused and an unfused rank, FP8/INT4/MXFP4 weights), KDA and (fla)
                Gated DeltaNet on the dtypes the models hand them (q, k, v, β in the run's dtype, fp32 gates), sparse
@@ -14,30 +13,34 @@ Stages, each written as one JSON line to stdout and to $OUT/gpu_check.jsonl (whe
                with torch.cuda.set_sync_debug_mode("warn")
   job_step     one process group of one rank (NCCL), the tiny model of a family through moetune's own engine
                (DeepSpeed ZeRO-2 and ZeRO-3), custom kernels on vs off: the first losses must agree
+  sparse_dkv   the sparse attention backward's two dK/dV passes (key-major over the inverted selection,
+               query-major with fp32 atomics) over glm5_next's latent at 8K/32K, latest and random top-k keys:
+               the time of each, that they agree, and whether triton_impl.dkv_order's choice was the faster
   bench        KDA (moetune's Triton vs fla's chunk_kda when fla is here, as kernels.kda calls each), sparse
                attention over the shared MLA latent and over per-head keys, for the latest and for random top-k
                keys, forward and backward, vs dense causal SDPA at 8K/32K, MoE Triton vs torch grouped_mm; time,
                TFLOP/s and GB/s against the env peaks
 The last line is `RESULT key=value ...`. A failed check is recorded and the later stages still run; the exit
-status is 1 when any check failed.
+status is 1 when any check failed. On a device a stage that outruns its budget fails, and the benchmarks skip
+their remaining shapes once it is spent. The sm_90 builds of every launch variant (registers, spills, shared
+memory) are no stage: they need no device, take ~200 s, and a Triton cache built here would not serve the
+device's Triton version; `python -m moetune.kernels.compile_check` runs them anywhere (the suite runs its share).
 
-Needs torch and Triton with a CUDA device. moetune is imported from this checkout (installed or not). The stages
-`job_step` and the fla / liger benchmarks need packages a GPU image may lack; each is skipped with a note when
-its package is missing. Wheels for them (about 20 MiB), fetched here, in the repository root:
+Needs torch and Triton with a CUDA device; everything else it imports is bench/gpu_check_requirements.txt (the
+whole closure, pinned, so a bare GPU image needs nothing more). moetune is imported from this checkout (installed
+or not). The wheels (about 50 MiB, deepspeed as its source), fetched here, in the repository root:
     echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-        --platform manylinux2014_x86_64 --no-deps -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
-        annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0 flash-linear-attention==0.6.0 \
-        fla-core==0.6.0 liger-kernel==0.6.4 transformers==5.24.0 \
-        && python3 -m pip download --no-deps -d .whl deepspeed==0.19.8
-and on the GPU host, before the check (deepspeed is a source package: DS_BUILD_OPS=0 builds no extension):
+    python3 -m pip download --no-deps --only-binary=:all: --no-binary=deepspeed --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl -r bench/gpu_check_requirements.txt
+and on the GPU host, before the check (DS_BUILD_OPS=0: deepspeed builds no extension):
     DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
         .whl/* && export PYTHONPATH=/tmp/site
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py
 
 --dry-run runs every stage's code on this CPU (Triton through its interpreter, gloo instead of NCCL, tiny
-shapes; the compile stage's builds are the suite's, tests/kernels/test_compile_sm90.py) so that the script is
-known to run as it is.
+shapes, no budgets) so that the script is known to run as it is; tests/kernels/test_gpu_check_dry_run.py runs it
+in a virtualenv holding torch, Triton and the requirements file alone.
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ def _moetune_from_checkout() -> None:
         sys.modules["moetune"] = package
 
 
+# seconds per stage on one H200 (estimates until a device run shows its own): 8 minutes in all
+PLAN = {"env": 20, "correctness": 150, "syncs": 30, "job_step": 90, "sparse_dkv": 60, "bench": 130}
+
+
 class Report:
     """Stage results, printed and appended to $OUT/gpu_check.jsonl as each stage finishes."""
 
@@ -81,14 +88,23 @@ class Report:
             with open(self.path, "a") as f:
                 f.write(line + "\n")
 
-    def run(self, stage: str, fn, *args) -> dict:
+    def plan(self) -> None:
+        self.write("plan", {"budget_seconds": PLAN, "total_seconds": sum(PLAN.values())})
+
+    def run(self, stage: str, fn, s, *args) -> dict:
+        """fn(s, *args) within the stage's budget (a device run that outruns it fails the stage)."""
         started, cpu = time.perf_counter(), time.process_time()
+        s.deadline = float("inf") if s.dry else started + PLAN[stage]
         try:
-            data = fn(*args)
+            data = fn(s, *args)
         except Exception as e:  # the next stages still run: one report shows everything that is wrong
             self.failures.append(stage)
             data = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-        self.write(stage, {**data, "seconds": round(time.perf_counter() - started, 1),
+        seconds = time.perf_counter() - started
+        if seconds > PLAN[stage] and not s.dry:
+            self.failures.append(stage)
+            data = {**data, "over_budget": True}
+        self.write(stage, {**data, "seconds": round(seconds, 1), "budget_seconds": PLAN[stage],
                            "cpu_seconds": round(time.process_time() - cpu, 1)})
         return data
 
@@ -102,6 +118,11 @@ class Setting:
         self.dry = dry
         self.device = torch.device("cpu" if dry else "cuda")
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.deadline = float("inf")  # the running stage's (Report.run)
+
+    def spent(self) -> dict | None:
+        """A note to record instead of a measurement once the running stage's budget is spent, else None."""
+        return {"skipped": "the stage's time budget is spent"} if time.perf_counter() > self.deadline else None
 
     def sync(self) -> None:
         import torch
@@ -146,18 +167,6 @@ def stage_env(s: Setting) -> dict:
         p = torch.cuda.get_device_properties(0)
         info.update(device=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
     return info
-
-
-def stage_compile(s: Setting) -> dict:
-    from moetune.kernels import compile_check
-    from moetune.kernels.testing import compile_in_subprocess
-
-    if s.dry:  # the suite builds these (tests/kernels/test_compile_sm90.py runs the same sm90_report)
-        return {"skipped": "dry run: the sm_90 builds are tests/kernels/test_compile_sm90.py's"}
-    rows = compile_in_subprocess("importlib.import_module('moetune.kernels.compile_check').sm90_report()")
-    over_budget = compile_check.over_budget
-    problems = {f"{r['case']}: {r['launch']}": over_budget(r) for r in rows if over_budget(r)}
-    return {"variants": len(rows), "over_budget": problems, "rows": rows}
 
 
 def _rmse(got, want) -> float:
@@ -483,6 +492,9 @@ def _bench_sparse(s: Setting, peaks: dict) -> dict:
     out = {}
     h, latent, head, topk = (2, 16, 16, 8) if s.dry else (64, 512, 256, 2048)
     for seq in ((32,) if s.dry else (8192, 32768)):
+        if s.spent():
+            out[f"{seq}"] = s.spent()
+            continue
         q_lat, kv = _leaves(s.device, torch.bfloat16, (1, seq, h, latent), (1, seq, 1, latent), scale=0.1)
         q, k, v = _leaves(s.device, torch.bfloat16, (1, seq, h, head), (1, seq, h, head), (1, seq, h, head),
                           scale=0.1)
@@ -524,6 +536,46 @@ def _bench_sparse(s: Setting, peaks: dict) -> dict:
     return out
 
 
+def stage_sparse_dkv(s: Setting) -> dict:
+    """The sparse attention backward with each dK/dV pass over glm5_next's latent (64 heads, 512 wide, top-2048;
+    dQ included, the same in both) for the latest and for random keys at 8K and 32K: which is faster, and whether
+    dkv_order's choice from the shapes takes it. The two passes' gradients must agree."""
+    import torch
+
+    from moetune.kernels.sparse_attention import triton_impl
+
+    h, latent, topk = (2, 16, 8) if s.dry else (64, 512, 2048)
+    out, disagree = {}, []
+    for seq in ((32,) if s.dry else (8192, 32768)):
+        q, kv, grad = _leaves(s.device, torch.bfloat16, (1, seq, h, latent), (1, seq, 1, latent), (1, seq, h, latent),
+                              scale=0.1, grad=False)
+        for name, indices in _selections(s, seq, topk).items():
+            if s.spent():
+                out[f"{seq}_{name}"] = s.spent()
+                continue
+            o, lse = triton_impl.forward(q, kv, kv, indices, latent**-0.5)
+            ms, dkv = {}, {}
+            for order in triton_impl.DKV_ORDERS:
+                def backward(order=order):
+                    return triton_impl.backward(q, kv, kv, indices, latent**-0.5, o, lse, grad, order=order)
+
+                ms[order] = round(s.seconds(backward, reps=3) * 1e3, 3)
+                dkv[order] = backward()[1]
+            rmse = _rmse(dkv["query_major"], dkv["key_major"])
+            if not rmse <= TOLERANCE["bfloat16"]:
+                disagree.append(f"{seq}_{name}")
+            chosen = triton_impl.dkv_order(seq, topk)
+            out[f"{seq}_{name}"] = {"backward_ms": ms, "query_major_speedup": round(ms["key_major"]
+                                                                                   / ms["query_major"], 2),
+                                    "chosen": chosen, "chosen_is_faster": ms[chosen] == min(ms.values()),
+                                    "rmse_between_orders": round(rmse, 6)}
+            del o, lse, dkv
+        del q, kv, grad
+    if disagree:
+        raise AssertionError(f"the dK/dV orders disagree beyond {TOLERANCE['bfloat16']} at {disagree}: {out}")
+    return out
+
+
 def _bench_moe(s: Setting, peaks: dict) -> dict:
     """Forward of the grouped LoRA GEMM, Triton vs torch grouped_mm, at the seed model's expert widths (gate_up
     7168 -> 4096, down 2048 -> 7168) and a small one; `choice_table` is kernels/moe/choice.py's MEASURED."""
@@ -536,6 +588,9 @@ def _bench_moe(s: Setting, peaks: dict) -> dict:
     counts = torch.full((experts,), tokens // experts, device=s.device)
     out, table = {}, {}
     for hidden, inter in shapes:
+        if s.spent():
+            out[f"{hidden}x{inter}"] = s.spent()
+            continue
         x, a, b = _leaves(s.device, torch.bfloat16, (tokens, hidden), (experts, hidden, rank),
                           (experts, rank, inter), scale=0.02, grad=False)
         w = _leaves(s.device, torch.bfloat16, (experts, hidden, inter), scale=hidden**-0.5, grad=False)[0]
@@ -551,7 +606,8 @@ def _bench_moe(s: Setting, peaks: dict) -> dict:
         table[f"({hidden}, {inter})"] = "triton" if row["triton_vs_grouped_mm"] > 1 else "torch"
         del x, a, b, w
     return {"experts": experts, "tokens": tokens, "rank": rank, "shapes": out, "choice_table": table,
-            "triton_vs_grouped_mm": min(r["triton_vs_grouped_mm"] for r in out.values())}
+            "triton_vs_grouped_mm": min((r["triton_vs_grouped_mm"] for r in out.values() if "skipped" not in r),
+                                        default=None)}
 
 
 def stage_bench(s: Setting, peaks: dict) -> dict:
@@ -572,20 +628,22 @@ def main(argv=None) -> int:
     if args.dry_run:
         torch.set_num_threads(1)  # tiny shapes: more threads only contend
     s, report = Setting(args.dry_run), Report()
+    report.plan()
     env = report.run("env", stage_env, s)
-    compiled = report.run("compile", stage_compile, s)
     correctness = report.run("correctness", stage_correctness, s)
     syncs = report.run("syncs", stage_syncs, s)
     job = report.run("job_step", stage_job_step, s)
+    dkv = report.run("sparse_dkv", stage_sparse_dkv, s)
     bench = report.run("bench", stage_bench, s, env) if "error" not in env else {}
     summary = {"failed": ",".join(report.failures) or "none", "dry_run": args.dry_run,
-               "sm90_variants": compiled.get("variants"), "sm90_over_budget": len(compiled.get("over_budget", {})),
                "worst_rmse": max((v for v in correctness.get("rmse_ratio", {}).values()
                                   if isinstance(v, float)), default=None),
                "moe_syncs": syncs.get("moe_layer_fwd_bwd"), "kda_syncs": syncs.get("kda_layer_fwd"),
                "sparse_syncs": syncs.get("sparse_attention_fwd_bwd"),
                "job_step": "skipped" if "skipped" in job else ("error" if "error" in job else "ok"),
                "moe_triton_vs_grouped_mm": bench.get("moe", {}).get("triton_vs_grouped_mm"),
+               **{f"sparse_dkv_{case}_query_major_speedup": row.get("query_major_speedup")
+                  for case, row in dkv.items() if isinstance(row, dict) and "backward_ms" in row},
                **{f"sparse_{seq}_vs_sdpa_{sel}": row.get(f"speedup_vs_sdpa_{sel}")
                   for seq, row in bench.get("sparse_attention", {}).items() for sel in ("latest", "random")}}
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
