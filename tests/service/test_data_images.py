@@ -92,7 +92,7 @@ def test_the_driver_gets_the_tenants_access_and_refuses_what_submission_did_not_
 
     env = Scheduler(service.store, service.app.state.settings).job_env(service.store.get_job(job["id"]), "token")
     settings = WorkerSettings.from_env(env)
-    assert json.loads(env[ENV_URI_ACCESS]) == {"prefixes": [f"s3://{a}"], "allow_file_uris": False}
+    assert json.loads(env[ENV_URI_ACCESS]) == {"prefixes": [f"s3://{a}"], "allow_file_uris": False, "file_roots": None}
     assert json.loads(env[ENV_IMAGE_LIMITS])["max_images_per_row"] == settings.image_limits.max_images_per_row == 3
     with pytest.raises(DatasetError) as err:
         load_rows(f"s3://{a}/big.jsonl", "training_file", ImageCheck(settings.uri_access, settings.image_limits, None))
