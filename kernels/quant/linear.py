@@ -1,10 +1,8 @@
-"""y = x W^T over a frozen QuantizedWeight, never with the whole dense W. Two paths, the same numbers:
-- "triton" (CUDA, the formats its kernel reads): kernels.moe's grouped GEMM with one expert, which dequantizes each
-  [BLOCK_K, BLOCK_N] tile in registers and accumulates in fp32 across the whole K, forward and dX alike;
-- "torch" (elsewhere, and asymmetric INT4): tiles of output rows, as many as TILE_BYTES of dense fp32 allows,
-  dequantized one at a time in the forward and again in the backward (dX = dY W). dX sums every tile's exact fp32
-  product in fp32 and rounds once per element, like one matmul over all rows (bf16 tile partials would round at
-  every tile).
+"""y = x W^T over a frozen QuantizedWeight, never with the whole dense W, in PyTorch: tiles of output rows, as many
+as TILE_BYTES of dense fp32 allows, dequantized one at a time in the forward and again in the backward (dX = dY W).
+dX sums every tile's exact fp32 product in fp32 and rounds once per element, like one matmul over all rows (bf16
+tile partials would round at every tile). On CUDA a frozen quantized linear runs kernels.moe's Triton kernel with
+one expert instead (kernels/moe/linear.py, QuantizedLinear); the per-expert loop of kernels.moe runs this.
 Nothing dense is saved for the backward. W gets no gradient: it is frozen, and any adapter (LoRA) lives outside."""
 
 from __future__ import annotations
@@ -49,32 +47,12 @@ class _QuantizedLinear(torch.autograd.Function):
         return grad_x.to(grad_y.dtype), None, None
 
 
-def _kernel_reads(qweight: QuantizedWeight) -> bool:
-    return getattr(qweight, "weight_zero_point", None) is None  # the kernel reads symmetric INT4 only
-
-
-def _triton_linear(x: torch.Tensor, qweight: QuantizedWeight) -> torch.Tensor:
-    from moetune.kernels.moe.function import moe_lora_linear
-
-    rows = x.reshape(-1, x.shape[-1])
-    one_expert = qweight.with_tensors(**{name: t.unsqueeze(0) for name, t in qweight.tensors().items()})
-    count = torch.full((1,), rows.shape[0], device=x.device)  # made on the device: no host sync
-    y = moe_lora_linear(rows, count, one_expert, None, None, 0.0, backend="triton")
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def quantized_linear(x: torch.Tensor, qweight: QuantizedWeight, tile_rows: int | None = None,
-                     backend: str | None = None) -> torch.Tensor:
-    """x [..., in] @ W^T for a 2D [out, in] qweight -> [..., out] in x's dtype (W dequantized to it). backend: None
-    (Triton on CUDA where its kernel reads the format, else torch), "triton" or "torch". tile_rows (torch): output
-    rows per dequantized tile, a multiple of qweight.row_align (default: sized by TILE_BYTES)."""
+def quantized_linear(x: torch.Tensor, qweight: QuantizedWeight, tile_rows: int | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T for a 2D [out, in] qweight -> [..., out] in x's dtype (W dequantized to it). tile_rows:
+    output rows per dequantized tile, a multiple of qweight.row_align (default: sized by TILE_BYTES)."""
     if len(qweight.shape) != 2 or x.shape[-1] != qweight.shape[-1]:
         raise ValueError(f"x {tuple(x.shape)} cannot multiply a weight {tuple(qweight.shape)}: it must be 2D "
                          "[out, in] (one expert: qweight.expert(e)) with in = x.shape[-1]")
-    if backend is None:
-        backend = "triton" if x.is_cuda and _kernel_reads(qweight) else "torch"
-    if backend == "triton":
-        return _triton_linear(x, qweight)
     align = qweight.row_align
     tile_rows = tile_rows or _tile_rows(qweight, x.numel() // x.shape[-1])
     if tile_rows % align:

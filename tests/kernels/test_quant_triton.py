@@ -12,7 +12,8 @@ import torch
 
 from moetune.kernels.moe import moe_lora_grouped, moe_lora_mlp
 from moetune.kernels.moe.reference import moe_lora_reference
-from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4, quantized_linear
+from moetune.kernels.moe.linear import triton_quantized_linear
+from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
 from moetune.kernels.testing import rmse_ratio
 from tests.support.moe_reference import check_grouped
 from tests.support.triton_child import (  # noqa: F401 (test_interpreter_run: collected here)
@@ -66,7 +67,7 @@ def test_triton_dequantizes_in_the_kernel(fmt, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_triton_quantized_linear_is_the_kernel_with_one_expert(fmt, dtype):
-    """quantized_linear's CUDA path (a frozen quantized nn.Linear): the grouped kernel over one expert, forward and
+    """QuantizedLinear's CUDA path (kernels/moe/linear.py): the grouped kernel over one expert, forward and
     dX against x Wᵀ with W dequantized to the compute dtype, leading dims kept."""
     quantize, d_in, d_out = FORMATS[fmt]
     gen = torch.Generator().manual_seed(7)
@@ -75,7 +76,7 @@ def test_triton_quantized_linear_is_the_kernel_with_one_expert(fmt, dtype):
     grad = torch.randn(2, 35, d_out, generator=gen).to(dtype)
     q, x, grad = to_device(backend_device(), q, x, grad)
     w = q.dequantize(dtype=dtype).float()
-    out = quantized_linear(x, q, backend="triton")
+    out = triton_quantized_linear(x, q)
     (dx,) = torch.autograd.grad(out, x, grad)
     assert out.dtype == dx.dtype == dtype and out.shape == (2, 35, d_out)
     assert rmse_ratio(out, x.float() @ w.T) <= TOLERANCE[dtype]

@@ -21,7 +21,7 @@ import torch
 
 from moetune.api.environment import ENV_PERTURB_OP
 from moetune.api.errors import ErrorCode
-import moetune.kernels.quant.modules as quant_modules
+import moetune.kernels.moe.linear as quantized_linear_module
 import moetune.workers.families.kda as kda_module
 import moetune.workers.families.mla as mla_module
 from moetune.kernels.kda import l2norm
@@ -87,7 +87,7 @@ OPERATORS = (
     Operator("gated_delta", _module_site(kda_module, "chunk_gated_delta_rule"), _gated_delta_reference),
     Operator("sparse_attention", _module_site(mla_module, "sparse_attention"), _sparse_reference),
     Operator("experts", _swapped_experts, grouped_expert_forward),
-    Operator("quantized_linear", _module_site(quant_modules, "quantized_linear"), _quantized_reference),
+    Operator("quantized_linear", _module_site(quantized_linear_module, "quantized_linear"), _quantized_reference),
 )
 
 

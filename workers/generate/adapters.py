@@ -108,7 +108,7 @@ def parse_adapter(uri: str, config: dict, tensors: dict[str, torch.Tensor], line
 
 
 def linear_dims(module: nn.Linear) -> tuple[int, int]:
-    """(in, out) of a linear, dense or quantized (kernels.quant's QuantizedLinear is an nn.Linear)."""
+    """(in, out) of a linear, dense or quantized (kernels.moe.linear's QuantizedLinear is an nn.Linear)."""
     return module.in_features, module.out_features
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from moetune.kernels.quant import QuantizedLinear, QuantizedWeight, hold
+from moetune.kernels.moe.linear import QuantizedLinear
+from moetune.kernels.quant import QuantizedWeight, hold
 
 
 def _transposed(model: nn.Module, param: str) -> bool:

@@ -64,7 +64,8 @@ def test_a_perturbed_operator_is_named(swapped, monkeypatch, op):
 
 
 def test_a_quantized_linear_is_compared_with_its_dequantized_weight(monkeypatch):
-    from moetune.kernels.quant import QuantizedLinear, quantize_fp8_block
+    from moetune.kernels.moe.linear import QuantizedLinear
+    from moetune.kernels.quant import quantize_fp8_block
 
     torch.manual_seed(0)
     layer = QuantizedLinear(quantize_fp8_block(torch.randn(256, 128)), None)

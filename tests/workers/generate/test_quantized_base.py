@@ -4,7 +4,8 @@ that mixes the adapter and the base."""
 
 from __future__ import annotations
 
-from moetune.kernels.quant import QuantizedLinear, held_names
+from moetune.kernels.moe.linear import QuantizedLinear
+from moetune.kernels.quant import held_names
 from moetune.workers.generate import Engine, GenerationRequest, SamplingParams
 from tests.support.adapters import write_adapter, write_checkpoint
 from tests.support.quantized import quantize_checkpoint
