@@ -84,7 +84,7 @@ def _measure(rank: int, world: int, model_dir: str, moetune: bool, args, method,
         losses.append(loss.item())
         if step >= args.warmup:
             wall += time.perf_counter() - start
-    tokens = sum(int(b.inputs["attention_mask"].sum()) for b in batches[args.warmup:])
+    tokens = sum(b.tokens for b in batches[args.warmup:])
     return {"step_s": wall / args.steps, "tokens": tokens / args.steps, "first_loss": losses[0]}
 
 

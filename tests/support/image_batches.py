@@ -42,6 +42,12 @@ def image_batch(method, rank: int):
     return method.collate(examples)
 
 
+def with_padding_mask(inputs: dict, pad_id: int) -> dict:
+    """The model inputs with the padding mask the family's processor would give (the job's batches carry none):
+    what the stock model is run on in the references."""
+    return {**inputs, "attention_mask": (inputs["input_ids"] != pad_id).long()}
+
+
 def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir: str) -> None:
     """This rank's moetune engine (kernel swaps, EP LoRA model, loss head) on its image batch: first loss sum and
     full LoRA gradients."""
@@ -75,7 +81,8 @@ def reference(tiny_vl, method, job, ranks) -> tuple[float, dict]:
     model = image_model(tiny_vl)
     torch.manual_seed(1)
     peft_model = apply_lora(model, job.lora)
-    loss = sum(token_loss_sum(peft_model(**b.inputs).logits, b.labels)
+    pad_id = method.tokenizer.pad_token_id
+    loss = sum(token_loss_sum(peft_model(**with_padding_mask(b.inputs, pad_id)).logits, b.labels)
                for b in (image_batch(method, r) for r in ranks)) / len(ranks)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}

@@ -112,11 +112,12 @@ def _over(tokens: int, images: int, seq_len: int) -> str | None:
 
 def collate_with_images(examples: list[Example], pad_id: int, image_token_id: int) -> Batch:
     """The text batch plus, when any row has images, their pixels and grids (rows in order) and the token types
-    (1 on image tokens) from which the model computes its multimodal rotary positions; with the padding mask, as
-    the family's processor gives it."""
+    (1 on image tokens) from which the model computes its multimodal rotary positions. No padding mask, as for
+    text (`collate`): the padding follows every real token, so neither the causal mask nor the rotary positions of
+    a real token change without it."""
     import torch
 
-    batch = collate(examples, pad_id, with_mask=True)
+    batch = collate(examples, pad_id)
     with_images = [e for e in examples if isinstance(e, ImageExample)]
     if with_images:
         batch.inputs["pixel_values"] = torch.cat([e.pixel_values for e in with_images])

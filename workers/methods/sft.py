@@ -109,8 +109,8 @@ def tokenize_rows(tokenizer, rows: list[dict], seq_len: int) -> tuple[list[Examp
     return with_loss([tokenize_row(tokenizer, row, seq_len) for row in rows])
 
 
-def collate(examples: list[Example], pad_id: int, with_mask: bool = False) -> Batch:
-    """Right-padded input_ids and labels (IGNORE on padding), and no attention mask (unless `with_mask`), so that
+def collate(examples: list[Example], pad_id: int) -> Batch:
+    """Right-padded input_ids and labels (IGNORE on padding), and no attention mask, so that
     transformers builds no [B, 1, T, T] one: with the padding after every real token, each real token sees under the
     plain causal mask exactly the tokens the padding mask would let it see, and no real token and no loss reads a
     padding position."""
@@ -123,11 +123,7 @@ def collate(examples: list[Example], pad_id: int, with_mask: bool = False) -> Ba
         n = len(e.input_ids)
         input_ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, :n] = torch.tensor(e.labels)
-    inputs = {"input_ids": input_ids}
-    if with_mask:
-        lengths = torch.tensor([len(e.input_ids) for e in examples])
-        inputs["attention_mask"] = (torch.arange(width) < lengths[:, None]).long()
-    return Batch(inputs, labels, sum(len(e.input_ids) for e in examples))
+    return Batch({"input_ids": input_ids}, labels, sum(len(e.input_ids) for e in examples))
 
 
 def collate_packed(examples: list[Example]) -> Batch:

@@ -9,7 +9,8 @@ from moetune.workers.families import REGISTRY, apply_kernel_swaps
 from moetune.workers.model import trainable_model
 from moetune.workers.parallel import job_placement
 from moetune.workers.tiny import write_tiny_multimodal_checkpoint
-from tests.support.image_batches import assert_grads, image_batch, image_method, image_model, reference
+from tests.support.image_batches import (assert_grads, image_batch, image_method, image_model, reference,
+                                         with_padding_mask)
 from tests.workers.parallel.harness import spec
 
 
@@ -39,9 +40,13 @@ def test_moetune_model_gives_stock_logits_on_images(tiny_vl, method):
     model = _moetune_model(tiny_vl, spec(ep=1, zero=2, world=1)).eval()
     stock = image_model(tiny_vl).eval()
     batch = image_batch(method, rank=0)
-    assert batch.inputs["pixel_values"].shape[0] > 0 and "attention_mask" in batch.inputs  # mixed, padded
-    with torch.no_grad():  # LoRA B starts at 0: the base model's function
-        torch.testing.assert_close(model(**batch.inputs).logits, stock(**batch.inputs).logits, rtol=1e-5,
+    # mixed and padded, without a padding mask (the stock model gets the processor's)
+    assert batch.inputs["pixel_values"].shape[0] > 0 and "attention_mask" not in batch.inputs
+    masked = with_padding_mask(batch.inputs, method.tokenizer.pad_token_id)
+    assert not masked["attention_mask"].all()
+    real = masked["attention_mask"].bool()
+    with torch.no_grad():  # LoRA B starts at 0: the base model's function, on every real token
+        torch.testing.assert_close(model(**batch.inputs).logits[real], stock(**masked).logits[real], rtol=1e-5,
                                    atol=1e-5)
 
 

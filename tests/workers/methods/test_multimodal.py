@@ -12,6 +12,7 @@ from moetune.workers.families import REGISTRY
 from moetune.workers.methods.batch import IGNORE
 from moetune.workers.methods.multimodal import ImageRows, collate_with_images, load_image
 from moetune.workers.tiny import solid_png, tiny_image_rows, write_tiny_multimodal_checkpoint
+from tests.support.image_batches import with_padding_mask
 from tests.support.images import data_url, image_bytes, image_row
 
 PROCESSORS = {"qwen3_5_moe": "Qwen3VLProcessor", "glm5_next": "Glm5NextProcessor"}
@@ -82,7 +83,8 @@ def test_inputs_are_transformers_processors(family_vl, row):
     sizes, n = [image.size for image in images], len(example.input_ids)
     assert image_rows.too_long(row, sizes, n) is None and f" is {n} tokens " in image_rows.too_long(row, sizes, n - 1)
     assert set(expected) == {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
-    for key in ("attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
+    assert "attention_mask" not in batch.inputs and expected["attention_mask"].all()  # one row: no padding
+    for key in ("pixel_values", "image_grid_thw", "mm_token_type_ids"):
         assert torch.equal(batch.inputs[key].to(expected[key].dtype), expected[key]), key
 
 
@@ -168,8 +170,9 @@ def test_mixed_batch_loss_through_the_loss_head(tiny_vl, image_rows):
     examples, dropped = method.examples(rows)
     assert dropped == 0 and [type(e).__name__ for e in examples] == ["Example"] * 2 + ["ImageExample"] * 2
     batch = method.collate(examples)
-    assert batch.inputs["image_grid_thw"].shape[0] == 2 and "attention_mask" in batch.inputs
-    want = token_loss_sum(plain(**batch.inputs).logits, batch.labels)
+    assert batch.inputs["image_grid_thw"].shape[0] == 2 and "attention_mask" not in batch.inputs
+    want = token_loss_sum(plain(**with_padding_mask(batch.inputs, image_rows.tokenizer.pad_token_id)).logits,
+                          batch.labels)
     want.backward()
     method.prepare(model)
     assert method.head is not None
