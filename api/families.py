@@ -184,11 +184,8 @@ def check_model_spec(config: dict, spec) -> None:
     `spec` is a resolved JobCreate. Used at submission (422) and again by the driver before workers start.
     """
     facts = facts_of(config)  # a malformed field or an unsupported model before the family's own rules
-    par, lora = spec.parallelism, spec.lora
-    experts = facts.num_experts(config)
-    if experts is not None and experts % par.expert_parallel_size:
-        raise SpecError("parallelism.expert_parallel_size",
-                        f"must divide the model's {experts} routed experts (got {par.expert_parallel_size})")
+    lora = spec.lora
+    spec.parallelism.check_expert_split(facts.num_experts(config))
     if lora.vision != "none" and (why := images_refusal(config)):
         raise SpecError("lora.vision", f"{lora.vision!r} puts LoRA on the model's vision tower, but {why}; "
                                        f"use \"none\" (the default)")

@@ -213,6 +213,15 @@ class ParallelismSpec(_Strict):
         then run each forward with its peers."""
         return self.expert_parallel_size > 1 or self.zero_stage == 3
 
+    def check_expert_split(self, routed_experts: int | None = None) -> None:
+        """The control plane's one check that EP divides the workers and the routed experts (`routed_experts`, once
+        the model's config.json is read); the workers' one is workers.experts.placement.ExpertPlacement."""
+        if self.num_workers % self.expert_parallel_size:
+            raise SpecError("parallelism.expert_parallel_size", "must divide parallelism.num_workers")
+        if routed_experts is not None and routed_experts % self.expert_parallel_size:
+            raise SpecError("parallelism.expert_parallel_size", f"must divide the model's {routed_experts} routed "
+                                                                f"experts (got {self.expert_parallel_size})")
+
 
 class Hyperparameters(_Strict):
     """OpenAI-compatible knobs; when given they override the matching `training` fields."""
@@ -364,8 +373,7 @@ def resolve_spec(req: JobCreate) -> JobCreate:
         )
     if training.memory_budget_mb is not None and not auto:
         raise SpecError("training.memory_budget_mb", "only applies to micro_batch_size \"auto\"")
-    if par.num_workers % par.expert_parallel_size:
-        raise SpecError("parallelism.expert_parallel_size", "must divide parallelism.num_workers")
+    par.check_expert_split()
     if par.gpus_per_worker > 1:  # a worker is one rank and drives one device: the rest would sit idle
         raise SpecError("parallelism.gpus_per_worker",
                         f"must be 0 (CPU workers) or 1: each worker is one training rank on one GPU; for "
