@@ -72,9 +72,9 @@ def _v4_converted_names(model_type: str | None) -> set[str]:
 def loadable_adapter_config(config, model_type: str | None, expert_in_proj: str | None):
     """A copy of the trained LoRA config that `PeftModel.from_pretrained` loads onto the plain model as trained.
 
-    Linears whose names PEFT would rewrite (shared experts, dense MLPs of qwen3_next / deepseek_v3) are listed
-    as `target_parameters` on their weight instead: PEFT converts only `target_modules`, and parameter LoRA on a
-    2D weight has the same keys and the same update. Parameter LoRA rejects dropout, which only acts in training,
+    Linears whose names PEFT would rewrite (shared experts and dense MLPs of the model types its table lists) are
+    listed as `target_parameters` on their weight instead: PEFT converts only `target_modules`, and parameter LoRA
+    on a 2D weight has the same keys and the same update. Parameter LoRA rejects dropout, which only acts in training,
     so the exported config has none once it uses `target_parameters`.
     """
     import copy

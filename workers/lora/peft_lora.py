@@ -78,10 +78,10 @@ def check_targets_on_config(config: dict, spec: LoraSpec) -> Coverage:
 
 @contextmanager
 def _no_v4_target_conversion(model):
-    """PEFT 0.21 rewrites the targets `gate`, `gate_proj`, `up_proj`, `down_proj` of some MoE model types (qwen3_moe,
-    qwen3_next, deepseek_v3) into LoRA on the fused routed experts and the router (its transformers v4 -> v5
-    conversion). Here those names mean the dense / shared-expert linears, the router stays frozen and routed
-    experts get their own expert-parallel LoRA (`train_experts`), so the conversion is off while wrapping."""
+    """PEFT 0.21 rewrites the targets `gate`, `gate_proj`, `up_proj`, `down_proj` of the MoE model types its table
+    lists into LoRA on the fused routed experts and the router (its transformers v4 -> v5 conversion). Here those
+    names mean the dense / shared-expert linears, the router stays frozen and routed experts get their own
+    expert-parallel LoRA (`train_experts`), so the conversion is off while wrapping."""
     from peft.utils import transformers_weight_conversion as conversion
 
     model_type = getattr(model.config, "model_type", None)
