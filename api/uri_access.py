@@ -1,5 +1,5 @@
 """Which storage URIs one tenant's job may read and write: the control plane checks a job's URI fields with it at
-submission (service/uri_policy.py), and hands it to the driver, which checks the image URIs inside the data files
+submission (service/submission/uri_policy.py), and hands it to the driver, which checks the image URIs inside the data files
 the same way before any worker starts."""
 
 from __future__ import annotations

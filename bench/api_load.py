@@ -29,8 +29,8 @@ from pathlib import Path
 
 import aiohttp
 
-from moetune.service.demo import demo_job_spec, make_demo_assets
-from moetune.service.embedded import free_port, s3_env, spawn_s3_server, stop_process, wait_http
+from moetune.service.local.demo import demo_job_spec, make_demo_assets
+from moetune.service.local.embedded import free_port, s3_env, spawn_s3_server, stop_process, wait_http
 
 JOBS = "/v1/fine_tuning/jobs"
 SPEC = demo_job_spec().model_dump(mode="json", exclude_none=True)

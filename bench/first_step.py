@@ -16,8 +16,8 @@ from pathlib import Path
 
 from moetune.api.client import Client
 from moetune.api.models import JobStatus
-from moetune.service import local_stack
-from moetune.service.demo import BUCKET, MODELS, demo_job_spec, make_demo_assets
+from moetune.service.local import stack as local_stack
+from moetune.service.local.demo import BUCKET, MODELS, demo_job_spec, make_demo_assets
 
 # (label, how the event's message starts): the path of a job from the Ray submission to its first step
 PHASES = [

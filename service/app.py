@@ -10,13 +10,13 @@ from starlette.concurrency import run_in_threadpool
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models import ErrorResponse
-from moetune.service import internal, model_routes, routes, uploaded_files
 from moetune.service.auth import TenantResolver
 from moetune.service.base_models import BaseModels
+from moetune.service.cluster.scheduler import Scheduler
 from moetune.service.errors import error_response, install_error_handlers
 from moetune.service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
 from moetune.service.readiness import dependency_status
-from moetune.service.scheduler import Scheduler
+from moetune.service.routes import files, internal, jobs, models
 from moetune.service.settings import Settings
 from moetune.service.store import Store
 
@@ -66,12 +66,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestLatencyMiddleware, histogram=metrics.request_latency)
     app.add_middleware(_TrailingSlashIgnored)
-    app.include_router(routes.router)
-    app.include_router(routes.plans)
-    app.include_router(model_routes.models)
-    app.include_router(model_routes.deployments)
-    app.include_router(model_routes.inference)
-    app.include_router(uploaded_files.router)
+    app.include_router(jobs.router)
+    app.include_router(jobs.plans)
+    app.include_router(models.models)
+    app.include_router(models.deployments)
+    app.include_router(models.inference)
+    app.include_router(files.router)
     app.include_router(internal.router)
 
     @app.get("/healthz", tags=["ops"])

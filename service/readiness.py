@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moetune.api import storage
-from moetune.service.ray_jobs import RayJobs
+from moetune.service.cluster.ray_jobs import RayJobs
 from moetune.service.settings import Settings
 from moetune.service.store import Store
 

@@ -38,14 +38,14 @@ class Settings(BaseSettings):
     worker_env_passthrough: Annotated[list[str], NoDecode] = list(PASSTHROUGH_ENV)
     driver_entrypoint: str = "python -m moetune.workers.entry.driver"
     # Storage a tenant's jobs may use: JSON {"tenant": ["s3://bucket/", "s3://shared/models/"], "*": [...]}
-    # ("*" applies to every tenant). Empty: any bucket. See service/uri_policy.py.
+    # ("*" applies to every tenant). Empty: any bucket. See service/submission/uri_policy.py.
     uri_allow_list: dict[str, list[str]] = {}
     # file:// lets a job read and write the workers' disks: only for single-user setups (the demo turns it on),
     # and only under the listed directories (JSON list, or comma-separated), which it then requires.
     allow_file_uris: bool = False
     file_uri_roots: Annotated[list[str], NoDecode] = []
     # The GPUs jobs run on, "nodes=8,gpus_per_node=8,gpu_memory=141GB,nic=400Gbps" (api.plans.parse_cluster):
-    # submission then refuses a GPU job whose parallelism cannot fit them (service/planning.py). Unset: no check.
+    # submission then refuses a GPU job whose parallelism cannot fit them (service/submission/planning.py). Unset: no check.
     cluster: str | None = None
     # Images in chat rows, as JSON, e.g. {"max_image_bytes": 5000000, "max_images_per_row": 4, "max_image_pixels":
     # 16000000}; the driver checks every image against them before any worker starts (api/images.py).

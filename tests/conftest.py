@@ -9,7 +9,7 @@ import uuid
 import boto3
 import pytest
 
-from moetune.service.embedded import local_ray_head, local_s3_server, s3_env
+from moetune.service.local.embedded import local_ray_head, local_s3_server, s3_env
 from moetune.workers.settings import use_prebuilt_ops
 from tests.support.receiver import ReportReceiver
 

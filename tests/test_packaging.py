@@ -15,7 +15,7 @@ from tests.support import REPO
 def test_the_distribution_has_one_top_level_name():
     dist = importlib.metadata.distribution("moetune")
     assert set(dist.read_text("top_level.txt").split()) == {"moetune"}
-    assert dist.entry_points.select(group="console_scripts")["moetune"].value == "moetune.service.cli:main"
+    assert dist.entry_points.select(group="console_scripts")["moetune"].value == "moetune.service.cli.main:main"
 
 
 def test_hugging_face_kernels_imports_beside_moetune(tmp_path):

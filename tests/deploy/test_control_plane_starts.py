@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moetune.service.embedded import free_port, stop_process, wait_http
+from moetune.service.local.embedded import free_port, stop_process, wait_http
 
 # Cluster-side settings that have a loopback stand-in in this test.
 CLUSTER_ADDRESSES = ("MOETUNE_RAY_ADDRESS", "MOETUNE_S3_ENDPOINT_URL", "MOETUNE_CALLBACK_URL")

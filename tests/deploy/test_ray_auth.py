@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from moetune.service.embedded import local_ray_head
+from moetune.service.local.embedded import local_ray_head
 
 LIST_JOBS = "import sys; from ray.job_submission import JobSubmissionClient as C; C(sys.argv[1]).list_jobs()"
 

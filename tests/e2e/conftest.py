@@ -6,7 +6,7 @@ import boto3
 import pytest
 
 from moetune.api.client import Client
-from moetune.service.embedded import free_port, stop_process
+from moetune.service.local.embedded import free_port, stop_process
 from tests.support.control_plane import ASSETS_BUCKET, TOKENS, control_plane_env, spawn_control_plane
 
 

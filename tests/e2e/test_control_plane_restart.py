@@ -19,7 +19,7 @@ import pytest
 from ray.job_submission import JobSubmissionClient
 
 from moetune.api.client import Client
-from moetune.service.embedded import free_port, stop_process
+from moetune.service.local.embedded import free_port, stop_process
 from tests.support.control_plane import TOKENS, control_plane_env, spawn_control_plane
 
 pytestmark = pytest.mark.ray_job

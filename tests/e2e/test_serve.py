@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from moetune.service.app import create_app
-from moetune.service.cli import main
-from moetune.service.embedded import control_plane_in_thread, free_port
+from moetune.service.cli.main import main
+from moetune.service.local.embedded import control_plane_in_thread, free_port
 from tests.support.control_plane import TOKENS, RunningService, settings_for
 from tests.workers.generate.conftest import write_adapter, write_checkpoint
 

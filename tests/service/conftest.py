@@ -15,7 +15,7 @@ from contextlib import ExitStack
 import boto3
 import pytest
 
-from moetune.service.embedded import free_port
+from moetune.service.local.embedded import free_port
 from tests.support.control_plane import OUTPUT_BUCKET, RunningService, run_service, settings_for
 
 

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from moetune.api.families import FAMILIES
-from moetune.service import cli
-from moetune.service.embedded import free_port, s3_env
+from moetune.service.cli import main as cli
+from moetune.service.local.embedded import free_port, s3_env
 from moetune.workers.families import REGISTRY
 from tests.support.families import plain_model
 
@@ -78,7 +78,7 @@ def test_a_trailing_slash_answers_like_the_path_without_it(service, path):
 def test_client_commands_import_no_server(args):
     """A command that only talks to the control plane is an SDK client: it loads neither FastAPI nor SQLAlchemy
     (the server's stack), only `moetune server`, `up` and `demo` do."""
-    code = ("import sys\nfrom moetune.service.cli import main\n"
+    code = ("import sys\nfrom moetune.service.cli.main import main\n"
             f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'sqlalchemy', 'uvicorn'}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

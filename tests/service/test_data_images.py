@@ -9,7 +9,7 @@ import boto3
 import pytest
 
 from moetune.api.environment import ENV_IMAGE_LIMITS, ENV_URI_ACCESS
-from moetune.service.scheduler import Scheduler
+from moetune.service.cluster.scheduler import Scheduler
 from moetune.workers.data.images import ImageCheck
 from moetune.workers.data.rows import load_rows
 from moetune.workers.errors import DatasetError

@@ -10,8 +10,9 @@ import httpx
 from click.testing import CliRunner
 
 from moetune.api.client import Client
-from moetune.service import cli, local_stack
-from moetune.service.embedded import s3_env
+from moetune.service.cli import main as cli
+from moetune.service.local import stack as local_stack
+from moetune.service.local.embedded import s3_env
 
 
 def _run(*args):

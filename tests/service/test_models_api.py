@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moetune.service.embedded import free_port
+from moetune.service.local.embedded import free_port
 from tests.support.control_plane import run_service, settings_for
 
 BASE_URI = "s3://models/tiny"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from moetune.service.cli import main
+from moetune.service.cli.main import main
 from moetune.workers.families import REGISTRY
 from moetune.workers.tiny import write_tiny_tokenizer
 from tests.support.control_plane import API_TOKENS, run_service

@@ -8,8 +8,8 @@ import pytest
 
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
 from moetune.api.models import JobRunSpec
-from moetune.service.embedded import free_port
-from moetune.service.scheduler import Scheduler, short_cause
+from moetune.service.cluster.scheduler import Scheduler, short_cause
+from moetune.service.local.embedded import free_port
 
 JOBS = "/v1/fine_tuning/jobs"
 

@@ -6,7 +6,7 @@ import threading
 import httpx
 
 from moetune.api.models import JobEvent
-from moetune.service import streaming
+from moetune.service.routes import event_stream
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -72,7 +72,7 @@ def test_last_event_id_resumes_after_that_event(service):
 
 
 def test_an_idle_stream_sends_keep_alive_comments(service, monkeypatch):
-    monkeypatch.setattr(streaming, "KEEPALIVE_INTERVAL_S", 0.2)
+    monkeypatch.setattr(event_stream, "KEEPALIVE_INTERVAL_S", 0.2)
     job_id = service.create_job()["id"]
     token = service.start_job(job_id)
     lines: list[str] = []

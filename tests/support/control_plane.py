@@ -22,7 +22,7 @@ from moetune.api.layout import CHECKPOINT_MANIFEST, checkpoint_uri
 from moetune.api.models import REPORT_PATH, JobStatus
 from moetune.service.app import create_app
 from moetune.service.auth import hash_token, new_job_token
-from moetune.service.embedded import control_plane_in_thread, free_port, s3_env, wait_http
+from moetune.service.local.embedded import control_plane_in_thread, free_port, s3_env, wait_http
 from moetune.service.settings import Settings
 from moetune.service.store import Store
 

@@ -1,5 +1,5 @@
 """The Serve application's builder (`import_path: moetune.workers.serve.app:build_app`, see
-service/serve_deploy.py): one engine deployment per base, behind the OpenAI ingress."""
+service/cluster/serve_deploy.py): one engine deployment per base, behind the OpenAI ingress."""
 
 from __future__ import annotations
 

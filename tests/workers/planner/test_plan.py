@@ -53,7 +53,7 @@ def _as_printed(plan: dict) -> list[str]:
 
     from rich.console import Console
 
-    from moetune.service.plan_view import plan_summary, plan_table
+    from moetune.service.cli.plan_view import plan_summary, plan_table
 
     console = Console(width=120, file=io.StringIO(), record=True)
     console.print(plan_table(plan))

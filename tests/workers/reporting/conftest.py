@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import yaml
 
-from moetune.service.embedded import free_port, stop_process, wait_http
+from moetune.service.local.embedded import free_port, stop_process, wait_http
 from tests.support.prometheus import PROMETHEUS_DIR, SCRAPE_INTERVAL_S, Prometheus, binary
 
 

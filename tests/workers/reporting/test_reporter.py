@@ -1,5 +1,5 @@
 from moetune.api.layout import result_from_summary
-from moetune.service.embedded import free_port
+from moetune.service.local.embedded import free_port
 from moetune.workers.reporting.reporter import Reporter
 
 

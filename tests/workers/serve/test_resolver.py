@@ -2,7 +2,7 @@
 
 import asyncio
 
-from moetune.service.embedded import free_port
+from moetune.service.local.embedded import free_port
 from moetune.workers.serve.resolver import ModelResolver, Refusal
 
 

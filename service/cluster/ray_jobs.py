@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ray.job_submission import JobSubmissionClient
 
-from moetune.service.cluster_resources import NodeResources, nodes_from_cluster_status
+from moetune.service.cluster.resources import NodeResources, nodes_from_cluster_status
 
 log = logging.getLogger(__name__)
 

@@ -20,15 +20,15 @@ from moetune.api import storage
 from moetune.api.client import Client
 from moetune.api.models import JobCreate, JobStatus, LoraSpec, ParallelismSpec, TrainingSpec
 from moetune.service.app import create_app
-from moetune.service.demo_chat import chat_with_tuned_model, start_serving
-from moetune.service.embedded import (
+from moetune.service.cli.progress import follow
+from moetune.service.local.demo_chat import chat_with_tuned_model, start_serving
+from moetune.service.local.embedded import (
     control_plane_in_thread,
     free_port,
     local_ray_head,
     local_s3_server,
     s3_env,
 )
-from moetune.service.progress import follow
 from moetune.service.settings import Settings
 
 BUCKET = "moetune-demo"

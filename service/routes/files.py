@@ -18,12 +18,12 @@ from moetune.api.data_rows import RowError, evaluation_row_problem, parse_rows, 
 from moetune.api.errors import ErrorCode
 from moetune.api.images import MB
 from moetune.api.models import FILE_ID_PREFIX, ErrorResponse, FileDeleted, FileObject, FilePurpose, ListPage
-from moetune.service.data_files import row_image_refusal
-from moetune.service.deps import StoreDep, Tenant
 from moetune.service.errors import APIException, invalid_request
+from moetune.service.routes.deps import StoreDep, Tenant
 from moetune.service.settings import Settings
 from moetune.service.store import FileRow, Store
-from moetune.service.uri_policy import tenant_access
+from moetune.service.submission.data_images import row_image_refusal
+from moetune.service.submission.uri_policy import tenant_access
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses={
     code: {"model": ErrorResponse, "description": what} for code, what in (

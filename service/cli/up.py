@@ -1,4 +1,4 @@
-"""`moetune up` / `moetune down` (service/local_stack.py): a local stack that stays up between commands."""
+"""`moetune up` / `moetune down` (service/local/stack.py): a local stack that stays up between commands."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from moetune.service import local_stack
+from moetune.service.local import stack as local_stack
 
 _STATE_DIR = click.option("--state-dir", default=str(local_stack.STATE_DIR), show_default=True,
                           type=click.Path(file_okay=False, path_type=Path), help="Where the stack keeps its state.")
@@ -23,7 +23,7 @@ _STATE_DIR = click.option("--state-dir", default=str(local_stack.STATE_DIR), sho
 def up(with_demo_assets: bool, ray_address: str | None, num_cpus: int | None, state_dir: Path) -> None:
     """Start the embedded stack (S3 server, Ray head, control plane, SQLite) in the background; data kept in
     STATE_DIR across `down` and `up`."""
-    from moetune.service.demo import BUCKET, MODELS, make_demo_assets
+    from moetune.service.local.demo import BUCKET, MODELS, make_demo_assets
 
     bases = {MODELS[False]: f"s3://{BUCKET}/models/{MODELS[False]}"} if with_demo_assets else None
     already = local_stack.read_stack(state_dir)

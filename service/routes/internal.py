@@ -20,11 +20,11 @@ from moetune.api.models import (
     WorkerReport,
 )
 from moetune.service.auth import bearer_token, job_token_matches, unauthorized
-from moetune.service.deps import StoreDep
 from moetune.service.errors import APIException, invalid_request
-from moetune.service.files import read_json
 from moetune.service.lifecycle import finish_job
+from moetune.service.routes.deps import StoreDep
 from moetune.service.store import JobRow
+from moetune.service.submission.job_storage import read_json
 
 router = APIRouter(tags=["internal"], include_in_schema=False)
 _ETA_ORIGIN = "eta_origin"  # [step, epoch seconds] in JobRow.progress

@@ -14,15 +14,15 @@ from moetune.api.layout import report_html_uri, report_json_uri
 from moetune.api.models import Checkpoint, ErrorResponse, Job, JobCreate, JobEvent, ListPage, SpecError, resolve_spec
 from moetune.api.plans import PlanRequest
 from moetune.api.report import AdaptationReport
-from moetune.service import jobs as job_service
-from moetune.service import lifecycle, planning
-from moetune.service.deps import JobView, StoreDep, Tenant
+from moetune.service import lifecycle
 from moetune.service.errors import APIException, invalid_request, job_not_found
-from moetune.service.files import read_model_config
-from moetune.service.job_inputs import resolve_inputs
+from moetune.service.routes.deps import JobView, StoreDep, Tenant
+from moetune.service.routes.event_stream import job_event_stream
 from moetune.service.store import JobRow, Store
-from moetune.service.streaming import job_event_stream
-from moetune.service.uri_policy import check_job_uris
+from moetune.service.submission import create as submission, planning
+from moetune.service.submission.inputs import resolve_inputs
+from moetune.service.submission.job_storage import read_model_config
+from moetune.service.submission.uri_policy import check_job_uris
 from moetune.service.views import (
     CHECKPOINT_ID_PREFIX,
     EVENT_ID_PREFIX,
@@ -74,7 +74,7 @@ def _page(rows: list, has_more: bool, view) -> ListPage:
 @router.post("", response_model=Job)
 def create_job(request: Request, body: JobCreate, tenant: Tenant, store: StoreDep, job_view: JobView,
                idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> Job:
-    return job_view(job_service.create_job(store, request.app.state.settings, tenant, body,
+    return job_view(submission.create_job(store, request.app.state.settings, tenant, body,
                                            request.app.state.base_models, idempotency_key))
 
 

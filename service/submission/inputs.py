@@ -1,5 +1,5 @@
 """What a job request names by handle, turned into the URIs the checks and the workers read: a registered base
-model's name (service/base_models.py) and uploaded files' ids (service/uploaded_files.py)."""
+model's name (service/base_models.py) and uploaded files' ids (service/routes/files.py)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from rich.console import Console
 
 from moetune.api.client import Client
 from moetune.api.models import Job
-from moetune.service import serve_deploy
-from moetune.service.serve_cli import wait_until_running
+from moetune.service.cli.serve import wait_until_running
+from moetune.service.cluster import serve_deploy
 from moetune.service.settings import Settings
 
 

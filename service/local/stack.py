@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moetune.api import storage
-from moetune.service.embedded import free_port, s3_env, spawn_ray_head, spawn_s3_server, wait_http
+from moetune.service.local.embedded import free_port, s3_env, spawn_ray_head, spawn_s3_server, wait_http
 
 STATE_DIR = Path(".moetune")
 TENANT = "local"

@@ -31,13 +31,13 @@ from moetune.api.models import (
     ResultReport,
 )
 from moetune.service.auth import hash_token, new_job_token
-from moetune.service.cluster_resources import Shortage, never_placeable, wait_reason
-from moetune.service.files import missing_input, read_json
+from moetune.service.cluster.ray_jobs import RayJobs, RayUnavailable
+from moetune.service.cluster.resources import Shortage, never_placeable, wait_reason
 from moetune.service.lifecycle import SLOT_STATUSES, finish_job
-from moetune.service.ray_jobs import RayJobs, RayUnavailable
 from moetune.service.settings import Settings
 from moetune.service.store import JobRow, Store
-from moetune.service.uri_policy import tenant_access
+from moetune.service.submission.job_storage import missing_input, read_json
+from moetune.service.submission.uri_policy import tenant_access
 
 log = logging.getLogger(__name__)
 

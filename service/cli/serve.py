@@ -12,7 +12,7 @@ from rich.console import Console
 
 from moetune.api import storage
 from moetune.api.client import Client
-from moetune.service import serve_deploy
+from moetune.service.cluster import serve_deploy
 
 console = Console()
 _SERVE_URL = "http://127.0.0.1:8001"

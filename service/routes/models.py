@@ -8,9 +8,9 @@ from fastapi.concurrency import run_in_threadpool
 from moetune.api.errors import ErrorCode
 from moetune.api.models import ErrorResponse, JobCreate, JobStatus
 from moetune.api.serving import Deployment, ModelList, ModelObject
-from moetune.service import serve_deploy
-from moetune.service.deps import JobView, StoreDep, Tenant
+from moetune.service.cluster import serve_deploy
 from moetune.service.errors import APIException, job_not_found
+from moetune.service.routes.deps import JobView, StoreDep, Tenant
 from moetune.service.served_models import find_model, list_models
 
 _ERRORS = {code: {"model": ErrorResponse, "description": what} for code, what in (

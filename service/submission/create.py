@@ -11,15 +11,15 @@ from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec
 from moetune.api.models import JobCreate, JobStatus, SpecError, resolve_spec
 from moetune.service.base_models import BaseModels
-from moetune.service.data_files import check_data_images
 from moetune.service.errors import APIException, invalid_request
-from moetune.service.files import check_output_writable, model_files, read_model_config
-from moetune.service.job_inputs import resolve_inputs
-from moetune.service.limits import check_epochs, schedule_warnings
-from moetune.service.planning import check_fits
 from moetune.service.settings import Settings
 from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
-from moetune.service.uri_policy import check_job_uris, tenant_access
+from moetune.service.submission.data_images import check_data_images
+from moetune.service.submission.inputs import resolve_inputs
+from moetune.service.submission.job_storage import check_output_writable, model_files, read_model_config
+from moetune.service.submission.limits import check_epochs, schedule_warnings
+from moetune.service.submission.planning import check_fits
+from moetune.service.submission.uri_policy import check_job_uris, tenant_access
 
 MAX_SEED = 2**31 - 1
 

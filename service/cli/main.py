@@ -22,13 +22,13 @@ from moetune.api import storage
 from moetune.api.model_names import derive_base_name
 from moetune.api.models import JobCreate, JobStatus
 from moetune.api.plans import parse_cluster
-from moetune.service.data_cli import data
-from moetune.service.local_stack import read_stack
-from moetune.service import serve_cli, up_cli
-from moetune.service.models_cli import models
-from moetune.service.plan_view import plan_summary, plan_table
-from moetune.service.progress import follow
-from moetune.service.report_view import compare_table
+from moetune.service.cli import serve as serve_commands, up as up_commands
+from moetune.service.cli.data import data
+from moetune.service.cli.models import models
+from moetune.service.cli.plan_view import plan_summary, plan_table
+from moetune.service.cli.progress import follow
+from moetune.service.cli.report_view import compare_table
+from moetune.service.local.stack import read_stack
 
 console = Console()
 
@@ -267,16 +267,16 @@ def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
 @click.option("--images", is_flag=True, help="Train a tiny vision-language model (qwen3_5_moe) on image rows.")
 def demo(timeout: float, images: bool) -> None:
     """Run one tiny job end to end on the embedded default (loopback S3, local Ray, SQLite, CPU)."""
-    from moetune.service.demo import run_demo  # it runs a control plane in this process
+    from moetune.service.local.demo import run_demo  # it runs a control plane in this process
 
     sys.exit(run_demo(timeout=timeout, images=images))
 
 
 main.add_command(models)
-main.add_command(serve_cli.serve)
-main.add_command(serve_cli.chat)
-models.add_command(serve_cli.download)
-jobs.add_command(serve_cli.deploy)
+main.add_command(serve_commands.serve)
+main.add_command(serve_commands.chat)
+models.add_command(serve_commands.download)
+jobs.add_command(serve_commands.deploy)
 main.add_command(data)
-main.add_command(up_cli.up)
-main.add_command(up_cli.down)
+main.add_command(up_commands.up)
+main.add_command(up_commands.down)
