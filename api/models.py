@@ -13,6 +13,8 @@ from typing import Any, Generic, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from moetune.api.preference import DpoMethod
+
 # memory:// is deliberately absent: it lives in one process and Ray workers are others.
 URI_SCHEMES = ("s3://", "file://")
 
@@ -235,14 +237,17 @@ class SupervisedMethod(_Strict):
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
 
 
+METHOD_TYPES = ("supervised", "dpo")
+
+
 class Method(_Strict):
-    """OpenAI's `method`. Only "supervised" trains here; other types are refused by resolve_spec with the field
-    named (a typed Literal would answer with pydantic's generic message instead)."""
+    """OpenAI's `method`: "supervised" or "dpo" (api/preference.py); other types are refused by resolve_spec with
+    the field named (a typed Literal would answer with pydantic's generic message instead)."""
 
     type: str = "supervised"
     supervised: SupervisedMethod | None = None
-    # OpenAI's other method sections, accepted in shape so the refusal names the type, not an extra field.
-    dpo: dict[str, Any] | None = None
+    dpo: DpoMethod | None = None
+    # OpenAI's other method section, accepted in shape so the refusal names the type, not an extra field.
     reinforcement: dict[str, Any] | None = None
 
 
@@ -383,15 +388,20 @@ def resolve_spec(req: JobCreate) -> JobCreate:
 
 
 def _method_hyperparameters(req: JobCreate) -> Hyperparameters:
-    """The OpenAI knobs: `method.supervised.hyperparameters` (OpenAI's current place) over the top-level ones."""
+    """The OpenAI knobs: the method section's `hyperparameters` (OpenAI's current place) over the top-level ones."""
     method = req.method
     if method is None:
         return req.hyperparameters
-    if method.type != "supervised":
-        raise SpecError("method.type", f"method.type: {method.type!r} is not supported yet (supported: supervised)")
-    if method.supervised is None:
+    if method.type not in METHOD_TYPES:
+        raise SpecError("method.type", f"method.type: {method.type!r} is not supported yet (supported: "
+                                       f"{', '.join(METHOD_TYPES)})")
+    for other in (t for t in (*METHOD_TYPES, "reinforcement") if t != method.type):
+        if getattr(method, other) is not None:  # whose knobs would apply is a guess: say so
+            raise SpecError(f"method.{other}", f"method.{other} is given but method.type is {method.type!r}")
+    section = getattr(method, method.type)
+    if section is None:
         return req.hyperparameters
-    given = method.supervised.hyperparameters.model_dump(exclude_unset=True)
+    given = section.hyperparameters.model_dump(exclude_unset=True, include=set(Hyperparameters.model_fields))
     return req.hyperparameters.model_copy(update=given)
 
 

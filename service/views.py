@@ -13,6 +13,7 @@ from moetune.api.models import (
     Progress,
     TrainingSpec,
 )
+from moetune.api.preference import method_view
 from moetune.service.base_models import BaseModels
 
 EVENT_ID_PREFIX = "ftevent-"
@@ -60,7 +61,7 @@ def job_view(row, base_models: BaseModels) -> Job:
         status=row.status,
         error=ErrorInfo.model_validate(row.error) if row.error else None,
         hyperparameters=hyperparameters,
-        method={"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+        method=method_view(spec.method, hyperparameters),
         integrations=[i.model_dump(exclude_none=True) for i in spec.integrations or ()],
         training_file=spec.training_file,
         validation_file=spec.validation_file,

@@ -109,7 +109,7 @@ def test_job_names_uploaded_files_method_and_integrations(service):
     assert err.value.body["param"] == "training_file"
     with pytest.raises(openai.UnprocessableEntityError) as err:
         oa.fine_tuning.jobs.create(model="s3://models/tiny", training_file=train.id,
-                                   method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}})
+                                   method={"type": "reinforcement", "reinforcement": {}})
     assert err.value.body["param"] == "method.type" and "not supported yet" in err.value.body["message"]
     with pytest.raises(openai.UnprocessableEntityError) as err:
         oa.fine_tuning.jobs.create(model="s3://models/tiny", training_file=train.id,
