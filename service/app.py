@@ -13,6 +13,7 @@ from moetune.api.models import ErrorResponse
 from moetune.service.auth import TenantResolver
 from moetune.service.base_models import BaseModels
 from moetune.service.cluster.scheduler import Scheduler
+from moetune.service.console import pages as console
 from moetune.service.errors import error_response, install_error_handlers
 from moetune.service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
 from moetune.service.readiness import dependency_status
@@ -73,6 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models.inference)
     app.include_router(files.router)
     app.include_router(internal.router)
+    app.include_router(console.router)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict:

@@ -1,0 +1,85 @@
+// The API as the page calls it: the signed-in token (sessionStorage) as the Bearer token of every request.
+const KEY = "moetune.token";
+
+export const token = () => sessionStorage.getItem(KEY);
+export const signIn = (value) => sessionStorage.setItem(KEY, value);
+export const signOut = () => sessionStorage.removeItem(KEY);
+
+export function toLogin() {
+  const next = location.pathname + location.search;
+  location.assign(`/console/login?next=${encodeURIComponent(next)}`);
+}
+
+// {ok, status, data, error}: error is the API's {code, message, param} on a 4xx/5xx.
+export async function api(path, { method = "GET", json, body, signal, raw = false } = {}) {
+  const headers = { Authorization: `Bearer ${token()}` };
+  if (json !== undefined) {
+    headers["Content-Type"] = "application/json";
+    body = JSON.stringify(json);
+  }
+  const response = await fetch(path, { method, headers, body, signal });
+  const text = await response.text();
+  let data = text;
+  if (!raw) {
+    try { data = text ? JSON.parse(text) : null; } catch { data = text; }
+  }
+  if (response.status === 401 && location.pathname !== "/console/login") toLogin();
+  const error = response.ok ? null : (data && data.error) || { code: "http_error", message: `HTTP ${response.status}` };
+  return { ok: response.ok, status: response.status, data, error };
+}
+
+// Server-Sent Events read from a fetch body (EventSource cannot send an Authorization header):
+// yields {event, id, data} frames until the server ends the stream.
+export async function* eventStream(path, { method = "GET", json, signal } = {}) {
+  const headers = { Authorization: `Bearer ${token()}`, Accept: "text/event-stream" };
+  let body;
+  if (json !== undefined) {
+    headers["Content-Type"] = "application/json";
+    body = JSON.stringify(json);
+  }
+  const response = await fetch(path, { method, headers, body, signal });
+  if (!response.ok) {
+    let error;
+    try { error = (await response.json()).error; } catch { error = null; }
+    throw Object.assign(new Error(error?.message || `HTTP ${response.status}`), { status: response.status, error });
+  }
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value.replace(/\r\n/g, "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const frame = { event: "message", id: null, data: "" };
+      for (const line of buffer.slice(0, end).split("\n")) {
+        const [field, ...rest] = line.split(":");
+        const text = rest.join(":").replace(/^ /, "");
+        if (field === "event") frame.event = text;
+        else if (field === "id") frame.id = text;
+        else if (field === "data") frame.data += (frame.data ? "\n" : "") + text;
+      }
+      buffer = buffer.slice(end + 2);
+      if (frame.data || frame.event !== "message") yield frame;
+    }
+  }
+}
+
+export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+export const STATUSES = ["validating_files", "queued", "running", "pausing", "paused", "succeeded", "failed",
+  "cancelled"];
+
+// Every page of a list route (newest first), up to `most` items.
+export async function allPages(path, most = 1000) {
+  const items = [];
+  let after = null;
+  while (items.length < most) {
+    const sep = path.includes("?") ? "&" : "?";
+    const page = await api(`${path}${sep}limit=100${after ? `&after=${encodeURIComponent(after)}` : ""}`);
+    if (!page.ok) return { ...page, items };
+    items.push(...page.data.data);
+    if (!page.data.has_more || !page.data.last_id) break;
+    after = page.data.last_id;
+  }
+  return { ok: true, items };
+}
