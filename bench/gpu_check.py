@@ -347,8 +347,8 @@ def stage_syncs(s: Setting) -> dict:
     from moetune.kernels.kda import chunk_kda
     from moetune.kernels.sparse_attention import sparse_attention
     from moetune.workers.families import REGISTRY
-    from moetune.workers.parallel.experts import ExpertParallelExperts
-    from moetune.workers.parallel.placement import placement_at
+    from moetune.workers.experts.module import ExpertParallelExperts
+    from moetune.workers.experts.placement import placement_at
 
     config = REGISTRY["qwen3_moe"].tiny_config()
     experts = ExpertParallelExperts(Qwen3MoeExperts(config), placement_at(config.to_dict(), 1, 0), lora_rank=8)
@@ -378,7 +378,7 @@ def _job_step(s: Setting, family: str, zero: int, kernels: bool, steps: int) -> 
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.families import REGISTRY, apply_kernel_swaps, auto_model_class
     from moetune.workers.model import trainable_model
-    from moetune.workers.parallel import job_placement
+    from moetune.workers.experts import job_placement
 
     spec = JobCreate(model="file:///unused", training_file="file:///unused",
                      lora={"rank": 8, "alpha": 16, "dropout": 0.0, "train_experts": True},

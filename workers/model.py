@@ -1,7 +1,7 @@
 """The one builder of a model, for training (`train`), serving (`serve`) and the planner (`meta`), in one order (as
 torchtitan's model spec + parallelize_*): family spec (workers.families) → checkpoint plan (this rank's routed
 experts) → weights streamed (workers.weights; the meta device for the planner) → kernel swaps → PEFT LoRA
-(workers.lora) → expert parallelism (workers.parallel) → training only: LoRA in the compute dtype, activation
+(workers.lora) → expert parallelism (workers.experts) → training only: LoRA in the compute dtype, activation
 checkpointing. The engine (workers.engine) is the loop's: it is built over `Built.model` once the data says how many
 steps it runs and the method has set up its output layer (workers.methods sits beside this room, not below it)."""
 
@@ -16,11 +16,11 @@ from torch import nn
 from moetune.api.errors import ErrorCode
 from moetune.api.models import JobCreate, LoraSpec
 from moetune.workers.errors import JobError
+from moetune.workers.experts import job_placement, needs_expert_module, parallelize, quantized_experts
+from moetune.workers.experts.placement import ExpertPlacement, placement_at
 from moetune.workers.families import auto_model_class, family_for, hf_config
 from moetune.workers.families.spec import Family
 from moetune.workers.lora.peft_lora import apply_lora
-from moetune.workers.parallel import job_placement, needs_expert_module, parallelize, quantized_experts
-from moetune.workers.parallel.placement import ExpertPlacement, placement_at
 from moetune.workers.recompute import enable_activation_checkpointing
 from moetune.workers.weights.loader import StreamedModel, stream_model
 

@@ -135,7 +135,7 @@ def test_expert_mlp_matches_the_per_expert_loop(backend, with_lora):
 def test_expert_mlp_is_a_drop_in_for_the_expert_parallel_compute(backend):
     """Same arguments, layouts, results and LoRA gradients as workers.expert_compute.grouped_expert_forward (the EP
     engine's per-expert path), so that function can hand its work to this one."""
-    from moetune.workers.parallel.compute import (
+    from moetune.workers.experts.compute import (
         ExpertLoraFactors,
         GatedActivation,
         grouped_expert_forward,
@@ -164,7 +164,7 @@ def test_autograd_keeps_the_frozen_weights_themselves_so_zero3_can_release_them(
     and gathered again before the module's backward. No tensor autograd saved may be a view of it: such a view
     keeps the whole gathered weight alive until the backward. Released and gathered again here the same way
     (the per-expert loop, the grouped_mm path and the Triton kernel), the gradients are an untouched run's."""
-    from moetune.workers.parallel.compute import ExpertLoraFactors, GatedActivation, grouped_expert_forward
+    from moetune.workers.experts.compute import ExpertLoraFactors, GatedActivation, grouped_expert_forward
 
     gen = torch.Generator().manual_seed(6)
     counts, hidden, inter, rank = [7, 0, 12], 32, 16, 4

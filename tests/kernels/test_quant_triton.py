@@ -102,7 +102,7 @@ def test_asymmetric_int4_runs_on_the_torch_path(backend):
 def test_quantized_expert_mlp_is_the_expert_parallel_compute(fmt, backend):
     """moe_lora_mlp over quantized experts (what fused_expert_forward runs) against grouped_expert_forward, the EP
     engine's per-expert path, with and without LoRA."""
-    from moetune.workers.parallel.compute import ExpertLoraFactors, GatedActivation, grouped_expert_forward
+    from moetune.workers.experts.compute import ExpertLoraFactors, GatedActivation, grouped_expert_forward
 
     quantize, hidden, inter = FORMATS[fmt][0], 96, 32  # gate_up [E, 64, 96] and down [E, 96, 32]: both quantize
     gen = torch.Generator().manual_seed(5)

@@ -29,7 +29,7 @@ def write_adapter(family_name: str, local_dir, seed: int, experts: bool, rank: i
     from moetune.api.models import LoraSpec
     from moetune.workers.families import REGISTRY
     from moetune.workers.families.spec import in_proj_name
-    from moetune.workers.lora.expert_layout import loadable_adapter_config
+    from moetune.workers.experts.lora_layout import loadable_adapter_config
     from moetune.workers.lora.peft_lora import _no_v4_target_conversion, apply_lora
 
     fam = REGISTRY[family_name]

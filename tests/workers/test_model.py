@@ -11,7 +11,7 @@ from moetune.api.models import JobCreate
 from moetune.kernels.quant import held_names
 from moetune.workers.families import REGISTRY
 from moetune.workers.model import META, SERVE, TRAIN, WeightsSource, build_model
-from moetune.workers.parallel.experts import ExpertParallelExperts
+from moetune.workers.experts.module import ExpertParallelExperts
 from tests.support.families import batch, plain_model
 from tests.support.quantized import FAMILY_OF, dequantized_reference, quantize_checkpoint
 

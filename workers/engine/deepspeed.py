@@ -1,6 +1,9 @@
-"""The DeepSpeed ZeRO engine over the LoRA model."""
+"""The DeepSpeed ZeRO engine over the LoRA model: its configuration, its parameters whole for a moment, its resume
+state."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from moetune.api.models import JobCreate
 from moetune.workers.engine.schedule import lr_scheduler
@@ -61,3 +64,48 @@ def set_micro_batch_size(engine, micro_batch_size: int, global_batch_size: int) 
     the global batch stays the same, gradient accumulation absorbs the change."""
     engine.set_train_micro_batch_size(micro_batch_size)
     engine.set_train_batch_size(global_batch_size)
+
+
+def gathered(params):
+    """A context in which ZeRO-3's partitioned `params` are whole on every rank (read only; no-op for others)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
+
+
+def partitioned(param) -> bool:
+    """Whether ZeRO-3 partitioned `param` (its own checkpoint files restore it per rank)."""
+    return hasattr(param, "ds_id")
+
+
+def full_shape(param) -> tuple:
+    """The shape of `param` before ZeRO-3 partitioned it."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+@contextmanager
+def _without_moe_checkpointing(engine):
+    """DeepSpeed's MoE checkpoint path expects its own AutoEP layer layout (experts.w1/w2/w3) and would write
+    rank 0's experts for everyone. Our frozen experts are not saved at all (they come from the model), ZeRO's
+    per-rank optimizer files already hold each rank's own expert LoRA, and workers.experts.shards adds per-rank
+    expert shards."""
+    has_moe = engine.has_moe_layers
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = has_moe
+
+
+def save_state(engine, path: str) -> None:
+    """DeepSpeed's resume state under `path`: trainable weights and optimizer, per rank (frozen weights left out)."""
+    with _without_moe_checkpointing(engine):
+        engine.save_checkpoint(path, exclude_frozen_parameters=True)
+
+
+def load_state(engine, path: str) -> bool:
+    """Restores what save_state wrote (weights, optimizer, LR schedule); False when `path` holds none. Every rank
+    calls it."""
+    with _without_moe_checkpointing(engine):
+        loaded, _ = engine.load_checkpoint(path, load_module_strict=False)
+    return loaded is not None

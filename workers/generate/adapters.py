@@ -1,11 +1,10 @@
 """The adapters one base serves: PEFT adapters read from storage on first use into slots of the per-row LoRA
-modules (workers.generate.adapter_rows), least recently used evicted beyond `max_adapters`, never one that a
-running request still uses."""
+modules (workers.lora.row_slots, workers.experts.serving_slots), least recently used evicted beyond `max_adapters`,
+never one that a running request still uses."""
 
 from __future__ import annotations
 
 import json
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -13,9 +12,10 @@ import torch
 from torch import nn
 
 from moetune.api import storage
-from moetune.workers.generate.adapter_rows import RowLoraExperts, RowLoraLinear, RowSelection
+from moetune.workers.experts.lora_layout import a_from_peft, b_from_peft, lora_scaling
+from moetune.workers.experts.serving_slots import RowLoraExperts
 from moetune.workers.generate.requests import AdapterLoadError
-from moetune.workers.lora.expert_layout import a_from_peft, b_from_peft
+from moetune.workers.lora.row_slots import RowLoraLinear, RowSelection
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -62,7 +62,7 @@ def _scaling(uri: str, config: dict) -> float:
     r, alpha = config.get("r"), config.get("lora_alpha")
     if not r or alpha is None:
         raise AdapterLoadError(f"adapter {uri}: adapter_config.json has no r / lora_alpha")
-    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return lora_scaling(alpha, r, bool(config.get("use_rslora")))
 
 
 def _expert_param(uri: str, path: str, depth: int, target_parameters: list[str]) -> str:

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from moetune.workers.generate import cache as batch_cache
-from moetune.workers.generate.adapter_rows import RowSelection
 from moetune.workers.generate.requests import SamplingParams
 from moetune.workers.generate.sampling import next_tokens, row_generator
+from moetune.workers.lora.row_slots import RowSelection
 
 
 @dataclass(eq=False)

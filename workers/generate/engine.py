@@ -16,7 +16,6 @@ import torch
 
 from moetune.api.environment import ENV_S3_ENDPOINT_URL
 from moetune.workers.generate import cache as batch_cache
-from moetune.workers.generate.adapter_rows import RowSelection
 from moetune.workers.generate.adapters import AdapterStore
 from moetune.workers.generate.decoding import DecodeBatch, Row, new_row
 from moetune.workers.generate.loading import LoadedBase, load_base
@@ -28,6 +27,7 @@ from moetune.workers.generate.requests import (
     InvalidRequestError,
     TokenEvent,
 )
+from moetune.workers.lora.row_slots import RowSelection
 
 
 def _failed(error: Exception) -> RuntimeError:

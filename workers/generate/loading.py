@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass
 
 from moetune.api import storage
-from moetune.workers.generate.adapter_rows import RowLoraExperts, RowSelection
+from moetune.workers.experts.serving_slots import RowLoraExperts
 from moetune.workers.model import SERVE, WeightsSource, build_model, load_dtype, load_tokenizer
 from moetune.workers.weights.loader import streamed_or_unused
 

@@ -1,13 +1,13 @@
 """The few collectives the loop itself runs (the model's own run inside DeepSpeed and the expert-parallel module):
 small host values summed or maxed over every rank, through tensors on the communication device (NCCL has no CPU
-tensors; gloo takes CPU tensors only; parallel.comm checks it)."""
+tensors; gloo takes CPU tensors only; experts.comm checks it)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from moetune.workers.parallel import comm
+from moetune.workers.experts import comm
 
 
 class Collectives:

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from moetune.api.models import JobCreate
+from moetune.workers.experts import expert_parallel
+from moetune.workers.experts.placement import ExpertPlacement
 from moetune.workers.families.spec import Family, in_proj_name
-from moetune.workers.parallel import expert_parallel
-from moetune.workers.parallel.placement import ExpertPlacement
 from moetune.workers.planner.saved import SavedBytes
 
 # (experts held, routed slots): enough points to separate the constant, per-expert and per-slot parts
@@ -24,7 +24,7 @@ _SAMPLES = ((2, 8), (2, 16), (4, 8))
 
 
 def input_width(experts) -> int:
-    """The width of the tokens the experts take (hidden, or latent for nemotron_h)."""
+    """The width of the tokens the experts take (hidden, or latent for a latent MoE)."""
     shape = getattr(experts, in_proj_name(experts)).shape
     return shape[1] if getattr(experts, "is_transposed", False) else shape[2]
 

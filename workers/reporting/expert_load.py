@@ -23,8 +23,8 @@ import torch.distributed as dist
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from moetune.workers.parallel import comm
-from moetune.workers.parallel.experts import ExpertParallelExperts
+from moetune.workers.experts import comm
+from moetune.workers.experts.module import ExpertParallelExperts
 from moetune.workers.recompute import recomputing
 
 

@@ -19,8 +19,8 @@ from moetune.api.environment import ENV_WEIGHTS_CACHE_MAX_GB
 from moetune.api.families import facts_of
 from moetune.api.models import SpecError
 from moetune.api.quantization import Quantization, quantization_of
+from moetune.workers.experts.placement import ExpertPlacement
 from moetune.workers.families import auto_model_class, hf_config, known_family
-from moetune.workers.parallel.placement import ExpertPlacement
 from moetune.workers.weights import manifest as manifest_file
 from moetune.workers.weights.cache import RangeCache
 from moetune.workers.weights.errors import WeightsError, tensor_list

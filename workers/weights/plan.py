@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from moetune.api.quantization import Quantization
-from moetune.workers.parallel.placement import ExpertPlacement
+from moetune.workers.experts.placement import ExpertPlacement
 from moetune.workers.weights.errors import WeightsError, tensor_list
 from moetune.workers.weights.header import TensorInfo
 from moetune.workers.weights.formats import (

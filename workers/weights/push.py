@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 from moetune.api import storage
 from moetune.api.models import LoraSpec
+from moetune.workers.experts.placement import placement_at
 from moetune.workers.families import family_for
 from moetune.workers.lora.coverage import coverage, modules
-from moetune.workers.parallel.placement import placement_at
 from moetune.workers.weights import manifest as manifest_file
 from moetune.workers.weights.formats import weight_of
 from moetune.workers.weights.header import TensorInfo, read_header

@@ -8,12 +8,12 @@ import types
 import torch
 from safetensors.torch import load_file
 
-from moetune.workers.checkpoints import expert_shards
+from moetune.workers.experts import shards
 from moetune.workers.checkpoints.safetensors_writer import SafetensorsWriter
 from moetune.workers.families import REGISTRY
-from moetune.workers.lora.expert_layout import peft_expert_state
-from moetune.workers.parallel.experts import ExpertParallelExperts
-from moetune.workers.parallel.placement import placement_at
+from moetune.workers.experts.lora_layout import peft_expert_state
+from moetune.workers.experts.module import ExpertParallelExperts
+from moetune.workers.experts.placement import placement_at
 from tests.support.families import plain_model
 from tests.support.allocations import Allocations
 
@@ -51,15 +51,15 @@ def test_the_adapter_is_written_a_slab_at_a_time_in_peft_layout(tmp_path, monkey
         if "lora_" in name:
             torch.nn.init.normal_(param)  # B too: every value must land in its place
     engine = types.SimpleNamespace(module=model)  # what the writer reads of a DeepSpeed engine
-    monkeypatch.setattr(expert_shards, "SLAB_BYTES", 512)  # several slabs per tensor even at this size
-    entries = expert_shards.expert_adapter_entries(engine)
+    monkeypatch.setattr(shards, "SLAB_BYTES", 512)  # several slabs per tensor even at this size
+    entries = shards.expert_adapter_entries(engine)
     writer = SafetensorsWriter(str(tmp_path / "adapter.safetensors"), entries)
     with Allocations() as recorder:
-        expert_shards.write_expert_adapter(engine, writer)
+        shards.write_expert_adapter(engine, writer)
     writer.close()
     written = load_file(str(tmp_path / "adapter.safetensors"))
     want = {}
-    for name, module in expert_shards.expert_modules(model):
+    for name, module in shards.expert_modules(model):
         want.update(peft_expert_state(name, {n: p.detach() for n, p in module.named_parameters() if "lora_" in n}))
     assert written.keys() == want.keys() == entries.keys()
     for key, tensor in want.items():

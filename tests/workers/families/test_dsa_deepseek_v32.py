@@ -89,7 +89,7 @@ def test_lora_dropout_on_kv_b_proj_rides_in_the_latent_while_training(monkeypatc
 def test_per_row_kv_b_weights_keep_the_expanded_form(monkeypatch):
     """The serving engine's mixed-adapter batch: kv_b_proj's weights differ by row, so the layer attends over
     per-head keys, and each row equals that row run alone (one adapter: absorbed)."""
-    from moetune.workers.generate.adapter_rows import RowLoraLinear, RowSelection
+    from moetune.workers.lora.row_slots import RowLoraLinear, RowSelection
 
     config = REGISTRY["deepseek_v32"].tiny_config(num_hidden_layers=2)
     torch.manual_seed(0)

@@ -6,9 +6,9 @@ released limit of 7)."""
 import torch
 
 from moetune.workers.families import REGISTRY
-from moetune.workers.parallel.compute import grouped_expert_forward
-from moetune.workers.parallel.experts import ExpertParallelExperts
-from moetune.workers.parallel.placement import placement_at
+from moetune.workers.experts.compute import grouped_expert_forward
+from moetune.workers.experts.module import ExpertParallelExperts
+from moetune.workers.experts.placement import placement_at
 
 
 def test_ep_experts_match_gpt_oss_experts_through_both_clamps():

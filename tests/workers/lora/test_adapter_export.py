@@ -14,7 +14,7 @@ def test_shared_expert_and_dense_mlp_lora_load_as_trained(tmp_path, family_name)
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from moetune.workers.lora.expert_layout import loadable_adapter_config
+    from moetune.workers.experts.lora_layout import loadable_adapter_config
     from moetune.workers.families import REGISTRY
     from moetune.workers.lora.peft_lora import apply_lora
 

@@ -15,7 +15,7 @@ from moetune.api.layout import adapter_uri
 from moetune.api.models import JobCreate, JobRunSpec
 from moetune.workers.data.rows import load_rows
 from moetune.workers.families import REGISTRY
-from moetune.workers.lora.expert_layout import b_from_peft
+from moetune.workers.experts.lora_layout import b_from_peft
 from moetune.workers.methods.sft import token_loss_sum
 from moetune.workers.tiny import tiny_image_rows, tiny_rows, write_tiny_multimodal_checkpoint
 from tests.support.image_batches import image_method

@@ -1,4 +1,4 @@
-"""parallel.comm: the collectives refuse a tensor that is not on the process group's device (NCCL takes CUDA
+"""experts.comm: the collectives refuse a tensor that is not on the process group's device (NCCL takes CUDA
 tensors only, gloo CPU ones), and every collective the workers run goes through it. The gloo EP suite (this folder)
 runs the expert all-to-all, the expert-LoRA gathers and the loop's reductions through the same wrappers."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moetune.workers.parallel import comm
+from moetune.workers.experts import comm
 
 WORKERS = pathlib.Path(__file__).parents[3] / "workers"
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single", "gather",
@@ -38,7 +38,7 @@ def test_a_tensor_off_the_communication_device_is_refused(gloo_world):
 def test_every_collective_of_the_workers_goes_through_parallel_comm():
     direct = []
     for path in WORKERS.rglob("*.py"):
-        if path.name == "comm.py" and path.parent.name == "parallel":
+        if path.name == "comm.py" and path.parent.name == "experts":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES

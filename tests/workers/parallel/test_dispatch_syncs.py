@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from moetune.workers.families import REGISTRY
-from moetune.workers.parallel.compute import fused_expert_forward
-from moetune.workers.parallel.experts import ExpertParallelExperts
-from moetune.workers.parallel.placement import placement_at
+from moetune.workers.experts.compute import fused_expert_forward
+from moetune.workers.experts.module import ExpertParallelExperts
+from moetune.workers.experts.placement import placement_at
 from moetune.workers.reporting.expert_load import ExpertLoad
 
 

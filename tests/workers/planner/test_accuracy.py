@@ -15,7 +15,7 @@ from moetune.workers.methods import method_for
 from moetune.workers.methods.batch import Batch
 from moetune.workers.methods.sft import token_loss_sum
 from moetune.workers.model import trainable_model
-from moetune.workers.parallel.placement import placement_at
+from moetune.workers.experts.placement import placement_at
 from moetune.workers.planner.memory import Layout, breakdown
 from moetune.workers.planner.activations import _Recorder
 from moetune.workers.planner.model import model_facts

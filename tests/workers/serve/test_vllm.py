@@ -19,8 +19,8 @@ def _vllm_3d_moe_factors(a: torch.Tensor, b: torch.Tensor, num_experts: int):
 
 
 def test_moetune_expert_factors_export_as_vllm_reads_them():
-    """workers/lora/expert_layout's export of per-expert factors (E, r, in) and (E, out, r), read back by vLLM's rule."""
-    from moetune.workers.lora.expert_layout import peft_expert_state
+    """workers/experts/lora_layout's export of per-expert factors (E, r, in) and (E, out, r), read back by vLLM's rule."""
+    from moetune.workers.experts.lora_layout import peft_expert_state
 
     generator = torch.Generator().manual_seed(0)
     factors = {"lora_gate_up_a": torch.randn(4, 2, 8, generator=generator),

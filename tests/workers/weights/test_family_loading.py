@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moetune.workers.families import REGISTRY, auto_model_class
-from moetune.workers.parallel.placement import placement_at
+from moetune.workers.experts.placement import placement_at
 from moetune.workers.weights.loader import expert_shares, stream_model
 from tests.support.families import batch, kimi_k2_release_config, plain_model
 

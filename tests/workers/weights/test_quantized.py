@@ -16,7 +16,7 @@ from moetune.api.models import JobCreate
 from moetune.api.families import FAMILIES
 from moetune.workers.families import REGISTRY
 from moetune.workers.model import trainable_model
-from moetune.workers.parallel.placement import placement_at
+from moetune.workers.experts.placement import placement_at
 from moetune.workers.weights.errors import WeightsError
 from moetune.workers.weights.loader import load_summary, stream_model
 from tests.support.families import batch, plain_model

@@ -1,41 +1,30 @@
 """The expert-parallel experts module: this rank's experts as fused 3D tensors (plus, with `train_experts`, their
 per-expert LoRA factors), tokens traded with the other EP ranks by all-to-all. Expert parameters carry DeepSpeed's
-expert-parallel tags so ZeRO neither averages different experts' gradients nor partitions them over the wrong
-group (see parallel.placement for the groups).
+expert-parallel tags (workers.engine.experts) so ZeRO neither averages different experts' gradients nor partitions
+them over the wrong group.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetune.workers.parallel.compute import (
+from moetune.kernels.quant import held, held_names, hold
+from moetune.workers.engine.experts import as_moe_layer, tag_expert_param
+from moetune.workers.experts import comm
+from moetune.workers.experts.alltoall import AllToAllStats
+from moetune.workers.experts.compute import (
     ExpertLoraFactors,
     GatedActivation,
     fused_expert_forward,
     grouped_expert_forward,
 )
-from moetune.kernels.quant import held, held_names, hold
+from moetune.workers.experts.lora_layout import lora_scaling
+from moetune.workers.experts.placement import ExpertPlacement
 from moetune.workers.families.spec import in_proj_name
-from moetune.workers.parallel import comm
-from moetune.workers.parallel.placement import ExpertPlacement
-from moetune.workers.parallel.alltoall import AllToAllStats
-
-EXPERT_PLACEMENT = "autoep_expert"  # DeepSpeed 0.19.8's ZeRO-3 placement family for expert-parallel tensors
-
-
-def tag_expert_param(param: nn.Parameter, ep: ExpertPlacement) -> None:
-    """The attributes DeepSpeed reads to treat `param` as expert-parallel (lost on load_state_dict(assign=True))."""
-    param.allreduce = False
-    param.group_name = ep.group_name
-    param.ds_zero_placement_family = EXPERT_PLACEMENT
-    param.ds_zero_partition_group_name = ep.group_name
-    # ZeRO-3 partitions a tensor over this group: only across ranks that hold the same experts.
-    param.ds_zero_partition_process_group = ep.replica_group
 
 
 def init_expert_lora_a(experts: range, rank: int, hidden: int, intermediate: int, dtype):
@@ -89,7 +78,7 @@ class ExpertParallelExperts(nn.Module):
             raise ValueError(f"experts module has {self.num_experts} experts, the placement {ep.num_experts}")
         self.num_local_experts = ep.count
         self.ep, self.ep_group_name = ep, ep.group_name
-        # `activation`: the family's own (parallel.compute's contract); else act_fn(gate) · up, where families
+        # `activation`: the family's own (experts.compute's contract); else act_fn(gate) · up, where families
         # without an act_fn attribute (GLM) hard-code SiLU; the clamp is GLM's swiglu_limit or DeepSeek-V4's limit.
         limit = getattr(experts, "swiglu_limit", getattr(experts, "limit", None))
         self.activation = activation or GatedActivation(getattr(experts, "act_fn", nn.functional.silu), limit)
@@ -116,11 +105,12 @@ class ExpertParallelExperts(nn.Module):
                 own = bias if bias.shape[0] == ep.count else bias[ep.local].clone()
                 setattr(self, name, nn.Parameter(own, requires_grad=False))
         self.quantized = bool(quantized)
-        self.lora_rank, self.lora_scaling = lora_rank, lora_alpha / max(lora_rank, 1)
+        self.lora_rank = lora_rank
         if lora_rank:
+            self.lora_scaling = lora_scaling(lora_alpha, lora_rank)
             self._init_lora(ep.local)
         for param in self.parameters():
-            tag_expert_param(param, ep)
+            tag_expert_param(param, ep.group_name, ep.replica_group)
         # Routed-token counts per global expert from this rank's last forward (for load metrics).
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
         self.comm = AllToAllStats()  # this layer's token exchanges (read by workers.metrics)
@@ -191,15 +181,7 @@ class ExpertParallelExperts(nn.Module):
         return _exchange(y, in_splits, out_splits, ep, self.comm)
 
 
-@functools.cache
 def trainable_experts_class():
-    """The class for experts with LoRA: DeepSpeed 0.19.8 only turns on its expert-parallel gradient handling
-    (`has_moe_layers`: separate optimizer groups reduced within the replica group) for AutoEPMoELayer modules.
-    Frozen experts must not be one: ZeRO-1/2 then asserts that no optimizer group is an MoE group."""
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-
-    class TrainableExpertParallelExperts(ExpertParallelExperts, AutoEPMoELayer):
-        def set_deepspeed_parallelism(self, *args, **kwargs):
-            pass  # the groups were made with the placement (parallel.placement.expert_placement)
-
-    return TrainableExpertParallelExperts
+    """The class for experts with LoRA: ZeRO reduces their gradients within the replica group only as a DeepSpeed
+    MoE layer (workers.engine.experts.as_moe_layer); frozen experts stay ExpertParallelExperts."""
+    return as_moe_layer(ExpertParallelExperts)

@@ -1,9 +1,8 @@
 """Which routed experts this rank holds: the one expert-placement object the loader, the expert-parallel module,
 checkpoints and metrics all read.
 
-EP groups are DeepSpeed's: consecutive ranks form an EP group ([0,1],[2,3] for EP=2 of 4) and EP rank r holds
-the consecutive experts [r·E/EP, (r+1)·E/EP); the ranks that hold the same experts ([0,2],[1,3]) form the
-replica ("expert data parallel") group.
+EP rank r holds the consecutive experts [r·E/EP, (r+1)·E/EP) of an EP group (DeepSpeed's groups, made by
+workers.engine.experts).
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 
 from moetune.api.errors import ErrorCode
 from moetune.api.families import known_facts
+from moetune.workers.engine.experts import expert_group_name, expert_groups
 from moetune.workers.errors import JobError
 
 
@@ -25,7 +25,7 @@ class ExpertPlacement:
     replica_group: object = None  # the ranks holding the same experts
 
     def __post_init__(self):
-        # The workers' one check of this rule (the control plane's is moetune.api.families.check_model_spec).
+        # The workers' one check of this rule (the control plane's is api.models.ParallelismSpec.check_expert_split).
         if self.num_experts % self.size:
             raise JobError(ErrorCode.invalid_request, f"parallelism.expert_parallel_size: must divide the model's "
                                               f"{self.num_experts} routed experts (got {self.size})",
@@ -59,7 +59,7 @@ def routed_experts(config: dict) -> int | None:
 def placement_at(config: dict, size: int, rank: int) -> ExpertPlacement | None:
     """The placement of EP rank `rank` without process groups (planning, inspection); None without routed experts."""
     num_experts = routed_experts(config)
-    return None if num_experts is None else ExpertPlacement(num_experts, size, rank, f"ep_size_{size}")
+    return None if num_experts is None else ExpertPlacement(num_experts, size, rank, expert_group_name(size))
 
 
 def expert_placement(config: dict, size: int) -> ExpertPlacement | None:
@@ -69,14 +69,5 @@ def expert_placement(config: dict, size: int) -> ExpertPlacement | None:
     num_experts = routed_experts(config)
     if num_experts is None:
         return None
-    import deepspeed
-    import torch
-    from deepspeed.utils import groups
-
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    name = f"ep_size_{size}"
-    if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(size)
-    return ExpertPlacement(num_experts, size, groups._get_expert_parallel_rank(name), name,
-                           groups._get_expert_parallel_group(name) if size > 1 else None,
-                           groups._get_expert_data_parallel_group(name))
+    rank, group, replica_group = expert_groups(size)
+    return ExpertPlacement(num_experts, size, rank, expert_group_name(size), group, replica_group)

@@ -1,13 +1,18 @@
-"""Parallelism applied to a built model: `parallelize` puts each rank's share of the routed experts (an
-`ExpertPlacement`) into an expert-parallel module; DeepSpeed ZeRO (workers.engine) handles everything else."""
+"""Expert parallelism, in one room: which routed experts a rank holds (`placement`), the expert-parallel module that
+replaces a family's experts (`module`: its grouped compute, `compute`, and its token all-to-all, `alltoall` over
+`comm`'s checked collectives), expert LoRA in PEFT's adapter layout with the one LoRA scaling rule (`lora_layout`),
+its per-rank shards in checkpoints and its slab-wise export (`shards`), and its per-row adapter slots when serving
+(`serving_slots`). What DeepSpeed must know of it is said in workers.engine.experts; ZeRO handles everything else.
+
+`parallelize` puts each rank's share of the routed experts (an `ExpertPlacement`) into the expert-parallel module."""
 
 from __future__ import annotations
 
 from moetune.api.models import JobCreate, LoraSpec
 from moetune.kernels.quant import held_names
+from moetune.workers.experts.module import ExpertParallelExperts, trainable_experts_class
+from moetune.workers.experts.placement import ExpertPlacement, expert_placement, placement_at
 from moetune.workers.families.spec import Family
-from moetune.workers.parallel.experts import ExpertParallelExperts, trainable_experts_class
-from moetune.workers.parallel.placement import ExpertPlacement, expert_placement, placement_at
 
 
 def needs_expert_module(placement: ExpertPlacement | None, lora: LoraSpec | None) -> bool:
@@ -33,7 +38,7 @@ def expert_parallel(experts, family: Family, placement: ExpertPlacement, lora: L
                     fused_kernel: bool = True):
     """The expert-parallel module that takes this rank's share of one MoE block's `experts`, with per-expert LoRA
     when `lora.train_experts` (frozen experts without `lora`). `fused_kernel`: the local experts run kernels.moe's
-    grouped GEMMs, else a per-expert loop (see parallel.compute)."""
+    grouped GEMMs, else a per-expert loop (see experts.compute)."""
     rank = lora.rank if lora is not None and lora.train_experts else 0
     cls = trainable_experts_class() if rank else ExpertParallelExperts
     activation = family.expert_activation(experts) if family.expert_activation else None

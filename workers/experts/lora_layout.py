@@ -3,11 +3,19 @@
 PEFT nests one ParamWrapper per targeted tensor on the `experts` module; with targets listed as
 [gate_up_proj, down_proj] the inner wrapper (`experts.base_layer`) adapts gate_up_proj and the outer one
 (`experts`) adapts down_proj. For E experts and rank r, PEFT stores lora_A as (E·r, in), expert-major, and
-lora_B as (out, r·E), expert-minor; ΔW_e = scaling · B_e A_e, the same low-rank update the engine applies.
+lora_B as (out, r·E), expert-minor; ΔW_e = scaling · B_e A_e, the same low-rank update the engine applies, with
+the one scaling rule of `lora_scaling`.
 """
 
 from __future__ import annotations
 
+import math
+
+
+def lora_scaling(alpha: float, rank: int, rslora: bool = False) -> float:
+    """PEFT's LoRA scaling: alpha / r, or alpha / √r for rank-stabilized LoRA (`use_rslora`, adapters trained
+    elsewhere; moetune trains without it)."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
 def target_parameters(in_proj: str = "gate_up_proj") -> list[str]:

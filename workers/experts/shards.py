@@ -13,9 +13,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from moetune.workers.lora.expert_layout import a_to_peft, expert_keys
-from moetune.workers.parallel import comm
-from moetune.workers.parallel.experts import ExpertParallelExperts
+from moetune.workers.engine.deepspeed import full_shape, gathered, partitioned
+from moetune.workers.experts import comm
+from moetune.workers.experts.lora_layout import a_to_peft, expert_keys
+from moetune.workers.experts.module import ExpertParallelExperts
 
 EXPERT_DIR = "expert_lora"
 
@@ -31,12 +32,10 @@ def _lora_params(module) -> dict:
 
 def _local_shard(engine) -> dict:
     """This rank's expert LoRA, full local tensors, keyed `<module>.<factor>` (collective under ZeRO-3)."""
-    import deepspeed
-
     shard = {}
     for name, module in expert_modules(engine.module):
         params = _lora_params(module)
-        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        with gathered(params.values()):
             shard.update({f"{name}.{n}": p.detach().cpu().clone() for n, p in params.items()})
     return shard
 
@@ -74,7 +73,7 @@ def restore_expert_shards(engine, local_dir: str) -> None:
     with torch.no_grad():
         for name, module in modules:
             for factor, param in _lora_params(module).items():
-                if not hasattr(param, "ds_id"):  # not a ZeRO-3 partitioned parameter
+                if not partitioned(param):  # ZeRO-3 restored partitioned weights per rank
                     param.copy_(saved[f"{name}.{factor}"])
     current = _local_shard(engine)
     if saved.keys() != current.keys() or any(not torch.equal(saved[k], current[k]) for k in saved):
@@ -101,12 +100,12 @@ def _gather(slab, ep):
 
 
 def expert_adapter_entries(engine) -> dict:
-    """PEFT adapter key -> (dtype, shape) of every expert-LoRA tensor, all experts (see workers.lora.expert_layout)."""
+    """PEFT adapter key -> (dtype, shape) of every expert-LoRA tensor, all experts (see workers.experts.lora_layout)."""
     entries = {}
     for name, module in expert_modules(engine.module):
         for a_name, b_name, key_a, key_b in expert_keys(name):
             a, b = getattr(module, a_name), getattr(module, b_name)
-            (_, r, fan_in), (_, out, _) = (getattr(p, "ds_shape", p.shape) for p in (a, b))  # ZeRO-3: partitioned
+            (_, r, fan_in), (_, out, _) = (full_shape(p) for p in (a, b))
             entries[key_a] = (a.dtype, (module.num_experts * r, fan_in))  # (E·r, in), expert-major
             entries[key_b] = (b.dtype, (out, r * module.num_experts))  # (out, r·E), expert-minor
     return entries
@@ -116,11 +115,9 @@ def write_expert_adapter(engine, writer) -> None:
     """Streams all experts' LoRA into `writer` (a SafetensorsWriter on the chief, None elsewhere), a slab of rows
     at a time: no rank ever holds more than its own experts' factors plus one slab from each EP rank. Every rank
     calls it (the slabs travel by gather within each EP group, on the communication device)."""
-    import deepspeed
-
     for name, module in expert_modules(engine.module):
         ep, params = module.ep, _lora_params(module)
-        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        with gathered(params.values()):
             for a_name, b_name, key_a, key_b in expert_keys(name):
                 a = a_to_peft(params[a_name].detach())  # (E_local·r, in): rank k's rows follow rank k-1's
                 for rows in _slabs(a.shape[0], a[0].nbytes):
