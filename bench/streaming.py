@@ -216,7 +216,7 @@ def child(mode: str, uri: str, rank: int, ep: int) -> None:
     Prints one JSON line; maxrss is the process's peak RSS, read as its last action."""
     import torch
 
-    from moetune.workers.parallel.placement import placement_at
+    from moetune.workers.experts.placement import placement_at
     from moetune.workers.weights.loader import (
         empty_model,
         open_checkpoint,

@@ -29,8 +29,8 @@ from moetune.kernels.kda.naive import naive_recurrent_kda
 from moetune.kernels.sparse_attention.reference import sparse_attention_reference
 from moetune.kernels.testing import rmse_ratio
 from moetune.workers.errors import JobError
-from moetune.workers.parallel.compute import fused_expert_forward, grouped_expert_forward
-from moetune.workers.parallel.experts import ExpertParallelExperts
+from moetune.workers.experts.compute import fused_expert_forward, grouped_expert_forward
+from moetune.workers.experts.module import ExpertParallelExperts
 
 # Test-only (ENV_PERTURB_OP): one operator whose output the check perturbs (relative noise), so a test sees the job
 # fail with that operator named.

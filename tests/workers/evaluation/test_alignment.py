@@ -13,9 +13,9 @@ from moetune.api.environment import ENV_PERTURB_OP
 from moetune.workers.evaluation.alignment import FIRST_LOSS, check_alignment, verdict
 from moetune.workers.families import REGISTRY, apply_kernel_swaps
 from moetune.workers.model import trainable_model
-from moetune.workers.parallel.compute import fused_expert_forward
-from moetune.workers.parallel.experts import ExpertParallelExperts
-from moetune.workers.parallel.placement import placement_at
+from moetune.workers.experts.compute import fused_expert_forward
+from moetune.workers.experts.module import ExpertParallelExperts
+from moetune.workers.experts.placement import placement_at
 from tests.support.families import batch, plain_model
 
 def failed_ops(rows: list[dict]) -> list[str]:

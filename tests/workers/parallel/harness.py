@@ -61,7 +61,7 @@ def launch(fn, world: int, *args) -> None:
 
 def expert_bytes(model) -> int:
     """Bytes of routed-expert base weights this rank stores (its ZeRO-3 partition where partitioned)."""
-    from moetune.workers.parallel.experts import ExpertParallelExperts
+    from moetune.workers.experts.module import ExpertParallelExperts
 
     total = 0
     for module in model.modules():
@@ -85,7 +85,7 @@ def make_engine(rank: int, world: int, family_name: str, job: JobCreate, skew: b
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.families import REGISTRY
     from moetune.workers.model import trainable_model
-    from moetune.workers.parallel import job_placement
+    from moetune.workers.experts import job_placement
 
     model = plain_model(REGISTRY[family_name], skew_to_first_half=skew, config=config)
     torch.manual_seed(1)
@@ -149,7 +149,7 @@ def run_saved_experts(rank: int, world: int, family_name: str, spec_json: str, o
     DeepSpeed released those weights, and the first step's loss and full LoRA gradients."""
     from deepspeed.utils import safe_get_full_grad
 
-    from moetune.workers.parallel.experts import ExpertParallelExperts
+    from moetune.workers.experts.module import ExpertParallelExperts
 
     job = JobCreate.model_validate_json(spec_json)
     engine = make_engine(rank, world, family_name, job, skew, wide_config(family_name))
@@ -234,8 +234,8 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool, model_config=
     )
 
     from moetune.workers.families.spec import in_proj_name
-    from moetune.workers.lora.expert_layout import peft_expert_state, target_parameters
-    from moetune.workers.parallel.experts import init_expert_lora_a
+    from moetune.workers.experts.lora_layout import peft_expert_state, target_parameters
+    from moetune.workers.experts.module import init_expert_lora_a
     from moetune.workers.lora.peft_lora import _no_v4_target_conversion
 
     state = get_peft_model_state_dict(peft_model)
@@ -264,7 +264,7 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool, model_config=
 
 def expert_grads_in_engine_layout(peft_model, fam) -> dict:
     """Reference gradients of the PEFT expert LoRA, as full (E, ...) stacks under the engine's parameter names."""
-    from moetune.workers.lora.expert_layout import factors_from_peft
+    from moetune.workers.experts.lora_layout import factors_from_peft
 
     grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
     out = {}

@@ -17,8 +17,8 @@ from tests.support.proxy import FaultProxy
 
 from moetune.workers.weights.cache import RangeCache
 from moetune.workers.weights.errors import WeightsError
-from moetune.workers.parallel.experts import ExpertParallelExperts
-from moetune.workers.parallel.placement import placement_at
+from moetune.workers.experts.module import ExpertParallelExperts
+from moetune.workers.experts.placement import placement_at
 from moetune.workers.settings import WorkerSettings
 from moetune.workers.weights.loader import load_summary, stream_model
 
