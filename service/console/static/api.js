@@ -20,7 +20,7 @@ export async function api(path, { method = "GET", json, body, signal, raw = fals
   const response = await fetch(path, { method, headers, body, signal });
   const text = await response.text();
   let data = text;
-  if (!raw) {
+  if (!raw || !response.ok) { // error bodies are JSON whatever the route answers on success
     try { data = text ? JSON.parse(text) : null; } catch { data = text; }
   }
   if (response.status === 401 && location.pathname !== "/console/login") toLogin();

@@ -52,8 +52,8 @@ export async function render() {
     const data = await Promise.all(picked.map(curves));
     const series = picked.flatMap((job, i) => [
       { name: `${job.id} train`, points: data[i].train },
-      ...(data[i].valid.length ? [{ name: `${job.id} valid`, points: data[i].valid, dashed: true }] : []),
-    ]);
+      { name: `${job.id} valid`, points: data[i].valid, dashed: true },
+    ]).filter((one) => one.points.length);
     const rows = [
       ["Status", (job) => statusBadge(job.status)], ["Base", (job) => job.model],
       ["Tuned model", (job) => job.fine_tuned_model || "–"],

@@ -57,9 +57,9 @@ export function progressCell(job) {
 }
 
 export function table(headers, rows, attrs = {}) {
-  return h("div", { class: "scroll" }, h("table", attrs,
-    h("thead", {}, h("tr", {}, headers.map((title) => h("th", { scope: "col", class: title.num ? "num" : null },
-      title.text ?? title)))),
+  const head = headers.some((title) => title !== "") && h("thead", {}, h("tr", {}, headers.map((title) =>
+    h("th", { scope: "col", class: title.num ? "num" : null }, title.text ?? title))));
+  return h("div", { class: "scroll" }, h("table", attrs, head,
     rows instanceof HTMLTableSectionElement ? rows : h("tbody", {}, rows)));
 }
 
