@@ -4,6 +4,7 @@ loopback receiver of worker reports."""
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 
 import boto3
@@ -11,7 +12,14 @@ import pytest
 
 from moetune.service.local.embedded import local_ray_head, local_s3_server, s3_env
 from moetune.workers.settings import use_prebuilt_ops
+from tests.support import REPO
 from tests.support.receiver import ReportReceiver
+
+# What the benchmarks run too (the EP harness, tiny models, quantized checkpoints, ...) is imported as bench.support:
+# the repository root goes last on sys.path, so that an installed package named like one of its folders (the
+# `kernels` that transformers loads hub kernels with) still wins.
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
 
 # Every process the suite starts (the Ray head and its workers, EP harness children) loads the DeepSpeed op that
 # `make install` prebuilt into this virtualenv (with its ninja) instead of compiling it again.
@@ -61,3 +69,16 @@ def receiver():
     yield r
     r.server.shutdown()
     r.server.server_close()
+
+
+# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup): while one waits on a Ray job, the other
+# computes. Tests that share an expensive session fixture run on one worker, so that each is built once (every test
+# on the session's Ray head in one group: one head for the whole suite); the other tests go by module, so that
+# their module fixtures are built once too.
+_BUILT_ONCE = ("ray_head", "ep_runs", "postgres_server", "checkpoints", "adapters")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        shared = next((name for name in _BUILT_ONCE if name in item.fixturenames), None)
+        item.add_marker(pytest.mark.xdist_group(shared or item.nodeid.split("::")[0]))
