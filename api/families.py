@@ -1,4 +1,5 @@
-"""Pure-data facts about the supported MoE model families, keyed by config.json's `model_type`.
+"""Pure-data facts about the supported MoE model families, keyed by config.json's `model_type`: the class, and the
+loader of each family's own (in its folder, workers/families/<model_type>/facts.py).
 
 The control plane uses them to reject a job at submission (expert count, LoRA target names) without
 importing torch; the workers' family adapters (workers/families/) use the same facts.
@@ -6,6 +7,8 @@ importing torch; the workers' family adapters (workers/families/) use the same f
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,31 +16,9 @@ from moetune.api.config_fields import config_error, read
 from moetune.api.models import SpecError
 from moetune.api.quantization import quantization_of
 
-# Linear module names every family shares (dense MLPs and shared experts).
-_MLP = ("gate_proj", "up_proj", "down_proj")
-# Multi-head latent attention (DeepSeek-V3 style), used by kimi_linear's full-attention layers too.
-_MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-
 
 def _none(text: dict) -> tuple[str, ...]:
     return ()
-
-
-def _mla_query(text: dict) -> tuple[str, ...]:
-    """MLA's query is one q_proj, or q_a_proj -> q_b_proj with a q_lora_rank: the other names are absent."""
-    return ("q_proj",) if text.get("q_lora_rank") else ("q_a_proj", "q_b_proj")
-
-
-def _mla_query_beside_kda(text: dict) -> tuple[str, ...]:
-    """The same, where KDA layers have a q_proj of their own."""
-    return () if text.get("q_lora_rank") else ("q_a_proj", "q_b_proj")
-
-
-def _qwen3_moe_mlp(text: dict) -> tuple[str, ...]:
-    """qwen3_moe has no shared experts: its MLP projections exist only in dense layers (`mlp_only_layers`, or
-    those `decoder_sparse_step` skips), as transformers' Qwen3MoeDecoderLayer builds them."""
-    dense = text.get("mlp_only_layers") or (text.get("decoder_sparse_step") or 1) > 1 or text.get("num_experts") == 0
-    return () if dense else _MLP
 
 
 @dataclass(frozen=True)
@@ -78,54 +59,20 @@ class FamilyFacts:
         return [t for t in targets if t.rsplit(".", 1)[-1] not in names]
 
 
-FAMILIES: dict[str, FamilyFacts] = {f.model_type: f for f in (
-    FamilyFacts("kimi_linear", ("num_experts", "num_local_experts"),
-                _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj"),
-                absent_linears=_mla_query_beside_kda),
-    FamilyFacts("qwen3_moe", ("num_experts", "num_local_experts"), ("q_proj", "k_proj", "v_proj", "o_proj") + _MLP,
-                absent_linears=_qwen3_moe_mlp),
-    FamilyFacts("qwen3_next", ("num_experts",),
-                ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj",
-                 "shared_expert_gate") + _MLP),
-    # Gated DeltaNet + gated attention under a vision tower (frozen); image rows go through its image processor.
-    FamilyFacts("qwen3_5_moe", ("num_experts",),
-                ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                 "out_proj", "shared_expert_gate") + _MLP, text_config_key="text_config", images=True),
-    # Kimi-K2 / K2-Thinking ship DeepSeek-V3's architecture as model_type "kimi_k2" (their remote code is
-    # DeepseekV3ForCausalLM; transformers reads that name only inside Kimi K2.5's text_config)
-    FamilyFacts("deepseek_v3", ("n_routed_experts",), _MLA + _MLP, absent_linears=_mla_query,
-                release_model_types=("kimi_k2",)),
-    # DeepSeek-V3.2: DeepSeek-V3 plus the DSA indexer's own linears
-    FamilyFacts("deepseek_v32", ("n_routed_experts",), _MLA + _MLP + ("wq_b", "wk", "weights_proj"),
-                absent_linears=_mla_query),
-    # Nemotron-H: Mamba2 mixers (in_proj; PEFT refuses their out_proj), attention, and latent MoE (plain up/down
-    # experts working at moe_latent_size between fc1/fc2_latent_proj; a shared expert)
-    FamilyFacts("nemotron_h", ("n_routed_experts",),
-                ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj", "fc1_latent_proj",
-                 "fc2_latent_proj")),
-    # DeepSeek-V4: shared-KV attention (q_a/q_b, kv, grouped o_a -> o_b; PEFT cannot adapt the grouped o_a_proj)
-    # whose compressors and indexer have their own kv/gate projections; shared and routed experts (every layer MoE)
-    FamilyFacts("deepseek_v4", ("n_routed_experts",),
-                ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "weights_proj") + _MLP),
-    # Kimi K2.5: a DeepSeek-V3 text model (MLA + MoE) under a vision tower; text path only.
-    FamilyFacts("kimi_k25", ("n_routed_experts",), _MLA + _MLP, text_config_key="text_config",
-                absent_linears=_mla_query),
-    # Every layer is MoE (no dense MLP); the router is not a linear; experts carry biases.
-    FamilyFacts("gpt_oss", ("num_local_experts",), ("q_proj", "k_proj", "v_proj", "o_proj")),
-    # KDA + DSA sparse MLA (its indexer's wq_b / wk / weights_proj) under a vision tower (frozen); image rows go
-    # through its image processor.
-    FamilyFacts("glm5_next", ("n_routed_experts",),
-                _MLA + _MLP + ("k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
-                               "wq_b", "wk", "weights_proj"), text_config_key="text_config", images=True,
-                absent_linears=_mla_query_beside_kda),
-    # Kimi K3: KDA (full-rank output gate g_proj) + NoPE MLA (sigmoid output gate g_proj), latent MoE
-    # (routed_expert_down/up_proj around the experts); the Attention Residuals' *_res_proj weights are the mixes'
-    # pseudo-queries, never called as linears (no LoRA). Its vision tower is not built (text path only).
-    FamilyFacts("kimi_k3", ("num_experts",),
-                _MLA + _MLP + ("k_proj", "v_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj",
-                               "routed_expert_down_proj", "routed_expert_up_proj"), text_config_key="text_config",
-                absent_linears=_mla_query_beside_kda),
-)}
+# Each family's folder, workers/families/<model_type>/, holds its facts: facts.py's FACTS, the fields above but
+# model_type. Those modules are torch-free and import nothing of moetune's but workers/families/linears.py, so the
+# control plane reads them by name without the training stack.
+_FAMILY_FOLDERS = "moetune.workers.families"
+
+
+def _load_facts() -> dict[str, FamilyFacts]:
+    folders = importlib.import_module(_FAMILY_FOLDERS).__path__
+    names = sorted(m.name for m in pkgutil.iter_modules(folders) if m.ispkg)
+    return {name: FamilyFacts(name, **importlib.import_module(f"{_FAMILY_FOLDERS}.{name}.facts").FACTS)
+            for name in names}
+
+
+FAMILIES: dict[str, FamilyFacts] = _load_facts()
 
 
 def unsupported_model_type(model_type) -> str:
@@ -145,7 +92,7 @@ def known_facts(config: dict) -> FamilyFacts | None:
 
 
 def as_transformers_reads_it(config: dict) -> dict:
-    """config.json with a release's model_type (kimi_k2) replaced by its family's, the one transformers builds."""
+    """config.json with a release's model_type replaced by its family's, the one transformers builds."""
     facts = _BY_RELEASE_MODEL_TYPE.get(config.get("model_type"))
     return {**config, "model_type": facts.model_type} if facts else config
 

@@ -213,18 +213,18 @@ def _sparse_launches(heads: int, kv_heads: int, dk: int, dv: int, topk: int, sha
 
 # What the CUDA path launches: MoE at the seed model's widths (7168 hidden, 2048 expert intermediate; gate_up and
 # down) over the ranks the API allows, and quantized weights; KDA at 32 heads of 128; sparse attention at the
-# seed's top-2048 as the MLA families run it, over the shared latent (glm5_next: 64 heads, 512-wide latent without
-# RoPE; deepseek_v32: 128 heads, 512 + 64 RoPE, and with a LoRA adapter's per-token latent), and with per-head
+# seed's top-2048 as the MLA families run it, over the shared latent (GLM-5-Next: 64 heads, 512-wide latent without
+# RoPE; DeepSeek-V3.2: 128 heads, 512 + 64 RoPE, and with a LoRA adapter's per-token latent), and with per-head
 # keys (192/128, grouped-query layouts).
 SM90_CASES = {
     **{f"moe {h}->{o} r{r}": (_moe_launches, (h, o, r)) for h, o in ((7168, 4096), (2048, 7168))
        for r in (8, 16, 64, 128, 256, 512, 1024)},
     **{f"moe {w} 7168->4096 r64": (_moe_launches, (7168, 4096, 64, w)) for w in ("fp8", "int4", "mxfp4")},
-    "kda glm5_next H32 K128 V128": (_kda_launches, (32, 128, 128)),
-    "sparse glm5_next latent H64 512/512 top2048": (_sparse_launches, (64, 1, 512, 512, 2048, True)),
-    "sparse deepseek_v32 latent H128 576/512 top2048": (_sparse_launches, (128, 1, 576, 512, 2048, True)),
+    "kda H32 K128 V128": (_kda_launches, (32, 128, 128)),
+    "sparse latent H64 512/512 top2048": (_sparse_launches, (64, 1, 512, 512, 2048, True)),
+    "sparse latent+rope H128 576/512 top2048": (_sparse_launches, (128, 1, 576, 512, 2048, True)),
     # training with LoRA dropout on kv_b_proj (rank 16): each token's A·dropout(c) rides in the latent
-    "sparse deepseek_v32 latent+lora16 H128 592/528 top2048": (_sparse_launches, (128, 1, 592, 528, 2048, True)),
+    "sparse latent+rope+lora16 H128 592/528 top2048": (_sparse_launches, (128, 1, 592, 528, 2048, True)),
     "sparse per-head kv H64 192/128 top2048": (_sparse_launches, (64, 64, 192, 128, 2048)),
 }
 

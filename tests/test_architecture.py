@@ -15,10 +15,14 @@ def test_import_contracts_hold():
 
 
 def test_control_plane_import_does_not_load_the_training_stack():
+    """Of the workers' code, the control plane reads only the families' facts (each in its folder, torch-free)."""
     code = (
         "import sys, moetune.service.app, moetune.service.cli.main, moetune.api.client\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'deepspeed', 'peft', 'moetune.workers')"
-        " if m in sys.modules)\n"
+        "from moetune.api.families import FAMILIES\n"
+        "facts = {'moetune.workers', 'moetune.workers.families', 'moetune.workers.families.linears'}"
+        " | {f'moetune.workers.families.{t}{m}' for t in FAMILIES for m in ('', '.facts')}\n"
+        "heavy = sorted(m for m in sys.modules if m in ('torch', 'transformers', 'deepspeed', 'peft')"
+        " or m.startswith('moetune.workers') and m not in facts)\n"
         "print(','.join(heavy))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

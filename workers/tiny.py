@@ -1,8 +1,7 @@
 """Assets of the embedded demo, generated on the spot (nothing is ever downloaded).
 
-A tiny random checkpoint of the seed family (`kimi_linear`: KDA linear attention + one full
-attention layer, routed experts + a shared expert), a byte-level tokenizer with chat role
-tokens, and a JSONL dataset whose patterns such a model picks up within a few dozen steps.
+A tiny random checkpoint of the demo's family (its family's `tiny_config`, `Family.demo`), a byte-level tokenizer
+with chat role tokens, and a JSONL dataset whose patterns such a model picks up within a few dozen steps.
 """
 
 from __future__ import annotations
@@ -10,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
 
 ROLES = ("system", "user", "assistant", "tool")
 PAD, BOS, EOS, END = "<pad>", "<s>", "</s>", "<|end|>"
@@ -23,53 +20,15 @@ CHAT_TEMPLATE = (
 )
 
 
-@dataclass(frozen=True)
-class TinyVision:
-    """What a family's tiny vision-language checkpoint needs beyond its config: its special image tokens (config
-    attribute -> token), what its chat template renders for an image part (the processor expands the image token
-    in it to one token per merged patch), and its image processor from the vision config (patch, merge sizes)."""
-
-    tokens: dict[str, str]
-    placeholder: str
-    image_processor: Callable[[object], object]
-
-    def chat_template(self) -> str:
-        return (
-            "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}"
-            "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}"
-            "{% else %}" + self.placeholder + "{% endif %}{% endfor %}{% endif %}<|end|>{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-        )
-
-
-def _qwen_image_processor(vision):
-    """16-pixel patches merged 2x2: a 32x32 image is one image token, 64x64 four."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    return Qwen2VLImageProcessorPil(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                                    merge_size=vision.spatial_merge_size,
-                                    size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})
-
-
-def _glm_image_processor(vision):
-    """14-pixel patches merged 2x2, 1 to 9 image tokens an image (GLM resizes within a token budget)."""
-    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
-
-    return Glm5NextImageProcessorPil(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                                     merge_size=vision.spatial_merge_size, min_image_tokens=1, max_image_tokens=9)
-
-
-# Per family (config.json's model_type), the token names its own processor and config use.
-TINY_VISION = {
-    "qwen3_5_moe": TinyVision({"vision_start_token_id": "<|vision_start|>", "image_token_id": "<|image_pad|>",
-                               "vision_end_token_id": "<|vision_end|>", "video_token_id": "<|video_pad|>"},
-                              "<|vision_start|><|image_pad|><|vision_end|>", _qwen_image_processor),
-    # GLM tells video from image tokens by the video start/end spans: those tokens must exist too
-    "glm5_next": TinyVision({"image_start_token_id": "<|begin_of_image|>", "image_token_id": "<|image|>",
-                             "image_end_token_id": "<|end_of_image|>", "video_token_id": "<|video|>",
-                             "video_start_token_id": "<|begin_of_video|>", "video_end_token_id": "<|end_of_video|>"},
-                            "<|begin_of_image|><|image|><|end_of_image|>", _glm_image_processor),
-}
+def image_chat_template(placeholder: str) -> str:
+    """CHAT_TEMPLATE for content that may hold images: each image part rendered as the family's `placeholder` (its
+    processor expands the image token in it to one token per merged patch)."""
+    return (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}"
+        "{% else %}" + placeholder + "{% endif %}{% endfor %}{% endif %}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
 
 
 def write_tiny_tokenizer(local_dir: str, extra_tokens: tuple[str, ...] = (),
@@ -93,54 +52,20 @@ def write_tiny_tokenizer(local_dir: str, extra_tokens: tuple[str, ...] = (),
     ).save_pretrained(local_dir)
 
 
-def tiny_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
-    from transformers import KimiLinearConfig
-
-    num_layers = 4
-    return KimiLinearConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        # the released MLA head ratio (nope 128 : rope 64 : v 128): the key wider than the value
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        linear_num_heads=4,
-        linear_head_dim=16,
-        # Same shape as the seed family: mostly KDA, one full-attention layer; first MLP dense.
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        mlp_layer_types=["dense"] + ["sparse"] * (num_layers - 1),
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        max_position_embeddings=4096,
-        pad_token_id=pad_id,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        tie_word_embeddings=False,
-    )
-
-
 def write_tiny_checkpoint(local_dir: str, seed: int = 0) -> str:
     """Writes a sharded safetensors checkpoint (with index.json) plus tokenizer; returns the dir."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moetune.workers.families import demo_family
+
     os.makedirs(local_dir, exist_ok=True)
     write_tiny_tokenizer(local_dir)
     tokenizer = AutoTokenizer.from_pretrained(local_dir)
     # Vocab rounded up to a multiple of 8, as real checkpoints do.
-    vocab_size = (len(tokenizer) + 7) // 8 * 8
-    config = tiny_config(vocab_size, tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    config = demo_family("text").tiny_config(vocab_size=(len(tokenizer) + 7) // 8 * 8,
+                                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                             eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _like_trained(model, config.initializer_range)
@@ -162,15 +87,17 @@ def _like_trained(model, initializer_range: float) -> None:
 
 
 def write_tiny_multimodal_checkpoint(local_dir: str, tiny_config, seed: int = 0) -> str:
-    """A vision-language checkpoint of `tiny_config()`'s family (TINY_VISION): random weights of its
+    """A vision-language checkpoint of `tiny_config()`'s family (its `tiny_vision`): random weights of its
     *ForConditionalGeneration, the byte tokenizer with the family's image tokens and a template that places them,
     and the family's image processor config. Returns the dir."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    vision = TINY_VISION[tiny_config().model_type]
+    from moetune.workers.families import family_for
+
+    vision = family_for(tiny_config()).tiny_vision
     os.makedirs(local_dir, exist_ok=True)
-    write_tiny_tokenizer(local_dir, tuple(vision.tokens.values()), vision.chat_template())
+    write_tiny_tokenizer(local_dir, tuple(vision.tokens.values()), image_chat_template(vision.placeholder))
     tokenizer = AutoTokenizer.from_pretrained(local_dir)
     config = tiny_config(vocab_size=(len(tokenizer) + 7) // 8 * 8, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)

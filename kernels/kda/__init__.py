@@ -9,7 +9,7 @@ head sharing one query/key head (HV a multiple of H).
 On CUDA both run fla (`fla.ops.kda.chunk_kda`, `fla.ops.gated_delta_rule.chunk_gated_delta_rule`; the `[cuda]`
 extra): chunk-parallel, maintained. fla normalises q and k itself (`use_qk_l2norm_in_kernel`), in their own dtype, so
 every operand its kernels multiply has the model's dtype (fp32 q/k against bf16 v fail to build). Gates known to lie
-in [lower_bound, 0) (glm5_next's bounded sigmoid gate) take fla's `safe_gate` path (tensor-core intra-chunk work).
+in [lower_bound, 0) (a bounded sigmoid gate) take fla's `safe_gate` path (tensor-core intra-chunk work).
 moetune's own Triton kernel (kernels/kda/triton_kda.py: one program per sequence and head, serial over chunks) serves
 only where fla cannot: a CUDA machine without fla installed, or MOETUNE_KDA_KERNEL=moetune (bench/gpu_check.py
 measures both). Elsewhere (CPU) the chunked PyTorch implementation runs; `naive_recurrent_kda` is the token-by-token

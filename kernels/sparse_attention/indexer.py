@@ -4,8 +4,8 @@ Selection carries no gradient (the indexer is trained by its own loss, if at all
 processes queries in chunks whose [chunk, heads, keys] intermediates fit the memory there is (`chunk_rows`: a share
 of the device's free memory on CUDA, CPU_BUDGET_BYTES on the CPU): a fixed element cap left 2 query rows per chunk at
 128K keys with 64 index heads, thousands of Python iterations per layer. One implementation for every
-family: DeepSeek-style indexers pass one key per token and the default causal visibility; glm5_next passes pooled
-keys and its own visibility (workers/families/glm5_next/indexer.py).
+family: DeepSeek-style indexers pass one key per token and the default causal visibility; others pass pooled keys
+and their own visibility (a family's indexer in its folder, workers/families/<model_type>/).
 """
 
 from __future__ import annotations

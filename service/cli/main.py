@@ -264,7 +264,7 @@ def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
 
 @main.command()
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the demo job.")
-@click.option("--images", is_flag=True, help="Train a tiny vision-language model (qwen3_5_moe) on image rows.")
+@click.option("--images", is_flag=True, help="Train a tiny vision-language model on image rows.")
 def demo(timeout: float, images: bool) -> None:
     """Run one tiny job end to end on the embedded default (loopback S3, local Ray, SQLite, CPU)."""
     from moetune.service.local.demo import run_demo  # it runs a control plane in this process

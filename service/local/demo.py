@@ -1,9 +1,9 @@
 """`moetune demo`: the whole path on the embedded default, end to end.
 
-Loopback S3 server + local Ray head + SQLite control plane; a tiny seed-family (kimi_linear) MoE
-checkpoint and dataset are generated, uploaded, and fine-tuned by a 2-worker ZeRO-2 LoRA job
-submitted through the SDK. `--images`: a tiny qwen3_5_moe vision-language checkpoint (its image processor
-config, image tokens) and chat rows asking the colour of a solid-colour image, trained with EP=2.
+Loopback S3 server + local Ray head + SQLite control plane; a tiny MoE checkpoint of the demo's family
+(workers.tiny) and a dataset are generated, uploaded, and fine-tuned by a 2-worker ZeRO-2 LoRA job
+submitted through the SDK. `--images`: a tiny vision-language checkpoint of the image demo's family (its image
+processor config, image tokens) and chat rows asking the colour of a solid-colour image, trained with EP=2.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ ADAPTER_COPY = Path(".moetune/demo-adapter")  # the demo's S3 server is gone whe
 MODELS = {False: "tiny-kimi-linear", True: "tiny-qwen3.5-moe-vl"}  # by --images
 
 
-def make_demo_assets(work: Path, s3_url: str, images: bool) -> None:
+def make_demo_assets(work: Path, s3_url: str, images: bool) -> str:
     """The tiny checkpoint and datasets, generated and uploaded to s3://moetune-demo/ (also `moetune up
-    --with-demo-assets`)."""
+    --with-demo-assets`); returns the checkpoint's model_type."""
     # torch-heavy: only the demo needs them
-    from moetune.workers.families import REGISTRY
+    from moetune.workers.families import demo_family
     from moetune.workers.tiny import (
         tiny_image_rows,
         tiny_rows,
@@ -53,7 +53,7 @@ def make_demo_assets(work: Path, s3_url: str, images: bool) -> None:
     )
 
     if images:
-        write_tiny_multimodal_checkpoint(str(work / "model"), REGISTRY["qwen3_5_moe"].tiny_config)
+        write_tiny_multimodal_checkpoint(str(work / "model"), demo_family("images").tiny_config)
     else:
         write_tiny_checkpoint(work / "model", seed=0)
     rows = tiny_image_rows if images else tiny_rows
@@ -63,6 +63,7 @@ def make_demo_assets(work: Path, s3_url: str, images: bool) -> None:
     storage.upload_dir(str(work / "model"), f"s3://{BUCKET}/models/{MODELS[images]}", endpoint_url=s3_url)
     for name in ("train.jsonl", "valid.jsonl"):
         storage.write_bytes(f"s3://{BUCKET}/data/{name}", (work / name).read_bytes(), endpoint_url=s3_url)
+    return demo_family("images" if images else "text").model_type
 
 
 def demo_job_spec(images: bool = False) -> JobCreate:
@@ -93,9 +94,9 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
         env = s3_env(s3_url)
         os.environ.update(env)
         console.print(f"[bold]S3-compatible server[/] {s3_url}")
-        make_demo_assets(work, s3_url, images)
-        what = ("qwen3_5_moe vision-language checkpoint, tokenizer, image processor and solid-colour image dataset"
-                if images else "kimi_linear MoE checkpoint, tokenizer and dataset")
+        model_type = make_demo_assets(work, s3_url, images)
+        what = (f"{model_type} vision-language checkpoint, tokenizer, image processor and solid-colour image dataset"
+                if images else f"{model_type} MoE checkpoint, tokenizer and dataset")
         console.print(f"Generated a tiny {what}; uploaded to s3://{BUCKET}/")
         with local_ray_head(num_cpus=max(4, os.cpu_count() or 1), env=env) as head:
             console.print(f"[bold]Ray head[/] {head.gcs_address} (Jobs API {head.dashboard_url})")

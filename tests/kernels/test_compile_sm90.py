@@ -10,7 +10,7 @@ from moetune.kernels.compile_check import SM90_SHARED_BYTES, over_budget
 from moetune.kernels.testing import compile_in_subprocess
 
 SUITE_CASES = ["moe 7168->4096 r16", "moe 7168->4096 r1024", "moe int4 7168->4096 r64",
-               "kda glm5_next H32 K128 V128", "sparse deepseek_v32 latent H128 576/512 top2048"]
+               "kda H32 K128 V128", "sparse latent+rope H128 576/512 top2048"]
 
 
 def test_every_launch_variant_builds_for_sm90_within_budget():

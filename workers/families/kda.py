@@ -1,7 +1,7 @@
-"""The KDA kernel swaps, without editing transformers: the families with Kimi Delta Attention layers (kimi_linear,
-glm5_next) run their chunked core on `kernels.kda.chunk_kda` instead of transformers' `chunk_kimi_delta_attention`;
-those with Gated DeltaNet layers (qwen3_next, qwen3_5_moe: KDA with one decay per head) on
-`kernels.kda.chunk_gated_delta_rule` instead of `torch_chunk_gated_delta_rule`.
+"""The KDA kernel swaps, without editing transformers: the families with Kimi Delta Attention layers run their
+chunked core on `kernels.kda.chunk_kda` instead of transformers' `chunk_kimi_delta_attention`; those with Gated
+DeltaNet layers (KDA with one decay per head) on `kernels.kda.chunk_gated_delta_rule` instead of
+`torch_chunk_gated_delta_rule`. A family declares its layer class (`kda_swap`).
 """
 
 from __future__ import annotations

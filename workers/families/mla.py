@@ -1,5 +1,5 @@
 """MLA attention: dense through SDPA at the key width (every MLA family's full attention), and sparse over the shared
-latent (the "absorbed" form), for the families whose DSA attention is MLA (deepseek_v32, glm5_next).
+latent (the "absorbed" form), for the families whose DSA attention is MLA (their swaps call it).
 
 Dense: an MLA key (qk_nope + rope, 192 in the releases) is wider than its value (128). PyTorch's fused SDPA kernels
 want one width; on CPU an unequal one falls back to the math path, which keeps the whole [B, H, T, T] attention

@@ -1,9 +1,5 @@
-"""Model families: one module (or folder) per family holding everything about it, registered by its facts.
-
-A family is supported when `moetune.api.families.FAMILIES` has its torch-free facts (what the control plane
-checks at submission) and `moetune.workers.families.<model_type>` defines `FAMILY` (a `spec.Family`); the
-registry below loads exactly those modules, so a family cannot be half-registered.
-"""
+"""The registry of model families: each folder's `FAMILY` (family.py), keyed by its model_type, for every family
+whose facts api.families found, so a family cannot be half-registered."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from moetune.api.families import FAMILIES, as_transformers_reads_it, unsupported
 from moetune.workers.errors import JobError
 from moetune.workers.families.spec import Family
 
-REGISTRY: dict[str, Family] = {t: importlib.import_module(f"{__name__}.{t}").FAMILY for t in FAMILIES}
+REGISTRY: dict[str, Family] = {t: importlib.import_module(f"{__package__}.{t}.family").FAMILY for t in FAMILIES}
 _BY_MODEL_TYPE = {t: f for f in REGISTRY.values()
                   for t in (f.model_type, *f.model_type_aliases, *f.facts.release_model_types)}
 
@@ -36,9 +32,14 @@ def family_for(config) -> Family:
     return found
 
 
+def demo_family(kind: str) -> Family:
+    """The family of the embedded demo's (and the tests') tiny checkpoint of this kind ("text", "images")."""
+    return next(f for f in REGISTRY.values() if f.demo == kind)
+
+
 def hf_config(config: dict):
     """The transformers config of a config.json's dict, decoded as `from_pretrained` decodes the file (floats it
-    cannot write as JSON, like nemotron_h's `time_step_limit` infinity, are `{"__float__": "Infinity"}` there)."""
+    cannot write as JSON, like a Mamba config's `time_step_limit` infinity, are `{"__float__": "Infinity"}` there)."""
     from transformers import AutoConfig, PreTrainedConfig
 
     return AutoConfig.for_model(**PreTrainedConfig._decode_special_floats(as_transformers_reads_it(config)))

@@ -57,5 +57,5 @@ def segment_attention_swap(attention_class: str) -> Callable[[torch.nn.Module], 
 
 def packs_sequences(model: torch.nn.Module) -> bool:
     """Whether the model's attention was swapped for packed sequences (a family has this swap only where its other
-    layers keep packed sequences apart too: kimi_linear's KDA swap)."""
+    layers keep packed sequences apart too, e.g. with a KDA swap)."""
     return any(getattr(m, "_moetune_segments", False) for m in model.modules())

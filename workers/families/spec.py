@@ -1,5 +1,6 @@
 """What moetune knows about one model family, beyond its torch-free facts (api.families): where its MoE blocks and
-experts are, how its model is built, which kernel swaps apply. Each family module defines one `FAMILY`."""
+experts are, how its model is built, which kernel swaps apply, what LoRA may adapt. Each family's family.py defines
+one `FAMILY`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,17 @@ from dataclasses import dataclass
 
 from moetune.api.families import FamilyFacts
 from moetune.kernels.quant import held_names
+
+
+@dataclass(frozen=True)
+class TinyVision:
+    """What a family's tiny vision-language checkpoint (workers.tiny) needs beyond its config: its special image
+    tokens (config attribute -> token), what its chat template renders for an image part, and its image processor
+    from the vision config (patch, merge sizes)."""
+
+    tokens: dict[str, str]
+    placeholder: str
+    image_processor: Callable[[object], object]
 
 
 @dataclass(frozen=True)
@@ -31,10 +43,12 @@ class Family:
     # Kernel swaps in the order they are applied; each changes the given model's modules and returns how many.
     swaps: tuple[Callable[[object], int], ...] = ()
     model_type_aliases: tuple[str, ...] = ()  # config model_types of the family's sub-models (e.g. its text model)
-    # linear leaf names PEFT refuses to adapt in this family (nemotron_h's Mamba out_proj): never LoRA targets
+    # linear leaf names PEFT refuses to adapt in this family (e.g. a Mamba mixer's out_proj): never LoRA targets
     lora_unsupported: tuple[str, ...] = ()
     # gate_up -> activation of the experts module, where it is not act_fn(gate) · up over [gate; up] halves
     expert_activation: Callable[[object], Callable] | None = None
+    tiny_vision: TinyVision | None = None  # what its tiny vision-language checkpoint needs (families that take images)
+    demo: str | None = None  # the embedded demo's (and the tests') tiny checkpoint of this kind is this family's
 
     @property
     def model_type(self) -> str:
@@ -53,6 +67,6 @@ class Family:
 
 def in_proj_name(experts) -> str:
     """The experts module's first projection: `gate_up_proj` (gated: the activation combines its two halves), or
-    `up_proj` (nemotron_h's plain MLP experts: act(x W_up) W_down). A quantized base holds it as buffers."""
+    `up_proj` (plain MLP experts: act(x W_up) W_down). A quantized base holds it as buffers."""
     names = {*dict(experts.named_parameters(recurse=False)), *held_names(experts)}
     return "up_proj" if "up_proj" in names else "gate_up_proj"

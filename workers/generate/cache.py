@@ -29,7 +29,7 @@ def new_cache(model):
 
 
 def _kv(layer) -> list[tuple[str, int]]:
-    """The per-token tensors the layer holds (a zero-width one too: glm5_next's MLA caches values of width 0; an
+    """The per-token tensors the layer holds (a zero-width one too: an MLA may cache values of width 0; an
     unfilled layer holds 1-D empty ones)."""
     return [(name, dim) for name, dim in _KV_TENSORS if isinstance(getattr(layer, name, None), torch.Tensor)
             and getattr(layer, name).dim() > 1]

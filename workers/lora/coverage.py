@@ -2,7 +2,7 @@
 
 Every linear LoRA may adapt (the family's scope: a multimodal model's text path) has one layer type: the attention
 of its decoder layer (by the config's `layer_types`: linear (also Mamba), full, sliding-window or sparse
-attention), a dense MLP, or, inside a MoE block, its shared experts, its latent projections (nemotron_h) or its
+attention), a dense MLP, or, inside a MoE block, its shared experts, its latent projections (latent MoE) or its
 router (frozen: never adapted). Each MoE block's routed experts are one more module, adapted by the
 expert-parallel module's own LoRA (`train_experts`). A vision tower's linears are one more layer type, listed only
 when `lora.vision` adapts some (its projector, or all). The same table is a job's first LoRA event and `moetune
@@ -20,9 +20,9 @@ from moetune.workers.families.spec import Family, in_proj_name
 
 ROUTER, ROUTED_EXPERTS, SHARED_EXPERTS, DENSE_MLP = "router", "routed experts", "shared experts", "dense MLP"
 VISION = "vision"  # the vision tower's linears (lora.vision), each block a layer and its projector one more
-LATENT = "latent projections"  # nemotron_h: a MoE block's projections to and from its experts' latent width
+LATENT = "latent projections"  # latent MoE: a block's projections to and from its experts' latent width
 # config `layer_types` values -> layer type of the layer's non-MoE linears (transformers calls Mamba mixers
-# linear attention too; nemotron_h's plain MLP layers are "mlp")
+# linear attention too; a hybrid's plain MLP layers are "mlp")
 _LAYER_KINDS = {"linear_attention": "linear attention", "full_attention": "full attention",
                 "sliding_attention": "sliding-window attention", "indexed_attention": "sparse attention",
                 "mlp": DENSE_MLP}

@@ -51,8 +51,7 @@ def load_image(url: str):
 
 
 class ImageRows:
-    """Tokenizes chat rows with images as the family's processor does (Qwen3-VL's for qwen3_5_moe,
-    Glm5NextProcessor for glm5_next)."""
+    """Tokenizes chat rows with images as the family's processor does (the checkpoint's own, e.g. Qwen3-VL's)."""
 
     def __init__(self, local_dir: str, tokenizer, image_token_id: int):
         self.local_dir, self.tokenizer, self.image_token_id = local_dir, tokenizer, image_token_id

@@ -64,7 +64,7 @@ class NameMapper:
 
         name, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.state)
         if name not in self.state and key in self.state:
-            # as transformers' loader: a name some rule renames away (deepseek_v4's `.norm.` -> `.kv_norm.` hits
+            # as transformers' loader: a name some rule renames away (e.g. `.norm.` -> `.kv_norm.`, which hits
             # model.norm) keeps its own name when the model has it
             name, pattern = rename_source_key(key, [], [], self.prefix, self.state)
         if name not in self.state:

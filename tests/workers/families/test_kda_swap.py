@@ -10,7 +10,7 @@ import torch
 
 from tests.support.kda_cases import rmse_ratio
 from moetune.workers.families import apply_kernel_swaps, kda
-from moetune.workers.tiny import tiny_config
+from moetune.workers.families.kimi_linear.tiny import tiny_config
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj", "o_proj"]
 
@@ -130,7 +130,7 @@ def test_gated_deltanet_swapped_matches_transformers(family, gated_delta_calls):
     from peft import LoraConfig, get_peft_model
 
     from moetune.workers.families import REGISTRY
-    from tests.support.families import plain_model
+    from bench.support.tiny_models import plain_model
 
     stock = plain_model(REGISTRY[family])
     with torch.no_grad():  # a spread of decays, as in a trained model

@@ -17,7 +17,7 @@ from moetune.api.models import JobCreate
 from moetune.api.plans import ClusterSpec
 from moetune.workers.evaluation.alignment import check_alignment
 from moetune.workers.families import apply_kernel_swaps
-from moetune.workers.families.kimi_k3 import TINY_TEXT, tiny_config
+from moetune.workers.families.kimi_k3.tiny import TINY_TEXT, tiny_config
 from moetune.workers.model import trainable_model
 from moetune.workers.experts.placement import placement_at
 from moetune.workers.planner.plan import plan

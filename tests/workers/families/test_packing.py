@@ -13,8 +13,8 @@ from moetune.workers.families.kda import _short_conv
 from moetune.workers.methods.batch import IGNORE
 from moetune.workers.methods.sft import Example, SupervisedMethod, collate
 from moetune.workers.model import trainable_model
-from tests.support.families import plain_model
-from tests.workers.parallel.harness import spec
+from bench.support.tiny_models import plain_model
+from bench.support.harness import spec
 
 
 def _examples() -> list[Example]:

@@ -126,7 +126,7 @@ class KimiK3Config(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         if isinstance(self.text_config, dict):
-            # the release writes its text model's own model_type ("kimi_linear"): it is a K3 text model here
+            # the release writes Kimi-Linear's model_type for its text model: it is a K3 text model here
             self.text_config = {k: v for k, v in self.text_config.items() if k != "model_type"}
         super().__post_init__(**kwargs)
 

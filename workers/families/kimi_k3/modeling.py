@@ -14,7 +14,7 @@ keys are the release's): `language_model.model.layers.{i}` decoder layers holdin
   experts at full width.
 
 The KDA core and short convs are this module's `chunk_kimi_delta_attention` / `causal_conv1d_fn` (transformers'
-kimi_linear torch functions), so the KDA kernel swap (workers.families.kda) routes them like kimi_linear's.
+Kimi-Linear torch functions), so the KDA kernel swap (workers.families.kda) routes them like Kimi-Linear's.
 """
 
 from __future__ import annotations

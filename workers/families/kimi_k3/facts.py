@@ -1,0 +1,10 @@
+"""Kimi K3's facts: KDA (full-rank output gate g_proj) + NoPE MLA (sigmoid output gate g_proj), latent MoE
+(routed_expert_down/up_proj around the experts); the Attention Residuals' *_res_proj weights are the mixes'
+pseudo-queries, never called as linears (no LoRA). Its vision tower is not built (text path only)."""
+
+from moetune.workers.families.linears import MLA, MLP, mla_query_absent_beside_kda
+
+FACTS = dict(expert_count_keys=("num_experts",),
+             linear_names=MLA + MLP + ("k_proj", "v_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj",
+                                       "routed_expert_down_proj", "routed_expert_up_proj"),
+             text_config_key="text_config", absent_linears=mla_query_absent_beside_kda)

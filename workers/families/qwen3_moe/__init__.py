@@ -1,0 +1,1 @@
+"""Qwen3-MoE: softmax top-k router, routed experts only."""
