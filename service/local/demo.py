@@ -114,6 +114,7 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
             served = False
             with control_plane_in_thread(create_app(settings), port) as url:
                 console.print(f"[bold]Control plane[/] {url} (token {TOKEN})")
+                console.print(f"[bold]Web console[/] {url}/console (sign in with the token; open while the demo runs)")
                 client = Client(url, TOKEN)
                 job = client.jobs.create(demo_job_spec(images))
                 if not images:
