@@ -26,13 +26,13 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: bench.support
 
 import torch
 import torch.distributed as dist
 
-from tests.support.image_batches import image_method, image_model
-from tests.workers.parallel.harness import launch, spec
+from bench.support.image_batches import image_method, image_model
+from bench.support.harness import launch, spec
 
 
 def _batches(method, rank: int, args) -> list:

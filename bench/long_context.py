@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: bench.support
 
 WIDE = {"vocab_size": 32768, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256,
         "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
@@ -37,8 +37,8 @@ def _child(impl: str, seq: int) -> None:
     from moetune.workers.families import REGISTRY, apply_kernel_swaps
     from moetune.workers.methods.sft import Example, SupervisedMethod, collate
     from moetune.workers.model import trainable_model
-    from tests.support.families import plain_model
-    from tests.workers.parallel.harness import spec
+    from bench.support.tiny_models import plain_model
+    from bench.support.harness import spec
 
     torch.set_num_threads(2)
     fam = REGISTRY["kimi_linear"]

@@ -19,14 +19,14 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: bench.support
 
 import torch
 
 from bench.step_args import step_arguments
-from tests.support.families import batch
-from tests.support.quantized import quantize_checkpoint
-from tests.workers.parallel.harness import launch
+from bench.support.tiny_models import batch
+from bench.support.quantized import quantize_checkpoint
+from bench.support.harness import launch
 
 FORMATS = ("bf16", "fp8", "int4")
 WIDE = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 512, "n_routed_experts": 128,

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: bench.support
 
 import torch
 
@@ -89,7 +89,7 @@ def main() -> None:
 
     from moetune.workers.families import REGISTRY
     from moetune.workers.generate import Engine
-    from tests.support.adapters import write_adapter, write_checkpoint
+    from bench.support.adapters import write_adapter, write_checkpoint
 
     config = REGISTRY["kimi_linear"].tiny_config(**WIDE)
     prompts = _prompts(CONCURRENT, args.prompt_tokens)

@@ -37,7 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: bench.support
 
 from moetune.service.embedded import free_port, local_s3_server, s3_env, stop_process, wait_http
 
@@ -259,7 +259,7 @@ def collect(proc: subprocess.Popen) -> dict:
 
 def measure_ranks(uri: str, endpoint: str, ep: int) -> list[dict]:
     """Both ranks at once, as in a job, each behind its own counting proxy; then the skeleton baseline."""
-    from tests.support.proxy import FaultProxy
+    from bench.support.proxy import FaultProxy
     from moetune.workers.weights.push import inspect
 
     needs = inspect(uri, ep)["bytes_per_rank"]

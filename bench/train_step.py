@@ -25,14 +25,14 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: bench.support
 
 import torch
 import torch.distributed as dist
 
 from bench.step_args import step_arguments
-from tests.support.families import batch, plain_model
-from tests.workers.parallel.harness import launch, spec
+from bench.support.tiny_models import batch, plain_model
+from bench.support.harness import launch, spec
 
 FAMILY = "kimi_linear"
 ATTENTION = ("KimiLinearAttention", "KimiLinearDeltaAttention")

@@ -16,7 +16,7 @@ from moetune.api.families import FAMILIES
 from moetune.service.cli import main as cli
 from moetune.service.local.embedded import free_port, s3_env
 from moetune.workers.families import REGISTRY
-from tests.support.families import plain_model
+from bench.support.tiny_models import plain_model
 
 
 def _run(*args, env: dict | None = None):

@@ -12,8 +12,8 @@ from moetune.kernels.quant import held_names
 from moetune.workers.families import REGISTRY
 from moetune.workers.model import META, SERVE, TRAIN, WeightsSource, build_model
 from moetune.workers.experts.module import ExpertParallelExperts
-from tests.support.families import batch, plain_model
-from tests.support.quantized import FAMILY_OF, dequantized_reference, quantize_checkpoint
+from bench.support.tiny_models import batch, plain_model
+from bench.support.quantized import FAMILY_OF, dequantized_reference, quantize_checkpoint
 
 CPU = torch.device("cpu")
 SPEC = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",

@@ -14,7 +14,7 @@ from moetune.workers.families import REGISTRY
 from moetune.workers.experts.lora_layout import peft_expert_state
 from moetune.workers.experts.module import ExpertParallelExperts
 from moetune.workers.experts.placement import placement_at
-from tests.support.families import plain_model
+from bench.support.tiny_models import plain_model
 from tests.support.allocations import Allocations
 
 FAMILY = REGISTRY["kimi_linear"]

@@ -16,7 +16,7 @@ from moetune.workers.model import trainable_model
 from moetune.workers.experts.compute import fused_expert_forward
 from moetune.workers.experts.module import ExpertParallelExperts
 from moetune.workers.experts.placement import placement_at
-from tests.support.families import batch, plain_model
+from bench.support.tiny_models import batch, plain_model
 
 def failed_ops(rows: list[dict]) -> list[str]:
     return [row["op"] for row in rows if not row["ok"]]

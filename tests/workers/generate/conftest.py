@@ -1,11 +1,11 @@
 """Tiny checkpoints of two families (kimi_linear: KDA + MLA; qwen3_moe: softmax attention with RoPE) and PEFT
-adapters of each in moetune's export layout (tests.support.adapters)."""
+adapters of each in moetune's export layout (bench.support.adapters)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support.adapters import write_adapter, write_checkpoint
+from bench.support.adapters import write_adapter, write_checkpoint
 
 FAMILIES = ("kimi_linear", "qwen3_moe")
 

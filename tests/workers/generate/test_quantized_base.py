@@ -7,8 +7,8 @@ from __future__ import annotations
 from moetune.kernels.moe.linear import QuantizedLinear
 from moetune.kernels.quant import held_names
 from moetune.workers.generate import Engine, GenerationRequest, SamplingParams
-from tests.support.adapters import write_adapter, write_checkpoint
-from tests.support.quantized import quantize_checkpoint
+from bench.support.adapters import write_adapter, write_checkpoint
+from bench.support.quantized import quantize_checkpoint
 from tests.workers.generate.test_batching import _together
 from tests.workers.generate.test_reference import PROMPTS, reference, run
 

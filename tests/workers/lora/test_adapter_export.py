@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moetune.api.models import LoraSpec
-from tests.support.families import batch, plain_model
+from bench.support.tiny_models import batch, plain_model
 
 
 @pytest.mark.parametrize("family_name", ["deepseek_v3", "qwen3_next"])

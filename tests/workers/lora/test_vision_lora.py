@@ -6,8 +6,8 @@ import pytest
 from moetune.workers.errors import JobError
 from moetune.workers.families import REGISTRY
 from moetune.workers.lora.peft_lora import apply_lora
-from tests.support.families import plain_model
-from tests.workers.parallel.harness import spec
+from bench.support.tiny_models import plain_model
+from bench.support.harness import spec
 
 
 def _lora(family: str, vision: str):

@@ -9,9 +9,9 @@ from moetune.workers.families import REGISTRY, apply_kernel_swaps
 from moetune.workers.model import trainable_model
 from moetune.workers.experts import job_placement
 from moetune.workers.tiny import write_tiny_multimodal_checkpoint
-from tests.support.image_batches import (assert_grads, image_batch, image_method, image_model, reference,
+from bench.support.image_batches import (assert_grads, image_batch, image_method, image_model, reference,
                                          with_padding_mask)
-from tests.workers.parallel.harness import spec
+from bench.support.harness import spec
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_moe", "glm5_next"])

@@ -18,7 +18,7 @@ from moetune.workers.families import REGISTRY
 from moetune.workers.experts.lora_layout import b_from_peft
 from moetune.workers.methods.sft import token_loss_sum
 from moetune.workers.tiny import tiny_image_rows, tiny_rows, write_tiny_multimodal_checkpoint
-from tests.support.image_batches import image_method
+from bench.support.image_batches import image_method
 from tests.support.jobs import run_in_process
 
 pytestmark = pytest.mark.ray_job

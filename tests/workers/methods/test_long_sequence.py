@@ -13,8 +13,8 @@ from moetune.workers.families import REGISTRY, apply_kernel_swaps
 from moetune.workers.methods.sft import Example, SupervisedMethod, collate
 from moetune.workers.model import trainable_model
 from tests.support.allocations import Allocations
-from tests.support.families import plain_model
-from tests.workers.parallel.harness import spec
+from bench.support.tiny_models import plain_model
+from bench.support.harness import spec
 
 T = 8192
 ONE_HEAD = {"num_attention_heads": 1, "num_key_value_heads": 1, "max_position_embeddings": T}  # time is attention

@@ -11,8 +11,8 @@ from moetune.workers.families import REGISTRY
 from moetune.workers.methods.batch import IGNORE, Batch
 from moetune.workers.methods.sft import SupervisedMethod, token_loss_sum
 from moetune.workers.model import trainable_model
-from tests.support.families import batch, plain_model
-from tests.workers.parallel.harness import spec
+from bench.support.tiny_models import batch, plain_model
+from bench.support.harness import spec
 
 
 def _batch() -> Batch:

@@ -12,7 +12,7 @@ from moetune.workers.families import REGISTRY
 from moetune.workers.methods.batch import IGNORE
 from moetune.workers.methods.multimodal import ImageRows, collate_with_images, load_image
 from moetune.workers.tiny import solid_png, tiny_image_rows, write_tiny_multimodal_checkpoint
-from tests.support.image_batches import with_padding_mask
+from bench.support.image_batches import with_padding_mask
 from tests.support.images import data_url, image_bytes, image_row
 
 PROCESSORS = {"qwen3_5_moe": "Qwen3VLProcessor", "glm5_next": "Glm5NextProcessor"}
@@ -141,7 +141,7 @@ def test_method_for_takes_images_only_on_a_checkpoint_that_does(tiny_vl, tmp_pat
     from moetune.workers.methods import method_for
     from moetune.workers.methods.multimodal import SupervisedImageMethod
     from moetune.workers.tiny import write_tiny_checkpoint
-    from tests.workers.parallel.harness import spec
+    from bench.support.harness import spec
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
     assert type(method_for(spec(ep=1, zero=2), tokenizer, tiny_vl)) is SupervisedImageMethod

@@ -9,8 +9,8 @@ from moetune.workers.families import REGISTRY
 from moetune.workers.methods.batch import IGNORE, Batch
 from moetune.workers.methods.sft import Example, SupervisedMethod, collate
 from moetune.workers.model import trainable_model
-from tests.support.families import plain_model
-from tests.workers.parallel.harness import spec
+from bench.support.tiny_models import plain_model
+from bench.support.harness import spec
 
 LENGTHS = (9, 16, 5)
 

@@ -4,7 +4,7 @@ import torch
 from moetune.workers.families import REGISTRY
 from moetune.workers.tiny import write_tiny_multimodal_checkpoint
 from tests.workers.parallel.cases import IMAGE_CASES, RESUME_CASES, SAVED_CASES, TRAIN_CASES, TUNER_START_CASES
-from tests.workers.parallel.harness import launch, run_cases
+from bench.support.harness import launch, run_cases
 
 
 @pytest.fixture(scope="session")

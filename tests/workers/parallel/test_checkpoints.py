@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from tests.support.families import batch, plain_model
+from bench.support.tiny_models import batch, plain_model
 from tests.workers.parallel.cases import RESUME_CASES
-from tests.workers.parallel.harness import SAVE_AFTER
+from bench.support.harness import SAVE_AFTER
 
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))

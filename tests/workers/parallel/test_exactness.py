@@ -10,7 +10,7 @@ import torch
 
 from moetune.workers.families import REGISTRY
 from tests.workers.parallel.cases import SAVED_CASES, TRAIN_CASES
-from tests.workers.parallel.harness import launch, reference, run_cases, spec, wide_config
+from bench.support.harness import launch, reference, run_cases, spec, wide_config
 
 
 def test_ep2_of_4_ranks_replicates_experts(tmp_path):

@@ -5,7 +5,7 @@ swapped in too)."""
 
 import pytest
 
-from tests.support.image_batches import assert_grads, image_method, reference
+from bench.support.image_batches import assert_grads, image_method, reference
 from tests.workers.parallel.cases import IMAGE_CASES
 
 

@@ -20,7 +20,7 @@ from moetune.workers.planner.memory import Layout, breakdown
 from moetune.workers.planner.activations import _Recorder
 from moetune.workers.planner.model import model_facts
 from moetune.workers.planner.saved import SavedBytes
-from tests.support.families import plain_model
+from bench.support.tiny_models import plain_model
 
 FAMILIES = ("kimi_linear", "qwen3_moe", "deepseek_v3", "gpt_oss")
 

@@ -18,7 +18,7 @@ from moetune.workers.planner.memory import Layout, breakdown, total
 from moetune.workers.planner.model import model_facts
 from moetune.workers.planner.weights import quantized_bytes
 from tests.support import REPO
-from tests.support.quantized import FP8_CONFIG, INT4_CONFIG, MXFP4_CONFIG
+from bench.support.quantized import FP8_CONFIG, INT4_CONFIG, MXFP4_CONFIG
 
 SEED_JOB = REPO / "examples" / "seed-plan.job.yaml"
 H200S = "nodes=8,gpus_per_node=8,gpu_memory=141GB,nic=400Gbps"

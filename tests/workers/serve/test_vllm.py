@@ -8,7 +8,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from tests.support.families import plain_model
+from bench.support.tiny_models import plain_model
 from tests.workers.generate.conftest import write_adapter
 
 

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from tests.workers.parallel.harness import launch, spec
+from bench.support.harness import launch, spec
 
 EP, WORLD = 2, 2
 # non-expert weights (embeddings, attention) of ~135 MB, routed experts of ~100 MB (50 MB per EP rank), fp32

@@ -19,8 +19,8 @@ from moetune.workers.model import trainable_model
 from moetune.workers.experts.placement import placement_at
 from moetune.workers.weights.errors import WeightsError
 from moetune.workers.weights.loader import load_summary, stream_model
-from tests.support.families import batch, plain_model
-from tests.support.quantized import FAMILY_OF, dequantized_reference, quantize_checkpoint
+from bench.support.tiny_models import batch, plain_model
+from bench.support.quantized import FAMILY_OF, dequantized_reference, quantize_checkpoint
 
 CPU, F32 = torch.device("cpu"), torch.float32
 FORMAT_NAMES = {"fp8": "fp8-block", "int4": "int4-pack-quantized", "mxfp4": "mxfp4"}

@@ -13,14 +13,14 @@ from moetune.api.models import JobCreate, JobRunSpec
 from moetune.workers.families import REGISTRY
 from moetune.workers.tiny import write_tiny_dataset, write_tiny_tokenizer
 from tests.support.jobs import run_in_process, valid_loss
-from tests.support.families import plain_model
-from tests.support.quantized import FAMILY_OF, quantize_checkpoint
+from bench.support.tiny_models import plain_model
+from bench.support.quantized import FAMILY_OF, quantize_checkpoint
 
 pytestmark = pytest.mark.ray_job
 
 
 def _checkpoints(tmp_path) -> dict[str, tuple[str, int]]:
-    """Each format's tiny checkpoint (tests.support.quantized.FAMILY_OF; with the demo's byte tokenizer), and the
+    """Each format's tiny checkpoint (bench.support.quantized.FAMILY_OF; with the demo's byte tokenizer), and the
     parameters one of two EP ranks holds (all but the other rank's routed experts)."""
     from transformers import AutoTokenizer
 

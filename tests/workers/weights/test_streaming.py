@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from moetune.api.environment import ENV_S3_ENDPOINT_URL
 from moetune.service.cli import main
-from tests.support.proxy import FaultProxy
+from bench.support.proxy import FaultProxy
 
 from moetune.workers.weights.cache import RangeCache
 from moetune.workers.weights.errors import WeightsError

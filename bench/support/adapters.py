@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.support.families import plain_model
+from bench.support.tiny_models import plain_model
 
 
 def write_checkpoint(family_name: str, local_dir, config=None) -> str:

@@ -15,7 +15,7 @@ def image_method(model_dir: str, seq_len: int = 512):
     from transformers import AutoTokenizer
 
     from moetune.workers.methods import method_for
-    from tests.workers.parallel.harness import spec
+    from bench.support.harness import spec
 
     job = spec(ep=1, zero=2)
     job.training.seq_len = seq_len
@@ -27,7 +27,7 @@ def image_model(model_dir: str):
     from transformers import AutoConfig
 
     from moetune.workers.families import family_for
-    from tests.support.families import plain_model
+    from bench.support.tiny_models import plain_model
 
     config = AutoConfig.from_pretrained(model_dir)
     return plain_model(family_for(config), config=config)

@@ -1,19 +1,21 @@
-"""Two real processes on loopback gloo, and the plain single-process transformers + PEFT reference."""
+"""Two real processes on loopback gloo, and the plain single-process transformers + PEFT reference (the EP
+benchmarks and tests/workers/parallel run the same cases)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
 from moetune.api.models import JobCreate
-from moetune.service.embedded import free_port
-from tests.support import REPO
-from tests.support.families import batch, plain_model
+from moetune.service.local.embedded import free_port
+from bench.support.tiny_models import batch, plain_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[2]  # the repository root, where spawned ranks import bench.support
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0}
 SAVE_AFTER, STEPS = 2, 4  # checkpoint tests: save after step 2 of 4
@@ -54,7 +56,7 @@ def _entry(rank: int, world: int, port: int, fn, args):
 def launch(fn, world: int, *args) -> None:
     """Runs fn(rank, world, *args) in `world` fresh processes; raises if any fails."""
     root = str(REPO)
-    if root not in sys.path:  # spawned children start from this sys.path and import `tests.workers.parallel.harness`
+    if root not in sys.path:  # spawned children start from this sys.path and import `bench.support.harness`
         sys.path.append(root)
     mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
 
@@ -105,7 +107,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, str, str, str, bool]
     """Several (case id, runner name, family, spec JSON, skew) runs one after another in the same processes
     (one start for all); the runner is `run_engine`, `run_and_resume`, or the image run (its "family" is the
     tiny multimodal checkpoint's folder)."""
-    from tests.support.image_batches import run_image_ep
+    from bench.support.image_batches import run_image_ep
 
     runners = {"train": run_engine, "resume": run_and_resume, "saved": run_saved_experts,
                "tuner_start": run_tuner_start,

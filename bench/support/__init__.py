@@ -1,0 +1,10 @@
+"""What the benchmarks run, shared with the tests that check the same paths (tests import it from here; nothing in
+bench/ imports tests):
+
+- harness: the two-rank loopback gloo launcher, the job spec of a case and the plain transformers + PEFT reference;
+- tiny_models: each family's tiny random model and deterministic batches;
+- image_batches: image rows, the image method and model, the EP run of an image batch;
+- quantized: tiny FP8 / INT4 / MXFP4 checkpoints and their dequantized reference;
+- adapters: a tiny checkpoint and adapters in moetune's export layout;
+- proxy: a loopback HTTP proxy that injects storage faults.
+"""
