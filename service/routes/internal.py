@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated
 
@@ -27,6 +28,8 @@ from moetune.service.store import JobRow
 from moetune.service.submission.job_storage import read_json
 
 router = APIRouter(tags=["internal"], include_in_schema=False)
+log = logging.getLogger("moetune.reports")
+_ENDED = [s for s in JobStatus if s.terminal]
 _ETA_ORIGIN = "eta_origin"  # [step, epoch seconds] in JobRow.progress
 
 
@@ -74,6 +77,14 @@ def _progress_updater(data: dict):
     return update
 
 
+def _refuse_after_end(job: JobRow, report) -> APIException:
+    """A report for a job that already ended (workers outliving a cancel, an orphaned Ray head training on after the
+    job was marked lost) is never part of its history: logged, and a 409 the reporter does not retry."""
+    log.warning("job %s is %s: refused its workers' %s report", job.id, job.status, report.kind)
+    return APIException(409, ErrorCode.job_ended, f"job {job.id} already {job.status}: its workers' reports are "
+                        "no longer recorded", "report")
+
+
 def _check_complete(job: JobRow, report: CheckpointReport, s3_endpoint_url: str | None) -> None:
     """Only a complete checkpoint of this job is listed: its own step directory, manifest present."""
     expected = checkpoint_uri(job.output_uri, report.step_number)
@@ -90,11 +101,14 @@ def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated
                 store: StoreDep, request: Request) -> ReportAck:
     """Accepts a report; the reply says "pause" while the user's pause waits for the workers."""
     report = body.report
+    if JobStatus(job.status).terminal:
+        raise _refuse_after_end(job, report)
     if isinstance(report, EventReport):
         updater = _progress_updater(report.data) if report.type == "metrics" and report.data else None
-        # Workers still stepping while Ray stops them report after "Job cancelled": that is not the job's history.
-        store.add_event(job.id, report.message, report.level, report.type, report.data, change_job=updater,
-                        unless_status=[JobStatus.cancelled])
+        # unless_status: the job may end between the check above and this transaction
+        if not store.add_event(job.id, report.message, report.level, report.type, report.data, change_job=updater,
+                               unless_status=_ENDED):
+            raise _refuse_after_end(job, report)
     elif isinstance(report, CheckpointReport):
         _check_complete(job, report, request.app.state.settings.s3_endpoint_url)
         store.add_checkpoint(job.id, report.step_number, report.uri, report.metrics.model_dump(),

@@ -128,17 +128,30 @@ def test_a_failure_result_carries_the_error(service, running):
     assert last["level"] == "error" and last["message"] == "Job failed: row 3 of train.jsonl is not JSON"
 
 
-def test_reports_after_cancel_are_accepted_but_do_not_revive_the_job(service, running):
+@pytest.mark.parametrize("end", ["cancelled", "failed"])
+def test_reports_after_the_job_ended_are_refused_and_change_nothing(service, running, end):
+    """Workers still stepping after a cancel, or training on after the job was marked failed (a lost Ray job whose
+    orphaned head goes on): a 409 for every kind of report, and nothing of them in the job or its history."""
     job_id, token = running
-    assert service.http().post(f"{JOBS}/{job_id}/cancel").json()["status"] == "cancelled"
+    if end == "cancelled":
+        assert service.http().post(f"{JOBS}/{job_id}/cancel").json()["status"] == "cancelled"
+        last = "Job cancelled"
+    else:
+        error = {"code": "ray_job_lost", "message": "Ray no longer knows the job"}
+        assert service.report(job_id, token, {"kind": "result", "status": "failed", "error": error}).status_code == 200
+        last = "Job failed: Ray no longer knows the job"
 
-    late = {"kind": "event", "type": "metrics", "message": "Step 9", "data": {"step": 9}}
-    assert service.report(job_id, token, late).json() == {"control": None}
-    done = {"kind": "result", "status": "succeeded", "fine_tuned_model": "s3://o/adapter"}
-    assert service.report(job_id, token, done).status_code == 200
+    late = [{"kind": "event", "type": "metrics", "message": "Step 9", "data": {"step": 9}},
+            {"kind": "event", "message": "Training finished"},
+            {"kind": "checkpoint", "step_number": 9, "uri": "s3://o/ckpt", "metrics": {"step": 9}},
+            {"kind": "result", "status": "succeeded", "fine_tuned_model": "s3://o/adapter"}]
+    for report in late:
+        reply = service.report(job_id, token, report)
+        assert reply.status_code == 409 and reply.json()["error"]["code"] == "job_ended", reply.text
+        assert f"already {end}" in reply.json()["error"]["message"]
 
     job = service.http().get(f"{JOBS}/{job_id}").json()
-    assert job["status"] == "cancelled" and job["fine_tuned_model"] is None and job["progress"]["step"] == 0
-    # ... nor land in its history after "Job cancelled"
+    assert job["status"] == end and job["fine_tuned_model"] is None and job["progress"]["step"] == 0
+    assert service.http().get(f"{JOBS}/{job_id}/checkpoints").json()["data"] == []
     newest = service.http().get(f"{JOBS}/{job_id}/events").json()["data"][0]
-    assert newest["message"] == "Job cancelled"
+    assert newest["message"] == last
