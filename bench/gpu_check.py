@@ -378,7 +378,7 @@ def _job_step(s: Setting, family: str, zero: int, kernels: bool, steps: int) -> 
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.families import REGISTRY, apply_kernel_swaps, auto_model_class
     from moetune.workers.model import trainable_model
-    from moetune.workers.experts import job_placement
+    from moetune.workers.experts.placement import job_placement
 
     spec = JobCreate(model="file:///unused", training_file="file:///unused",
                      lora={"rank": 8, "alpha": 16, "dropout": 0.0, "train_experts": True},

@@ -47,7 +47,7 @@ def _engine(model_dir: str, world: int, moetune: bool, args, method):
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.families import apply_kernel_swaps
     from moetune.workers.model import trainable_model
-    from moetune.workers.experts import job_placement
+    from moetune.workers.experts.placement import job_placement
 
     model = image_model(model_dir)
     model.config.get_text_config()._experts_implementation = "eager"  # the baseline's: transformers' expert loop

@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, uris: dict, args, out_dir: str) -> None:
     from moetune.api.models import JobCreate
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.model import trainable_model
-    from moetune.workers.experts import job_placement
+    from moetune.workers.experts.placement import job_placement
     from moetune.workers.weights.loader import stream_model
 
     job = JobCreate(model="s3://bench/x", training_file="s3://bench/x.jsonl",

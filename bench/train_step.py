@@ -97,7 +97,7 @@ def _engine(world: int, moetune: bool, args):
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.families import REGISTRY, apply_kernel_swaps
     from moetune.workers.model import trainable_model
-    from moetune.workers.experts import job_placement
+    from moetune.workers.experts.placement import job_placement
 
     fam = REGISTRY[FAMILY]
     model = plain_model(fam)

@@ -16,8 +16,8 @@ from torch import nn
 from moetune.api.errors import ErrorCode
 from moetune.api.models import JobCreate, LoraSpec
 from moetune.workers.errors import JobError
-from moetune.workers.experts import job_placement, needs_expert_module, parallelize, quantized_experts
-from moetune.workers.experts.placement import ExpertPlacement, placement_at
+from moetune.workers.experts.module import parallelize, quantized_experts
+from moetune.workers.experts.placement import ExpertPlacement, job_placement, needs_expert_module, placement_at
 from moetune.workers.families import auto_model_class, family_for, hf_config
 from moetune.workers.families.spec import Family
 from moetune.workers.lora.peft_lora import apply_lora

@@ -87,7 +87,7 @@ def make_engine(rank: int, world: int, family_name: str, job: JobCreate, skew: b
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.families import REGISTRY
     from moetune.workers.model import trainable_model
-    from moetune.workers.experts import job_placement
+    from moetune.workers.experts.placement import job_placement
 
     model = plain_model(REGISTRY[family_name], skew_to_first_half=skew, config=config)
     torch.manual_seed(1)

@@ -56,7 +56,7 @@ def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir:
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.families import apply_kernel_swaps
     from moetune.workers.model import trainable_model
-    from moetune.workers.experts import job_placement
+    from moetune.workers.experts.placement import job_placement
 
     job = JobCreate.model_validate_json(spec_json)
     method, model = image_method(model_dir), image_model(model_dir)

@@ -1,7 +1,7 @@
-"""The expert-parallel experts module: this rank's experts as fused 3D tensors (plus, with `train_experts`, their
-per-expert LoRA factors), tokens traded with the other EP ranks by all-to-all. Expert parameters carry DeepSpeed's
-expert-parallel tags (workers.engine.experts) so ZeRO neither averages different experts' gradients nor partitions
-them over the wrong group.
+"""The expert-parallel experts module (`parallelize` puts it in place of every MoE block's experts): this rank's
+experts as fused 3D tensors (plus, with `train_experts`, their per-expert LoRA factors), tokens traded with the
+other EP ranks by all-to-all. Expert parameters carry DeepSpeed's expert-parallel tags (workers.engine.experts) so
+ZeRO neither averages different experts' gradients nor partitions them over the wrong group.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetune.api.models import LoraSpec
 from moetune.kernels.quant import held, held_names, hold
 from moetune.workers.engine.experts import as_moe_layer, tag_expert_param
 from moetune.workers.experts import comm
@@ -24,7 +25,7 @@ from moetune.workers.experts.compute import (
 )
 from moetune.workers.experts.lora_layout import lora_scaling
 from moetune.workers.experts.placement import ExpertPlacement
-from moetune.workers.families.spec import in_proj_name
+from moetune.workers.families.spec import Family, in_proj_name
 
 
 def init_expert_lora_a(experts: range, rank: int, hidden: int, intermediate: int, dtype):
@@ -185,3 +186,30 @@ def trainable_experts_class():
     """The class for experts with LoRA: ZeRO reduces their gradients within the replica group only as a DeepSpeed
     MoE layer (workers.engine.experts.as_moe_layer); frozen experts stay ExpertParallelExperts."""
     return as_moe_layer(ExpertParallelExperts)
+
+
+def quantized_experts(model, family: Family) -> bool:
+    """Whether the loader left the frozen experts quantized (transformers' experts module cannot run them)."""
+    return any(held_names(getattr(block, family.experts)) for _, block in family.moe_blocks(model))
+
+
+def expert_parallel(experts, family: Family, placement: ExpertPlacement, lora: LoraSpec | None,
+                    fused_kernel: bool = True):
+    """The expert-parallel module that takes this rank's share of one MoE block's `experts`, with per-expert LoRA
+    when `lora.train_experts` (frozen experts without `lora`). `fused_kernel`: the local experts run kernels.moe's
+    grouped GEMMs, else a per-expert loop (see experts.compute)."""
+    rank = lora.rank if lora is not None and lora.train_experts else 0
+    cls = trainable_experts_class() if rank else ExpertParallelExperts
+    activation = family.expert_activation(experts) if family.expert_activation else None
+    return cls(experts, placement, rank, lora.alpha if lora is not None else 1.0, fused_kernel, activation)
+
+
+def parallelize(model, family: Family, placement: ExpertPlacement, lora: LoraSpec | None,
+                fused_kernel: bool = True) -> int:
+    """Replaces the routed experts of every MoE block of `model` by `expert_parallel`; returns how many blocks
+    changed."""
+    blocks = list(family.moe_blocks(model))
+    for _, block in blocks:
+        setattr(block, family.experts, expert_parallel(getattr(block, family.experts), family, placement, lora,
+                                                       fused_kernel))
+    return len(blocks)

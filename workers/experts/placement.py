@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from moetune.api.errors import ErrorCode
 from moetune.api.families import known_facts
+from moetune.api.models import JobCreate, LoraSpec
 from moetune.workers.engine.experts import expert_group_name, expert_groups
 from moetune.workers.errors import JobError
 
@@ -71,3 +72,17 @@ def expert_placement(config: dict, size: int) -> ExpertPlacement | None:
         return None
     rank, group, replica_group = expert_groups(size)
     return ExpertPlacement(num_experts, size, rank, expert_group_name(size), group, replica_group)
+
+
+def needs_expert_module(placement: ExpertPlacement | None, lora: LoraSpec | None) -> bool:
+    """Whether the routed experts need the expert-parallel module's process groups: they are sharded, or they get
+    their own LoRA."""
+    return placement is not None and (placement.sharded or (lora is not None and lora.train_experts))
+
+
+def job_placement(config: dict, spec: JobCreate) -> ExpertPlacement | None:
+    """This rank's placement for a job on the model of `config` (torch.distributed up); DeepSpeed's expert process
+    groups are made only where the experts leave transformers' module."""
+    size = spec.parallelism.expert_parallel_size
+    single = placement_at(config, size, 0)
+    return expert_placement(config, size) if needs_expert_module(single, spec.lora) else single

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moetune.api.models import JobCreate
-from moetune.workers.experts import expert_parallel
+from moetune.workers.experts.module import expert_parallel
 from moetune.workers.experts.placement import ExpertPlacement
 from moetune.workers.families.spec import Family, in_proj_name
 from moetune.workers.planner.saved import SavedBytes

@@ -7,7 +7,7 @@ import torch
 
 from moetune.workers.families import REGISTRY, apply_kernel_swaps
 from moetune.workers.model import trainable_model
-from moetune.workers.experts import job_placement
+from moetune.workers.experts.placement import job_placement
 from moetune.workers.tiny import write_tiny_multimodal_checkpoint
 from bench.support.image_batches import (assert_grads, image_batch, image_method, image_model, reference,
                                          with_padding_mask)

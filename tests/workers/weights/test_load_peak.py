@@ -50,7 +50,7 @@ class _PeakResident:
 def _load_rank(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.model import trainable_model
-    from moetune.workers.experts import job_placement
+    from moetune.workers.experts.placement import job_placement
     from moetune.workers.weights.loader import stream_model
 
     job = spec(ep=EP, zero=3)
