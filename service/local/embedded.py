@@ -78,11 +78,14 @@ def s3_env(endpoint_url: str) -> dict[str, str]:
     }
 
 
-def spawn_s3_server(port: int, log_path: str) -> subprocess.Popen:
-    """A moto S3 server on loopback `port` (own process group), serving when this returns."""
-    proc = _spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], log_path)
+def spawn_s3_server(port: int, log_path: str, data_dir: str | None = None,
+                    env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The S3 server (s3_server.py) on loopback `port` (own process group), serving when this returns; its objects
+    in memory, or durable in `data_dir`."""
+    args = [sys.executable, "-m", "moetune.service.local.s3_server", "--port", str(port)]
+    proc = _spawn(args + (["--data-dir", data_dir] if data_dir else []), log_path, env=env)
     try:
-        wait_http(f"http://127.0.0.1:{port}/moto-api/", 30, proc, log_path)
+        wait_http(f"http://127.0.0.1:{port}/", 60, proc, log_path)
     except BaseException:
         stop_process(proc)
         raise
@@ -91,7 +94,7 @@ def spawn_s3_server(port: int, log_path: str) -> subprocess.Popen:
 
 @contextmanager
 def local_s3_server(port: int | None = None):
-    """A moto S3 server over HTTP on loopback; yields its endpoint URL."""
+    """An in-memory S3 server over HTTP on loopback; yields its endpoint URL."""
     port = port or free_port()
     log_dir = tempfile.mkdtemp(prefix="moetune-s3-")
     proc = spawn_s3_server(port, os.path.join(log_dir, "server.log"))
