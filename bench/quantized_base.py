@@ -91,7 +91,7 @@ def _rank(rank: int, world: int, uris: dict, args, out_dir: str) -> None:
 
 
 def main() -> None:
-    from moetune.service.embedded import local_s3_server, s3_env
+    from moetune.service.local.embedded import local_s3_server, s3_env
 
     args = step_arguments(__doc__, steps=4, warmup=1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

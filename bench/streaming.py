@@ -39,7 +39,7 @@ from contextlib import ExitStack, contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: bench.support
 
-from moetune.service.embedded import free_port, local_s3_server, s3_env, stop_process, wait_http
+from moetune.service.local.embedded import free_port, local_s3_server, s3_env, stop_process, wait_http
 
 BUCKET = "models"
 S3RVER_KEY = "S3RVER"  # s3rver's built-in account
@@ -102,9 +102,9 @@ def start_server(stack: ExitStack, work: str) -> tuple[str, str]:
 
 def bench_config(layers: int, experts: int, hidden: int, expert_ffn: int):
     """The tiny seed-family config scaled up: wide expert FFNs and many experts, so experts dominate the bytes."""
-    from moetune.workers.tiny import tiny_config
+    from moetune.workers.families.kimi_linear.tiny import tiny_config
 
-    config = tiny_config(vocab_size=512, pad_id=0, bos_id=1, eos_id=2)
+    config = tiny_config(vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config.num_hidden_layers = layers
     config.layer_types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
     config.mlp_layer_types = ["dense"] + ["sparse"] * (layers - 1)
