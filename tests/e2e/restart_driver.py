@@ -25,7 +25,7 @@ TRAINED_TOKENS = 42
 
 def main() -> int:
     run = JobRunSpec.model_validate_json(os.environ[ENV_RUN_SPEC])
-    settings = WorkerSettings.from_env()
+    settings = WorkerSettings()
     reporter = Reporter(run.job_id, settings.callback_url, settings.job_token)
     reporter.event("restart driver started")
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ[ENV_S3_ENDPOINT_URL]}, use_listings_cache=False)

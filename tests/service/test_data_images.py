@@ -79,7 +79,7 @@ def test_image_rows_for_a_model_without_image_input_are_422(submit, buckets):
 
 
 def test_the_driver_gets_the_tenants_access_and_refuses_what_submission_did_not_scan(start_service, buckets,
-                                                                                    s3_endpoint):
+                                                                                    s3_endpoint, monkeypatch):
     """A file too large to scan at submission is accepted there; the driver, with the storage access and image limits
     the control plane hands the Ray job, refuses the other tenant's image before any worker starts."""
     a, b = buckets
@@ -91,7 +91,9 @@ def test_the_driver_gets_the_tenants_access_and_refuses_what_submission_did_not_
     job = service.create_job("tenant-a", model=f"s3://{a}/kimi", training_file=f"s3://{a}/big.jsonl")
 
     env = Scheduler(service.store, service.app.state.settings).job_env(service.store.get_job(job["id"]), "token")
-    settings = WorkerSettings.from_env(env)
+    for name, value in env.items():  # the driver's environment
+        monkeypatch.setenv(name, value)
+    settings = WorkerSettings()
     assert json.loads(env[ENV_URI_ACCESS]) == {"prefixes": [f"s3://{a}"], "allow_file_uris": False, "file_roots": None}
     assert json.loads(env[ENV_IMAGE_LIMITS])["max_images_per_row"] == settings.image_limits.max_images_per_row == 3
     with pytest.raises(DatasetError) as err:

@@ -34,7 +34,7 @@ def run_in_process(run: JobRunSpec, ray_head, receiver, monkeypatch, worker_env:
         monkeypatch.setenv(name, value)
     ray.init(address=ray_head.gcs_address, runtime_env={"env_vars": worker_env or {}})
     try:
-        settings = WorkerSettings.from_env()
+        settings = WorkerSettings()
         return run_job(run, Reporter(run.job_id, settings.callback_url, settings.job_token), settings)
     finally:
         ray.shutdown()

@@ -4,19 +4,18 @@ where every worker looks for it (moetune.workers.settings.use_prebuilt_ops)."""
 
 from __future__ import annotations
 
-import os
 import time
 
 from moetune.workers.settings import use_prebuilt_ops
 
 
 def main() -> None:
-    use_prebuilt_ops()
+    extensions = use_prebuilt_ops()
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     started = time.perf_counter()
     ShareMemCommBuilder().load(verbose=False)
-    print(f"DeepSpeed shm_comm op ready in {os.environ['TORCH_EXTENSIONS_DIR']} "
+    print(f"DeepSpeed shm_comm op ready in {extensions} "
           f"({time.perf_counter() - started:.1f} s)")
 
 

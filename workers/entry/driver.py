@@ -122,7 +122,7 @@ def _write_report(run: JobRunSpec, lora_coverage: list[dict], summary: dict, rep
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = WorkerSettings.from_env()
+    settings = WorkerSettings()
     run = JobRunSpec.model_validate_json(settings.run_spec)
     return 0 if run_job(run, Reporter(run.job_id, settings.callback_url, settings.job_token), settings) else 1
 

@@ -4,8 +4,6 @@ restarts the group."""
 
 from __future__ import annotations
 
-import os
-
 from ray.train import UserCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 
@@ -13,6 +11,7 @@ from moetune.api.environment import ENV_PLACEMENT_TIMEOUT_S
 from moetune.api.errors import ErrorCode
 from moetune.workers.errors import JobError
 from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.settings import WorkerSettings
 
 
 # Ray Train's wait for a worker group's placement, read by its controller from the driver's environment
@@ -44,7 +43,7 @@ def root_cause(error: BaseException) -> JobError:
         return found
     if timeout := next((e for e in _chain(error) if isinstance(e, WorkerGroupStartupTimeoutError)), None):
         return JobError(ErrorCode.unschedulable, f"parallelism: Ray did not place the job's {timeout.num_workers} "
-                        f"workers within {float(os.environ.get(RAY_TRAIN_START_TIMEOUT, 0)):g} s (setting "
+                        f"workers within {WorkerSettings().placement_timeout_s:g} s (setting "
                         f"{ENV_PLACEMENT_TIMEOUT_S}): the cluster has no room for them now (other work holds the "
                         "resources, or a node left); submit it again later or ask for fewer resources", "parallelism")
     innermost = _chain(error)[-1]

@@ -13,13 +13,11 @@ a whole-weight dequantize), so nothing here recomputes an operator its own way.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from moetune.api.environment import ENV_PERTURB_OP
 from moetune.api.errors import ErrorCode
 import moetune.kernels.moe.linear as quantized_linear_module
 import moetune.workers.families.kda as kda_module
@@ -31,8 +29,9 @@ from moetune.kernels.testing import rmse_ratio
 from moetune.workers.errors import JobError
 from moetune.workers.experts.compute import fused_expert_forward, grouped_expert_forward
 from moetune.workers.experts.module import ExpertParallelExperts
+from moetune.workers.settings import WorkerSettings
 
-# Test-only (ENV_PERTURB_OP): one operator whose output the check perturbs (relative noise), so a test sees the job
+# Test-only (MOETUNE_TEST_PERTURB_OP): one operator whose output the check perturbs (relative noise), so a test sees the job
 # fail with that operator named.
 PERTURBATION = 0.05  # relative size of that noise: far beyond every tolerance below
 # RMSE-ratio tolerance per job dtype (the kernel tests' bounds, with headroom for real activations)
@@ -112,8 +111,8 @@ def _replaced(sites: list[tuple[object, str]], make: Callable[[Callable], Callab
 
 
 class _Recorder:
-    """Records each operator's first call (inputs and output); perturbs the output of the operator PERTURB_ENV
-    names (test-only)."""
+    """Records each operator's first call (inputs and output); perturbs the output of the operator that
+    MOETUNE_TEST_PERTURB_OP names (test-only)."""
 
     def __init__(self, perturb: str | None):
         self.calls: dict[str, tuple[tuple, dict, torch.Tensor]] = {}
@@ -147,7 +146,7 @@ def check_alignment(model: torch.nn.Module, loss: Callable[[], torch.Tensor], dt
     relative_diff, tolerance, ok}). `loss()` runs the micro-batch's forward (no gradient needed); `worst` reduces
     the measured errors over ranks (every rank runs both forwards: expert-parallel ranks exchange tokens), so all
     ranks agree on the verdict; the loss row's losses are this rank's."""
-    recorder = _Recorder(os.environ.get(ENV_PERTURB_OP))
+    recorder = _Recorder(WorkerSettings().test_perturb_op)
     sites = {op.name: op.sites(model) for op in OPERATORS}
     with torch.no_grad(), contextlib.ExitStack() as stack:
         for op in OPERATORS:

@@ -17,9 +17,9 @@ from moetune.api.layout import metrics_uri, report_html_uri, report_json_uri, st
 from moetune.api.models import JobRunSpec
 from moetune.api.report import EVAL_PREFIX, AdaptationReport
 from moetune.workers.reporting.report_page import render_page
+from moetune.workers.settings import WorkerSettings
 
 _PACKAGES = ("moetune", "torch", "transformers", "deepspeed", "peft", "triton")
-GIT_COMMIT_ENV = "MOETUNE_GIT_COMMIT"  # set by an image build that knows its commit
 
 
 def _version(package: str) -> str | None:
@@ -31,8 +31,8 @@ def _version(package: str) -> str | None:
 
 def _git_commit() -> str | None:
     """The image's commit, else that of a source checkout moetune runs from, else None."""
-    if os.environ.get(GIT_COMMIT_ENV):
-        return os.environ[GIT_COMMIT_ENV]
+    if commit := WorkerSettings().git_commit:
+        return commit
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         done = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from moetune.api.environment import ENV_S3_ENDPOINT_URL
-from moetune.service.cli import main
+from moetune.service.cli.main import main
 from bench.support.proxy import FaultProxy
 
 from moetune.workers.weights.cache import RangeCache
@@ -173,7 +173,7 @@ def test_missing_tensor_and_shape_mismatch_list_the_names(tiny_dir, tmp_path):
         stream_model(f"file://{broken}", CPU, F32, cache_dir="")
 
 
-def test_cache_stays_under_its_cap_and_keeps_what_fits(tiny_dir, s3_bucket, proxy, tmp_path):
+def test_cache_stays_under_its_cap_and_keeps_what_fits(tiny_dir, s3_bucket, proxy, tmp_path, monkeypatch):
     uri = f"s3://{s3_bucket}/tiny-capped"
     _push(tiny_dir, uri)  # several 300 KB shards: one cached object per shard
     root = tmp_path / "cache"
@@ -201,14 +201,15 @@ def test_cache_stays_under_its_cap_and_keeps_what_fits(tiny_dir, s3_bucket, prox
         assert all(torch.equal(state[k], reference[k]) for k in reference)
 
     shutil.rmtree(root)  # nothing fits (MOETUNE_WEIGHTS_CACHE_MAX_GB=0): loads go on, uncached, and say so
-    out = stream_model(uri, CPU, F32, cache_dir=str(root), cache_max_bytes=WorkerSettings.from_env(
-        {"MOETUNE_WEIGHTS_CACHE_MAX_GB": "0"}).weights_cache_max_bytes)
+    monkeypatch.setenv("MOETUNE_WEIGHTS_CACHE_MAX_GB", "0")
+    out = stream_model(uri, CPU, F32, cache_dir=str(root), cache_max_bytes=WorkerSettings().weights_cache_max_bytes)
     assert out.stats.bytes_not_cached >= out.stats.bytes_needed and cached_bytes() == 0
     message, data = load_summary(out, ep_size=1)
     assert "not cached: the local weights cache is full" in message and data["bytes_not_cached"] > 0
 
+    monkeypatch.setenv("MOETUNE_WEIGHTS_CACHE_MAX_GB", "lots")
     with pytest.raises(ValueError, match="MOETUNE_WEIGHTS_CACHE_MAX_GB='lots': expected a size in GB"):
-        WorkerSettings.from_env({"MOETUNE_WEIGHTS_CACHE_MAX_GB": "lots"})
+        WorkerSettings()
 
 
 def test_cache_keeps_a_free_space_floor_on_its_disk(tmp_path):
