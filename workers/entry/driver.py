@@ -56,7 +56,7 @@ def build_trainer(run: JobRunSpec, attempt: str, reporter: Reporter, settings: W
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "run_spec": run.model_dump_json(),
+            "run": run,  # as parsed from MOETUNE_RUN_SPEC, the spec's one serialisation (Ray ships the object)
             "threads": int(resources["CPU"]),  # torch threads = the worker's CPU share
             "worker_env": worker_env(),
             "attempt": attempt,

@@ -48,7 +48,7 @@ class _Worker:
     def __init__(self, config: dict):
         self.settings = enter_worker_env(config["worker_env"])  # report endpoint and storage credentials
         torch.set_num_threads(config["threads"])
-        self.run = JobRunSpec.model_validate_json(config["run_spec"])
+        self.run: JobRunSpec = config["run"]
         torch.manual_seed(self.run.seed)  # same LoRA init on every rank and in every rerun of the job
         self.spec, self.t = self.run.spec, self.run.spec.training
         ctx = ray.train.get_context()
