@@ -105,5 +105,5 @@ async def chat(request: Request) -> Response:
         await answer.aclose()
         await client.aclose()
 
-    return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code, background=BackgroundTask(close),
+    return StreamingResponse(answer.aiter_bytes(), status_code=answer.status_code, background=BackgroundTask(close),
                              media_type=answer.headers.get("content-type", "application/json"))

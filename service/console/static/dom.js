@@ -63,6 +63,8 @@ export function table(headers, rows, attrs = {}) {
     rows instanceof HTMLTableSectionElement ? rows : h("tbody", {}, rows)));
 }
 
+// GiB, or MiB below a hundredth of one (tiny models would read 0.00 GiB everywhere)
 export function gib(bytes) {
-  return `${(bytes / 2 ** 30).toLocaleString(undefined, { maximumFractionDigits: 2, minimumFractionDigits: 2 })} GiB`;
+  const [value, unit] = bytes && bytes < 2 ** 30 / 100 ? [bytes / 2 ** 20, "MiB"] : [bytes / 2 ** 30, "GiB"];
+  return `${value.toLocaleString(undefined, { maximumFractionDigits: 2, minimumFractionDigits: 2 })} ${unit}`;
 }

@@ -75,7 +75,7 @@ async function renderJob(id) {
   const eventList = h("ul", { class: "plain events", id: "events", "aria-live": "polite" });
   const checkpoints = h("div", { id: "checkpoints" });
   const coverageBox = h("div", { id: "coverage" }, h("p", { class: "muted" }, "Reported once the job's checks have run."));
-  const loadBox = h("div", { id: "expert-load" }, h("p", { class: "muted" }, "Reported with the steps of a job with routed experts."));
+  const loadBox = h("div", { id: "expert-load" }, h("p", { class: "muted" }, "Measured by moetune's expert-parallel layers (expert LoRA or expert parallelism); none reported for this job yet."));
   const reportLink = h("a", { href: `/console/jobs/${encodeURIComponent(id)}/report`, id: "open-report", hidden: true }, "Open the adaptation report");
   const playLink = h("a", { id: "open-playground", hidden: true }, "Chat in the playground");
   const buttons = Object.fromEntries(["cancel", "pause", "resume", "deploy"].map((action) =>
@@ -158,7 +158,7 @@ async function renderJob(id) {
 
   page(id,
     h("div", { class: "card" }, summary,
-      h("div", { class: "row" }, Object.values(buttons), reportLink, playLink), status),
+      h("div", { class: "row actions" }, Object.values(buttons), reportLink, playLink), status),
     h("div", { class: "grid" },
       h("section", { class: "card", "aria-labelledby": "loss-h" }, h("h2", { id: "loss-h" }, "Loss"), chart),
       h("section", { class: "card", "aria-labelledby": "events-h" }, h("h2", { id: "events-h" }, "Events"), eventList)),

@@ -40,7 +40,7 @@ export async function render() {
 
   const f = {
     model: input({ list: "bases", value: bases[0] || "", placeholder: "a base's name or s3://…", size: 30 }),
-    method: select([["supervised", "supervised (SFT)"]], "supervised"),
+    method: select([["supervised", "supervised (SFT)"], ["dpo", "DPO (preference pairs)"]], "supervised"),
     target_modules: select(PRESETS.map((p) => [p, p]), "all-linear"),
     rank: input({ inputmode: "numeric", value: "8", size: 5 }),
     alpha: input({ inputmode: "numeric", value: "16", size: 5 }),
@@ -206,7 +206,7 @@ function planView(plan) {
         : `Does not fit: ${gib(plan.submitted.total_bytes)} per GPU of ${gib(plan.cluster.usable_bytes_per_gpu)} usable.`,
       plan.fewest_gpus ? ` Smallest layout that fits: ${layoutText(plan.fewest_gpus)}.` : " No layout of this cluster fits."),
     h("p", { class: "muted" }, `${model.model_type}, ${model.parameters.toLocaleString()} parameters, ${model.routed_experts} experts (top-${model.experts_per_token}), seq_len ${plan.seq_len.toLocaleString()}`),
-    table(["per GPU", ...layouts.map(([name, fit]) => `${name}: ${layoutText(fit)}`)],
+    table(["per GPU", ...layouts.map(([name, fit]) => h("span", {}, name, h("br"), h("span", { class: "muted" }, layoutText(fit))))],
       rows.map(([title, value]) => h("tr", {}, h("th", { scope: "row" }, title), layouts.map(([, fit]) => h("td", { class: "num" }, value(fit))))),
       { id: "plan-table" }));
 }
