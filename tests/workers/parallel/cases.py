@@ -54,3 +54,7 @@ SAVED_CASES = {"qwen3_moe-experts-ep2-zero3-wide": ("qwen3_moe", spec(ep=2, zero
 
 # case id -> (family, job): the "auto" micro-batch start on ranks with different memory (harness.run_tuner_start)
 TUNER_START_CASES = {"qwen3_moe-ep2-zero2-auto": ("qwen3_moe", spec(ep=2, zero=2, micro="auto", global_batch=16))}
+
+# case id -> (family, job): one DPO micro-batch per rank (both forwards, LoRA off then on, through the experts'
+# all-to-all), against the same pairs in one process (tests/workers/methods/test_dpo_ep.py)
+DPO_CASES = {"qwen3_moe-dpo-experts-ep2-zero3": ("qwen3_moe", spec(ep=2, zero=3, train_experts=True))}
