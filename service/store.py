@@ -40,7 +40,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from moetune.api.models import JobStatus
+from moetune.api.models.responses import JobStatus
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 ACTIVE_STATUSES = tuple(s for s in JobStatus if not s.terminal)
@@ -400,6 +400,11 @@ class Store:
             query = query.where(or_(FileRow.created_at < after.created_at,
                                     (FileRow.created_at == after.created_at) & (FileRow.id < after.id)))
         return self._page(query.order_by(FileRow.created_at.desc(), FileRow.id.desc()), limit)
+
+    def newest_files(self, limit: int) -> list[FileRow]:
+        """Every tenant's, newest first (what /readyz checks storage still holds)."""
+        with self._sessions() as s:
+            return list(s.scalars(select(FileRow).order_by(FileRow.created_at.desc()).limit(limit)))
 
     def delete_file(self, file_id: str) -> None:
         with self._write() as s:

@@ -22,14 +22,10 @@ from moetune.api.environment import (
     ENV_S3_ENDPOINT_URL,
     ENV_URI_ACCESS,
 )
-from moetune.api.models import (
-    ErrorInfo,
-    JobCreate,
-    JobRunSpec,
-    JobStatus,
-    ParallelismSpec,
-    ResultReport,
-)
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec, ResultReport
+from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.responses import ErrorInfo, JobStatus
 from moetune.service.auth import hash_token, new_job_token
 from moetune.service.cluster.ray_jobs import RayJobs, RayUnavailable
 from moetune.service.cluster.resources import Shortage, never_placeable, wait_reason
@@ -43,6 +39,10 @@ log = logging.getLogger(__name__)
 
 _MAX_CAUSE_CHARS = 300
 _STORAGE_BACKOFF_S = (1.0, 60.0)  # first and longest wait between file checks while storage does not answer
+# what a driver's Ray calls raise when the head (GCS, raylet) vanishes beneath them (workers.entry.failures names
+# the innermost error's type first)
+_HEAD_LOSS_ERRORS = ("ActorUnavailableError", "ActorDiedError", "RaySystemError", "RpcError", "NodeDiedError")
+_MAX_ATTEMPTS = 10  # a job whose Ray submission keeps vanishing fails (ray_job_lost) at this attempt
 
 
 def submission_id(job_id: str, attempt: int) -> str:
@@ -129,12 +129,47 @@ class Scheduler:
         for job in self.store.jobs_with_status(*SLOT_STATUSES):
             state = self.ray.state(job.ray_submission_id)
             if state is None:
-                self._fail(job, ErrorCode.ray_job_lost, f"Ray no longer knows job {job.ray_submission_id} "
-                                                "(was the Ray cluster restarted?)")
+                self._requeue_lost(job, f"Ray no longer knows job {job.ray_submission_id} (its Ray head "
+                                        "restarted)")
             elif state.status in ("FAILED", "STOPPED"):
                 self._fail(job, ErrorCode.driver_failed, short_cause(state.message))
             elif state.status == "SUCCEEDED":
                 self._recover_result(job)
+
+    def requeue_if_head_lost(self, job: JobRow, result: ResultReport) -> bool:
+        """For a driver's result: a failure on a Ray system error (an actor or node gone) while Ray's Jobs API
+        does not answer, or answers without the job's submission, is the head dying beneath the job, no training
+        failure: the job is requeued to continue from its newest complete checkpoint. False otherwise (the
+        result is the run's own)."""
+        error = result.error
+        if result.status != "failed" or error is None or error.code != ErrorCode.training_failed \
+                or error.message.split(":", 1)[0] not in _HEAD_LOSS_ERRORS:
+            return False
+        if not self.ray.reachable():  # one call now, whatever the backoff
+            cause = f"the Ray head at {self.ray.address} stopped answering under job {job.ray_submission_id}"
+        elif self.ray.state(job.ray_submission_id) is None:
+            cause = f"Ray no longer knows job {job.ray_submission_id} (its Ray head restarted)"
+        else:
+            return False
+        return self._requeue_lost(job, cause)
+
+    def _requeue_lost(self, job: JobRow, cause: str) -> bool:
+        """A job whose Ray submission vanished goes back into the queue (a pausing one ends paused) as its next
+        attempt, which resumes from the newest complete checkpoint; after _MAX_ATTEMPTS it fails as
+        ray_job_lost (a job that takes its head down every time)."""
+        if job.attempt >= _MAX_ATTEMPTS:
+            self._fail(job, ErrorCode.ray_job_lost, f"{cause}; attempt {job.attempt} of {_MAX_ATTEMPTS}, no more")
+            return True
+        if job.status == JobStatus.pausing:
+            to, message = JobStatus.paused, f"Job paused: {cause}; resuming continues from its last checkpoint"
+        else:
+            to, message = JobStatus.queued, f"Job requeued: {cause}; the next attempt continues from its last " \
+                                            "checkpoint"
+        moved = self.store.transition(job.id, [JobStatus(job.status)], to, message, level="warn",
+                                      attempt=JobRow.attempt + 1, estimated_finish=None)
+        if moved:
+            log.warning("job %s: %s", job.id, message)
+        return moved
 
     def _recover_result(self, job: JobRow) -> None:
         """The driver exited 0 but its result report never arrived: the outputs in storage tell what happened."""

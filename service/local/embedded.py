@@ -105,20 +105,27 @@ def local_s3_server(port: int | None = None):
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
+RAY_PORTS = ("gcs", "dashboard", "agent", "client")
+
+
 @dataclass
 class RayHead:
     gcs_address: str
     dashboard_url: str  # where the Jobs API listens
+    ports: dict[str, int]  # by RAY_PORTS name: what a restarted head takes again
 
 
-def spawn_ray_head(num_cpus: int, env: dict[str, str] | None, temp_dir: str) -> tuple[subprocess.Popen, RayHead]:
+def spawn_ray_head(num_cpus: int, env: dict[str, str] | None, temp_dir: str,
+                   ports: dict[str, int] | None = None) -> tuple[subprocess.Popen, RayHead]:
     """`ray start --head --block` in its own process group, its sessions and logs under `temp_dir`; its Jobs API
     answers when this returns.
 
     `num_cpus` is logical: tiny CPU jobs may oversubscribe the machine's cores. The processes
-    inherit `env` (e.g. the S3 endpoint), so Ray jobs and their workers see it too.
+    inherit `env` (e.g. the S3 endpoint), so Ray jobs and their workers see it too. `ports` (by RAY_PORTS name):
+    those to listen on, free ones for the rest.
     """
-    gcs_port, dash_port, agent_port, client_port = free_port(), free_port(), free_port(), free_port()
+    ports = {name: (ports or {}).get(name) or free_port() for name in RAY_PORTS}
+    gcs_port, dash_port, agent_port, client_port = (ports[name] for name in RAY_PORTS)
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
     log_path = os.path.join(temp_dir, "ray-start.log")
     args = [
@@ -139,7 +146,7 @@ def spawn_ray_head(num_cpus: int, env: dict[str, str] | None, temp_dir: str) -> 
     except BaseException:
         stop_process(proc, grace=5)
         raise
-    return proc, RayHead(gcs_address=f"127.0.0.1:{gcs_port}", dashboard_url=dashboard_url)
+    return proc, RayHead(gcs_address=f"127.0.0.1:{gcs_port}", dashboard_url=dashboard_url, ports=ports)
 
 
 @contextmanager

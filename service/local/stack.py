@@ -1,32 +1,39 @@
 """`moetune up` / `moetune down`: the embedded stack (S3-compatible server, Ray head, control plane, SQLite) as
 long-lived processes on loopback, their state in `.moetune/`.
 
-The SQLite database lives there; the S3 server keeps objects in memory, so `down` copies every bucket into
-`.moetune/s3/` before stopping it and `up` puts them back: jobs, uploaded files, models and outputs survive a
-restart. `stack.json` records what `up` started (process groups, URLs, token); `down` stops only those.
+`up` supervises: it checks each component (process alive, endpoint answering), adopts a healthy one, and restarts a
+dead or hung one on the same ports and data, first stopping whatever is left of it (processes.py finds them by the
+tag every component's environment carries), so no second copy ever runs beside an orphaned one. `down` stops every
+process the stack started. The SQLite database lives in `.moetune/`, the objects too (the S3 server mirrors every
+write into `.moetune/objects/` before answering it): jobs, uploaded files, models and outputs survive a crash of
+any component as well as `down` / `up`. `stack.json` records ports, process ids, tokens and the last `up`'s
+actions.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moetune.api import storage
+from moetune.service.local import processes
 from moetune.service.local.embedded import free_port, s3_env, spawn_ray_head, spawn_s3_server, wait_http
 
 STATE_DIR = Path(".moetune")
 TENANT = "local"
 OUTPUT_BUCKET = "moetune"
+ROLES = ("s3", "ray", "server")  # start order (each needs the ones before it); stopped in reverse
+_HEALTH_WAIT_S = 10.0  # how long a live component may take to answer before `up` counts it as hung
 
 
 @dataclass
@@ -37,12 +44,22 @@ class Stack:
     ray_address: str
     pids: dict[str, int] = field(default_factory=dict)  # process-group leaders `up` started, by role
     ray_temp_dir: str | None = None  # a Ray head of its own (not one given with --ray-address)
+    ray_ports: dict[str, int] = field(default_factory=dict)  # its ports, kept for a restart
+    ray_num_cpus: int | None = None
+    stack_id: str = field(default_factory=lambda: secrets.token_hex(6))  # the tag of its processes
+    tenants: dict[str, str] = field(default_factory=dict)  # more tenants (`up --tenant`): name -> token
+    server_config: dict = field(default_factory=dict)  # what the running control plane was started with
+    last_up: dict[str, str] = field(default_factory=dict)  # role -> started, restarted or adopted
 
     def env(self) -> dict[str, str]:
         """What a shell needs to use the stack: the CLI's (deploy and serve talk to Ray), the SDK's and boto3's
         variables."""
         return {"MOETUNE_URL": self.url, "MOETUNE_TOKEN": self.token, "MOETUNE_RAY_ADDRESS": self.ray_address,
                 **s3_env(self.s3_endpoint)}
+
+    def health_url(self, role: str) -> str:
+        return {"s3": f"{self.s3_endpoint}/", "ray": f"{self.ray_address}/api/version",
+                "server": f"{self.url}/healthz"}[role]
 
 
 def _state_file(state_dir: Path) -> Path:
@@ -55,20 +72,38 @@ def _saved(state_dir: Path) -> dict:
 
 
 def _stack(saved: dict) -> Stack:
-    return Stack(**{k: v for k, v in saved.items() if k != "base_models"})
+    known = Stack.__dataclass_fields__
+    return Stack(**{k: v for k, v in saved.items() if k in known})
+
+
+def _save(state_dir: Path, stack: Stack, base_models: dict[str, str]) -> None:
+    path = _state_file(state_dir)
+    path.with_suffix(".new").write_text(json.dumps({**asdict(stack), "base_models": base_models}, indent=2))
+    path.with_suffix(".new").replace(path)
+
+
+@contextmanager
+def _locked(state_dir: Path):
+    """One `up` or `down` at a time per state directory."""
+    with open(state_dir / "stack.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def read_stack(state_dir: Path = STATE_DIR) -> Stack | None:
     """The stack `up` started in `state_dir` while its control plane still runs; None otherwise."""
     saved = _saved(state_dir)
     stack = _stack(saved) if saved else None
-    return stack if stack is not None and _alive(stack.pids.get("server")) else None
+    return stack if stack is not None and processes.alive(stack.pids.get("server")) else None
 
 
-def _port_like(url: str | None) -> int:
-    """The port of the last run's URL when it is free (the URL a user exported stays right), else a new one."""
-    if url:
-        port = int(url.rsplit(":", 1)[1])
+def _port(url: str) -> int | None:
+    return int(url.rsplit(":", 1)[1]) if url else None
+
+
+def _port_like(port: int | None) -> int:
+    """The last run's port when it is free (the URL a user exported stays right), else a new one."""
+    if port:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no obstacle
             try:
@@ -79,72 +114,109 @@ def _port_like(url: str | None) -> int:
     return free_port()
 
 
-def _alive(pid: int | None) -> bool:
-    if pid is None:
+def _healthy(stack: Stack, role: str) -> bool:
+    if not processes.alive(stack.pids.get(role)):
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        wait_http(stack.health_url(role), _HEALTH_WAIT_S)
+        return True
+    except TimeoutError:
         return False
-    except PermissionError:
-        return True
-    # a zombie (exited, not yet reaped) counts as gone
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
 
 
-def _stop_group(pid: int, grace: float = 15.0) -> None:
-    """SIGTERM the process group `up` started (its leader is `pid`), SIGKILL after `grace` seconds."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
+def _api_tokens(stack: Stack) -> str:
+    """The stack's tenants, after those the user set in MOETUNE_API_TOKENS (kept, not overwritten)."""
+    ours = [f"{stack.token}:{TENANT}", *(f"{token}:{name}" for name, token in stack.tenants.items())]
+    return ",".join(filter(None, [os.environ.get("MOETUNE_API_TOKENS", "").strip(","), *ours]))
+
+
+def _server_config(stack: Stack, base_models: dict[str, str]) -> dict:
+    return {"api_tokens": _api_tokens(stack), "s3": stack.s3_endpoint, "ray": stack.ray_address,
+            "base_models": base_models}
+
+
+def up(state_dir: Path = STATE_DIR, ray_address: str | None = None, num_cpus: int | None = None,
+       base_models: dict[str, str] | None = None, tenants: tuple[str, ...] = ()) -> Stack:
+    """Brings every component up, adopting those that run and answer, restarting the others on their ports and
+    data; `ray_address`: use that Ray cluster instead of a head of our own; `tenants`: more tenants, each with a
+    token of its own (kept for later ups). `Stack.last_up` says what happened to each component."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "logs").mkdir(exist_ok=True)
+    with _locked(state_dir):
+        saved = _saved(state_dir)
+        base_models = base_models or saved.get("base_models") or {}
+        stack = _stack(saved) if saved else Stack(url=f"http://127.0.0.1:{free_port()}",
+                                                  token=f"local-{secrets.token_hex(8)}", s3_endpoint="",
+                                                  ray_address="")
+        if ray_address is None and stack.pids and not stack.ray_ports:
+            ray_address = stack.ray_address  # keep the cluster a running stack was given
+        for name in tenants:
+            stack.tenants.setdefault(name, f"{name}-{secrets.token_hex(8)}")
+        stack.last_up = {}
+        for role in ROLES:
+            if role == "ray" and ray_address is not None:
+                stack.ray_address, stack.ray_ports = ray_address, {}
+                continue
+            if role == "server" and stack.server_config != _server_config(stack, base_models):
+                healthy = False  # tokens, endpoints or bases changed: it must start again to see them
+            else:
+                healthy = _healthy(stack, role)
+            if healthy:
+                stack.last_up[role] = "adopted"
+                continue
+            had = role in stack.pids
+            processes.stop(stack.stack_id, role, stack.pids.pop(role, None))
+            _start(role, stack, state_dir, base_models, num_cpus)
+            stack.last_up[role] = "restarted" if had else "started"
+            _save(state_dir, stack, base_models)
+        _save(state_dir, stack, base_models)
+    os.environ.update(s3_env(stack.s3_endpoint))  # this process's own S3 calls (the demo assets)
+    return stack
+
+
+def _start(role: str, stack: Stack, state_dir: Path, base_models: dict[str, str], num_cpus: int | None) -> None:
+    log_path = str(state_dir / "logs" / f"{role}.log")
+    env = {**os.environ, **processes.tag(stack.stack_id, role)}
+    if role == "s3":
+        port = _port_like(_port(stack.s3_endpoint))
+        stack.s3_endpoint = f"http://127.0.0.1:{port}"
+        os.environ.update(s3_env(stack.s3_endpoint))  # this process's own S3 calls (buckets)
+        stack.pids["s3"] = spawn_s3_server(port, log_path, str(state_dir / "objects"), env).pid
+        _import_snapshot(stack.s3_endpoint, state_dir / "s3")
+        storage.make_bucket(f"s3://{OUTPUT_BUCKET}", endpoint_url=stack.s3_endpoint)
+    elif role == "ray":
+        if not stack.ray_temp_dir or not os.path.isdir(stack.ray_temp_dir):
+            stack.ray_temp_dir = tempfile.mkdtemp(prefix="moetune-ray-")  # short: Ray's socket paths are limited
+        stack.ray_num_cpus = num_cpus or stack.ray_num_cpus or max(4, os.cpu_count() or 1)
+        ports = {name: _port_like(port) for name, port in stack.ray_ports.items()}
+        proc, head = spawn_ray_head(stack.ray_num_cpus, {**s3_env(stack.s3_endpoint),
+                                                         **processes.tag(stack.stack_id, role)},
+                                    stack.ray_temp_dir, ports)
+        stack.pids["ray"], stack.ray_address, stack.ray_ports = proc.pid, head.dashboard_url, head.ports
+    else:
+        stack.url = f"http://127.0.0.1:{_port_like(_port(stack.url))}"
+        stack.server_config = _server_config(stack, base_models)
+        stack.pids["server"] = _spawn_server(stack, state_dir, base_models, env, log_path)
+
+
+def _import_snapshot(s3_endpoint: str, snapshot_dir: Path) -> None:
+    """A state directory from before durable storage kept `down`'s copy of every bucket in `s3/`: put it into the
+    server once, then drop it (the server keeps the objects from then on)."""
+    if not snapshot_dir.is_dir():
         return
-    deadline = time.monotonic() + grace
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _alive(pid):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _save_buckets(s3_endpoint: str, snapshot_dir: Path) -> None:
-    """Every bucket's objects into `snapshot_dir/<bucket>/` (replacing the previous snapshot)."""
-    fs, _ = storage.filesystem("s3://", s3_endpoint, listings_cache=False)
-    staging = snapshot_dir.with_name(snapshot_dir.name + ".new")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for bucket in fs.ls(""):
-        bucket = bucket.rstrip("/")
-        (staging / bucket).mkdir()
-        keys = fs.find(bucket)
-        # folder markers (an empty `a/` object, as Ray Train writes) are no files: their folders come with their files
-        folders = {key[:i] for key in keys for i, char in enumerate(key) if char == "/"}
-        for key in (k for k in keys if not k.endswith("/") and k not in folders):
-            local = staging / key
-            local.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(key, str(local))
-    shutil.rmtree(snapshot_dir, ignore_errors=True)
-    staging.rename(snapshot_dir)
-
-
-def _restore_buckets(s3_endpoint: str, snapshot_dir: Path) -> None:
-    for bucket_dir in sorted(snapshot_dir.iterdir()) if snapshot_dir.is_dir() else ():
+    for bucket_dir in sorted(snapshot_dir.iterdir()):
         storage.make_bucket(f"s3://{bucket_dir.name}", endpoint_url=s3_endpoint)
         storage.upload_dir(str(bucket_dir), f"s3://{bucket_dir.name}", endpoint_url=s3_endpoint)
+    shutil.rmtree(snapshot_dir)
 
 
-def _server_env(stack: Stack, state_dir: Path, base_models: dict[str, str]) -> dict[str, str]:
+def _server_env(stack: Stack, state_dir: Path, base_models: dict[str, str], env: dict[str, str]) -> dict[str, str]:
     port = stack.url.rsplit(":", 1)[1]
     return {
-        **os.environ,
+        **env,
         **s3_env(stack.s3_endpoint),
         "MOETUNE_DATABASE_URL": f"sqlite:///{(state_dir / 'moetune.db').resolve()}",
-        "MOETUNE_API_TOKENS": f"{stack.token}:{TENANT}",
+        "MOETUNE_API_TOKENS": _api_tokens(stack),
         "MOETUNE_RAY_ADDRESS": stack.ray_address,
         "MOETUNE_CALLBACK_URL": f"http://127.0.0.1:{port}",
         "MOETUNE_DEFAULT_OUTPUT_URI": f"s3://{OUTPUT_BUCKET}/outputs",
@@ -152,74 +224,32 @@ def _server_env(stack: Stack, state_dir: Path, base_models: dict[str, str]) -> d
     }
 
 
-def up(state_dir: Path = STATE_DIR, ray_address: str | None = None, num_cpus: int | None = None,
-       base_models: dict[str, str] | None = None) -> Stack:
-    """Starts the stack (or returns the one already up); `ray_address`: use that Ray cluster instead of starting
-    a head. Data saved by the last `down` is put back before the control plane starts."""
-    if (running := read_stack(state_dir)) is not None:
-        return running
-    state_dir.mkdir(parents=True, exist_ok=True)
-    logs = state_dir / "logs"
-    logs.mkdir(exist_ok=True)
-    previous = _saved(state_dir)
-    base_models = base_models or previous.get("base_models") or {}
-    s3_port = _port_like(previous.get("s3_endpoint"))
-    stack = Stack(url=f"http://127.0.0.1:{_port_like(previous.get('url'))}",
-                  token=previous.get("token") or f"local-{secrets.token_hex(8)}",
-                  s3_endpoint=f"http://127.0.0.1:{s3_port}", ray_address="")
-    os.environ.update(s3_env(stack.s3_endpoint))  # this process's own S3 calls (restore, buckets, assets)
-    try:
-        stack.pids["s3"] = spawn_s3_server(s3_port, str(logs / "s3.log")).pid
-        _restore_buckets(stack.s3_endpoint, state_dir / "s3")
-        storage.make_bucket(f"s3://{OUTPUT_BUCKET}", endpoint_url=stack.s3_endpoint)
-        if ray_address is None:
-            stack.ray_temp_dir = tempfile.mkdtemp(prefix="moetune-ray-")  # short: Ray's socket paths are limited
-            proc, head = spawn_ray_head(num_cpus or max(4, os.cpu_count() or 1), s3_env(stack.s3_endpoint),
-                                        stack.ray_temp_dir)
-            stack.pids["ray"], ray_address = proc.pid, head.dashboard_url
-        stack.ray_address = ray_address
-        stack.pids["server"] = _spawn_server(stack, state_dir, base_models)
-    except BaseException:
-        _stop(stack)
-        raise
-    _state_file(state_dir).write_text(json.dumps({**asdict(stack), "base_models": base_models}, indent=2))
-    return stack
-
-
-def _spawn_server(stack: Stack, state_dir: Path, base_models: dict[str, str]) -> int:
-    log_path = state_dir / "logs" / "server.log"
+def _spawn_server(stack: Stack, state_dir: Path, base_models: dict[str, str], env: dict[str, str],
+                  log_path: str) -> int:
     moetune = Path(sys.executable).with_name("moetune")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([str(moetune), "server", "--port", stack.url.rsplit(":", 1)[1],
-                                 "--log-level", "warning"], env=_server_env(stack, state_dir, base_models),
+                                 "--log-level", "warning"], env=_server_env(stack, state_dir, base_models, env),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_http(f"{stack.url}/healthz", 60, proc, str(log_path))
+    wait_http(f"{stack.url}/healthz", 60, proc, log_path)
     return proc.pid
 
 
-def _stop(stack: Stack) -> None:
-    for role in ("server", "ray", "s3"):  # the control plane first: nothing submits while Ray goes
-        if (pid := stack.pids.get(role)) is not None:
-            _stop_group(pid)
-    if stack.ray_temp_dir:
-        shutil.rmtree(stack.ray_temp_dir, ignore_errors=True)
-
-
 def down(state_dir: Path = STATE_DIR) -> bool:
-    """Saves the buckets into `state_dir/s3/` and stops what `up` started; False when nothing was up."""
+    """Stops every process the stack started, the control plane first (nothing submits while Ray goes); its data
+    stays for the next `up`. False when nothing was up."""
     if not (saved := _saved(state_dir)):
         return False
-    stack = _stack(saved)
-    if not any(_alive(pid) for pid in stack.pids.values()):
-        return False
-    if stack.pids.get("server") is not None:
-        _stop_group(stack.pids.pop("server"))  # no job changes while the buckets are copied
-    try:
-        if _alive(stack.pids.get("s3")):
-            os.environ.update(s3_env(stack.s3_endpoint))
-            _save_buckets(stack.s3_endpoint, state_dir / "s3")
-    finally:  # a failed copy must not leave the S3 server and the Ray head running
-        _stop(stack)
-    # the token, the URLs' ports and the bases stay for the next up
-    _state_file(state_dir).write_text(json.dumps({**saved, "pids": {}, "ray_temp_dir": None}, indent=2))
+    with _locked(state_dir):
+        stack = _stack(_saved(state_dir))
+        if not any(processes.alive(pid) for pid in stack.pids.values()) and not processes.tagged(stack.stack_id):
+            return False
+        for role in reversed(ROLES):
+            processes.stop(stack.stack_id, role, stack.pids.pop(role, None))
+        processes.stop(stack.stack_id, None)  # anything else carrying the tag
+        if stack.ray_temp_dir:
+            shutil.rmtree(stack.ray_temp_dir, ignore_errors=True)
+        stack.ray_temp_dir, stack.server_config = None, {}
+        # the token, the ports and the bases stay for the next up
+        _save(state_dir, stack, saved.get("base_models") or {})
     return True

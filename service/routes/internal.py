@@ -11,15 +11,8 @@ from pydantic import ValidationError
 
 from moetune.api.errors import ErrorCode
 from moetune.api.layout import CHECKPOINT_MANIFEST, checkpoint_uri, manifest_uri, step_dir
-from moetune.api.models import (
-    REPORT_PATH,
-    CheckpointReport,
-    EventReport,
-    JobStatus,
-    Progress,
-    ReportAck,
-    WorkerReport,
-)
+from moetune.api.models.job_run import REPORT_PATH, CheckpointReport, EventReport, ReportAck, WorkerReport
+from moetune.api.models.responses import JobStatus, Progress
 from moetune.service.auth import bearer_token, job_token_matches, unauthorized
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.lifecycle import finish_job
@@ -116,6 +109,6 @@ def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated
         retired = "".join(f"; retired {step_dir(s)}" for s in report.retired_steps)
         store.add_event(job.id, f"Checkpoint saved at step {report.step_number}: {report.uri}{retired}",
                         data={"step": report.step_number, "uri": report.uri, "retired_steps": report.retired_steps})
-    else:
+    elif not request.app.state.scheduler.requeue_if_head_lost(job, report):
         finish_job(store, job, report)
     return ReportAck(control="pause" if store.get_job(job.id).status == JobStatus.pausing else None)

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from moetune.api.client import Client
 from moetune.service.cli import main as cli
+from moetune.service.local import processes
 from moetune.service.local import stack as local_stack
 from moetune.service.local.embedded import s3_env
 
@@ -47,7 +48,7 @@ def test_up_prints_how_to_reach_it_keeps_data_across_down_and_up(ray_head, tmp_p
                            json={"model": "s3://moetune/models/x", "training_file": "file:///etc/passwd"})
         assert (reply.status_code, reply.json()["error"]["param"]) == (422, "training_file")  # file:// is off
         assert _run("down") == "down; data kept in .moetune\n"
-        assert not local_stack.read_stack() and not any(local_stack._alive(p) for p in stack.pids.values())
+        assert not local_stack.read_stack() and not any(processes.alive(p) for p in stack.pids.values())
 
         _run("up", "--ray-address", ray_head.dashboard_url)
         again = local_stack.read_stack()
