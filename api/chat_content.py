@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from moetune.api.models import URI_SCHEMES
+from moetune.api.models.base import URI_SCHEMES
 from moetune.api.uri_access import UriAccess
 
 IMAGE_DETAILS = ("auto", "low", "high")

@@ -3,7 +3,7 @@ checks it at submission, the driver again before any worker starts)."""
 
 from __future__ import annotations
 
-from moetune.api.models import SpecError
+from moetune.api.models.base import SpecError
 
 # The files transformers builds a tokenizer from (fast, SentencePiece, BPE, WordPiece, tiktoken vocabularies).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model")

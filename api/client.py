@@ -15,7 +15,8 @@ import httpx
 from pydantic import BaseModel
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import Checkpoint, FileDeleted, FileObject, Job, JobCreate, JobEvent, JobStatus, ListPage
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.responses import Checkpoint, FileDeleted, FileObject, Job, JobEvent, JobStatus, ListPage
 from moetune.api.report import AdaptationReport
 from moetune.api.serving import Deployment, ModelList, ModelObject
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetune.api.models import SpecError
+from moetune.api.models.base import SpecError
 
 _KINDS = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moetune.api.config_fields import config_error, read
-from moetune.api.models import SpecError
+from moetune.api.models.base import SpecError
 from moetune.api.quantization import quantization_of
 
 
@@ -126,7 +126,7 @@ def images_refusal(config: dict) -> str | None:
 
 
 def check_model_spec(config: dict, spec) -> None:
-    """Rules that need the model's config.json; raises api.models.SpecError naming the field.
+    """Rules that need the model's config.json; raises api.models.base.SpecError naming the field.
 
     `spec` is a resolved JobCreate. Used at submission (422) and again by the driver before workers start.
     """

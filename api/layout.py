@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from moetune.api.models import ResultReport
+from moetune.api.models.job_run import ResultReport
 from moetune.api.storage import join
 
 ADAPTER_DIR = "adapter"

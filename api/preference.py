@@ -1,7 +1,7 @@
 """OpenAI's `dpo` method section: Direct Preference Optimization on rows of a preferred and a non-preferred answer
 to the same prompt (the row rules are api/data_rows.py's `preference_row_problem`; the loss is
 workers/methods/dpo.py's). Its `batch_size`, `learning_rate_multiplier` and `n_epochs` map onto `training` as
-supervised's do (api.models.resolve_spec); `beta` is DPO's own."""
+supervised's do (api.models.job_create.resolve_spec); `beta` is DPO's own."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class DpoHyperparameters(BaseModel):
 
     # how far the policy may move from the reference: the scale of the log-ratio margin inside the sigmoid
     beta: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
-    # OpenAI's knobs shared with supervised (api.models.Hyperparameters), resolved onto `training` the same way
+    # OpenAI's knobs shared with supervised (api.models.method.Hyperparameters), resolved onto `training` the same way
     batch_size: int | Literal["auto"] = "auto"
     learning_rate_multiplier: float | Literal["auto"] = "auto"
     n_epochs: int | Literal["auto"] = "auto"
@@ -35,7 +35,7 @@ def dpo_beta(section: DpoMethod | None) -> float:
 
 
 def method_view(method, hyperparameters: dict) -> dict:
-    """A job's `method` (api.models.Method, or None) as OpenAI shows it: its type and the knobs it runs with."""
+    """A job's `method` (api.models.method.Method, or None) as OpenAI shows it: its type and the knobs it runs with."""
     if method is None or method.type != "dpo":
         return {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}}
     return {"type": "dpo", "dpo": {"hyperparameters": {**hyperparameters, "beta": dpo_beta(method.dpo)}}}

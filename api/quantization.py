@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetune.api.config_fields import checked, config_error, read, read_positive_ints
-from moetune.api.models import SpecError
+from moetune.api.models.base import SpecError
 
 FP8, INT4, MXFP4, MXFP4_PACKED = "fp8-block", "int4-pack-quantized", "mxfp4", "mxfp4-pack-quantized"
 _SUPPORTED = "fp8 (block scales), compressed-tensors (pack-quantized INT4, mxfp4-pack-quantized), mxfp4"

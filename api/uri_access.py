@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from moetune.api.models import URI_SCHEMES
+from moetune.api.models.base import URI_SCHEMES
 
 
 def _within(uri: str, prefix: str) -> bool:

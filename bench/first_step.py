@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from moetune.api.client import Client
-from moetune.api.models import JobStatus
+from moetune.api.models.responses import JobStatus
 from moetune.service.local import stack as local_stack
 from moetune.service.local.demo import BUCKET, MODELS, demo_job_spec, make_demo_assets
 

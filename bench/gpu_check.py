@@ -374,7 +374,7 @@ def stage_syncs(s: Setting) -> dict:
 def _job_step(s: Setting, family: str, zero: int, kernels: bool, steps: int) -> list[float]:
     import torch
 
-    from moetune.api.models import JobCreate
+    from moetune.api.models.job_create import JobCreate
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.families import REGISTRY, apply_kernel_swaps, auto_model_class
     from moetune.workers.model import trainable_model

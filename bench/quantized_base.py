@@ -54,7 +54,7 @@ def _checkpoints(work: str, s3_url: str) -> dict[str, str]:
 
 def _rank(rank: int, world: int, uris: dict, args, out_dir: str) -> None:
     from moetune.api import storage
-    from moetune.api.models import JobCreate
+    from moetune.api.models.job_create import JobCreate
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.model import trainable_model
     from moetune.workers.experts.placement import job_placement

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import ErrorResponse
+from moetune.api.models.responses import ErrorResponse
 from moetune.service.auth import TenantResolver
 from moetune.service.base_models import BaseModels
 from moetune.service.cluster.scheduler import Scheduler

@@ -12,7 +12,7 @@ import re
 import time
 
 from moetune.api.model_names import BASE_NAME_PATTERN, derive_base_name
-from moetune.api.models import URI_SCHEMES
+from moetune.api.models.base import URI_SCHEMES
 
 
 def parse_base_models(spec: str | dict[str, str]) -> dict[str, str]:

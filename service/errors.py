@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import ErrorInfo, ErrorResponse
+from moetune.api.models.responses import ErrorInfo, ErrorResponse
 from moetune.service.api_exception import APIException
 
 # pydantic appends the union member it tried to a location, e.g. ("batch_size", "int") or

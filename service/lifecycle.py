@@ -7,7 +7,8 @@ without one overwriting another's decision; a change the job's status does not a
 from __future__ import annotations
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import ErrorInfo, JobStatus, ResultReport
+from moetune.api.models.job_run import ResultReport
+from moetune.api.models.responses import ErrorInfo, JobStatus
 from moetune.service.errors import APIException
 from moetune.service.store import ACTIVE_STATUSES, JobRow, Store
 

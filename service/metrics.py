@@ -10,7 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from moetune.api.models import JobStatus
+from moetune.api.models.responses import JobStatus
 from moetune.service.store import Store
 
 log = logging.getLogger(__name__)

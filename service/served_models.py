@@ -6,7 +6,7 @@ Another tenant's model resolves exactly like an unknown name (None), so a caller
 from __future__ import annotations
 
 from moetune.api.model_names import parse_fine_tuned_name
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.api.serving import ModelObject, ServedModel
 from moetune.service.base_models import BaseModels
 from moetune.service.store import JobRow, Store

@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from moetune.api.environment import PASSTHROUGH_ENV
 from moetune.api.images import ImageLimits
-from moetune.api.models import URI_SCHEMES
+from moetune.api.models.base import URI_SCHEMES
 from moetune.api.plans import parse_cluster
 from moetune.service.base_models import parse_base_models
 

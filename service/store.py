@@ -40,7 +40,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from moetune.api.models import JobStatus
+from moetune.api.models.responses import JobStatus
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 ACTIVE_STATUSES = tuple(s for s in JobStatus if not s.terminal)

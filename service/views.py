@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 from moetune.api.model_names import fine_tuned_name
-from moetune.api.models import (
-    Checkpoint,
-    CheckpointMetrics,
-    ErrorInfo,
-    Job,
-    JobCreate,
-    JobEvent,
-    Progress,
-    TrainingSpec,
-)
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.responses import Checkpoint, CheckpointMetrics, ErrorInfo, Job, JobEvent, Progress
+from moetune.api.models.training import TrainingSpec
 from moetune.api.preference import method_view
 from moetune.service.base_models import BaseModels
 

@@ -14,7 +14,8 @@ from typing import Any, Literal
 from torch import nn
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import JobCreate, LoraSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.lora import LoraSpec
 from moetune.workers.errors import JobError
 from moetune.workers.experts.module import parallelize, quantized_experts
 from moetune.workers.experts.placement import ExpertPlacement, job_placement, needs_expert_module, placement_at

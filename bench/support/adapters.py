@@ -26,7 +26,7 @@ def write_adapter(family_name: str, local_dir, seed: int, experts: bool, rank: i
     `target_parameters` on the fused expert tensors, exported as moetune exports (loadable_adapter_config)."""
     from peft import get_peft_model
 
-    from moetune.api.models import LoraSpec
+    from moetune.api.models.lora import LoraSpec
     from moetune.workers.families import REGISTRY
     from moetune.workers.families.spec import in_proj_name
     from moetune.workers.experts.lora_layout import loadable_adapter_config

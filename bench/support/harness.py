@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.service.local.embedded import free_port
 from bench.support.tiny_models import batch, plain_model
 

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 
 
 def image_method(model_dir: str, seq_len: int = 512):

@@ -20,7 +20,8 @@ from rich.table import Column, Table
 from moetune.api.client import APIError, Client
 from moetune.api import storage
 from moetune.api.model_names import derive_base_name
-from moetune.api.models import JobCreate, JobStatus
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.responses import JobStatus
 from moetune.api.plans import parse_cluster
 from moetune.service.cli import serve as serve_commands, up as up_commands
 from moetune.service.cli.data import data

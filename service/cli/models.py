@@ -92,7 +92,7 @@ def inspect(uri: str, ep: int, targets: str | None, train_experts: bool, as_json
     """Family, parameter counts, experts and bytes each rank reads at EP=N, from headers only."""
     from pydantic import ValidationError
 
-    from moetune.api.models import LoraSpec
+    from moetune.api.models.lora import LoraSpec
     from moetune.workers.errors import JobError
     from moetune.workers.weights.push import inspect as inspect_checkpoint
 

@@ -12,7 +12,7 @@ from rich.progress import (
 )
 
 from moetune.api.client import Client
-from moetune.api.models import Job, JobEvent
+from moetune.api.models.responses import Job, JobEvent
 
 _LEVEL_STYLE = {"info": "", "warn": "yellow", "error": "bold red"}
 

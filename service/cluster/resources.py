@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from moetune.api.models import ParallelismSpec
+from moetune.api.models.parallelism import ParallelismSpec
 
 # The field a user changes when a resource is short: GPUs per worker, or the number of workers.
 _PARAM_OF = {"GPU": "parallelism.gpus_per_worker"}

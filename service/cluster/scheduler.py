@@ -22,14 +22,10 @@ from moetune.api.environment import (
     ENV_S3_ENDPOINT_URL,
     ENV_URI_ACCESS,
 )
-from moetune.api.models import (
-    ErrorInfo,
-    JobCreate,
-    JobRunSpec,
-    JobStatus,
-    ParallelismSpec,
-    ResultReport,
-)
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec, ResultReport
+from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.responses import ErrorInfo, JobStatus
 from moetune.service.auth import hash_token, new_job_token
 from moetune.service.cluster.ray_jobs import RayJobs, RayUnavailable
 from moetune.service.cluster.resources import Shortage, never_placeable, wait_reason

@@ -18,7 +18,11 @@ from rich.console import Console
 
 from moetune.api import storage
 from moetune.api.client import Client
-from moetune.api.models import JobCreate, JobStatus, LoraSpec, ParallelismSpec, TrainingSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.responses import JobStatus
+from moetune.api.models.training import TrainingSpec
 from moetune.service.app import create_app
 from moetune.service.cli.progress import follow
 from moetune.service.local.demo_chat import chat_with_tuned_model, start_serving

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from moetune.api.client import Client
-from moetune.api.models import Job
+from moetune.api.models.responses import Job
 from moetune.service.cli.serve import wait_until_running
 from moetune.service.cluster import serve_deploy
 from moetune.service.settings import Settings

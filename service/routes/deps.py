@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from moetune.service.auth import current_tenant
-from moetune.api.models import Job
+from moetune.api.models.responses import Job
 from moetune.service.store import JobRow, Store
 from moetune.service.views import job_view
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import anyio
 from starlette.concurrency import run_in_threadpool
 
-from moetune.api.models import JobStatus
+from moetune.api.models.responses import JobStatus
 from moetune.service.store import Store
 from moetune.service.views import event_id, event_view
 

@@ -17,7 +17,8 @@ from moetune.api import storage
 from moetune.api.data_rows import RowError, evaluation_row_problem, parse_rows, row_problem
 from moetune.api.errors import ErrorCode
 from moetune.api.images import MB
-from moetune.api.models import FILE_ID_PREFIX, ErrorResponse, FileDeleted, FileObject, FilePurpose, ListPage
+from moetune.api.models.base import FILE_ID_PREFIX
+from moetune.api.models.responses import ErrorResponse, FileDeleted, FileObject, FilePurpose, ListPage
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.routes.deps import StoreDep, Tenant
 from moetune.service.settings import Settings

@@ -11,15 +11,8 @@ from pydantic import ValidationError
 
 from moetune.api.errors import ErrorCode
 from moetune.api.layout import CHECKPOINT_MANIFEST, checkpoint_uri, manifest_uri, step_dir
-from moetune.api.models import (
-    REPORT_PATH,
-    CheckpointReport,
-    EventReport,
-    JobStatus,
-    Progress,
-    ReportAck,
-    WorkerReport,
-)
+from moetune.api.models.job_run import REPORT_PATH, CheckpointReport, EventReport, ReportAck, WorkerReport
+from moetune.api.models.responses import JobStatus, Progress
 from moetune.service.auth import bearer_token, job_token_matches, unauthorized
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.lifecycle import finish_job

@@ -11,7 +11,9 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from moetune.api import storage
 from moetune.api.errors import ErrorCode
 from moetune.api.layout import report_html_uri, report_json_uri
-from moetune.api.models import Checkpoint, ErrorResponse, Job, JobCreate, JobEvent, ListPage, SpecError, resolve_spec
+from moetune.api.models.base import SpecError
+from moetune.api.models.job_create import JobCreate, resolve_spec
+from moetune.api.models.responses import Checkpoint, ErrorResponse, Job, JobEvent, ListPage
 from moetune.api.plans import PlanRequest
 from moetune.api.report import AdaptationReport
 from moetune.service import lifecycle

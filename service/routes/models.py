@@ -6,7 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import ErrorResponse, JobCreate, JobStatus
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.responses import ErrorResponse, JobStatus
 from moetune.api.serving import Deployment, ModelList, ModelObject
 from moetune.service.cluster import serve_deploy
 from moetune.service.errors import APIException, job_not_found

@@ -9,7 +9,9 @@ import secrets
 from moetune.api.checkpoint_files import check_tokenizer_files
 from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec
-from moetune.api.models import JobCreate, JobStatus, SpecError, resolve_spec
+from moetune.api.models.base import SpecError
+from moetune.api.models.job_create import JobCreate, resolve_spec
+from moetune.api.models.responses import JobStatus
 from moetune.service.base_models import BaseModels
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.settings import Settings

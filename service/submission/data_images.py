@@ -13,7 +13,8 @@ from moetune.api import storage
 from moetune.api.chat_content import image_url_refusal, image_urls
 from moetune.api.families import images_refusal
 from moetune.api.images import MB
-from moetune.api.models import JobCreate, SpecError
+from moetune.api.models.base import SpecError
+from moetune.api.models.job_create import JobCreate
 from moetune.api.uri_access import UriAccess
 from moetune.service.settings import Settings
 

@@ -3,7 +3,8 @@ model's name (service/base_models.py) and uploaded files' ids (service/routes/fi
 
 from __future__ import annotations
 
-from moetune.api.models import FILE_ID_PREFIX, JobCreate
+from moetune.api.models.base import FILE_ID_PREFIX
+from moetune.api.models.job_create import JobCreate
 from moetune.service.base_models import BaseModels
 from moetune.service.errors import invalid_request
 from moetune.service.store import Store

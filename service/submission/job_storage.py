@@ -7,7 +7,9 @@ import json
 
 from moetune.api import storage
 from moetune.api.errors import ErrorCode
-from moetune.api.models import ErrorInfo, JobCreate, SpecError
+from moetune.api.models.base import SpecError
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.responses import ErrorInfo
 
 
 def _filesystem(uri: str, s3_endpoint_url: str | None, quick: bool = False):

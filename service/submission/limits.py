@@ -6,7 +6,8 @@ what its numbers suggest (events on the new job). The step count and LR multipli
 from __future__ import annotations
 
 from moetune.api.lr_schedule import lr_factor, total_steps, warmup_steps
-from moetune.api.models import JobCreate, SpecError
+from moetune.api.models.base import SpecError
+from moetune.api.models.job_create import JobCreate
 
 _FIRST_STEP_LR_FLOOR = 0.01  # a first step at under 1% of learning_rate: the warm-up is the whole story
 

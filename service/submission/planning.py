@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.api.plans import ClusterSpec, parse_cluster
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.settings import Settings

@@ -9,7 +9,7 @@ cover the image URIs inside a job's data files (api/uri_access.py: the driver ge
 
 from __future__ import annotations
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.api.uri_access import UriAccess
 from moetune.service.errors import invalid_request
 from moetune.service.settings import Settings

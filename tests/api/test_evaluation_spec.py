@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 
 BASE = {"model": "s3://m/model", "training_file": "s3://m/train.jsonl"}
 EVALUATION = {"file": "s3://m/eval.jsonl", "metrics": ["exact_match", "rouge_l"]}

@@ -3,7 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from moetune.api.models import JobCreate, SpecError, resolve_spec
+from moetune.api.models.base import SpecError
+from moetune.api.models.job_create import JobCreate, resolve_spec
 
 BASE = {"model": "s3://models/tiny", "training_file": "s3://data/train.jsonl"}
 

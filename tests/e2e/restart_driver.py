@@ -16,7 +16,7 @@ import s3fs
 from moetune.api.environment import ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
 from moetune.api.errors import ErrorCode
 from moetune.api.layout import SUMMARY_FILE, result_from_summary
-from moetune.api.models import JobRunSpec
+from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.settings import WorkerSettings
 

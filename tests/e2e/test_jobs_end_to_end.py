@@ -18,7 +18,8 @@ import yaml
 from ray.job_submission import JobStatus as RayJobStatus
 from ray.job_submission import JobSubmissionClient
 
-from moetune.api.models import JobCreate, JobStatus
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.responses import JobStatus
 from tests.support import REPO
 from tests.support.control_plane import TOKENS
 
@@ -67,7 +68,7 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, cont
     """Also the whole ZeRO-2 job through Ray's Jobs API as tests/workers/entry checks a job run in its process:
     step 1's loss recomputed on the plain model, the checkpoints' contents, the result, the adapter's valid loss."""
     from moetune.api import storage
-    from moetune.api.models import JobRunSpec
+    from moetune.api.models.job_run import JobRunSpec
     from tests.support.jobs import adapter_valid_loss, expected_first_loss
 
     spec = _spec(tiny_assets, eval_every=6, checkpoint_every=4, keep_checkpoints=2)

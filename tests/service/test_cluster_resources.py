@@ -1,6 +1,6 @@
 """Placement decisions from a cluster's per-node totals and usage (the shape of Ray's /api/cluster_status)."""
 
-from moetune.api.models import ParallelismSpec
+from moetune.api.models.parallelism import ParallelismSpec
 from moetune.service.cluster.resources import NodeResources, never_placeable, nodes_from_cluster_status, wait_reason
 
 CPU_NODE = NodeResources(total={"CPU": 4.0, "memory": 1e10}, used={"CPU": 0.0})

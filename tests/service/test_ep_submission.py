@@ -10,7 +10,7 @@ import boto3
 import httpx
 import pytest
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.workers.errors import JobError
 from moetune.workers.entry.checks import check_supported
 from moetune.workers.families import REGISTRY

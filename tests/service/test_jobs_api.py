@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from moetune.api.models import Job, JobStatus
+from moetune.api.models.responses import Job, JobStatus
 
 JOBS = "/v1/fine_tuning/jobs"
 

@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 from moetune.api import storage
 from moetune.api.layout import metrics_uri, report_html_uri
-from moetune.api.models import JobCreate, JobRunSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec
 from moetune.service.cli.main import main
 from moetune.workers.reporting.adaptation_report import write_report
 from PIL import Image

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from moetune.api.models import REPORT_PATH
+from moetune.api.models.job_run import REPORT_PATH
 
 JOBS = "/v1/fine_tuning/jobs"
 

@@ -7,7 +7,7 @@ import boto3
 import pytest
 
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
-from moetune.api.models import JobRunSpec
+from moetune.api.models.job_run import JobRunSpec
 from moetune.service.cluster.scheduler import Scheduler, short_cause
 from moetune.service.local.embedded import free_port
 

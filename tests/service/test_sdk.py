@@ -6,7 +6,8 @@ import openai
 import pytest
 
 from moetune.api.client import APIError
-from moetune.api.models import JobCreate, JobStatus
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.responses import JobStatus
 
 
 def test_sdk_covers_the_job_lifecycle(service):

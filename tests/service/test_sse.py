@@ -5,7 +5,7 @@ import threading
 
 import httpx
 
-from moetune.api.models import JobEvent
+from moetune.api.models.responses import JobEvent
 from moetune.service.routes import event_stream
 
 JOBS = "/v1/fine_tuning/jobs"

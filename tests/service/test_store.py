@@ -3,7 +3,7 @@ conditional status changes."""
 
 import pytest
 
-from moetune.api.models import JobStatus
+from moetune.api.models.responses import JobStatus
 from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
 
 

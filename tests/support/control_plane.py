@@ -19,7 +19,8 @@ from fastapi import FastAPI
 
 from moetune.api.client import Client
 from moetune.api.layout import CHECKPOINT_MANIFEST, checkpoint_uri
-from moetune.api.models import REPORT_PATH, JobStatus
+from moetune.api.models.job_run import REPORT_PATH
+from moetune.api.models.responses import JobStatus
 from moetune.service.app import create_app
 from moetune.service.auth import hash_token, new_job_token
 from moetune.service.local.embedded import control_plane_in_thread, free_port, s3_env, wait_http

@@ -10,7 +10,7 @@ import torch
 from moetune.api import storage
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC
 from moetune.api.layout import adapter_uri
-from moetune.api.models import JobRunSpec
+from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.data.rows import load_rows
 from moetune.workers.data.sampling import step_micro_batches
 from moetune.workers.entry.driver import run_job

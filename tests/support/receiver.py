@@ -6,7 +6,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from moetune.api.models import ReportAck, WorkerReport
+from moetune.api.models.job_run import ReportAck, WorkerReport
 
 
 class ReportReceiver:

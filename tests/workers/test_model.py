@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.kernels.quant import held_names
 from moetune.workers.families import REGISTRY
 from moetune.workers.model import META, SERVE, TRAIN, WeightsSource, build_model

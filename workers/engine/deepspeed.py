@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.workers.engine.schedule import lr_scheduler
 
 

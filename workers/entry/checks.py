@@ -14,7 +14,9 @@ from moetune.api.data_rows import evaluation_row_problem
 from moetune.api.checkpoint_files import check_tokenizer_files, check_tokenizer_size
 from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec, facts_of, images_refusal
-from moetune.api.models import JobCreate, JobRunSpec, SpecError
+from moetune.api.models.base import SpecError
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.data.images import ImageCheck
 from moetune.workers.data.rows import load_rows
 from moetune.workers.errors import JobError

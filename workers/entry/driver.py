@@ -19,7 +19,9 @@ from ray.train.torch import TorchTrainer
 
 from moetune.api import storage
 from moetune.api.layout import report_html_uri, report_json_uri, result_from_summary, summary_uri
-from moetune.api.models import EventLevel, JobRunSpec, LoraSpec
+from moetune.api.models.job_run import JobRunSpec
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.responses import EventLevel
 from moetune.workers.checkpoints.run_state import complete_checkpoints, paused_step
 from moetune.workers.entry.checks import validate
 from moetune.workers.entry.failures import RAY_TRAIN_START_TIMEOUT, ReportWorkerFailures, root_cause

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from moetune.api.data_rows import evaluation_row_problem, evaluation_turns
-from moetune.api.models import EvaluationSpec
+from moetune.api.models.evaluation import EvaluationSpec
 from moetune.workers.data.rows import load_rows
 from moetune.workers.evaluation.metrics import METRICS
 from moetune.workers.generate import SamplingParams, generate_batch

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetune.api.models import LoraSpec
+from moetune.api.models.lora import LoraSpec
 from moetune.kernels.quant import held, held_names, hold
 from moetune.workers.engine.experts import as_moe_layer, tag_expert_param
 from moetune.workers.experts import comm

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from moetune.api.errors import ErrorCode
 from moetune.api.families import known_facts
-from moetune.api.models import JobCreate, LoraSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.lora import LoraSpec
 from moetune.workers.engine.experts import expert_group_name, expert_groups
 from moetune.workers.errors import JobError
 
@@ -26,7 +27,7 @@ class ExpertPlacement:
     replica_group: object = None  # the ranks holding the same experts
 
     def __post_init__(self):
-        # The workers' one check of this rule (the control plane's is api.models.ParallelismSpec.check_expert_split).
+        # The workers' one check of this rule (the control plane's is api.models.parallelism.ParallelismSpec.check_expert_split).
         if self.num_experts % self.size:
             raise JobError(ErrorCode.invalid_request, f"parallelism.expert_parallel_size: must divide the model's "
                                               f"{self.num_experts} routed experts (got {self.size})",

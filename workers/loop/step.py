@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetune.api.models import TrainingSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.workers.data.sampling import step_examples, step_rng_seed
 from moetune.workers.engine.deepspeed import set_micro_batch_size
 from moetune.workers.loop.collectives import Collectives

@@ -18,7 +18,7 @@ import torch
 
 from moetune.api import storage
 from moetune.api.layout import ADAPTER_DIR, adapter_uri, checkpoint_uri, metrics_uri, step_dir, summary_uri
-from moetune.api.models import JobRunSpec
+from moetune.api.models.job_run import JobRunSpec
 from moetune.api.report import EVAL_PREFIX
 from moetune.kernels.quant import held, held_names
 from moetune.workers.checkpoints import run_state

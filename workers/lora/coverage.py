@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from moetune.api.models import LoraSpec
+from moetune.api.models.lora import LoraSpec
 from moetune.kernels.quant import held, held_names
 from moetune.workers.families.spec import Family, in_proj_name
 

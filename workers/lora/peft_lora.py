@@ -7,7 +7,8 @@ from contextlib import contextmanager
 
 from moetune.api.errors import ErrorCode
 from moetune.api.families import check_target_names
-from moetune.api.models import LoraSpec, SpecError
+from moetune.api.models.base import SpecError
+from moetune.api.models.lora import LoraSpec
 from moetune.workers.errors import JobError
 from moetune.workers.families import auto_model_class, family_for, hf_config, known_family
 from moetune.workers.lora.coverage import Coverage, coverage, in_vision_lora, modules, peft_targets

@@ -7,7 +7,7 @@ import json
 import os
 
 from moetune.api.families import images_refusal
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.workers.methods.multimodal import ImageRows, SupervisedImageMethod
 from moetune.workers.methods.sft import SupervisedMethod
 

@@ -9,7 +9,7 @@ import sys
 from pydantic import ValidationError
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models import SpecError
+from moetune.api.models.base import SpecError
 from moetune.api.plans import PlanRequest
 from moetune.workers.errors import JobError
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.workers.experts.module import expert_parallel
 from moetune.workers.experts.placement import ExpertPlacement
 from moetune.workers.families.spec import Family, in_proj_name

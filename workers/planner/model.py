@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.api.quantization import quantization_of
 from moetune.workers.families.spec import Family
 from moetune.workers.lora.coverage import ROUTED_EXPERTS, Coverage, coverage, modules

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moetune.api.models import JobCreate, resolve_spec
+from moetune.api.models.job_create import JobCreate, resolve_spec
 from moetune.api.plans import ClusterSpec
 from moetune.workers.planner.memory import (
     CUDA_CONTEXT_BYTES,

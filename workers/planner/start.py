@@ -3,7 +3,8 @@ workers built it (its config, LoRA, expert-parallel size and checkpointing read 
 
 from __future__ import annotations
 
-from moetune.api.models import JobCreate, TrainingSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.training import TrainingSpec
 
 
 def _job_of(model, training: TrainingSpec) -> tuple[dict, JobCreate, int, bool]:

@@ -14,7 +14,7 @@ import time
 
 from moetune.api import storage
 from moetune.api.layout import metrics_uri, report_html_uri, report_json_uri, step_dir
-from moetune.api.models import JobRunSpec
+from moetune.api.models.job_run import JobRunSpec
 from moetune.api.report import EVAL_PREFIX, AdaptationReport
 from moetune.workers.reporting.report_page import render_page
 from moetune.workers.settings import WorkerSettings

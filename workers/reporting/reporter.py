@@ -12,17 +12,15 @@ from typing import Any
 
 import httpx
 
-from moetune.api.models import (
+from moetune.api.models.job_run import (
     REPORT_PATH,
-    CheckpointMetrics,
     CheckpointReport,
-    ErrorInfo,
-    EventLevel,
     EventReport,
     ReportAck,
     ResultReport,
     WorkerReport,
 )
+from moetune.api.models.responses import CheckpointMetrics, ErrorInfo, EventLevel
 
 log = logging.getLogger("moetune.reporter")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from moetune.api import storage
 from moetune.api.environment import ENV_WEIGHTS_CACHE_MAX_GB
 from moetune.api.families import facts_of
-from moetune.api.models import SpecError
+from moetune.api.models.base import SpecError
 from moetune.api.quantization import Quantization, quantization_of
 from moetune.workers.experts.placement import ExpertPlacement
 from moetune.workers.families import auto_model_class, hf_config, known_family

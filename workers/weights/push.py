@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 
 from moetune.api import storage
-from moetune.api.models import LoraSpec
+from moetune.api.models.lora import LoraSpec
 from moetune.workers.experts.placement import placement_at
 from moetune.workers.families import family_for
 from moetune.workers.lora.coverage import coverage, modules

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from moetune.api import storage
-from moetune.api.models import JobCreate, JobRunSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec
 from tests.support.jobs import adapter_valid_loss, run_in_process
 
 pytestmark = pytest.mark.ray_job

@@ -4,7 +4,7 @@ the config (its own DeepSpeedConfig), not only as written."""
 import pytest
 import torch
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.workers.engine.deepspeed import deepspeed_config
 
 

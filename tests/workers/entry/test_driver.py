@@ -12,7 +12,8 @@ import time
 import pytest
 
 from moetune.api import storage
-from moetune.api.models import JobCreate, JobRunSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.settings import WorkerSettings
 from moetune.workers.entry.driver import root_cause, run_job
 from moetune.workers.errors import JobError
@@ -84,7 +85,7 @@ def test_worker_job_errors_keep_code_and_param():
 def test_the_coverage_warnings_of_the_seed_recipe_reach_the_control_plane_as_warn_events(receiver):
     """The seed documents' recipe leaves a kimi_linear model's routed experts unadapted: a `warn` event the
     control plane accepts (the driver once sent level "warning", which failed every job whose coverage warns)."""
-    from moetune.api.models import LoraSpec
+    from moetune.api.models.lora import LoraSpec
     from moetune.workers.entry.driver import report_coverage
     from moetune.workers.families import REGISTRY
     from moetune.workers.lora.peft_lora import check_targets_on_config

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from moetune.api import storage
-from moetune.api.models import JobCreate, JobRunSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.entry.checks import validate
 from moetune.workers.errors import DatasetError
 from moetune.workers.families import REGISTRY

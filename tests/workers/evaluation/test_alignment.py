@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import moetune.workers.families.kda as kda_module
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.kernels.kda import chunk_kda
 from moetune.api.environment import ENV_PERTURB_OP
 from moetune.workers.evaluation.alignment import FIRST_LOSS, check_alignment, verdict

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from moetune.api import storage
-from moetune.api.models import EVAL_METRICS
+from moetune.api.models.training import EVAL_METRICS
 from moetune.workers.errors import JobError
 from moetune.workers.evaluation.generation import load_eval_rows, prompt_ids
 from moetune.workers.evaluation.metrics import METRICS, chrf, exact_match, rouge_l, token_f1

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from moetune.api.families import check_model_spec
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.api.plans import ClusterSpec
 from moetune.workers.evaluation.alignment import check_alignment
 from moetune.workers.families import apply_kernel_swaps

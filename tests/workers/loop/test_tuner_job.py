@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from moetune.api import storage
-from moetune.api.models import JobCreate, JobRunSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec
 from moetune.api.environment import ENV_INJECT_FAULTS
 from moetune.workers.data.rows import load_rows
 from moetune.workers.families import apply_kernel_swaps

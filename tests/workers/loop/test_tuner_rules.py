@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from moetune.api.models import JobCreate, SpecError, resolve_spec
+from moetune.api.models.base import SpecError
+from moetune.api.models.job_create import JobCreate, resolve_spec
 from moetune.workers.loop.tuner import MemoryProbe, MicroBatchTuner
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moetune.api.models import LoraSpec
+from moetune.api.models.lora import LoraSpec
 from bench.support.tiny_models import batch, plain_model
 
 

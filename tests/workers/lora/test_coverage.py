@@ -4,7 +4,7 @@ exactly what PEFT wraps (and, for routed experts, what the expert-parallel modul
 import pytest
 import torch
 
-from moetune.api.models import LoraSpec
+from moetune.api.models.lora import LoraSpec
 from moetune.workers.errors import JobError
 from moetune.workers.families import REGISTRY, auto_model_class
 from moetune.workers.lora.coverage import coverage, modules

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from moetune.api.models import LoraSpec
+from moetune.api.models.lora import LoraSpec
 from moetune.workers.errors import JobError
 from moetune.workers.lora.peft_lora import apply_lora, check_targets_on_config
 

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from moetune.api.models import TrainingSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.workers.loop.tuner import MicroBatchTuner
 from moetune.workers.methods.sft import IGNORE, Example, collate
 

@@ -12,7 +12,8 @@ import torch
 
 from moetune.api import storage
 from moetune.api.layout import adapter_uri
-from moetune.api.models import JobCreate, JobRunSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.data.rows import load_rows
 from moetune.workers.families import REGISTRY
 from moetune.workers.experts.lora_layout import b_from_peft

@@ -8,7 +8,7 @@ saves, plus the largest one layer's rerun saves in the backward), and for the tw
 import pytest
 import torch
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.workers.families import REGISTRY
 from moetune.workers.loop.tuner import MemoryProbe
 from moetune.workers.methods import method_for

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.api.plans import parse_cluster
 from moetune.api.quantization import quantization_of
 from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
@@ -70,7 +70,7 @@ def _readme_seed_plan() -> list[str]:
 
 
 def test_the_seed_model_is_planned_in_seconds_within_2_gib():
-    code = ("import json, resource, sys, time, yaml; from moetune.api.models import JobCreate; "
+    code = ("import json, resource, sys, time, yaml; from moetune.api.models.job_create import JobCreate; "
             "from moetune.api.plans import parse_cluster; from moetune.workers.planner import plan; "
             f"spec = JobCreate.model_validate(yaml.safe_load(open({str(SEED_JOB)!r}))); "
             f"config = json.load(open({str(REPO / 'examples' / 'seed-model.config.json')!r})); t = time.time(); "

@@ -15,7 +15,8 @@ import torch
 from moetune.api import storage
 from moetune.api.environment import ENV_METRICS_PORT, ENV_METRICS_TARGETS_DIR
 from moetune.api.layout import SUMMARY_FILE, report_json_uri
-from moetune.api.models import JobCreate, JobRunSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.evaluation.generation import prompt_ids
 from moetune.workers.evaluation.metrics import token_f1
 from moetune.workers.reporting.expert_load import HOT_EXPERTS, LOAD_RATIO_BUCKETS

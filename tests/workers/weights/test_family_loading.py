@@ -48,7 +48,7 @@ def test_a_kimi_k2_release_streams_into_transformers_deepseek_v3(tmp_path):
     from transformers import DeepseekV3ForCausalLM
 
     from moetune.api.families import check_model_spec
-    from moetune.api.models import JobCreate, resolve_spec
+    from moetune.api.models.job_create import JobCreate, resolve_spec
     from moetune.workers.weights.push import inspect
 
     release, renamed = tmp_path / "kimi-k2", tmp_path / "as-deepseek-v3"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moetune.api.models import JobCreate
+from moetune.api.models.job_create import JobCreate
 from moetune.api.families import FAMILIES
 from moetune.workers.families import REGISTRY
 from moetune.workers.model import trainable_model

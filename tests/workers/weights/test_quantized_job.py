@@ -9,7 +9,8 @@ import torch
 
 from moetune.api import storage
 from moetune.api.layout import adapter_uri
-from moetune.api.models import JobCreate, JobRunSpec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.families import REGISTRY
 from moetune.workers.tiny import write_tiny_dataset, write_tiny_tokenizer
 from tests.support.jobs import run_in_process, valid_loss

@@ -1,0 +1,149 @@
+"""A fine-tuning job request (POST /v1/fine_tuning/jobs): its sections together, OpenAI's `integrations`, and
+resolve_spec, which applies OpenAI's knobs onto `training` and checks the rules across sections.
+
+Field names follow OpenAI's fine-tuning job objects where such a field exists; everything moetune-specific lives in
+the `lora`, `training`, `parallelism` and `evaluation` sections.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from moetune.api.models.base import SpecError, StrictModel, check_data_file, check_model, check_uri
+from moetune.api.models.evaluation import EvaluationSpec
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.method import METHOD_TYPES, Hyperparameters, Method
+from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.training import TrainingSpec
+
+
+INTEGRATION_TYPES = ("wandb",)
+
+
+class Integration(StrictModel):
+    """OpenAI's `integrations` entry: stored with the job and shown on it."""
+
+    type: str
+    wandb: dict[str, Any] | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, v):
+        if v not in INTEGRATION_TYPES:
+            raise ValueError(f"unknown integration type {v!r} (known: {', '.join(INTEGRATION_TYPES)})")
+        return v
+
+
+class JobCreate(StrictModel):
+    model: str = Field(..., description="A registered base model's name (GET /v1/models) or the URI of a "
+                                        "Hugging Face-format checkpoint folder")
+    training_file: str = Field(..., description="An uploaded file's id (file-...) or the URI of a JSONL file")
+    validation_file: str | None = None
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    method: Method | None = None
+    integrations: list[Integration] | None = None
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    suffix: str | None = Field(None, max_length=64)
+    metadata: dict[str, str] | None = None
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    evaluation: EvaluationSpec | None = None
+    output_uri: str | None = Field(None, description="where checkpoints and the adapter go (default: server setting)")
+    priority: int = Field(0, ge=-100, le=100)
+
+    _check_uris = field_validator("output_uri")(check_uri)
+    _check_data_files = field_validator("training_file", "validation_file")(check_data_file)
+    _check_model_name = field_validator("model")(check_model)
+
+    @model_validator(mode="after")
+    def _selected_checkpoint_is_evaluated(self):
+        selected = self.training.select_checkpoint
+        if selected.startswith("best:"):
+            metric = selected.removeprefix("best:")
+            if self.evaluation is None or metric not in self.evaluation.metrics:
+                raise ValueError(f"training.select_checkpoint {selected!r} needs evaluation.metrics to include "
+                                 f"{metric!r}")
+            if not self.training.checkpoint_every:
+                raise ValueError(f"training.select_checkpoint {selected!r} needs training.checkpoint_every")
+        return self
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix_chars(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
+            raise ValueError("may only contain letters, digits, '-', '_' and '.'")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, v):
+        if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
+            raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
+        return v
+
+
+def resolve_spec(req: JobCreate) -> JobCreate:
+    """Apply OpenAI hyperparameters onto `training` and check cross-field rules.
+
+    Returns a copy whose `training` section is authoritative; raises SpecError naming the field.
+    """
+    training = req.training.model_copy()
+    hp = _method_hyperparameters(req)
+    if hp.batch_size != "auto":
+        if hp.batch_size < 1:
+            raise SpecError("hyperparameters.batch_size", "must be >= 1")
+        training.global_batch_size = hp.batch_size
+    if hp.learning_rate_multiplier != "auto":
+        if hp.learning_rate_multiplier <= 0:
+            raise SpecError("hyperparameters.learning_rate_multiplier", "must be > 0")
+        training.learning_rate = training.learning_rate * hp.learning_rate_multiplier
+    if hp.n_epochs != "auto":
+        if hp.n_epochs < 1:
+            raise SpecError("hyperparameters.n_epochs", "must be >= 1")
+        if training.max_steps is not None:  # which one wins would be a guess: say so rather than drop one
+            raise SpecError("hyperparameters.n_epochs", "set either hyperparameters.n_epochs or training.max_steps, "
+                                                        "not both")
+        training.n_epochs = hp.n_epochs
+    if training.max_steps is None and training.n_epochs is None:
+        training.n_epochs = 1
+
+    par = req.parallelism
+    auto = training.micro_batch_size == "auto"
+    per_step = par.num_workers if auto else training.micro_batch_size * par.num_workers
+    if training.global_batch_size % per_step:
+        raise SpecError(
+            "training.global_batch_size",
+            f"must be a multiple of num_workers = {per_step}" if auto
+            else f"must be a multiple of micro_batch_size x num_workers = {per_step}",
+        )
+    if training.memory_budget_mb is not None and not auto:
+        raise SpecError("training.memory_budget_mb", "only applies to micro_batch_size \"auto\"")
+    par.check_expert_split()
+    if par.gpus_per_worker > 1:  # a worker is one rank and drives one device: the rest would sit idle
+        raise SpecError("parallelism.gpus_per_worker",
+                        f"must be 0 (CPU workers) or 1: each worker is one training rank on one GPU; for "
+                        f"{par.num_workers * par.gpus_per_worker} GPUs ask for num_workers: "
+                        f"{par.num_workers * par.gpus_per_worker} with gpus_per_worker: 1")
+    return req.model_copy(update={"training": training})
+
+
+def _method_hyperparameters(req: JobCreate) -> Hyperparameters:
+    """The OpenAI knobs: the method section's `hyperparameters` (OpenAI's current place) over the top-level ones."""
+    method = req.method
+    if method is None:
+        return req.hyperparameters
+    if method.type not in METHOD_TYPES:
+        raise SpecError("method.type", f"method.type: {method.type!r} is not supported yet (supported: "
+                                       f"{', '.join(METHOD_TYPES)})")
+    for other in (t for t in (*METHOD_TYPES, "reinforcement") if t != method.type):
+        if getattr(method, other) is not None:  # whose knobs would apply is a guess: say so
+            raise SpecError(f"method.{other}", f"method.{other} is given but method.type is {method.type!r}")
+    section = getattr(method, method.type)
+    if section is None:
+        return req.hyperparameters
+    given = section.hyperparameters.model_dump(exclude_unset=True, include=set(Hyperparameters.model_fields))
+    return req.hyperparameters.model_copy(update=given)
