@@ -169,7 +169,7 @@ def test_a_released_checkpoint_is_accepted_and_inspected(reference):
         config = json.load(f)
     spec = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
                      lora={"target_modules": ["q_proj", "g_proj", "kv_b_proj", "routed_expert_down_proj"]},
-                     parallelism={"expert_parallel_size": 2})
+                     parallelism={"expert_parallel_size": 2, "num_workers": 2})
     check_model_spec(config, spec)
     summary = inspect(f"file://{workdir}/mxfp4", ep=2)
     assert (summary["model_type"], summary["quantization"]) == ("kimi_k3", "mxfp4-pack-quantized")
