@@ -6,6 +6,7 @@ The playground's chat goes through /console/serve/..., a same-origin pass-throug
 
 from __future__ import annotations
 
+from functools import partial
 from importlib import resources
 
 import httpx
@@ -37,44 +38,12 @@ def _shell(page: str) -> HTMLResponse:
     return HTMLResponse(html, headers=_HEADERS)
 
 
-@router.get("")
-def home() -> HTMLResponse:
-    return _shell("jobs")
-
-
-@router.get("/login")
-def login() -> HTMLResponse:
-    return _shell("login")
-
-
-@router.get("/jobs")
-def jobs() -> HTMLResponse:
-    return _shell("jobs")
-
-
-@router.get("/jobs/{job_id}")
-def job(job_id: str) -> HTMLResponse:  # the id is read by the page from its URL, never written into the HTML
-    return _shell("job")
-
-
-@router.get("/jobs/{job_id}/report")
-def report(job_id: str) -> HTMLResponse:
-    return _shell("report")
-
-
-@router.get("/new")
-def new_job() -> HTMLResponse:
-    return _shell("new")
-
-
-@router.get("/compare")
-def compare() -> HTMLResponse:
-    return _shell("compare")
-
-
-@router.get("/playground")
-def playground() -> HTMLResponse:
-    return _shell("playground")
+# Each page's path; a job's id is read by the page from its URL, never written into the HTML.
+_ROUTES = (("", "jobs"), ("/login", "login"), ("/jobs", "jobs"), ("/jobs/{job_id}", "job"),
+           ("/jobs/{job_id}/report", "report"), ("/new", "new"), ("/compare", "compare"),
+           ("/playground", "playground"))
+for _path, _page in _ROUTES:
+    router.add_api_route(_path, partial(_shell, _page), methods=["GET"], response_class=HTMLResponse)
 
 
 @router.get("/static/{name}")

@@ -122,11 +122,13 @@ def test_the_console_drives_a_job_and_keeps_tenants_apart(console, tmp_path):
         page.click("#open-report")  # this job's driver wrote no report: the API's answer says so
         page.wait_for_selector("main .error:has-text('no adaptation report')")
 
-        # a second job, cancelled from its page; both compared
+        # a second job, paused, resumed and cancelled from its page; both compared
         other = console.create_job("tenant-a", model=BASE, training_file=file_id)["id"]
         page.goto(f"{url}/console/jobs/{other}")
-        page.click("#cancel")
-        page.wait_for_selector("#summary [data-status=cancelled]")
+        for action, status in (("pause", "paused"), ("resume", "queued"), ("cancel", "cancelled")):
+            page.click(f"#{action}")
+            page.wait_for_selector(f"#summary [data-status={status}]")
+            assert page.inner_text("#action-status") == f"{action}: the job is now {status}."
         page.goto(f"{url}/console/jobs")
         page.wait_for_selector(f"tr[data-job='{other}']")
         page.select_option("#status-filter", "succeeded")
