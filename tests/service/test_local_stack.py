@@ -1,13 +1,20 @@
 """`moetune up` / `moetune down`: the S3 server and the control plane as background processes (here on the
-session's Ray head), their data kept across a restart, and the CLI finding the stack of the directory."""
+session's Ray head), their data kept across a restart, and the CLI finding the stack of the directory; and a stack
+with a Ray head of its own whose every component is killed under a running job and brought back by `moetune up`."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import time
+from pathlib import Path
 
 import boto3
 import httpx
+import pytest
 from click.testing import CliRunner
+from ray.job_submission import JobSubmissionClient
 
 from moetune.api.client import Client
 from moetune.service.cli import main as cli
@@ -59,3 +66,141 @@ def test_up_prints_how_to_reach_it_keeps_data_across_down_and_up(ray_head, tmp_p
     finally:
         _run("down")
     assert _run("down") == "nothing was up\n"
+
+
+def test_a_driver_failing_on_a_vanished_ray_actor_requeues_its_job_while_ray_is_gone(service):
+    """The driver of a job whose Ray head died reports ActorUnavailableError: with Ray unreachable (this control
+    plane's Ray address answers nothing) that is the head's loss, so the job goes back to the queue as its next
+    attempt (resuming from its last checkpoint); the run's own failure still fails it."""
+    lost, failing = service.create_job()["id"], service.create_job()["id"]
+    error = {"code": "training_failed", "message": "ActorUnavailableError: The actor is unavailable"}
+    reply = service.report(lost, service.start_job(lost), {"kind": "result", "status": "failed", "error": error})
+    assert reply.status_code == 200, reply.text
+    row = service.store.get_job(lost)
+    assert (row.status, row.attempt) == ("queued", 2)
+    last = service.sdk().jobs.events_since(lost)[-1]
+    assert last.level == "warn" and last.message.startswith("Job requeued: the Ray head at ")
+
+    error = {"code": "training_failed", "message": "ValueError: the run's own"}
+    service.report(failing, service.start_job(failing), {"kind": "result", "status": "failed", "error": error})
+    assert service.store.get_job(failing).status == "failed"
+
+
+def _pids() -> dict[str, int]:
+    return json.loads(Path(".moetune/stack.json").read_text())["pids"]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _messages(client: Client, job_id: str) -> list[str]:
+    return [e.message for e in client.jobs.events_since(job_id)]
+
+
+@pytest.mark.ray_job
+def test_up_brings_back_each_killed_component_and_the_job_resumes_losing_nothing(tmp_path, monkeypatch):
+    """One tiny job on a stack with a Ray head of its own; the control plane, then the S3 server, then the Ray
+    head are SIGKILLed (by their PID in stack.json) while it trains, `moetune up` after each: each comes back on
+    its ports and data, beside no second copy; files stay listed and readable; the job is followed again, then
+    requeued when the head goes and resumes from its last checkpoint to succeed; `down` leaves no process."""
+    started = time.monotonic()
+    monkeypatch.chdir(tmp_path)
+    for name in [*s3_env(""), "MOETUNE_RAY_ADDRESS"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MOETUNE_API_TOKENS", "carol-token:carol")  # the user's own tenant stays beside ours
+    output = _run("up", "--num-cpus", "4", "--with-demo-assets", "--tenant", "bob")
+    stack = local_stack.read_stack()
+    seen = set(_pids().values())  # every process-group leader the stack had, checked gone at the end
+    assert f"tenant bob: token {stack.tenants['bob']}" in output
+    me, bob = Client(stack.url, stack.token), Client(stack.url, stack.tenants["bob"])
+    try:
+        assert Client(stack.url, "carol-token").files.list().data == []
+        files = {me.files.create(b'{"text": "before"}\n', "before.jsonl").id: b'{"text": "before"}\n'}
+        bobs = bob.files.create(b'{"text": "bob"}\n', "bob.jsonl").id
+        job = me.jobs.create({
+            "model": "tiny-kimi-linear", "training_file": "s3://moetune-demo/data/train.jsonl", "seed": 7,
+            "lora": {"rank": 8, "alpha": 16}, "parallelism": {"num_workers": 1},
+            "training": {"max_steps": 36, "learning_rate": 0.003, "global_batch_size": 4, "micro_batch_size": 2,
+                         "seq_len": 64, "checkpoint_every": 6}}).id
+
+        def step() -> int:
+            return me.jobs.retrieve(job).progress.step or 0
+
+        def checkpointed() -> int:
+            return max((c.step_number for c in me.jobs.checkpoints(job).data), default=0)
+
+        def up_says(*actions: str) -> None:
+            said = _run("up")
+            for action in actions:
+                assert action in said, said
+            seen.update(_pids().values())
+
+        # 1. The control plane: restarted on its port, it follows the running Ray job again.
+        _wait_for(lambda: step() >= 2, 400, "the job to train")
+        os.kill(_pids()["server"], signal.SIGKILL)
+        up_says("server restarted", "s3 adopted", "ray adopted")
+        assert local_stack.read_stack().url == stack.url
+        before = step()
+        _wait_for(lambda: step() > before, 120, "progress reported to the restarted control plane")
+        files[me.files.create(b'{"text": "after"}\n', "after.jsonl").id] = b'{"text": "after"}\n'
+
+        # 2. S3, right after a checkpoint: /readyz names storage while it is down; its objects come back.
+        first = _wait_for(checkpointed, 200, "a checkpoint")
+        os.kill(_pids()["s3"], signal.SIGKILL)
+        ready = httpx.get(f"{stack.url}/readyz", timeout=30)
+        assert ready.status_code == 503 and "storage" in ready.json()["error"]["message"]
+        up_says("s3 restarted", "ray adopted", "server adopted")
+        assert httpx.get(f"{stack.url}/readyz", timeout=30).status_code == 200
+        assert {f: me.files.content(f) for f in files} == files
+        assert bob.files.content(bobs) == b'{"text": "bob"}\n'
+
+        # 3. The Ray head, after a checkpoint written since S3 came back: the job is requeued, not failed, and its
+        # next attempt on the restarted head resumes from that checkpoint.
+        resume_step = _wait_for(lambda: (c := checkpointed()) > first and c, 300, "a checkpoint after the S3 restart")
+        os.kill(_pids()["ray"], signal.SIGKILL)
+        up_says("ray restarted", "s3 adopted")
+        done = me.jobs.wait(job, timeout=600, poll_interval=2)
+        assert done.status == "succeeded", done.error
+        messages = _messages(me, job)
+        assert not [m for m in messages if m.startswith("Job failed")]
+        assert len([m for m in messages if m.startswith("Job requeued")]) == 1, messages
+        assert [m for m in messages if m.startswith("Job started")] == ["Job started"] * 2
+        resumed = [m for m in messages if m.startswith("Resumed from checkpoint")]
+        assert resumed and int(resumed[-1].split("step-")[1].split()[0]) >= resume_step, messages
+        assert [s.submission_id for s in JobSubmissionClient(stack.ray_address).list_jobs()] == [f"moetune-{job}-2"]
+
+        # Nothing lost or duplicated: one job, every file listed and readable, the adapter in storage.
+        assert [j.id for j in me.jobs.list().data] == [job]
+        assert sorted(f.id for f in me.files.list().data) == sorted(files)
+        assert {f: me.files.content(f) for f in files} == files
+        bucket, _, prefix = done.fine_tuned_model_uri.removeprefix("s3://").partition("/")
+        assert boto3.client("s3", endpoint_url=stack.s3_endpoint).list_objects_v2(Bucket=bucket, Prefix=prefix)["KeyCount"]
+    finally:
+        _run("down")
+    stack_id = json.loads(Path(".moetune/stack.json").read_text())["stack_id"]
+    assert processes.tagged(stack_id) == []  # every process the stack started, Ray's workers and drivers too
+    assert not [pid for pid in seen if processes.alive(pid)]
+    print(f"crash test: {time.monotonic() - started:.0f} s")
+
+
+def test_readyz_names_storage_when_it_lacks_the_newest_uploaded_files(service):
+    """Storage that answers but came back without what the database references (an in-memory server restarted)
+    is not ready."""
+    uploaded = service.sdk().files.create(b'{"text": "referenced"}\n', "referenced.jsonl")
+    assert httpx.get(f"{service.url}/readyz").status_code == 200
+    bucket, _, key = service.store.get_file(uploaded.id, "tenant-a").uri.removeprefix("s3://").partition("/")
+    s3 = boto3.client("s3", endpoint_url=service.app.state.settings.s3_endpoint_url)
+    kept = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    s3.delete_object(Bucket=bucket, Key=key)
+    try:
+        ready = httpx.get(f"{service.url}/readyz")
+        assert ready.status_code == 503 and "storage" in ready.json()["error"]["message"], ready.text
+    finally:
+        s3.put_object(Bucket=bucket, Key=key, Body=kept)
+    assert httpx.get(f"{service.url}/readyz").status_code == 200
