@@ -26,9 +26,9 @@ $(STAMP): pyproject.toml setup.py
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/moetune demo
 
-# Two workers: the suite waits on Ray jobs and child processes about half the time (tests/conftest.py's groups).
+# Three workers: the suite waits on Ray jobs and child processes more than half its time (tests/conftest.py).
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -n 2 --dist loadgroup
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -n 3 --dist loadgroup
 
 server: $(STAMP)
 	$(BIN)/moetune server

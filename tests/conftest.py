@@ -71,14 +71,20 @@ def receiver():
     r.server.server_close()
 
 
-# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup): while one waits on a Ray job, the other
-# computes. Tests that share an expensive session fixture run on one worker, so that each is built once (every test
-# on the session's Ray head in one group: one head for the whole suite); the other tests go by module, so that
-# their module fixtures are built once too.
-_BUILT_ONCE = ("ray_head", "ep_runs", "postgres_server", "checkpoints", "adapters")
+# `make test` runs the suite on three pytest-xdist workers (--dist loadgroup): the suite waits (on Ray jobs, child
+# processes, servers) more than half its time, so while one worker waits the others compute. Each worker is a pytest
+# session of its own: one S3 server and, if it runs a job, one Ray head each. A module's tests run on one worker
+# (their module fixtures are built once), and so do all tests sharing one of the expensive session fixtures below.
+# The groups that run real jobs or share such a fixture are handed out first, so that the long ones do not start
+# last.
+_BUILT_ONCE = ("ep_runs", "control_plane", "postgres_server", "checkpoints", "adapters")
 
 
 def pytest_collection_modifyitems(config, items):
+    groups = {}
     for item in items:
         shared = next((name for name in _BUILT_ONCE if name in item.fixturenames), None)
-        item.add_marker(pytest.mark.xdist_group(shared or item.nodeid.split("::")[0]))
+        groups[item] = shared or item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    long = {groups[item] for item in items if item.get_closest_marker("ray_job") or groups[item] in _BUILT_ONCE}
+    items.sort(key=lambda item: groups[item] not in long)  # stable: the order within a group is kept
