@@ -66,6 +66,7 @@ def test_the_console_drives_a_job_and_keeps_tenants_apart(console, tmp_path):
         page.click("#upload")
         page.wait_for_selector("#rows-table tr.bad-row")
         assert page.get_attribute("#rows-table tr.bad-row", "data-row") == "2"
+        assert page.inner_text("#rows-table tr[data-row='1'] td:last-child") == "ok"
         assert "row 2" in page.inner_text("#upload-status")
         s.shot("new-job-refused-row")
         bad.write_text("\n".join(GOOD_ROWS) + "\n")

@@ -4,7 +4,7 @@ import { allPages, api } from "./api.js";
 import { gib, h, page, replace, table } from "./dom.js";
 
 const PRESETS = ["all-linear", "attention", "mlp", "experts"];
-const PREVIEW_ROWS = 50;
+const PREVIEW_ROWS = 11; // the refused row and five on each side
 const PLAN_ROWS = [["lora_parameters", "LoRA parameters"], ["lora_gradients", "LoRA gradients"],
   ["optimizer_state", "optimizer state"], ["activations", "activations (saved)"], ["logits", "loss (logits)"],
   ["all_to_all", "all-to-all buffers"], ["zero_buckets", "ZeRO buckets"], ["zero3_gather", "ZeRO-3 gathered layer"],
@@ -124,13 +124,14 @@ export async function render() {
     if (!bad) return;
     // The API names the first refused row: show the rows around it, that one marked with its problem.
     const lines = (await file.text()).split("\n");
-    const from = Math.max(0, bad - 1 - PREVIEW_ROWS / 2);
+    const from = Math.max(0, bad - 1 - Math.floor(PREVIEW_ROWS / 2));
     const rows = lines.slice(from, from + PREVIEW_ROWS).map((line, i) => {
       const number = from + i + 1;
       const isBad = number === bad;
       return h("tr", { class: isBad ? "bad-row" : null, "data-row": number }, h("td", { class: "num" }, number),
         h("td", { class: "mono" }, line.length > 160 ? `${line.slice(0, 160)}…` : line),
-        h("td", { class: isBad ? "error" : "muted" }, isBad ? answer.error.message.split(`row ${bad}: `).pop() : "not checked past the first refused row"));
+        h("td", { class: isBad ? "error" : "muted" }, isBad ? answer.error.message.split(`row ${bad}: `).pop()
+          : number < bad ? "ok" : "not checked: the check stops at the first refused row"));
     });
     replace(preview, table([{ text: "Row", num: true }, "Content", "Check"], rows, { id: "rows-table" }));
   });
