@@ -265,7 +265,8 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool, model_config=
 
 
 def expert_grads_in_engine_layout(peft_model, fam) -> dict:
-    """Reference gradients of the PEFT expert LoRA, as full (E, ...) stacks under the engine's parameter names."""
+    """Copies of the reference gradients of the PEFT expert LoRA, as full (E, ...) stacks under the engine's parameter
+    names (the layout change makes views, which gradient clipping would scale in place)."""
     from moetune.workers.experts.lora_layout import factors_from_peft
 
     grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
@@ -273,7 +274,7 @@ def expert_grads_in_engine_layout(peft_model, fam) -> dict:
     for name, block in fam.moe_blocks(peft_model.base_model.model):
         key = f"base_model.model.{name}.{fam.experts}"
         num_experts = getattr(block, fam.experts).num_experts
-        out.update({f"{key}.{k}": v for k, v in factors_from_peft(key, grads, num_experts).items()})
+        out.update({f"{key}.{k}": v.clone() for k, v in factors_from_peft(key, grads, num_experts).items()})
     return out
 
 
