@@ -1,6 +1,8 @@
 """Rows of a JSONL training file: `{"text": ...}` or `{"messages": [...]}` (chat turns with roles; a turn's content
-is a string or OpenAI's list of text and image parts, api/chat_content.py). Torch-free: the control plane checks
-uploaded files with these rules and the driver checks every job's files with the same ones."""
+is a string or OpenAI's list of text and image parts, api/chat_content.py) for supervised jobs, and OpenAI's
+preference rows `{"input": {"messages": [...]}, "preferred_output": [...], "non_preferred_output": [...]}` for
+dpo jobs. Torch-free: the control plane checks uploaded files with these rules (a fine-tune file may hold either
+kind) and the driver checks every job's files with its method's (`training_row_problem`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import json
 import re
 from collections.abc import Callable
 
-from moetune.api.chat_content import content_problem
+from moetune.api.chat_content import content_problem, has_images
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -21,13 +23,30 @@ class RowError(ValueError):
         self.number, self.problem = number, problem
 
 
+PREFERENCE_FIELDS = ("input", "preferred_output", "non_preferred_output")
+
+
 def row_problem(row) -> str | None:
-    """What is wrong with one parsed row, or None."""
+    """What is wrong with one parsed row of a fine-tune file (either kind: the upload does not know the method), or
+    None."""
+    if isinstance(row, dict) and any(field in row for field in PREFERENCE_FIELDS):
+        return preference_row_problem(row)
+    return supervised_row_problem(row)
+
+
+def training_row_problem(method_type: str) -> Callable[[object], str | None]:
+    """The rules of a job's training and validation rows, by its method.type."""
+    return preference_row_problem if method_type == "dpo" else supervised_row_problem
+
+
+def supervised_row_problem(row) -> str | None:
+    """What is wrong with one parsed row of a supervised job, or None."""
     if not isinstance(row, dict):
         return "must be a JSON object"
     has_text, has_messages = "text" in row, "messages" in row
     if has_text == has_messages:
-        return "must have exactly one of 'text' or 'messages'"
+        hint = " (a preference row trains with method.type 'dpo')" if any(f in row for f in PREFERENCE_FIELDS) else ""
+        return "must have exactly one of 'text' or 'messages'" + hint
     if has_text:
         if not isinstance(row["text"], str) or not row["text"]:
             return "'text' must be a non-empty string"
@@ -39,12 +58,33 @@ def row_problem(row) -> str | None:
     return None
 
 
-def messages_problem(messages) -> str | None:
-    """What is wrong with a list of chat turns (training and evaluation rows alike), or None."""
+def preference_row_problem(row) -> str | None:
+    """What is wrong with one parsed row of a dpo job, or None: the prompt's turns in `input.messages`, and one or
+    more assistant turns in each of `preferred_output` and `non_preferred_output`, all text (no image parts)."""
+    if not isinstance(row, dict) or not all(field in row for field in PREFERENCE_FIELDS):
+        return ("a dpo job's rows must have 'input', 'preferred_output' and 'non_preferred_output' "
+                '({"input": {"messages": [...]}, "preferred_output": [{"role": "assistant", ...}], ...})')
+    if not isinstance(row["input"], dict):
+        return "'input' must be an object with 'messages'"
+    for field, turns in (("input.messages", row["input"].get("messages")), ("preferred_output",
+                         row["preferred_output"]), ("non_preferred_output", row["non_preferred_output"])):
+        if problem := messages_problem(turns, field):
+            return problem
+        for i, turn in enumerate(turns):
+            if has_images(turn["content"]):
+                return f"'{field}[{i}].content' has an image part; preference rows are text only"
+            if field != "input.messages" and turn["role"] != "assistant":
+                return f"'{field}[{i}].role' must be 'assistant' (the answer the prompt gets)"
+    return None
+
+
+def messages_problem(messages, field: str = "messages") -> str | None:
+    """What is wrong with a list of chat turns (training, preference and evaluation rows alike) found at `field`,
+    or None."""
     if not isinstance(messages, list) or not messages:
-        return "'messages' must be a non-empty list"
+        return f"'{field}' must be a non-empty list"
     for i, message in enumerate(messages):
-        where = f"'messages[{i}]"
+        where = f"'{field}[{i}]"
         if not isinstance(message, dict):
             return f"{where}' must be an object with 'role' and 'content'"
         if message.get("role") not in CHAT_ROLES:

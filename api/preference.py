@@ -34,8 +34,13 @@ def dpo_beta(section: DpoMethod | None) -> float:
     return DEFAULT_BETA if beta == "auto" else beta
 
 
+def method_type(method) -> str:
+    """A job's method.type (`method`: api.models.method.Method, or None for the default, supervised)."""
+    return "supervised" if method is None else method.type
+
+
 def method_view(method, hyperparameters: dict) -> dict:
     """A job's `method` (api.models.method.Method, or None) as OpenAI shows it: its type and the knobs it runs with."""
-    if method is None or method.type != "dpo":
+    if method_type(method) != "dpo":
         return {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}}
     return {"type": "dpo", "dpo": {"hyperparameters": {**hyperparameters, "beta": dpo_beta(method.dpo)}}}

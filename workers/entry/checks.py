@@ -10,13 +10,14 @@ import tempfile
 from functools import partial
 
 from moetune.api import storage
-from moetune.api.data_rows import evaluation_row_problem
+from moetune.api.data_rows import evaluation_row_problem, training_row_problem
 from moetune.api.checkpoint_files import check_tokenizer_files, check_tokenizer_size
 from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec, facts_of, images_refusal
 from moetune.api.models.base import SpecError
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.job_run import JobRunSpec
+from moetune.api.preference import method_type
 from moetune.workers.data.images import ImageCheck
 from moetune.workers.data.rows import load_rows
 from moetune.workers.errors import JobError
@@ -43,9 +44,10 @@ def validate(run: JobRunSpec, settings: WorkerSettings) -> tuple[int, Coverage]:
         method = method_for(spec, tokenizer, model_dir)
         too_long = method.too_long if isinstance(method, SupervisedImageMethod) else None
         images = ImageCheck(settings.uri_access, settings.image_limits, images_refusal(config), too_long)
-        rows = len(load_rows(spec.training_file, "training_file", images))
+        problem = training_row_problem(method_type(spec.method))  # preference rows for dpo, SFT rows otherwise
+        rows = len(load_rows(spec.training_file, "training_file", images, problem))
         if spec.validation_file:
-            load_rows(spec.validation_file, "validation_file", images)
+            load_rows(spec.validation_file, "validation_file", images, problem)
     if spec.evaluation:
         load_rows(spec.evaluation.file, "evaluation.file",
                   problem=partial(evaluation_row_problem, metrics=spec.evaluation.metrics))

@@ -49,7 +49,7 @@ class StepRunner:
         self.total_steps, self.seq_len = total_steps, None  # the context length in use (seq_len_schedule)
         self.collectives, self.event, self.faults, self.on_uncaught_oom = collectives, event, faults, on_uncaught_oom
         self.per_rank = training.global_batch_size // place.world
-        self.tuner = None
+        self.tuner, self.figures = None, {}  # figures: the method's own metrics of the last step run
         if training.micro_batch_size == "auto":
             self.tuner = MicroBatchTuner.planned(engine.module, self.per_rank, training, self._budget_bytes(),
                                                  place.device)
@@ -118,7 +118,8 @@ class StepRunner:
         """Every micro-batch of optimizer step `step` (1-based) over `train_set`, then the optimizer step.
 
         Returns (summed loss, loss tokens, tokens), each summed over all ranks. Each micro-batch's loss is divided
-        by the loss tokens of the whole global batch, so neither the loss nor the gradient depends on the cut.
+        by the loss tokens of the whole global batch, so neither the loss nor the gradient depends on the cut. The
+        method's figures of the micro-batches that count (not one redone after an OOM) are then in `figures`.
         """
         p, t = self.place, self.t
         self._context_stage(step)
@@ -129,7 +130,7 @@ class StepRunner:
         loss_tokens = max(loss_tokens, 1)  # an early stage can cut a batch's every answer: a zero loss, no NaN
         scale = p.world / loss_tokens  # DeepSpeed averages gradients over ranks: this makes it a global token mean
         loss_sum = tokens = fixed = per_token = 0.0
-        done = 0
+        done, figure_sums = 0, None
         while done < len(examples):
             chunk = examples[done : done + self.micro_batch_size]
             last = done + len(chunk) == len(examples)
@@ -150,11 +151,14 @@ class StepRunner:
                 fixed = max(fixed, self.probe.fixed)
                 per_token = max(per_token, self.probe.activation / batch.labels.numel())
             loss_sum += loss.item()
+            sums = self.method.figure_sums()
+            figure_sums = sums if figure_sums is None else [a + b for a, b in zip(figure_sums, sums)]
             tokens += batch.tokens
             done += len(chunk)
         if self.tuner:
             self._tune(step, *self.collectives.all_max(fixed, per_token))
-        loss_sum, tokens = self.collectives.all_sum(loss_sum, tokens)
+        loss_sum, tokens, *figure_sums = self.collectives.all_sum(loss_sum, tokens, *figure_sums)
+        self.figures = self.method.figures(figure_sums)
         return loss_sum, loss_tokens, tokens
 
     def _context_stage(self, step: int) -> None:

@@ -1,5 +1,6 @@
 """Training methods: how rows become examples, examples become micro-batches, and a forward becomes a loss.
-Supervised fine-tuning is the first; a new method is one module here plus its name in `method_for`."""
+Supervised fine-tuning (sft, multimodal) and DPO (dpo); a new method is one module here plus its name in
+`method_for`."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import os
 
 from moetune.api.families import images_refusal
 from moetune.api.models.job_create import JobCreate
+from moetune.api.preference import dpo_beta, method_type
+from moetune.workers.methods.dpo import DpoMethod
 from moetune.workers.methods.multimodal import ImageRows, SupervisedImageMethod
 from moetune.workers.methods.sft import SupervisedMethod
 
 
-def method_for(spec: JobCreate, tokenizer, model_dir: str | None = None) -> SupervisedMethod:
-    """SFT; on a checkpoint that takes images (api.families.images_refusal), SFT whose rows may carry them, through
-    the processor files in `model_dir` (the downloaded model folder)."""
+def method_for(spec: JobCreate, tokenizer, model_dir: str | None = None) -> SupervisedMethod | DpoMethod:
+    """DPO for method.type "dpo" (text rows only); else SFT, and on a checkpoint that takes images
+    (api.families.images_refusal) SFT whose rows may carry them, through the processor files in `model_dir` (the
+    downloaded model folder)."""
+    if method_type(spec.method) == "dpo":
+        return DpoMethod(tokenizer, spec.training.seq_len, dpo_beta(spec.method.dpo))
     config = {}
     if model_dir and os.path.exists(path := os.path.join(model_dir, "config.json")):
         with open(path) as f:

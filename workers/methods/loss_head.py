@@ -36,14 +36,14 @@ class LossHead(torch.nn.Module):
             self.labels = None
 
 
-def install_loss_head(model) -> LossHead | None:
-    """Replaces a transformers model's (PEFT-wrapped too) bias-free output linear by a LossHead; None when it
-    has another output layer (the loss then takes the logits)."""
+def install_loss_head(model, head_class: type[LossHead] = LossHead) -> LossHead | None:
+    """Replaces a transformers model's (PEFT-wrapped too) bias-free output linear by a LossHead (or the method's
+    subclass of it); None when it has another output layer (the loss then takes the logits)."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None:
         return None
     name = next(n for n, m in model.named_modules() if m is head)
     parent, _, leaf = name.rpartition(".")
-    loss_head = LossHead(head)
+    loss_head = head_class(head)
     setattr(model.get_submodule(parent), leaf, loss_head)
     return loss_head

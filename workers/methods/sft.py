@@ -50,8 +50,8 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) ->
     )
 
 
-def _assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of assistant replies.
+def _assistant_spans(tokenizer, messages: list[dict], first: int = 0) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of the assistant replies from messages[first] on.
 
     A reply's span starts after its generation prompt (the assistant header) and ends where the
     rendering of the conversation up to that reply ends; this holds for any template whose
@@ -60,7 +60,7 @@ def _assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[i
     full = _render(tokenizer, messages)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < first:
             continue
         end_text = _render(tokenizer, messages[: i + 1])
         if not full.startswith(end_text):
@@ -77,9 +77,10 @@ def _assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[i
     return full, spans
 
 
-def chat_example(tokenizer, messages: list[dict]) -> Example:
-    """The conversation rendered by the chat template and tokenized, loss on the assistant replies; untruncated."""
-    text, spans = _assistant_spans(tokenizer, messages)
+def chat_example(tokenizer, messages: list[dict], trained_from: int = 0) -> Example:
+    """The conversation rendered by the chat template and tokenized, loss on the assistant replies from
+    messages[trained_from] on; untruncated."""
+    text, spans = _assistant_spans(tokenizer, messages, trained_from)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     labels = [
         token if any(lo <= start < hi for lo, hi in spans) else IGNORE
@@ -177,3 +178,11 @@ class SupervisedMethod:
             return token_loss_sum(model(**batch.inputs).logits, batch.labels)
         with self.head.armed(batch.labels):
             return model(**batch.inputs).logits
+
+    def figure_sums(self) -> list[float]:
+        """Sums over the last forward's examples that the step adds up over a step's micro-batches and ranks into
+        `figures`, a method's own metrics (workers.methods.dpo's rewards); SFT reports none."""
+        return []
+
+    def figures(self, sums: list[float]) -> dict[str, float]:
+        return {}
