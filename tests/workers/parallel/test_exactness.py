@@ -57,9 +57,11 @@ def test_engine_matches_plain_transformers_peft(ep_runs, case):
         assert any(".experts.lora_gate_up_b" in n for n in ref["grads"])
     if ep == 2:  # each rank stores exactly half of the routed experts' bytes
         assert [r["expert_bytes"] for r in ranks] == [ref["expert_bytes"] // 2] * 2
-        config = REGISTRY[family].tiny_config()
-        width = getattr(config, "moe_latent_size", None) or config.get_text_config().hidden_size
-        # tokens cross the all-to-all in fp32 at the experts' width: nemotron_h's latent size (half its hidden)
+        text = REGISTRY[family].tiny_config().get_text_config()
+        width = getattr(text, "moe_latent_size", None) or getattr(text, "routed_expert_hidden_size", None) or \
+            text.hidden_size
+        # tokens cross the all-to-all in fp32 at the experts' width: the latent size of nemotron_h and kimi_k3
+        # (half their hidden; a full-width exchange fails here), not the hidden width their routers read
         assert all(r["a2a_row_bytes"] == {4 * width} for r in ranks), (ranks[0]["a2a_row_bytes"], width)
         for r in ranks:  # the expert-load metrics count each token assignment once, also when a layer is rerun
             assert r["load_first_step"] == float(r["routed"].sum()) > 0
