@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml setup.py
 	# it is importable): tests/kernels/test_kda_fla.py imports it in a child process to build its launches for sm_90.
 	$(BIN)/python -m pip download -q --no-deps -d $(VENV)/wheels fla-core==0.6.0
 	# Kimi K3's reference (NeMo Automodel + fla, --no-deps, outside the venv for the same reason): the K3 tests run
-	# it in a child process (tests/support/kimi_k3_reference.py).
-	$(BIN)/python tests/support/kimi_k3_reference.py
+	# it in a child process (bench/support/kimi_k3_reference.py), and so does bench/k3_step.py.
+	$(BIN)/python bench/support/kimi_k3_reference.py
 	# DeepSpeed JIT-compiles one C++ op (shm_comm) in init_distributed: build it now, into this virtualenv
 	# (workers look for it there: moetune.workers.settings), so no job waits ~40 s for a compiler.
 	$(BIN)/python -m moetune.workers.engine.prebuild

@@ -23,7 +23,7 @@ from moetune.workers.experts.placement import placement_at
 from moetune.workers.planner.plan import plan
 from moetune.workers.weights.loader import stream_model
 from moetune.workers.weights.push import inspect
-from tests.support.kimi_k3_reference import run_reference
+from bench.support.kimi_k3_reference import run_reference
 
 # every linear both models hold as nn.Linear (the reference's routed experts are grouped parameters)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj", "q_a_proj",

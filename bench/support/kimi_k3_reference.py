@@ -49,21 +49,26 @@ def ensure_installed() -> str:
     """The reference's folder; a clear error when `make install` has not put it there."""
     if not _installed():
         raise RuntimeError(f"the Kimi K3 reference ({', '.join(PINS)}) is not installed in {TARGET}: run `make "
-                           f"install` (or `python tests/support/kimi_k3_reference.py`)")
+                           f"install` (or `python bench/support/kimi_k3_reference.py`)")
     return TARGET
 
 
 def run_reference(workdir: str, request: dict) -> dict:
     """Checkpoints written by the reference under `workdir` (bf16/, mxfp4/) and its results on each:
     {"bf16" | "mxfp4": {"logits", "loss", "lora_weights", "lora_grads"}}, LoRA tensors by released name."""
+    run_child(workdir, request)
+    return torch.load(os.path.join(workdir, "reference.pt"))
+
+
+def run_child(workdir: str, request: dict) -> None:
+    """The reference's child process on `request` (see kimi_k3_reference_child.py); its outputs land in `workdir`."""
     with open(os.path.join(workdir, "request.json"), "w") as f:
         json.dump(request, f)
     env = {**os.environ, "PYTHONPATH": ensure_installed(), "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, CHILD, workdir], env=env, capture_output=True, text=True, timeout=900,
+    done = subprocess.run([sys.executable, CHILD, workdir], env=env, capture_output=True, text=True, timeout=1800,
                           check=False)
     if done.returncode:
         raise RuntimeError(f"the Kimi K3 reference failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}")
-    return torch.load(os.path.join(workdir, "reference.pt"))
 
 
 if __name__ == "__main__":

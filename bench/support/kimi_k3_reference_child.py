@@ -1,17 +1,22 @@
-"""Runs in a child process with NeMo Automodel 0.7.0 and fla 0.6.0 on its path (tests/support/kimi_k3_reference.py):
+"""Runs in a child process with NeMo Automodel 0.7.0 and fla 0.6.0 on its path (bench/support/kimi_k3_reference.py):
 the reference Kimi K3 text model writes tiny checkpoints in the release's naming (its own state-dict adapter; routed
 experts MXFP4-packed by compressed-tensors' own compressor) and computes logits, first loss and LoRA gradients on
 each, in fp32. fla's CUDA-only ops are replaced by fla's own pure-torch references (naive_recurrent_kda,
 naive_kda_lowerbound_gate, naive_attnres) and torch versions of ShortConvolution and FusedRMSNormGated.
 
-usage: python kimi_k3_reference_child.py WORKDIR   (WORKDIR/request.json in; checkpoints and reference.pt out)
+With "step_repeats" in the request (bench/k3_step.py) it times its LoRA train step on the bf16 checkpoint instead.
+
+usage: python kimi_k3_reference_child.py WORKDIR   (WORKDIR/request.json in; checkpoints and reference.pt or
+step.json out)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -178,6 +183,33 @@ def _run(model, adapter, hf: dict, request: dict) -> dict:
     return {"logits": logits.detach(), "loss": loss.detach(), "lora_weights": lora_weights, "lora_grads": grads}
 
 
+def _step_seconds(model, hf: dict, request: dict) -> dict:
+    """The reference's LoRA train step in bf16 (forward, loss, backward, AdamW on the LoRA of every linear both
+    models hold): median seconds of `step_repeats` steps after one warm-up, and its routed experts' bytes."""
+    from peft import LoraConfig, get_peft_model
+
+    adapter = model.state_dict_adapter
+    missing, unexpected = model.load_state_dict(adapter.from_hf(dict(hf)), strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    model.to(torch.bfloat16)
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    torch.manual_seed(request["seed"] + 1)
+    lora = get_peft_model(model, LoraConfig(r=request["lora_rank"], lora_alpha=2 * request["lora_rank"],
+                                            target_modules=request["lora_targets"]))
+    params = [p for p in lora.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    ids = torch.tensor(request["input_ids"])
+    seconds = []
+    for _ in range(1 + request["step_repeats"]):
+        started = time.perf_counter()
+        logits = lora.base_model.model(ids).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds.append(time.perf_counter() - started)
+    return {"step_seconds": statistics.median(seconds[1:]), "expert_bytes": expert_bytes}
+
+
 def main(workdir: str) -> None:
     _swap_fla_ops()
     with open(os.path.join(workdir, "request.json")) as f:
@@ -195,6 +227,10 @@ def main(workdir: str) -> None:
                      k.endswith(".weight") and "norm" not in k})
     _write(os.path.join(workdir, "bf16"), config, hf)
     _write(os.path.join(workdir, "mxfp4"), {**config, "quantization_config": _quantization_config(ignore)}, packed)
+    if "step_repeats" in request:
+        with open(os.path.join(workdir, "step.json"), "w") as f:
+            json.dump(_step_seconds(_reference_model(text), hf, request), f)
+        return
     results = {}
     for name, tensors in (("bf16", hf), ("mxfp4", packed)):
         fresh = _reference_model(text)
