@@ -30,7 +30,7 @@ from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.families.kimi_k3.tiny import TINY_TEXT
 from moetune.workers.model import trainable_model
 from moetune.workers.weights.loader import stream_model
-from bench.support.kimi_k3_reference import run_child
+from bench.support.kimi_k3_reference import LORA_TARGETS, run_child
 
 # K3's proportions at 1/14 of its hidden width: latent experts at half the hidden width, 2 shared experts, both
 # layer kinds and an Attention-Residual block boundary (the tiny model's layer layout)
@@ -40,9 +40,6 @@ WIDE_TEXT = {**TINY_TEXT, "vocab_size": 4096, "hidden_size": 512, "intermediate_
              "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
              "linear_attn_config": {**TINY_TEXT["linear_attn_config"], "head_dim": 64, "num_heads": 8}}
 BATCH, SEQ, RANK, REPEATS = 2, 256, 16, 2
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj", "q_a_proj",
-                "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj",
-                "routed_expert_down_proj", "routed_expert_up_proj"]
 
 
 def moetune_step(checkpoint: str, ids: torch.Tensor) -> tuple[float, int]:

@@ -19,6 +19,10 @@ PINS = ("nemo-automodel==0.7.0", "fla-core==0.6.0", "flash-linear-attention==0.6
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET = os.path.join(ROOT, ".reference", "kimi_k3")
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kimi_k3_reference_child.py")
+# every linear both models hold as nn.Linear (the reference's routed experts are grouped parameters)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj", "q_a_proj",
+                "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj",
+                "routed_expert_down_proj", "routed_expert_up_proj"]
 
 
 def install() -> str:

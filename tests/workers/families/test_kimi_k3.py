@@ -23,12 +23,7 @@ from moetune.workers.experts.placement import placement_at
 from moetune.workers.planner.plan import plan
 from moetune.workers.weights.loader import stream_model
 from moetune.workers.weights.push import inspect
-from bench.support.kimi_k3_reference import run_reference
-
-# every linear both models hold as nn.Linear (the reference's routed experts are grouped parameters)
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj", "q_a_proj",
-                "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj",
-                "routed_expert_down_proj", "routed_expert_up_proj"]
+from bench.support.kimi_k3_reference import LORA_TARGETS, run_reference
 
 
 @pytest.fixture(scope="module")
