@@ -83,8 +83,9 @@ def test_a_job_from_upload_to_playground_in_the_browser(console_server, tiny_ass
                             ("gpu_memory", "6GB")):
             page.fill("#field-" + name.replace(".", "\\."), value)
         page.click("#plan")
-        page.wait_for_selector("#plan-verdict", timeout=180_000)
-        assert page.inner_text("#plan-verdict").startswith("Fits")
+        page.wait_for_selector("#plan-verdict, #form-error:not(:empty), .field-error:not(:empty)", timeout=180_000)
+        refused = [el.inner_text() for el in page.query_selector_all("#form-error, .field-error") if el.inner_text()]
+        assert not refused and page.inner_text("#plan-verdict").startswith("Fits"), refused
         s.shot("new-job-plan")
         page.click("#submit")
         page.wait_for_url(re.compile(r"/console/jobs/ftjob-"))
