@@ -1,6 +1,7 @@
 """The one builder of a model, for training (`train`), serving (`serve`) and the planner (`meta`), in one order (as
 torchtitan's model spec + parallelize_*): family spec (workers.families) → checkpoint plan (this rank's routed
-experts) → weights streamed (workers.weights; the meta device for the planner) → kernel swaps → PEFT LoRA
+experts) → weights streamed (workers.weights; under ZeRO-3 into each rank's partition as they load; the meta
+device for the planner) → kernel swaps → PEFT LoRA
 (workers.lora) → expert parallelism (workers.experts) → training only: LoRA in the compute dtype, activation
 checkpointing. The engine (workers.engine) is the loop's: it is built over `Built.model` once the data says how many
 steps it runs and the method has set up its output layer (workers.methods sits beside this room, not below it)."""
@@ -16,6 +17,7 @@ from torch import nn
 from moetune.api.errors import ErrorCode
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.lora import LoraSpec
+from moetune.workers.engine.zero3_load import Zero3Partitioner
 from moetune.workers.errors import JobError
 from moetune.workers.experts.module import parallelize, quantized_experts
 from moetune.workers.experts.placement import ExpertPlacement, job_placement, needs_expert_module, placement_at
@@ -85,12 +87,21 @@ def build_model(mode: Mode, config: dict, spec: JobCreate | None = None, *, devi
         model = meta_model(config, dtype)
     else:
         streamed = stream_model(weights.uri, device, dtype, placement, weights.cache_dir, weights.cache_max_bytes,
-                                spec.training.base_weights if spec else "quantized")
+                                spec.training.base_weights if spec else "quantized",
+                                load_partitioner(spec, device) if mode == TRAIN else None)
         model = streamed.model
     base = read_base(model, family) if read_base else None
     custom_kernels = spec.training.custom_kernels if spec else True
     swapped = family.apply_kernel_swaps(model) if custom_kernels else {}
     return Built(_adapted(mode, model, family, spec, placement), family, placement, streamed, swapped, base)
+
+
+def load_partitioner(spec: JobCreate, device) -> Zero3Partitioner | None:
+    """Under ZeRO-3, what puts each frozen parameter into its partition as it loads (bf16 on GPUs, as the engine
+    the loop builds): no rank holds its whole share of the base at once. None for ZeRO-1/2."""
+    if spec.parallelism.zero_stage != 3:
+        return None
+    return Zero3Partitioner(spec, spec.parallelism.num_workers, bf16=device.type == "cuda")
 
 
 def meta_model(config: dict, dtype):

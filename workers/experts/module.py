@@ -14,6 +14,7 @@ from torch import nn
 
 from moetune.api.models.lora import LoraSpec
 from moetune.kernels.quant import held, held_names, hold
+from moetune.workers.engine.deepspeed import full_shape, gathered, partitioned
 from moetune.workers.engine.experts import as_moe_layer, tag_expert_param
 from moetune.workers.experts import comm
 from moetune.workers.experts.alltoall import AllToAllStats
@@ -64,6 +65,22 @@ def _exchange(x, out_splits, in_splits, ep: ExpertPlacement, stats: AllToAllStat
     return x if ep.size == 1 else _AllToAll.apply(x, out_splits, in_splits, ep.group, stats)
 
 
+def _own_experts(param: nn.Parameter, ep: ExpertPlacement, transposed: bool = False) -> nn.Parameter:
+    """This rank's experts of a fused [E, ...] frozen parameter, [E, out, in]. A ZeRO-3 partition the loader made
+    of this rank's share is kept as it is (turning a transposed one gathers it whole: gpt-oss's experts are whole
+    again until the engine partitions them); a full module is sliced, and cloned: the full tensors must not stay
+    alive through a view."""
+    if partitioned(param) and not transposed:
+        if full_shape(param)[0] != ep.count:
+            raise ValueError(f"a ZeRO-3 expert parameter of {full_shape(param)[0]} experts, this rank holds {ep.count}")
+        return param.requires_grad_(False)
+    with gathered([param] if partitioned(param) else []):
+        weight = param.detach()
+        own = weight if weight.shape[0] == ep.count else weight[ep.local].clone()
+        own = own.transpose(1, 2).contiguous() if transposed else own
+    return nn.Parameter(own, requires_grad=False)
+
+
 class ExpertParallelExperts(nn.Module):
     """Drop-in for a family's `*Experts` module: same call, only this rank's experts stored."""
 
@@ -83,9 +100,9 @@ class ExpertParallelExperts(nn.Module):
         # without an act_fn attribute (GLM) hard-code SiLU; the clamp is GLM's swiglu_limit or DeepSeek-V4's limit.
         limit = getattr(experts, "swiglu_limit", getattr(experts, "limit", None))
         self.activation = activation or GatedActivation(getattr(experts, "act_fn", nn.functional.silu), limit)
-        # The streaming loader allocates only this rank's experts; a full module is sliced, and cloned: the full
-        # tensors must not stay alive through a view. Weights are kept [E, out, in] (transposed families' dense
-        # tensors are turned; quantized ones are stored that way), gate_up's columns in the checkpoint's order.
+        # The streaming loader allocates only this rank's experts (see _own_experts). Weights are kept [E, out, in]
+        # (transposed families' dense tensors are turned; quantized ones are stored that way), gate_up's columns in
+        # the checkpoint's order.
         transposed = getattr(experts, "is_transposed", False)
         self.in_proj = in_proj_name(experts)
         for name in (self.in_proj, "down_proj"):
@@ -95,16 +112,11 @@ class ExpertParallelExperts(nn.Module):
                     qweight = qweight.with_tensors(**{k: t[ep.local].clone() for k, t in qweight.tensors().items()})
                 hold(self, name, qweight)
             else:
-                weight = getattr(experts, name).detach()
-                own = weight if weight.shape[0] == ep.count else weight[ep.local].clone()
-                own = own.transpose(1, 2).contiguous() if transposed else own
-                setattr(self, name, nn.Parameter(own, requires_grad=False))
+                setattr(self, name, _own_experts(getattr(experts, name), ep, transposed))
         self.biased = biased
         if biased:
             for name in ("gate_up_proj_bias", "down_proj_bias"):
-                bias = getattr(experts, name).detach()
-                own = bias if bias.shape[0] == ep.count else bias[ep.local].clone()
-                setattr(self, name, nn.Parameter(own, requires_grad=False))
+                setattr(self, name, _own_experts(getattr(experts, name), ep))
         self.quantized = bool(quantized)
         self.lora_rank = lora_rank
         if lora_rank:
@@ -120,10 +132,11 @@ class ExpertParallelExperts(nn.Module):
         """A like PEFT's kaiming-uniform init (this rank's experts only, see init_expert_lora_a), B = 0."""
         r = self.lora_rank
         gate_up, down = self.base_weights()
-        two_i, hidden = gate_up.shape[1:]
+        two_i, hidden = full_shape(gate_up)[1:]
         # a quantized base has no dtype of its own: fp32, until the model joins its compute dtype (workers.model)
         dtype = torch.float32 if self.quantized else gate_up.dtype
-        a_gate_up, a_down = init_expert_lora_a(range(local.start, local.stop), r, hidden, down.shape[2], dtype)
+        a_gate_up, a_down = init_expert_lora_a(range(local.start, local.stop), r, hidden, full_shape(down)[2],
+                                                 dtype)
         self.lora_gate_up_a = nn.Parameter(a_gate_up)
         self.lora_down_a = nn.Parameter(a_down)
         self.lora_gate_up_b = nn.Parameter(torch.zeros(self.num_local_experts, two_i, r, dtype=dtype))

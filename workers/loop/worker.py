@@ -7,6 +7,7 @@ the first worker of each node ("node leader") moves node-local files to and from
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -25,7 +26,7 @@ from moetune.workers.checkpoints import run_state
 from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
 from moetune.workers.data.rows import load_rows
 from moetune.workers.data.sampling import step_examples
-from moetune.workers.engine.deepspeed import build_engine
+from moetune.workers.engine.deepspeed import build_engine, full_shape
 from moetune.workers.engine.schedule import total_steps
 from moetune.workers.errors import DatasetError
 from moetune.workers.evaluation.alignment import check_alignment, verdict
@@ -96,7 +97,7 @@ class _Worker:
             self.event("Activation checkpointing: each decoder layer keeps its inputs only and is recomputed in "
                        "the backward")
         # frozen weights kept quantized are buffers: counted by their dense shapes, like the rest
-        total = sum(p.numel() for p in self.model.parameters()) + sum(
+        total = sum(math.prod(full_shape(p)) for p in self.model.parameters()) + sum(  # ZeRO-3: partitioned
             held(m, name).shape.numel() for m in self.model.modules() for name in held_names(m))
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.event(f"Model loaded: {total:,} parameters, {trainable:,} trainable (LoRA)",

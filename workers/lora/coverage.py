@@ -162,7 +162,9 @@ def _expert_lora_width(experts) -> int:
     """Rank-1 LoRA parameters of all of a block's experts: in + out of each projection (gate_up or up, down),
     whatever the layout."""
     held_here = held_names(experts)
-    shapes = [held(experts, n).shape if n in held_here else getattr(experts, n).shape
+    # a parameter the loader put in its ZeRO-3 partition keeps its whole shape as `ds_shape`
+    shapes = [held(experts, n).shape if n in held_here else getattr(getattr(experts, n), "ds_shape",
+                                                                     getattr(experts, n).shape)
               for n in (in_proj_name(experts), "down_proj")]
     return sum(shape[0] * (shape[1] + shape[2]) for shape in shapes)
 

@@ -2,7 +2,9 @@
 
 The model is created with its parameters on the meta device (buffers, e.g. rotary tables, are computed as
 usual), then each parameter is allocated empty at its final shape, expert tensors at this rank's share
-only, and filled in place by the range fetcher. No rank ever holds the full model or a full shard.
+only, and filled in place by the range fetcher. No rank ever holds the full model or a full shard. Under ZeRO-3
+the parameters are allocated a few at a time, and each becomes this rank's partition of it once filled: a rank
+never holds its whole share of the frozen weights either.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from moetune.api.quantization import Quantization, quantization_of
 from moetune.workers.experts.placement import ExpertPlacement
 from moetune.workers.families import auto_model_class, hf_config, known_family
 from moetune.workers.weights import manifest as manifest_file
+from moetune.workers.weights.batches import load_batches
 from moetune.workers.weights.cache import RangeCache
 from moetune.workers.weights.errors import WeightsError, tensor_list
 from moetune.workers.weights.fetch import FetchStats, RangeFetcher, Source, torch_dtype
@@ -189,9 +192,17 @@ def plan_for(ckpt: Checkpoint, model, placement: ExpertPlacement | None = None) 
 
 
 def _allocate(model, shapes_of: dict[str, tuple], plan: Plan, device) -> dict:
-    """Replaces every meta parameter by an empty one of its allocated shape, keeping its attributes (tied
-    parameters stay tied), except quantized ones: their parts get storage tensors in the checkpoint's dtypes.
-    Returns the tensors to fill by name."""
+    """Replaces every meta parameter by an empty one of its allocated shape (see _allocate_parameters), allocates
+    the buffers and the quantized parts' storage tensors and the staging tensors. Returns the tensors to fill by
+    name."""
+    return {**_allocate_parameters(model, shapes_of, plan, device), **_allocate_buffers(model, plan, device),
+            **_part_tensors({**plan.storage, **plan.staged}, device)}
+
+
+def _allocate_parameters(model, shapes_of: dict[str, tuple], plan: Plan, device, only: set[str] | None = None):
+    """Replaces each meta parameter (of `only`, None: all) by an empty one of its allocated shape, keeping its
+    attributes (tied parameters stay tied), except quantized ones: their parts get storage tensors. Returns the
+    tensors to fill by name."""
     import torch
 
     fresh, targets = {}, {}
@@ -199,7 +210,7 @@ def _allocate(model, shapes_of: dict[str, tuple], plan: Plan, device) -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
     for module in model.modules():
         for attr, param in list(module._parameters.items()):
-            if param is None or names[id(param)] in quantized:
+            if param is None or names[id(param)] in quantized or (only is not None and names[id(param)] not in only):
                 continue
             if id(param) not in fresh:
                 name = names[id(param)]
@@ -209,28 +220,39 @@ def _allocate(model, shapes_of: dict[str, tuple], plan: Plan, device) -> dict:
                 fresh[id(param)] = new
                 targets[name] = new.detach()
             module._parameters[attr] = fresh[id(param)]
-    loaded = {p.param for p in plan.pieces}
-    for module_name, module in model.named_modules():
-        meta = [attr for attr, buf in module._buffers.items() if buf is not None and buf.device.type == "meta"]
-        for attr in meta:  # persistent buffers, built on meta like the parameters
-            module._buffers[attr] = torch.empty_like(module._buffers[attr], device=device)
-        if any(f"{module_name}.{attr}".lstrip(".") not in loaded for attr in meta):
-            model._init_weights(module)  # a buffer the checkpoint does not hold keeps its initial value
-    for name, buf in model.named_buffers():
-        targets[name] = buf
-    for name, (shape, dtype) in {**plan.storage, **plan.staged}.items():
-        targets[name] = torch.empty(shape, dtype=torch_dtype(dtype), device=device)
     return targets
 
 
-def _run_conversions(model, plan: Plan, targets: dict) -> None:
-    """transformers' own converters on the staged whole tensors (workers.weights.mapping); each output is copied
-    into its parameter, and the staging tensors are dropped."""
+def _allocate_buffers(model, plan: Plan, device) -> dict:
+    """The persistent buffers, built on meta like the parameters, allocated on `device`; one the checkpoint does
+    not hold keeps its initial value. Returns every buffer by name."""
+    import torch
+
+    loaded = {p.param for p in plan.pieces}
+    for module_name, module in model.named_modules():
+        meta = [attr for attr, buf in module._buffers.items() if buf is not None and buf.device.type == "meta"]
+        for attr in meta:
+            module._buffers[attr] = torch.empty_like(module._buffers[attr], device=device)
+        if any(f"{module_name}.{attr}".lstrip(".") not in loaded for attr in meta):
+            model._init_weights(module)
+    return dict(model.named_buffers())
+
+
+def _part_tensors(names: dict[str, tuple], device) -> dict:
+    """Empty storage or staging tensors (name -> (shape, safetensors dtype))."""
+    import torch
+
+    return {name: torch.empty(shape, dtype=torch_dtype(dtype), device=device) for name, (shape, dtype) in names.items()}
+
+
+def _run_conversions(model, conversions: dict, targets: dict) -> None:
+    """transformers' own converters (Plan.conversions) on the staged whole tensors (workers.weights.mapping); each
+    output is copied into its parameter, and the staging tensors are dropped."""
     import copy
 
     import torch
 
-    for layer, (conv, sources) in plan.conversions.items():
+    for layer, (conv, sources) in conversions.items():
         converter = copy.copy(conv.converter)  # fresh collected tensors: the mapper's converter is shared
         converter.collected_tensors, converter.layer_targets = defaultdict(list), defaultdict(set)
         for key, stage in sources:
@@ -277,40 +299,88 @@ def check_quantized_parts(model, plan: Plan, placement: ExpertPlacement | None, 
         pass
 
 
-def _install_quantized(model, plan: Plan, targets: dict, shapes_of: dict, quantization, dense_dtype) -> int:
+def _install_quantized(model, plan: Plan, targets: dict, shapes_of: dict, quantization, dense_dtype,
+                       partition=None) -> int:
     """Builds each quantized parameter from its loaded parts and puts it in the model (see
-    workers.weights.quantized); returns the bytes of frozen quantized weights this rank now holds."""
+    workers.weights.quantized); returns the bytes of frozen quantized weights this rank now holds. `partition`
+    (ZeRO-3): a dequantized parameter is partitioned as soon as it is built."""
     held = 0
     for param, qweight in quantized_weights(model, plan, targets, shapes_of, quantization):
         install(model, param, qweight, dense_dtype)
         held += qweight.nbytes
+        if dense_dtype is not None and partition is not None:
+            partition(model.get_parameter(param), param)
     return held
 
 
 def stream_model(uri: str, device, dtype, placement: ExpertPlacement | None = None, cache_dir: str | None = None,
-                 cache_max_bytes: int | None = None, base_weights: str = "quantized",
+                 cache_max_bytes: int | None = None, base_weights: str = "quantized", partition=None,
                  **fetch_options) -> StreamedModel:
     """This rank's model from the checkpoint at `uri`: non-expert tensors in full, experts of its placement.
     `cache_dir`: the node's weights cache (None or "": none), bounded by `cache_max_bytes` (None: by free disk).
     A quantized checkpoint's frozen weights stay in their stored format, unless `base_weights` is "dequantized"
-    (then each is dequantized once, into a dense parameter of `dtype`)."""
+    (then each is dequantized once, into a dense parameter of `dtype`). `partition` (ZeRO-3, a
+    workers.engine.zero3_load.Zero3Partitioner): each dense parameter becomes this rank's ZeRO-3 partition of it
+    as soon as it is loaded (see _stream_partitioned)."""
     started = time.perf_counter()
     cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir else None
     ckpt = open_checkpoint(uri, cache)
     model = empty_model(ckpt.config, dtype)
     plan = plan_for(ckpt, model, placement)
     shapes = allocated_shapes(model, expert_shares(model, placement))
-    targets = _allocate(model, shapes, plan, device)
-    stats = RangeFetcher(ckpt.fs, ckpt.sources, cache, **fetch_options).load(plan.pieces, targets)
-    stats.bytes_not_cached = cache.skipped_bytes if cache else 0
-    _run_conversions(model, plan, targets)
+    fetcher = RangeFetcher(ckpt.fs, ckpt.sources, cache, **fetch_options)
     dense = dtype if base_weights == "dequantized" else None
-    quantized_bytes = _install_quantized(model, plan, targets, shapes, ckpt.quantization, dense) if plan.storage else 0
+    if partition is None:
+        targets = _allocate(model, shapes, plan, device)
+        stats = fetcher.load(plan.pieces, targets)
+        _run_conversions(model, plan.conversions, targets)
+        quantized_bytes = _install_quantized(model, plan, targets, shapes, ckpt.quantization, dense) \
+            if plan.storage else 0
+    else:
+        groups = _expert_groups(model, placement)
+        stats, quantized_bytes = _stream_partitioned(model, plan, shapes, device, fetcher, ckpt.quantization, dense,
+                                                     lambda param, name: partition(param, groups.get(name)))
+    stats.bytes_not_cached = cache.skipped_bytes if cache else 0
     model.to(device)  # the buffers; parameters are there already
     model.eval()  # as from_pretrained returns it
     quantization = ckpt.quantization
     return StreamedModel(model, plan, stats, ckpt.manifest is not None, time.perf_counter() - started,
                          quantization.format if quantization else None, 0 if dense else quantized_bytes)
+
+
+def _expert_groups(model, placement: ExpertPlacement | None) -> dict[str, tuple[str, object]]:
+    """Fused expert parameters -> (EP group name, replica group) ZeRO-3 partitions them over: those the
+    expert-parallel module takes (its process groups exist, ExpertPlacement.replica_group); the rest go over every
+    rank."""
+    if placement is None or placement.replica_group is None:
+        return {}
+    return dict.fromkeys(fused_expert_params(model), (placement.group_name, placement.replica_group))
+
+
+def _stream_partitioned(model, plan: Plan, shapes: dict, device, fetcher: RangeFetcher, quantization, dense,
+                        partition) -> tuple[FetchStats, int]:
+    """The loader under ZeRO-3: the buffers and the quantized parts first (held whole, at this rank's share, as
+    without ZeRO-3), then the dense parameters batch by batch (workers.weights.batches), each partitioned
+    (`partition(param, name)`) before the next batch is allocated. A dequantized parameter is partitioned as soon
+    as it is built. Returns the fetch figures and the bytes kept quantized."""
+    started = time.perf_counter()
+    targets = {**_allocate_buffers(model, plan, device), **_part_tensors(plan.storage, device)}
+    stats = fetcher.load([p for p in plan.pieces if p.param in targets], targets)
+    params = dict(model.named_parameters())
+    quantized = {parse_storage_name(name)[0] for name in plan.storage}
+    dense_params = {name: (shapes[name], p.dtype.itemsize) for name, p in params.items() if name not in quantized}
+    for batch in load_batches(plan, dense_params):
+        filled = {**_allocate_parameters(model, shapes, plan, device, set(batch.params)),
+                  **_part_tensors(batch.staged, device)}
+        fetcher.load(batch.pieces, filled)
+        _run_conversions(model, batch.conversions, filled)
+        filled.clear()  # the whole tensors' last references but the parameters' own, which partitioning frees
+        allocated = dict(model.named_parameters())
+        for name in batch.params:
+            partition(allocated[name], name)
+    held = _install_quantized(model, plan, targets, shapes, quantization, dense, partition) if plan.storage else 0
+    stats.bytes_needed, stats.seconds = plan.nbytes, time.perf_counter() - started
+    return stats, held
 
 
 def load_summary(streamed: StreamedModel, ep_size: int) -> tuple[str, dict]:
