@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moetune.workers.weights.batches import greedy_batches
+
 # Stated allowances (not measured): the CUDA context with PyTorch's kernels loaded, NCCL communicators of the
 # world, EP and replica groups, and the caching allocator's slack.
 CUDA_CONTEXT_BYTES = 3 * 2**30
@@ -42,10 +44,7 @@ def breakdown(model, layout: Layout) -> dict[str, object]:
     """Bytes per rank by part; `model` is a planner.model.ModelFacts."""
     w, ep, z, m = layout.world, layout.ep, layout.zero, layout.micro_batch
     replicas = w // ep
-    frozen: dict[str, float] = {}
-    for t in model.tensors:
-        share = (1 / ep if t.expert else 1.0) / ((replicas if t.expert else w) if z == 3 and t.partitionable else 1)
-        frozen[t.label] = frozen.get(t.label, 0.0) + t.nbytes * share
+    frozen = _frozen(model, layout)
     dense, experts = model.lora_dense, model.lora_experts // ep
     parts = partition(dense, w) + partition(experts, replicas)
     cd = model.compute_bytes
@@ -66,22 +65,44 @@ def breakdown(model, layout: Layout) -> dict[str, object]:
     }
 
 
-def _largest_partition(model, layout: Layout) -> float:
-    """Bytes of the largest ZeRO-3 partition one rank holds of a frozen parameter (experts over the ranks holding
-    the same ones, the rest over all ranks)."""
-    replicas = layout.world // layout.ep
-    return max((t.nbytes / (layout.ep * replicas if t.expert else layout.world) for t in model.tensors
-                if t.partitionable), default=0.0)
+def _frozen(model, layout: Layout) -> dict[str, float]:
+    """Frozen bytes one rank holds by label: the routed experts at its 1/EP; under ZeRO-3 each parameter's
+    partition (experts over the ranks holding the same ones, the rest over all ranks)."""
+    w, ep = layout.world, layout.ep
+    frozen: dict[str, float] = {}
+    for t in model.tensors:
+        partitions = (w // ep if t.expert else w) if layout.zero == 3 and t.partitionable else 1
+        frozen[t.label] = frozen.get(t.label, 0.0) + t.nbytes / (ep if t.expert else 1) / partitions
+    return frozen
+
+
+def _zero3_load_excess(model, layout: Layout) -> float:
+    """Bytes over its final partitions a rank holds at the worst moment of a ZeRO-3 load, the loader simulated
+    (workers.weights.loader): the held buffers and quantized weights first, then the partitioned parameters in the
+    model's order, in workers.weights.batches' batches; while a batch's first parameter is partitioned, the rank
+    holds the partitions made so far, the whole batch and that partition."""
+    w, ep = layout.world, layout.ep
+    held = sum(t.nbytes / (ep if t.expert else 1) for t in model.tensors if not t.partitionable)
+    whole = [t.nbytes / (ep if t.expert else 1) for t in model.tensors if t.partitionable]
+    part = [t.nbytes / (ep if t.expert else 1) / (w // ep if t.expert else w) for t in model.tensors
+            if t.partitionable]
+    peak = 0.0
+    for batch in greedy_batches(whole):
+        peak = max(peak, held + sum(whole[i] for i in batch) + part[batch[0]])
+        held += sum(part[i] for i in batch)
+    return max(0.0, peak - held)
 
 
 def load_breakdown(model, layout: Layout) -> dict[str, float]:
-    """Bytes one rank holds at load, before ZeRO-3 has partitioned anything: the streaming loader
-    (workers.weights.loader) allocates every frozen tensor whole, the routed experts at this rank's 1/EP, and PEFT
-    adds the LoRA parameters whole. Under ZeRO-3, DeepSpeed's initialize then converts one parameter at a time,
-    allocating its partition before it frees the whole tensor: the largest partition comes on top, once."""
+    """Bytes one rank holds at load (workers.weights.loader). ZeRO-1/2: every frozen tensor whole, the routed
+    experts at this rank's 1/EP. ZeRO-3: the loader fills the parameters a batch at a time, no batch larger than
+    the largest parameter, and partitions each as soon as it is filled: the frozen weights as in training (quantized
+    ones are held buffers, whole at 1/EP), plus what its worst batch holds whole beyond them. PEFT adds the LoRA
+    parameters whole (DeepSpeed's initialize partitions them)."""
     lora = model.lora_dense + model.lora_experts // layout.ep
-    return {"frozen_weights": model.load_bytes(layout.ep), "lora_parameters": lora * model.compute_bytes,
-            "zero3_conversion": _largest_partition(model, layout) if layout.zero == 3 else 0.0,
+    return {"frozen_weights": sum(_frozen(model, layout).values()),
+            "lora_parameters": lora * model.compute_bytes,
+            "load_batch": _zero3_load_excess(model, layout) if layout.zero == 3 else 0.0,
             "cuda_context": CUDA_CONTEXT_BYTES}
 
 

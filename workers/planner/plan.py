@@ -47,7 +47,7 @@ def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> dict:
     return {"world": layout.world, "expert_parallel_size": layout.ep, "zero_stage": layout.zero,
             "activation_checkpointing": layout.checkpointing, "micro_batch_size": layout.micro_batch,
             "bytes": parts, "total_bytes": used, "load_bytes": at_load, "load_total_bytes": loading,
-            "fits": used <= usable}
+            "fits": used <= usable and loading <= usable}
 
 
 def _first_fit(facts: ModelFacts, spec: JobCreate, world: int, usable: float) -> dict | None:
@@ -107,9 +107,9 @@ def plan(config: dict, request: JobCreate, cluster: ClusterSpec, facts: ModelFac
                  "seconds": node_bytes * 8 / cluster.nic, "expert_parallel_size": ep},
         "assumptions": "one GPU per worker; every sequence seq_len tokens; an even routing; fits = at most "
                        f"{USABLE_FRACTION:.0%} of a GPU's memory with a stated {CUDA_CONTEXT_BYTES / 2**30:g} GiB for "
-                       "the CUDA context and communicators, in training (load_total_bytes, the peak at load before "
-                       "ZeRO-3 partitions anything, is not yet part of it); load time = the bytes a node's ranks "
-                       "stream over its NIC (no cache)",
+                       "the CUDA context and communicators, both in training and at load (load_total_bytes; under "
+                       "ZeRO-3 the loader partitions each parameter as it loads it); load time = the bytes a node's "
+                       "ranks stream over its NIC (no cache)",
     }
 
 

@@ -46,19 +46,32 @@ def _units(plan: Plan, params: dict[str, tuple[tuple[int, ...], int]]) -> list[B
     return units
 
 
+def greedy_batches(sizes: list[float]) -> list[list[int]]:
+    """Indices of consecutive items joined while their bytes stay within the largest item's (the planner simulates
+    the loader with it)."""
+    cap = max(sizes, default=0)
+    batches: list[list[int]] = []
+    total = 0.0
+    for i, size in enumerate(sizes):
+        if not batches or total + size > cap:
+            batches.append([])
+            total = 0.0
+        batches[-1].append(i)
+        total += size
+    return batches
+
+
 def load_batches(plan: Plan, params: dict[str, tuple[tuple[int, ...], int]]) -> list[Batch]:
-    """Consecutive units joined while their bytes stay within the largest unit's."""
+    """The units (_units) joined by greedy_batches."""
     units = _units(plan, params)
-    cap = max((u.nbytes for u in units), default=0)
-    batches: list[Batch] = []
-    for unit in units:
-        last = batches[-1] if batches else None
-        if last is None or last.nbytes + unit.nbytes > cap:
-            batches.append(unit)
-            continue
-        last.params += unit.params
-        last.staged.update(unit.staged)
-        last.conversions.update(unit.conversions)
-        last.pieces += unit.pieces
-        last.nbytes += unit.nbytes
+    batches = []
+    for indices in greedy_batches([u.nbytes for u in units]):
+        batch = Batch()
+        for unit in (units[i] for i in indices):
+            batch.params += unit.params
+            batch.staged.update(unit.staged)
+            batch.conversions.update(unit.conversions)
+            batch.pieces += unit.pieces
+            batch.nbytes += unit.nbytes
+        batches.append(batch)
     return batches
