@@ -292,7 +292,7 @@ class _Worker:
             train_seconds = time.perf_counter() - started
             record = {"step": step, "total_steps": steps, "train_loss": loss_sum / loss_tokens,
                       "learning_rate": learning_rate, "tokens_per_second": tokens / train_seconds,
-                      "trained_tokens": trained_tokens}
+                      "trained_tokens": trained_tokens, **self.steps.figures}
             if step == done + 1 and done:
                 record["resumed_from_step"] = done
             if self.valid_set and ((t.eval_every and step % t.eval_every == 0) or step == steps):
