@@ -28,6 +28,15 @@ def deepspeed_config(spec: JobCreate, world_size: int, bf16: bool) -> dict:
     }
 
 
+def init_comm() -> None:
+    """DeepSpeed's communication over the torch.distributed group already up (once; its config reads the world
+    size from it)."""
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
 def _param_groups(model) -> list[dict]:
     """Trainable parameters; expert-parallel ones (expert LoRA) in their own groups, which DeepSpeed reduces
     only across the ranks holding the same experts."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 
+from moetune.workers.engine.deepspeed import init_comm
+
 EXPERT_PLACEMENT = "autoep_expert"  # DeepSpeed's ZeRO-3 placement family for expert-parallel tensors
 
 
@@ -21,11 +23,9 @@ def expert_group_name(size: int) -> str:
 def expert_groups(size: int) -> tuple[int, object, object]:
     """(this rank's index in its EP group, the EP group or None at size 1, the replica group); creates DeepSpeed's
     groups of `size` once (torch.distributed must be up)."""
-    import deepspeed
-    import torch
     from deepspeed.utils import groups
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    init_comm()
     name = expert_group_name(size)
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(size)

@@ -10,7 +10,7 @@ with this same zero.Init, and takes the partitioned parameters as they are."""
 from __future__ import annotations
 
 from moetune.api.models.job_create import JobCreate
-from moetune.workers.engine.deepspeed import deepspeed_config
+from moetune.workers.engine.deepspeed import deepspeed_config, init_comm
 from moetune.workers.engine.experts import tag_expert_param
 
 
@@ -22,6 +22,7 @@ class Zero3Partitioner:
         import deepspeed
         import torch
 
+        init_comm()
         # Over an empty module: DeepSpeed's partitioner for the job's config, which also puts in ZeRO-3's
         # memory-efficient linear, as deepspeed.initialize's own zero.Init(module=model) would.
         self._init = deepspeed.zero.Init(module=torch.nn.Module(),
