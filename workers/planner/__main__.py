@@ -3,6 +3,7 @@ JSON on stdin, writes {"plan": ...} or {"error": {"code", "message", "param"}} a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -16,6 +17,14 @@ from moetune.workers.errors import JobError
 
 def main() -> int:
     body = json.load(sys.stdin)
+    # stdout carries the answer alone: what the libraries print (DeepSpeed logs to stdout) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        result = _answer(body)
+    json.dump(result, sys.stdout)
+    return 0
+
+
+def _answer(body: dict) -> dict:
     try:
         request = PlanRequest.model_validate({"job": body["job"], "cluster": body["cluster"]})
         from moetune.workers.planner.plan import plan
@@ -29,8 +38,7 @@ def main() -> int:
         result = {"error": {"code": ErrorCode.invalid_request, "param": e.param, "message": e.message}}
     except JobError as e:
         result = {"error": {"code": e.code, "param": e.param, "message": str(e)}}
-    json.dump(result, sys.stdout)
-    return 0
+    return result
 
 
 if __name__ == "__main__":
