@@ -11,7 +11,7 @@ from moetune.workers.families import REGISTRY, auto_model_class
 from moetune.workers.experts.placement import placement_at
 from moetune.workers.weights.loader import expert_shares, stream_model
 from bench.support.tiny_models import batch, plain_model
-from bench.support.tiny_models import kimi_k2_release_config
+from tests.support.families import kimi_k2_release_config
 
 
 def _streams_into(uri: str, reference, config: dict):
