@@ -85,6 +85,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         shared = next((name for name in _BUILT_ONCE if name in item.fixturenames), None)
         groups[item] = shared or item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
     long = {groups[item] for item in items if item.get_closest_marker("ray_job") or groups[item] in _BUILT_ONCE}
     items.sort(key=lambda item: groups[item] not in long)  # stable: the order within a group is kept
+    if getattr(config.option, "loadgroup", False):  # set on an xdist worker under --dist loadgroup
+        for item in items:
+            _with_group(item, groups[item])
+
+
+def _with_group(item, group: str) -> None:
+    """What xdist's own hook does with an `xdist_group` mark: the group after "@" in the node id, from which the
+    controller schedules. xdist 3.8 writes it to `item._nodeid`, which pytest 9 no longer reads (its node ids live
+    in `_id`), so under pytest 9 its loadgroup silently ran as plain load: module and session fixtures were built
+    on every worker (ep_runs twice in a measured run)."""
+    from _pytest.nodeid import coerce_node_id
+
+    item._id = coerce_node_id(f"{item.nodeid}@{group}")
