@@ -76,8 +76,14 @@ def _read_object(uri: str, s3_endpoint_url: str | None) -> dict | None:
 
 def read_model_config(spec: JobCreate, s3_endpoint_url: str | None) -> dict | None:
     """The model's config.json, or None when it cannot be read now: then the file check before queueing and
-    the driver's own check report it instead. A config.json that is there but not a JSON object is a SpecError."""
-    return _read_object(storage.join(spec.model, "config.json"), s3_endpoint_url)
+    the driver's own check report it instead. A config.json that is not a JSON object, or a model folder that
+    holds files but no config.json, is a SpecError."""
+    uri = storage.join(spec.model, "config.json")
+    if (config := _read_object(uri, s3_endpoint_url)) is None and (names := model_files(spec, s3_endpoint_url)):
+        if "config.json" not in names:
+            raise SpecError("model", f"model: {spec.model.rstrip('/')} holds {len(names)} files but no config.json "
+                                     "(expected a Hugging Face checkpoint folder)")
+    return config
 
 
 def model_files(spec: JobCreate, s3_endpoint_url: str | None) -> list[str] | None:

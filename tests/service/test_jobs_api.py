@@ -2,6 +2,8 @@
 
 import shutil
 
+import boto3
+
 import pytest
 
 from moetune.api.models.responses import Job, JobStatus
@@ -33,6 +35,15 @@ def test_an_output_bucket_that_does_not_exist_is_422(service):
     reply = service.http().post(JOBS, json={"model": "s3://models/tiny", "training_file": "s3://data/t.jsonl",
                                             "output_uri": "s3://no-such-output-bucket/out"})
     assert reply.status_code == 422 and reply.json()["error"]["param"] == "output_uri", reply.text
+
+
+def test_a_model_folder_without_config_json_is_422(service, s3_endpoint, s3_bucket):
+    boto3.client("s3", endpoint_url=s3_endpoint).put_object(Bucket=s3_bucket, Key="no-config/model.safetensors",
+                                                            Body=b"weights")
+    reply = service.http().post(JOBS, json={"model": f"s3://{s3_bucket}/no-config",
+                                            "training_file": "s3://data/t.jsonl"})
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["error"]["param"] == "model" and "no config.json" in reply.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("fields, param", [
