@@ -41,6 +41,7 @@ def up(with_demo_assets: bool, ray_address: str | None, num_cpus: int | None, te
     state = "already up" if set(done.values()) == {"adopted"} else "up"
     click.echo(f"{state}: control plane {stack.url} (token {stack.token}), S3 {stack.s3_endpoint}, "
                f"Ray {stack.ray_address}; logs in {state_dir / 'logs'}")
+    click.echo(f"web console: {stack.url}/console (sign in with a token above)")
     click.echo("components: " + ", ".join(f"{role} {what} (pid {stack.pids[role]})" for role, what in done.items()))
     for name, token in stack.tenants.items():
         click.echo(f"tenant {name}: token {token}")

@@ -38,6 +38,8 @@ def test_up_prints_how_to_reach_it_keeps_data_across_down_and_up(ray_head, tmp_p
     output = _run("up", "--ray-address", ray_head.dashboard_url)
     stack = local_stack.read_stack()
     assert f"control plane {stack.url} (token {stack.token})" in output
+    assert f"web console: {stack.url}/console " in output
+    assert "Sign in" in httpx.get(f"{stack.url}/console/login").text  # the printed address serves the console
     assert f"export MOETUNE_URL={stack.url}" in output and f"export MOETUNE_TOKEN={stack.token}" in output
     assert f"export MOETUNE_S3_ENDPOINT_URL={stack.s3_endpoint}" in output
     assert f"export MOETUNE_RAY_ADDRESS={ray_head.dashboard_url}" in output
