@@ -19,6 +19,7 @@ def upgrade() -> None:
         sa.Column("id", sa.String(40), primary_key=True),
         sa.Column("tenant", sa.String(128), nullable=False),
         sa.Column("created_at", sa.Float, nullable=False),
+        sa.Column("name", sa.Text, nullable=False),
         sa.Column("url", sa.Text, nullable=False),
         sa.Column("secret", sa.String(128), nullable=False),
         sa.Column("event_types", sa.JSON, nullable=False),
