@@ -24,6 +24,7 @@ class ErrorCode(StrEnum):
     job_not_pausable = "job_not_pausable"  # 409
     job_not_resumable = "job_not_resumable"  # 409
     checkpoint_incomplete = "checkpoint_incomplete"  # 409: a checkpoint report before its manifest exists
+    quota_exceeded = "quota_exceeded"  # 429: the tenant's GPU-hour budget (tenant_quotas) is spent
     job_ended = "job_ended"  # 409: a worker report for a job that already succeeded, failed or was cancelled
     not_ready = "not_ready"  # 503 from /readyz: a dependency (database, Ray, storage) is not reachable
     storage_unavailable = "storage_unavailable"  # 503: the object storage did not answer (uploads, downloads)

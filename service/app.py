@@ -13,6 +13,7 @@ from moetune.api.models.responses import ErrorResponse
 from moetune.service.auth import TenantResolver
 from moetune.service.base_models import BaseModels
 from moetune.service.cluster.scheduler import Scheduler
+from moetune.service.cluster.leader import LeaderLease
 from moetune.service.console import pages as console
 from moetune.service.errors import error_response, install_error_handlers
 from moetune.service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
@@ -38,8 +39,9 @@ class _TrailingSlashIgnored:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     store = Store(settings.database_url)
-    metrics = ControlPlaneMetrics(store)
-    scheduler = Scheduler(store, settings, on_dependency_error=metrics.count_dependency_error)
+    lease = LeaderLease(store, settings.scheduler_lease_s, settings.scheduler_lease_renew_s)
+    metrics = ControlPlaneMetrics(store, lease, settings.tenant_quotas)
+    scheduler = Scheduler(store, settings, on_dependency_error=metrics.count_dependency_error, lease=lease)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

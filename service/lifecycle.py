@@ -10,10 +10,7 @@ from moetune.api.errors import ErrorCode
 from moetune.api.models.job_run import ResultReport
 from moetune.api.models.responses import ErrorInfo, JobStatus
 from moetune.service.errors import APIException
-from moetune.service.store import ACTIVE_STATUSES, JobRow, Store
-
-# Jobs whose Ray submission holds one of the max_running_jobs slots.
-SLOT_STATUSES = (JobStatus.running, JobStatus.pausing)
+from moetune.service.store import ACTIVE_STATUSES, SLOT_STATUSES, JobRow, Store
 
 
 def _conflict(store: Store, job: JobRow, code: ErrorCode, wanted: str, allowed: str) -> APIException:

@@ -11,7 +11,9 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moetune.api.models.responses import JobStatus
-from moetune.service.store import Store
+from moetune.service.cluster import quotas
+from moetune.service.cluster.leader import LeaderLease
+from moetune.service.store import SLOT_STATUSES, Store
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,49 @@ class _JobsCollector(Collector):
                                 value=counts.get(JobStatus.queued.value, 0))
 
 
+class _TenantsCollector(Collector):
+    """Each tenant's quota usage (and the quotas set), and whether this replica holds the scheduler lease."""
+
+    def __init__(self, store: Store, lease: LeaderLease, tenant_quotas: dict[str, quotas.TenantQuota]):
+        self.store, self.lease, self.tenant_quotas = store, lease, tenant_quotas
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        epoch = self.lease.epoch()
+        yield GaugeMetricFamily("moetune_scheduler_leader", "1 while this replica holds the scheduler lease "
+                                "(it alone submits jobs), else 0.", value=int(epoch is not None))
+        try:
+            usage = quotas.usage_by_tenant(self.store, self.store.jobs_with_status(*SLOT_STATUSES), time.time())
+        except Exception:
+            log.exception("could not read tenant usage for /metrics")
+            return
+        families = {
+            "running_jobs": GaugeMetricFamily("moetune_tenant_running_jobs", "Jobs of the tenant holding a slot.",
+                                              labels=["tenant"]),
+            "workers": GaugeMetricFamily("moetune_tenant_workers", "Workers of the tenant's running jobs.",
+                                         labels=["tenant"]),
+            "gpu_hours": GaugeMetricFamily("moetune_tenant_gpu_hours", "GPU-hours the tenant's runs used so far.",
+                                           labels=["tenant"]),
+        }
+        limits = GaugeMetricFamily("moetune_tenant_quota", "The tenant's quota (tenant_quotas; '*' for every "
+                                   "tenant not named), by limit.", labels=["tenant", "limit"])
+        for tenant, used in sorted(usage.items()):
+            for name, family in families.items():
+                family.add_metric([tenant], getattr(used, name))
+        for tenant, quota in sorted(self.tenant_quotas.items()):
+            for name, value in quota.model_dump(exclude_none=True).items():
+                limits.add_metric([tenant, name], value)
+        yield from families.values()
+        yield limits
+
+
 class ControlPlaneMetrics:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, lease: LeaderLease, tenant_quotas: dict[str, quotas.TenantQuota]):
         self.registry = CollectorRegistry()
         self.registry.register(_JobsCollector(store))
+        self.registry.register(_TenantsCollector(store, lease, tenant_quotas))
         self.request_latency = Histogram(
             "moetune_http_request_duration_seconds",
             "Time until the response headers are sent, by route template.",

@@ -13,6 +13,7 @@ from moetune.api.images import ImageLimits
 from moetune.api.models.base import URI_SCHEMES
 from moetune.api.plans import parse_cluster
 from moetune.service.base_models import parse_base_models
+from moetune.service.cluster.quotas import TenantQuota
 
 
 class Settings(BaseSettings):
@@ -31,6 +32,14 @@ class Settings(BaseSettings):
     max_epochs: float = 100.0
     scheduler_enabled: bool = True
     scheduler_interval_s: float = 1.0
+    # Replicas share the database; the one holding the scheduler lease schedules (service/cluster/leader.py). It
+    # renews every scheduler_lease_renew_s; a leader that stops is replaced scheduler_lease_s later at the latest
+    # (plus one renewal and one interval: under 15 s with these defaults).
+    scheduler_lease_s: float = 10.0
+    scheduler_lease_renew_s: float = 3.0
+    # Per tenant, JSON {"tenant": {"max_running_jobs": 2, "max_workers": 16, "gpu_hours": 500}, "*": {...}} ("*":
+    # every tenant not named; a missing key: no limit). See service/cluster/quotas.py.
+    tenant_quotas: dict[str, TenantQuota] = {}
     callback_url: str = "http://127.0.0.1:8000"  # how workers reach this control plane
     default_output_uri: str = "s3://moetune/outputs"
     s3_endpoint_url: str | None = None  # S3-compatible endpoint; unset = AWS
@@ -113,6 +122,13 @@ class Settings(BaseSettings):
         if value is not None:
             parse_cluster(value)
         return value
+
+    @model_validator(mode="after")
+    def _lease_outlives_renewals(self) -> Settings:
+        if not 0 < self.scheduler_lease_renew_s < self.scheduler_lease_s:
+            raise ValueError("scheduler_lease_renew_s must be > 0 and below scheduler_lease_s (a lease renewed "
+                             "less often than it lasts lapses between renewals)")
+        return self
 
     @field_validator("max_running_jobs")
     @classmethod

@@ -26,6 +26,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    case,
     create_engine,
     delete,
     event,
@@ -38,12 +39,16 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.pool import StaticPool
 
 from moetune.api.models.responses import JobStatus
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 ACTIVE_STATUSES = tuple(s for s in JobStatus if not s.terminal)
+# Jobs whose Ray submission holds one of the max_running_jobs slots (and its GPUs).
+SLOT_STATUSES = (JobStatus.running, JobStatus.pausing)
+SCHEDULER_LEASE = "scheduler"  # the leases row whose holder schedules (service/cluster/leader.py)
 # Autoincrementing 64-bit keys; SQLite only autoincrements a column declared INTEGER.
 SequenceKey = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -86,6 +91,22 @@ class JobRow(Base):
     attempt: Mapped[int] = mapped_column(Integer, default=1)
     # Why a queued job has not started yet (the cluster's free resources), shown on the job; None once it runs.
     queue_reason: Mapped[str | None] = mapped_column(Text)
+    # The GPUs its workers take (num_workers x gpus_per_worker) and the GPU-seconds its ended runs used: the
+    # tenant's GPU-hour budget (service/cluster/quotas.py). A run's time is added when it leaves a slot status.
+    gpus: Mapped[int] = mapped_column(Integer, default=0)
+    gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class LeaseRow(Base):
+    """A named lease held by one control-plane replica until `expires_at` (the database's clock); `epoch` grows by
+    one whenever another holder takes it, so a write checked against it fences out every earlier holder."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str | None] = mapped_column(String(128))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[float] = mapped_column(Float)
 
 
 class EventRow(Base):
@@ -125,6 +146,13 @@ class FileRow(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     rows: Mapped[int] = mapped_column(Integer)
     uri: Mapped[str] = mapped_column(Text)
+
+
+def _database_now(dialect: str) -> ColumnElement:
+    """The database's clock in epoch seconds: a lease's expiry never depends on two replicas' clocks agreeing."""
+    if dialect == "sqlite":
+        return (func.julianday("now") - 2440587.5) * 86400.0
+    return func.extract("epoch", func.clock_timestamp())
 
 
 class IdempotencyKeyTaken(Exception):
@@ -237,9 +265,14 @@ class Store:
         return self._page(query, limit)
 
     def next_queued(self, limit: int) -> list[JobRow]:
-        """Queued jobs in the order they should start: highest priority, then oldest."""
-        query = (select(JobRow).where(JobRow.status == JobStatus.queued)
-                 .order_by(JobRow.priority.desc(), JobRow.created_at.asc(), JobRow.id.asc()).limit(limit))
+        """Queued jobs in the order they should start: highest priority first; within a priority the tenants take
+        turns (each tenant's oldest, then each one's second oldest, ...), so one tenant's many jobs do not starve
+        another's few."""
+        turn = func.row_number().over(partition_by=(JobRow.tenant, JobRow.priority),
+                                      order_by=(JobRow.created_at, JobRow.id)).label("turn")
+        turns = select(JobRow.id, turn).where(JobRow.status == JobStatus.queued).subquery()
+        query = (select(JobRow).join(turns, turns.c.id == JobRow.id)
+                 .order_by(JobRow.priority.desc(), turns.c.turn, JobRow.created_at, JobRow.id).limit(limit))
         with self._sessions() as s:
             return list(s.scalars(query))
 
@@ -273,18 +306,26 @@ class Store:
         to_status: JobStatus,
         message: str,
         level: str = "info",
+        fence: int | None = None,
         **fields: Any,
     ) -> bool:
         """Move a job to `to_status` only if it is in one of `from_statuses`; records `message` as an event.
 
-        Returns False (and changes nothing) when another actor moved the job first.
+        Returns False (and changes nothing) when another actor moved the job first, or when `fence` (a scheduler
+        lease epoch) is no longer the lease's epoch: a deposed leader changes nothing.
         """
         now = time.time()
         if to_status.terminal:
             fields.setdefault("finished_at", now)
         if to_status == JobStatus.running:
             fields.setdefault("started_at", now)
+        if to_status not in SLOT_STATUSES:  # a run ends: its GPU time counts against the tenant's budget
+            fields.setdefault("gpu_seconds", case(
+                (JobRow.status.in_([str(st) for st in SLOT_STATUSES]) & JobRow.started_at.is_not(None),
+                 JobRow.gpu_seconds + (now - JobRow.started_at) * JobRow.gpus), else_=JobRow.gpu_seconds))
         with self._write() as s:
+            if not self._fenced(s, fence):
+                return False
             result = s.execute(
                 update(JobRow)
                 .where(JobRow.id == job_id, JobRow.status.in_([str(f) for f in from_statuses]))
@@ -308,12 +349,49 @@ class Store:
                 s.add(EventRow(job_id=job_id, created_at=time.time(), level=level, type="message", message=reason))
         return True
 
-    def update_job(self, job_id: str, only_if_status: Iterable[JobStatus] | None = None, **fields: Any) -> bool:
+    def update_job(self, job_id: str, only_if_status: Iterable[JobStatus] | None = None, fence: int | None = None,
+                   **fields: Any) -> bool:
+        """False when the job is gone, not in `only_if_status`, or `fence` is not the scheduler lease's epoch."""
         query = update(JobRow).where(JobRow.id == job_id)
         if only_if_status is not None:
             query = query.where(JobRow.status.in_([str(f) for f in only_if_status]))
         with self._write() as s:
-            return s.execute(query.values(**fields)).rowcount == 1
+            return self._fenced(s, fence) and s.execute(query.values(**fields)).rowcount == 1
+
+    def ended_gpu_seconds(self) -> dict[str, float]:
+        """Each tenant's GPU-seconds of ended runs (a running one's time so far is added by the quota check)."""
+        query = select(JobRow.tenant, func.sum(JobRow.gpu_seconds)).where(JobRow.gpu_seconds > 0) \
+            .group_by(JobRow.tenant)
+        with self._sessions() as s:
+            return {tenant: used for tenant, used in s.execute(query)}
+
+    # ------------------------------------------------------------ leases
+
+    def acquire_lease(self, name: str, holder: str, duration_s: float) -> int | None:
+        """Takes lease `name` for `duration_s`, or renews it for its holder: the epoch it is now held under, or
+        None while another holder's lease has not expired. A new holder gets the next epoch."""
+        now = _database_now(self.engine.dialect.name)
+        with self._write() as s:
+            return s.scalar(
+                update(LeaseRow)
+                .where(LeaseRow.name == name, or_(LeaseRow.holder == holder, LeaseRow.expires_at < now))
+                .values(epoch=case((LeaseRow.holder == holder, LeaseRow.epoch), else_=LeaseRow.epoch + 1),
+                        holder=holder, expires_at=now + duration_s)
+                .returning(LeaseRow.epoch))
+
+    def release_lease(self, name: str, holder: str) -> None:
+        """Lets the next replica take the lease at once instead of after its expiry."""
+        with self._write() as s:
+            s.execute(update(LeaseRow).where(LeaseRow.name == name, LeaseRow.holder == holder)
+                      .values(expires_at=0.0))
+
+    def _fenced(self, s: Session, fence: int | None) -> bool:
+        """Whether `fence` is still the scheduler lease's epoch. The row is share-locked until the caller's
+        transaction ends, so a takeover (which updates it) waits for the fenced write to commit or roll back."""
+        if fence is None:
+            return True
+        epoch = s.scalar(select(LeaseRow.epoch).where(LeaseRow.name == SCHEDULER_LEASE).with_for_update(read=True))
+        return epoch == fence
 
     # ------------------------------------------------------------ events
 

@@ -27,6 +27,8 @@ from moetune.api.models.job_run import JobRunSpec, ResultReport
 from moetune.api.models.parallelism import ParallelismSpec
 from moetune.api.models.responses import ErrorInfo, JobStatus
 from moetune.service.auth import hash_token, new_job_token
+from moetune.service.cluster import quotas
+from moetune.service.cluster.leader import LeaderLease
 from moetune.service.cluster.ray_jobs import RayJobs, RayUnavailable
 from moetune.service.cluster.resources import Shortage, never_placeable, wait_reason
 from moetune.service.lifecycle import SLOT_STATUSES, finish_job
@@ -43,6 +45,7 @@ _STORAGE_BACKOFF_S = (1.0, 60.0)  # first and longest wait between file checks w
 # the innermost error's type first)
 _HEAD_LOSS_ERRORS = ("ActorUnavailableError", "ActorDiedError", "RaySystemError", "RpcError", "NodeDiedError")
 _MAX_ATTEMPTS = 10  # a job whose Ray submission keeps vanishing fails (ray_job_lost) at this attempt
+_QUEUE_SCAN = 200  # queued jobs looked at per pass: those over their tenant's quota are passed over
 
 
 def submission_id(job_id: str, attempt: int) -> str:
@@ -78,13 +81,17 @@ def _held(jobs: list[JobRow]) -> dict[str, float]:
 
 class Scheduler:
     def __init__(self, store: Store, settings: Settings, ray: RayJobs | None = None,
-                 on_dependency_error: Callable[[str], None] = lambda dependency: None):
+                 on_dependency_error: Callable[[str], None] = lambda dependency: None,
+                 lease: LeaderLease | None = None):
         self.store = store
         self.settings = settings
         self.on_dependency_error = on_dependency_error  # the control plane's metric, per dependency
         self.ray = ray or RayJobs(settings.ray_address, on_error=lambda: on_dependency_error("ray"))
+        self.lease = lease or LeaderLease(store, settings.scheduler_lease_s, settings.scheduler_lease_renew_s)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        # The lease epoch of the current pass (None when a test drives tick() itself: no fencing).
+        self._epoch: int | None = None
         self._storage_backoff_s = 0.0
         self._storage_retry_at = 0.0
 
@@ -92,6 +99,7 @@ class Scheduler:
 
     def start(self) -> None:
         self._stopping.clear()
+        self.lease.start()
         self._thread = threading.Thread(target=self._run, name="moetune-scheduler", daemon=True)
         self._thread.start()
 
@@ -100,14 +108,18 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+            self.lease.stop()
 
     def _run(self) -> None:
+        """Passes while this replica holds the scheduler lease; the other replicas only serve the API."""
         while not self._stopping.is_set():
-            self.tick()
+            if (epoch := self.lease.epoch()) is not None:
+                self.tick(epoch)
             self._stopping.wait(self.settings.scheduler_interval_s)
 
-    def tick(self) -> None:
-        """One pass; a failing step is logged and retried next tick, never ends the thread."""
+    def tick(self, epoch: int | None = None) -> None:
+        """One pass under lease `epoch`; a failing step is logged and retried next tick, never ends the thread."""
+        self._epoch = epoch
         for step in (self.stop_cancelled, self.follow_running, self.validate_files, self.submit_queued):
             try:
                 step()
@@ -166,7 +178,7 @@ class Scheduler:
             to, message = JobStatus.queued, f"Job requeued: {cause}; the next attempt continues from its last " \
                                             "checkpoint"
         moved = self.store.transition(job.id, [JobStatus(job.status)], to, message, level="warn",
-                                      attempt=JobRow.attempt + 1, estimated_finish=None)
+                                      fence=self._epoch, attempt=JobRow.attempt + 1, estimated_finish=None)
         if moved:
             log.warning("job %s: %s", job.id, message)
         return moved
@@ -212,8 +224,9 @@ class Scheduler:
             self.store.note_queue_reason(job.id, reason, [JobStatus.validating_files])
 
     def submit_queued(self) -> None:
-        """Starts queued jobs, highest priority then oldest first, while jobs holding a slot < max_running_jobs and
-        the Ray cluster has the resources their workers need; a job that must wait says why (queue_reason)."""
+        """Starts queued jobs, highest priority first and the tenants taking turns within one, while jobs holding a
+        slot < max_running_jobs and the Ray cluster has the resources their workers need; a job that must wait
+        says why (queue_reason). One over its tenant's quota is passed over: the next tenant's job goes first."""
         holding = self.store.jobs_with_status(*SLOT_STATUSES)
         free = self.settings.max_running_jobs - len(holding)
         if free <= 0:
@@ -222,18 +235,24 @@ class Scheduler:
                                              f"max_running_jobs={self.settings.max_running_jobs})",
                                              [JobStatus.queued], level="info")
             return
-        queued = self.store.next_queued(free)
+        queued = self.store.next_queued(_QUEUE_SCAN)
         if not queued:
             return
         try:
             nodes = self.ray.cluster_nodes()
         except RayUnavailable as e:
-            for job in queued:
+            for job in queued[:free]:
                 self.store.note_queue_reason(job.id, f"Ray is not reachable ({e}); retrying with backoff",
                                              [JobStatus.queued])
             raise
         held = _held(holding)
+        usage = quotas.usage_by_tenant(self.store, holding, time.time())
         for job in queued:
+            if free == 0:
+                return
+            if reason := quotas.wait_reason(self.settings.tenant_quotas, usage, job):
+                self.store.note_queue_reason(job.id, reason, [JobStatus.queued], level="info")
+                continue
             par = _parallelism(job)
             if nodes:  # no report yet (a head just started): Ray's own placement decides
                 shortage = never_placeable(par, nodes)
@@ -244,28 +263,38 @@ class Scheduler:
                     # strict priority order: a smaller job behind it does not overtake it
                     self.store.note_queue_reason(job.id, reason, [JobStatus.queued])
                     return
-            self._submit(job)
-            for name, amount in _held([job]).items():
-                held[name] = held.get(name, 0.0) + amount
+            if self._submit(job):
+                free -= 1
+                quotas.add_run(usage, job, time.time())
+                for name, amount in _held([job]).items():
+                    held[name] = held.get(name, 0.0) + amount
 
     # ------------------------------------------------------------ helpers
 
-    def _submit(self, job: JobRow) -> None:
+    def _submit(self, job: JobRow) -> bool:
+        """Submits the job's attempt to Ray and marks it running; False when another actor (a user's cancel or
+        pause, a newer scheduler leader) got there first."""
         sid = submission_id(job.id, job.attempt)
-        # Ray may already run this attempt: submitted just before a control plane restart. Its token (hash
-        # stored before submission) stays valid; a new token would lock its driver out.
+        # Ray may already run this attempt: submitted just before a control plane restart, or by the previous
+        # leader. Its token (hash stored before submission) stays valid; a new token would lock its driver out.
         if self.ray.state(sid) is None:
             token = new_job_token()
             # The hash is stored before Ray gets the token, so the driver's first report is already accepted.
-            if not self.store.update_job(job.id, only_if_status=[JobStatus.queued],
+            if not self.store.update_job(job.id, only_if_status=[JobStatus.queued], fence=self._epoch,
                                          job_token_hash=hash_token(token)):
-                return  # cancelled or paused meanwhile
+                return False  # cancelled or paused meanwhile, or this replica no longer leads
+            if self._epoch is not None and not self.lease.still_held(self._epoch):
+                return False  # the lease ran out while the token was written: the next leader submits
             self.ray.submit(sid, self.settings.driver_entrypoint, self.job_env(job, token))
         if not self.store.transition(job.id, [JobStatus.queued], JobStatus.running, "Job started",
-                                     ray_submission_id=sid, queue_reason=None):
-            # Cancelled or paused while submitting: record the submission so stop_cancelled ends it.
-            self.store.update_job(job.id, ray_submission_id=sid, cancel_requested=True)
+                                     fence=self._epoch, ray_submission_id=sid, queue_reason=None):
+            # Cancelled or paused while submitting: record the submission so stop_cancelled ends it. (A deposed
+            # leader's submission needs nothing: the new leader finds it in Ray under the same id.)
+            self.store.update_job(job.id, only_if_status=[JobStatus.cancelled, JobStatus.paused],
+                                  ray_submission_id=sid, cancel_requested=True)
+            return False
         log.info("submitted %s as Ray job %s", job.id, sid)
+        return True
 
     def job_env(self, job: JobRow, token: str) -> dict[str, str]:
         run_spec = JobRunSpec(job_id=job.id, spec=JobCreate.model_validate(job.spec), seed=job.seed,

@@ -13,6 +13,7 @@ from moetune.api.models.base import SpecError
 from moetune.api.models.job_create import JobCreate, resolve_spec
 from moetune.api.models.responses import JobStatus
 from moetune.service.base_models import BaseModels
+from moetune.service.cluster.quotas import check_submission
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.settings import Settings
 from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
@@ -67,6 +68,7 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
         check_output_writable(output_uri, settings.s3_endpoint_url, default=request.output_uri is None)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
+    check_submission(store, settings.tenant_quotas, tenant, spec)
     row = JobRow(
         id=job_id,
         tenant=tenant,
@@ -80,6 +82,7 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
         idempotency_key=idempotency_key,
         request_hash=digest,
         cancel_requested=False,
+        gpus=spec.parallelism.num_workers * spec.parallelism.gpus_per_worker,
     )
     try:
         warnings = [(warning, "warn") for warning in schedule_warnings(spec, rows.get("training_file"))]

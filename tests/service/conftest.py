@@ -28,6 +28,17 @@ def output_bucket(s3_endpoint) -> str:
     return OUTPUT_BUCKET
 
 
+@pytest.fixture
+def inputs(s3_endpoint, s3_bucket, output_bucket):
+    """URIs of a model folder and training/validation files that exist in a real bucket."""
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    for key in ("model/tokenizer.json", "train.jsonl", "valid.jsonl"):
+        s3.put_object(Bucket=s3_bucket, Key=key, Body=b"{}")
+    s3.put_object(Bucket=s3_bucket, Key="model/config.json", Body=b'{"model_type": "kimi_linear"}')
+    return {"model": f"s3://{s3_bucket}/model", "training_file": f"s3://{s3_bucket}/train.jsonl",
+            "validation_file": f"s3://{s3_bucket}/valid.jsonl"}
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, s3_endpoint, output_bucket) -> Iterator[RunningService]:
     """One control plane per test module, scheduler off: tests move jobs along themselves. Job outputs go to

@@ -3,7 +3,6 @@
 import json
 import time
 
-import boto3
 import pytest
 
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
@@ -12,17 +11,6 @@ from moetune.service.cluster.scheduler import Scheduler, short_cause
 from moetune.service.local.embedded import free_port
 
 JOBS = "/v1/fine_tuning/jobs"
-
-
-@pytest.fixture
-def inputs(s3_endpoint, s3_bucket, output_bucket):
-    """URIs of a model folder and training/validation files that exist in a real bucket."""
-    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    for key in ("model/tokenizer.json", "train.jsonl", "valid.jsonl"):
-        s3.put_object(Bucket=s3_bucket, Key=key, Body=b"{}")
-    s3.put_object(Bucket=s3_bucket, Key="model/config.json", Body=b'{"model_type": "kimi_linear"}')
-    return {"model": f"s3://{s3_bucket}/model", "training_file": f"s3://{s3_bucket}/train.jsonl",
-            "validation_file": f"s3://{s3_bucket}/valid.jsonl"}
 
 
 @pytest.fixture

@@ -1,0 +1,177 @@
+"""Two control-plane replicas (`moetune server` processes) on one real PostgreSQL: exactly one schedules, the other
+takes over a killed or paused leader, and no job is lost or submitted twice. Ray is tests.support.ray_jobs_api's
+recording stand-in for the Jobs API, so that every submission attempt is counted (and no Ray job starts)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from moetune.api.models.responses import JobStatus
+from moetune.service.cluster.leader import LeaderLease
+from moetune.service.cluster.scheduler import submission_id
+from moetune.service.local.embedded import free_port, s3_env, stop_process
+from moetune.service.store import SCHEDULER_LEASE, JobRow, Store
+from tests.support.control_plane import API_TOKENS, OUTPUT_BUCKET, TOKENS, spawn_control_plane
+from tests.support.ray_jobs_api import RayJobsAPI
+from tests.support.waiting import wait_for
+
+JOBS = "/v1/fine_tuning/jobs"
+LEASE_S, RENEW_S = 3.0, 0.5
+HEADERS = {"Authorization": f"Bearer {TOKENS['tenant-a']}"}
+
+
+class Replica:
+    def __init__(self, env: dict[str, str], log_path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = spawn_control_plane({**env, "MOETUNE_CALLBACK_URL": self.url}, self.port, log_path)
+        self.http = httpx.Client(base_url=self.url, headers=HEADERS, timeout=10)
+
+    def leads(self) -> bool:
+        return "moetune_scheduler_leader 1.0" in self.http.get("/metrics").text
+
+    def create_job(self, inputs: dict) -> str:
+        response = self.http.post(JOBS, json=inputs)
+        assert response.status_code == 200, response.text
+        return response.json()["id"]
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.killpg(self.proc.pid, sig)
+
+
+@pytest.fixture
+def replicas(postgres_url, s3_endpoint, output_bucket, tmp_path):
+    """Starts replicas sharing one database and one (slow: 0.2 s a submission) Ray Jobs API; stops them all."""
+    ray_api = RayJobsAPI(submit_delay_s=0.2)
+    env = {**os.environ, **s3_env(s3_endpoint), "MOETUNE_DATABASE_URL": postgres_url,
+           "MOETUNE_API_TOKENS": API_TOKENS, "MOETUNE_RAY_ADDRESS": ray_api.url,
+           "MOETUNE_DEFAULT_OUTPUT_URI": f"s3://{OUTPUT_BUCKET}/runs", "MOETUNE_MAX_RUNNING_JOBS": "100",
+           "MOETUNE_SCHEDULER_INTERVAL_S": "0.2", "MOETUNE_SCHEDULER_LEASE_S": str(LEASE_S),
+           "MOETUNE_SCHEDULER_LEASE_RENEW_S": str(RENEW_S)}
+    started: list[Replica] = []
+
+    def start() -> Replica:
+        started.append(Replica(env, tmp_path / f"replica-{len(started)}.log"))
+        return started[-1]
+
+    yield start, ray_api
+    for replica in started:
+        replica.signal(signal.SIGCONT)  # a paused one could not stop
+        stop_process(replica.proc)
+    ray_api.close()
+
+
+def _hammer(replica: Replica, inputs: dict, answers: list, created: list, stop: threading.Event) -> None:
+    """API calls to `replica` until `stop`: lists, reads and a create every fourth call."""
+    for n in itertools.count():
+        if stop.is_set():
+            return
+        if n % 4 == 3:
+            response = replica.http.post(JOBS, json=inputs)
+            if response.status_code == 200:
+                created.append(response.json()["id"])
+        else:
+            response = replica.http.get(JOBS, params={"limit": 5})
+        answers.append((response.status_code, response.headers.get("Retry-After")))
+        time.sleep(0.05)
+
+
+def _all_running(replica: Replica, job_ids: list[str]) -> bool:
+    page = replica.http.get(JOBS, params={"limit": 100}).json()["data"]
+    return {j["id"]: j["status"] for j in page if j["id"] in job_ids} == {job_id: "running" for job_id in job_ids}
+
+
+def _takeover(ray_api: RayJobsAPI, old: Replica, sig: signal.Signals, new: Replica, jobs: list[str], inputs: dict,
+              answers: list) -> float:
+    """Sends `sig` to the leader `old` once it submitted one of `jobs` (mid-queue) while a client keeps calling
+    `new`; the seconds until `new` leads."""
+    wait_for(lambda: any(ray_api.submitters(submission_id(j, 1)) for j in jobs), 30, "the leader to start on the "
+             "queue", interval=0.05)
+    stop = threading.Event()
+    hammer = threading.Thread(target=_hammer, args=(new, inputs, answers, jobs, stop))
+    hammer.start()
+    old.signal(sig)
+    signalled_at = time.monotonic()
+    try:
+        wait_for(new.leads, 15, "the standby to take the lease", interval=0.1)
+        return time.monotonic() - signalled_at
+    finally:
+        time.sleep(0.3)  # calls to the new leader, too
+        stop.set()
+        hammer.join()
+
+
+def test_a_paused_then_a_killed_leader_is_replaced_and_no_job_is_lost_or_submitted_twice(replicas, inputs):
+    start, ray_api = replicas
+    a = start()
+    wait_for(a.leads, 10, "the first replica to take the scheduler lease", interval=0.1)
+    b = start()
+    assert not b.leads()
+    answers: list = []
+
+    # Pause the leader mid-queue: the standby takes over; the paused one wakes up to find its lease gone.
+    first = [b.create_job(inputs) for _ in range(6)]  # through the standby: both serve the API
+    paused_takeover_s = _takeover(ray_api, a, signal.SIGSTOP, b, first, inputs, answers)
+    a.signal(signal.SIGCONT)
+    wait_for(lambda: not a.leads(), 5, "the paused leader to find its lease gone", interval=0.1)
+    wait_for(lambda: _all_running(b, first), 30, "every job to run")
+
+    # Kill the new leader mid-queue: the woken one takes over.
+    second = [a.create_job(inputs) for _ in range(6)]
+    takeover_s = _takeover(ray_api, b, signal.SIGKILL, a, second, inputs, answers)
+    jobs = first + second
+    wait_for(lambda: _all_running(a, jobs), 30, "every job to run")
+
+    submissions = {j: ray_api.submitters(submission_id(j, 1)) for j in jobs}
+    lost = [j for j, by in submissions.items() if not by]
+    duplicated = {j: by for j, by in submissions.items() if len(by) > 1}
+    print(f"RESULT replicas=2 leader_takeover_s={takeover_s:.2f} paused_leader_takeover_s={paused_takeover_s:.2f} "
+          f"jobs={len(submissions)} jobs_lost={len(lost)} duplicate_submissions={len(duplicated)} "
+          f"requests_during_switch={len(answers)}")
+    assert not lost and not duplicated, (lost, duplicated)
+    assert len(ray_api.attempts) == len(submissions)  # no refused second attempt either
+    # each takeover happened mid-queue: both replicas submitted jobs of each batch
+    assert {by[0] for j, by in submissions.items() if j in first} == {a.url, b.url}
+    assert {by[0] for j, by in submissions.items() if j in second} == {a.url, b.url}
+    assert takeover_s < LEASE_S + RENEW_S + 1.5 and paused_takeover_s < LEASE_S + RENEW_S + 1.5
+    assert answers and all(status == 200 or (status == 503 and retry) for status, retry in answers), answers
+
+
+def test_a_deposed_leaders_writes_are_fenced_out(postgres_url):
+    old_store, new_store = Store(postgres_url), Store(postgres_url)
+    old_store.migrate()
+    old = LeaderLease(old_store, duration_s=0.3, renew_s=0.1)
+    new = LeaderLease(new_store, duration_s=30, renew_s=10)
+    old.renew()
+    first = old.epoch()
+    new.renew()
+    assert first is not None and new.epoch() is None  # held: the other replica waits
+    time.sleep(0.4)  # the old leader pauses past its lease
+    assert old.epoch() is None
+    new.renew()
+    assert new.epoch() == first + 1
+
+    job_id = _queued_job(old_store)
+    assert not old_store.update_job(job_id, fence=first, job_token_hash="x")
+    assert not old_store.transition(job_id, [JobStatus.queued], JobStatus.running, "Job started", fence=first)
+    assert new_store.transition(job_id, [JobStatus.queued], JobStatus.running, "Job started", fence=new.epoch())
+    old.renew()  # wakes up: the lease is taken
+    assert old.epoch() is None and old_store.acquire_lease(SCHEDULER_LEASE, old.holder, 1) is None
+    new.stop()  # hands over at once
+    old.renew()
+    assert old.epoch() == first + 2
+    old_store.close()
+    new_store.close()
+
+
+def _queued_job(store: Store) -> str:
+    job = store.create_job(JobRow(id="ftjob-fenced", tenant="t", status="queued", priority=0, spec={}, seed=1,
+                                  output_uri="s3://o/x", result_files=[], progress={}), ["Job queued"])
+    return job.id

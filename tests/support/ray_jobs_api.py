@@ -1,0 +1,78 @@
+"""A loopback stand-in for the Ray Jobs REST API (the calls ray.job_submission.JobSubmissionClient makes) that
+records every submission attempt: the replica tests count submissions per job without starting Ray jobs.
+
+Like Ray it refuses a submission id it already has; its jobs stay RUNNING; it has no /api/cluster_status (the
+scheduler then leaves placement to Ray).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import ray
+
+from moetune.api.environment import ENV_CALLBACK_URL
+
+_JOB_PATH = re.compile(r"^/api/jobs/([^/]+)$")
+
+
+class RayJobsAPI:
+    def __init__(self, submit_delay_s: float = 0.0):
+        self.attempts: list[tuple[str, str]] = []  # (submission id, the submitting replica's callback URL)
+        self.entrypoints: dict[str, str] = {}
+        self.submit_delay_s = submit_delay_s  # a slow head: a leader killed mid-queue is killed mid-submission
+        self._lock = threading.Lock()
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path == "/api/version":
+                    self._answer(200, {"version": "4", "ray_version": ray.__version__})
+                elif (match := _JOB_PATH.match(self.path)) and match[1] in api.entrypoints:
+                    self._answer(200, {"type": "SUBMISSION", "submission_id": match[1], "status": "RUNNING",
+                                       "entrypoint": api.entrypoints[match[1]]})
+                else:
+                    self._answer(404, {"detail": "not found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/api/jobs/":
+                    self._answer(404, {"detail": "not found"})
+                    return
+                sid = body["submission_id"]
+                time.sleep(api.submit_delay_s)
+                with api._lock:
+                    api.attempts.append((sid, body["runtime_env"]["env_vars"][ENV_CALLBACK_URL]))
+                    known = sid in api.entrypoints
+                    api.entrypoints.setdefault(sid, body["entrypoint"])
+                if known:
+                    self._answer(400, {"detail": f"Job with submission_id {sid} already exists."})
+                else:
+                    self._answer(200, {"submission_id": sid, "job_id": None})
+
+            def _answer(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def submitters(self, sid: str) -> list[str]:
+        with self._lock:
+            return [replica for attempt, replica in self.attempts if attempt == sid]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
