@@ -17,12 +17,14 @@ from pydantic import BaseModel
 from moetune.api.errors import ErrorCode
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.responses import Checkpoint, FileDeleted, FileObject, Job, JobEvent, JobStatus, ListPage
+from moetune.api.models.webhooks import WebhookEndpoint, WebhookEndpointDeleted, WebhookEndpointWithSecret
 from moetune.api.report import AdaptationReport
 from moetune.api.serving import Deployment, ModelList, ModelObject
 
 JOBS_PATH = "/v1/fine_tuning/jobs"
 FILES_PATH = "/v1/files"
 MODELS_PATH = "/v1/models"
+WEBHOOKS_PATH = "/v1/webhook_endpoints"
 
 
 class APIError(Exception):
@@ -234,6 +236,30 @@ class Models:
         return _typed(self._http, "GET", f"{MODELS_PATH}/{model}", ModelObject)
 
 
+class Webhooks:
+    """The tenant's webhook endpoints: job events are POSTed to them, signed the Standard Webhooks way (verify
+    with the `openai` SDK's `client.webhooks.unwrap(body, headers, secret=endpoint.signing_secret)`)."""
+
+    def __init__(self, http: httpx.Client):
+        self._http = http
+
+    def create(self, url: str, event_types: list[str] | None = None,
+               name: str | None = None) -> WebhookEndpointWithSecret:
+        """Every event unless `event_types` names some; the answer is the only one holding the signing secret."""
+        return _typed(self._http, "POST", WEBHOOKS_PATH, WebhookEndpointWithSecret,
+                      json=_params(url=url, event_types=event_types, name=name))
+
+    def list(self, after: str | None = None, limit: int = 20) -> ListPage[WebhookEndpoint]:
+        return _typed(self._http, "GET", WEBHOOKS_PATH, ListPage[WebhookEndpoint],
+                      params=_params(after=after, limit=limit))
+
+    def retrieve(self, endpoint_id: str) -> WebhookEndpoint:
+        return _typed(self._http, "GET", f"{WEBHOOKS_PATH}/{endpoint_id}", WebhookEndpoint)
+
+    def delete(self, endpoint_id: str) -> WebhookEndpointDeleted:
+        return _typed(self._http, "DELETE", f"{WEBHOOKS_PATH}/{endpoint_id}", WebhookEndpointDeleted)
+
+
 def _params(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
@@ -245,6 +271,7 @@ class Client:
         self.jobs = Jobs(self._http)
         self.files = Files(self._http)
         self.models = Models(self._http)
+        self.webhooks = Webhooks(self._http)
 
     def close(self) -> None:
         self._http.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Response
@@ -18,9 +19,10 @@ from moetune.service.console import pages as console
 from moetune.service.errors import error_response, install_error_handlers
 from moetune.service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
 from moetune.service.readiness import dependency_status
-from moetune.service.routes import files, internal, jobs, models
+from moetune.service.routes import files, internal, jobs, models, webhooks
 from moetune.service.settings import Settings
 from moetune.service.store import Store
+from moetune.service.webhooks.delivery import DeliveryLoop
 
 
 class _TrailingSlashIgnored:
@@ -48,9 +50,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await run_in_threadpool(store.migrate)
         if settings.scheduler_enabled:
             scheduler.start()
+        deliveries = DeliveryLoop(store, settings)
+        delivering = asyncio.create_task(deliveries.run())
         try:
             yield
         finally:
+            deliveries.stop()
+            await delivering
             await run_in_threadpool(scheduler.stop)
             store.close()
 
@@ -75,6 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models.deployments)
     app.include_router(models.inference)
     app.include_router(files.router)
+    app.include_router(webhooks.router)
     app.include_router(internal.router)
     app.include_router(console.router)
 

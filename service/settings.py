@@ -40,6 +40,13 @@ class Settings(BaseSettings):
     # Per tenant, JSON {"tenant": {"max_running_jobs": 2, "max_workers": 16, "gpu_hours": 500}, "*": {...}} ("*":
     # every tenant not named; a missing key: no limit). See service/cluster/quotas.py.
     tenant_quotas: dict[str, TenantQuota] = {}
+    # Webhook deliveries (service/webhooks/): a failed one is retried after base, 2 x base, ... up to max seconds
+    # (jittered), for retry_for seconds after its event (72 h like OpenAI's; never under 24 h) before it is given up.
+    webhook_retry_base_s: float = 5.0
+    webhook_retry_max_s: float = 3600.0
+    webhook_retry_for_s: float = 72 * 3600.0
+    webhook_timeout_s: float = 10.0  # per attempt; a slower receiver counts as a failure
+    webhook_poll_interval_s: float = 1.0  # how soon a new event is sent
     callback_url: str = "http://127.0.0.1:8000"  # how workers reach this control plane
     default_output_uri: str = "s3://moetune/outputs"
     s3_endpoint_url: str | None = None  # S3-compatible endpoint; unset = AWS
@@ -128,6 +135,16 @@ class Settings(BaseSettings):
         if not 0 < self.scheduler_lease_renew_s < self.scheduler_lease_s:
             raise ValueError("scheduler_lease_renew_s must be > 0 and below scheduler_lease_s (a lease renewed "
                              "less often than it lasts lapses between renewals)")
+        return self
+
+    @model_validator(mode="after")
+    def _webhook_retries(self) -> Settings:
+        if not 0 < self.webhook_retry_base_s <= self.webhook_retry_max_s:
+            raise ValueError("webhook_retry_base_s must be > 0 and at most webhook_retry_max_s")
+        if self.webhook_retry_for_s < 24 * 3600:
+            raise ValueError("webhook_retry_for_s must be at least 86400 (webhooks are retried for 24 h or more)")
+        if self.webhook_timeout_s <= 0 or self.webhook_poll_interval_s <= 0:
+            raise ValueError("webhook_timeout_s and webhook_poll_interval_s must be > 0")
         return self
 
     @field_validator("max_running_jobs")

@@ -43,6 +43,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.pool import StaticPool
 
 from moetune.api.models.responses import JobStatus
+from moetune.service.webhooks.outbox import enqueue_job_event
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 ACTIVE_STATUSES = tuple(s for s in JobStatus if not s.terminal)
@@ -334,6 +335,7 @@ class Store:
             if result.rowcount != 1:
                 return False
             s.add(EventRow(job_id=job_id, created_at=now, level=level, type="message", message=message))
+            enqueue_job_event(s, job_id, to_status.value, now)  # succeeded, failed, cancelled, paused
         return True
 
     def note_queue_reason(self, job_id: str, reason: str | None, only_if_status: Iterable[JobStatus],
@@ -443,8 +445,9 @@ class Store:
             if retired_steps:
                 s.execute(delete(CheckpointRow).where(CheckpointRow.job_id == job_id,
                                                       CheckpointRow.step_number.in_(list(retired_steps))))
-            s.add(CheckpointRow(job_id=job_id, created_at=time.time(), step_number=step_number, uri=uri,
-                                metrics=metrics))
+            now = time.time()
+            s.add(CheckpointRow(job_id=job_id, created_at=now, step_number=step_number, uri=uri, metrics=metrics))
+            enqueue_job_event(s, job_id, "checkpoint.created", now, step_number=step_number)
 
     def list_checkpoints(self, job_id: str, limit: int,
                          after_seq: int | None = None) -> tuple[list[CheckpointRow], bool]:

@@ -29,6 +29,7 @@ from moetune.service.cli.models import models
 from moetune.service.cli.plan_view import plan_summary, plan_table
 from moetune.service.cli.progress import follow
 from moetune.service.cli.report_view import compare_table
+from moetune.service.cli.webhooks import webhooks
 from moetune.service.local.stack import read_stack
 
 console = Console()
@@ -279,5 +280,6 @@ main.add_command(serve_commands.chat)
 models.add_command(serve_commands.download)
 jobs.add_command(serve_commands.deploy)
 main.add_command(data)
+main.add_command(webhooks)
 main.add_command(up_commands.up)
 main.add_command(up_commands.down)
