@@ -88,12 +88,15 @@ def list_jobs(tenant: Tenant, store: StoreDep, job_view: JobView, after: str | N
 
 
 @router.get("/{job_id}", response_model=Job)
-async def retrieve_job(job_id: str, tenant: Tenant, store: StoreDep, job_view: JobView) -> Job:
+async def retrieve_job(job_id: str, tenant: Tenant, store: StoreDep, job_view: JobView) -> Response:
     """The most polled route (SDK wait, CLI, dashboards). A SQLite lookup is a local read shorter than a hop
-    to a worker thread, so it runs on the event loop; a database over the network is read from a thread."""
-    if store.reads_are_local:
-        return job_view(_own_job(store, tenant, job_id))
-    return job_view(await run_in_threadpool(_own_job, store, tenant, job_id))
+    to a worker thread, so it runs on the event loop; a database over the network is read from a thread. The
+    view is serialized once here: returned as a model, FastAPI would validate it again against response_model."""
+    row = store.read_job(job_id, tenant) if store.reads_are_local else \
+        await run_in_threadpool(store.read_job, job_id, tenant)
+    if row is None:
+        raise job_not_found(job_id)
+    return Response(job_view(row).model_dump_json(), media_type="application/json")
 
 
 @router.post("/{job_id}/cancel", response_model=Job)

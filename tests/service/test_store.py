@@ -79,3 +79,8 @@ def test_tenant_scoped_lookup_hides_other_tenants_jobs(store):
     add_job(store, "j", tenant="a")
     assert store.get_job("j", "a").id == "j"
     assert store.get_job("j", "b") is None
+    # the polled GET's read: the same columns as the ORM row, as hidden from another tenant
+    columns = [c.name for c in JobRow.__table__.columns]
+    orm = store.get_job("j")
+    assert {c: getattr(store.read_job("j", "a"), c) for c in columns} == {c: getattr(orm, c) for c in columns}
+    assert store.read_job("j", "b") is None
