@@ -79,13 +79,13 @@ def s3_env(endpoint_url: str) -> dict[str, str]:
 
 
 def spawn_s3_server(port: int, log_path: str, data_dir: str | None = None,
-                    env: dict[str, str] | None = None) -> subprocess.Popen:
-    """The S3 server (s3_server.py) on loopback `port` (own process group), serving when this returns; its objects
+                    env: dict[str, str] | None = None, host: str = "127.0.0.1") -> subprocess.Popen:
+    """The S3 server (s3_server.py) on `host`:`port` (own process group), serving when this returns; its objects
     in memory, or durable in `data_dir`."""
-    args = [sys.executable, "-m", "moetune.service.local.s3_server", "--port", str(port)]
+    args = [sys.executable, "-m", "moetune.service.local.s3_server", "--port", str(port), "--host", host]
     proc = _spawn(args + (["--data-dir", data_dir] if data_dir else []), log_path, env=env)
     try:
-        wait_http(f"http://127.0.0.1:{port}/", 60, proc, log_path)
+        wait_http(f"http://{host}:{port}/", 60, proc, log_path)
     except BaseException:
         stop_process(proc)
         raise
@@ -93,13 +93,13 @@ def spawn_s3_server(port: int, log_path: str, data_dir: str | None = None,
 
 
 @contextmanager
-def local_s3_server(port: int | None = None):
-    """An in-memory S3 server over HTTP on loopback; yields its endpoint URL."""
+def local_s3_server(port: int | None = None, host: str = "127.0.0.1"):
+    """An in-memory S3 server over HTTP on `host` (loopback unless told); yields its endpoint URL."""
     port = port or free_port()
     log_dir = tempfile.mkdtemp(prefix="moetune-s3-")
-    proc = spawn_s3_server(port, os.path.join(log_dir, "server.log"))
+    proc = spawn_s3_server(port, os.path.join(log_dir, "server.log"), host=host)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         stop_process(proc)
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -139,7 +139,11 @@ def spawn_ray_head(num_cpus: int, env: dict[str, str] | None, temp_dir: str,
     ]
     # Jobs run `python -m moetune.workers.entry.driver`: put this interpreter's bin first so they find our packages.
     path = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
-    proc = _spawn(args, log_path, env={**os.environ, "PATH": path, **(env or {})})
+    # Ray 2.60's `ray start` turns token auth on whenever ~/.ray/auth_token exists (any earlier local ray.init
+    # leaves one), while its clients stay in the default mode, "disabled", and are refused: the mode is set here
+    # unless the caller chose one, so a leftover file changes nothing.
+    env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **(env or {})}
+    proc = _spawn(args, log_path, env={**os.environ, "PATH": path, **env})
     dashboard_url = f"http://127.0.0.1:{dash_port}"
     try:
         wait_http(f"{dashboard_url}/api/version", 90, proc, log_path)

@@ -159,9 +159,10 @@ def serve(port: int, data_dir: Path | None, host: str = "127.0.0.1") -> None:
 def _main(argv: Iterable[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (loopback unless told).")
     parser.add_argument("--data-dir", type=Path, default=None, help="Keep objects here (durable); else in memory.")
     args = parser.parse_args(argv)
-    serve(args.port, args.data_dir)
+    serve(args.port, args.data_dir, args.host)
 
 
 if __name__ == "__main__":

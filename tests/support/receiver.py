@@ -13,7 +13,7 @@ class ReportReceiver:
     """Records WorkerReports posted to it; answers 503 to the first `fail_first` posts, and every other post
     with a ReportAck whose control is `control_for(report)` (None unless a test replaces it)."""
 
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1"):
         self.reports: list[WorkerReport] = []
         self.requests: list[tuple[str, str | None]] = []  # (path, Authorization header)
         self.fail_first = 0
@@ -40,8 +40,8 @@ class ReportReceiver:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.url = f"http://{host}:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def of_kind(self, kind: str) -> list:
