@@ -7,8 +7,11 @@ import pytest
 
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
 from moetune.api.models.job_run import JobRunSpec
+from moetune.service.cluster.quotas import TenantQuota, TenantUsage, wait_reason
 from moetune.service.cluster.scheduler import Scheduler, short_cause
 from moetune.service.local.embedded import free_port
+from moetune.service.store import JobRow
+from tests.support.ray_jobs_api import RayJobsAPI
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -180,3 +183,70 @@ def test_settings_read_the_environment(monkeypatch):
     monkeypatch.setenv("MOETUNE_API_TOKENS", "no-tenant-here")
     with pytest.raises(ValueError, match="entry 1"):
         Settings()
+
+
+@pytest.fixture
+def ray_api():
+    api = RayJobsAPI()
+    yield api
+    api.close()
+
+
+def _run_pass(service) -> Scheduler:
+    scheduler = Scheduler(service.store, service.app.state.settings)
+    scheduler.validate_files()
+    scheduler.submit_queued()
+    return scheduler
+
+
+def test_tenants_take_turns_within_a_priority(start_service, s3_endpoint, inputs, ray_api):
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=ray_api.url, max_running_jobs=3)
+    crowd = [service.create_job(**inputs)["id"] for _ in range(4)]
+    single = service.create_job("tenant-b", **inputs)["id"]
+    urgent = service.create_job(**inputs, priority=5)["id"]
+    _run_pass(service)
+    running = {j for j in [*crowd, single, urgent] if service.store.get_job(j).status == "running"}
+    assert running == {urgent, crowd[0], single}  # not tenant-a's four before tenant-b's one
+
+
+def test_tenant_quotas_refuse_wait_and_show_usage(start_service, s3_endpoint, inputs, ray_api):
+    quotas = {"tenant-a": {"max_running_jobs": 1, "max_workers": 2, "gpu_hours": 1}, "*": {"gpu_hours": 10}}
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=ray_api.url, max_running_jobs=10,
+                            tenant_quotas=quotas)
+    a = service.http("tenant-a")
+    too_wide = a.post(JOBS, json={**inputs, "parallelism": {"num_workers": 3}, "training": {"global_batch_size": 6}})
+    assert too_wide.status_code == 422 and too_wide.json()["error"]["param"] == "parallelism.num_workers"
+    assert "quota max_workers=2" in too_wide.json()["error"]["message"]
+
+    first, second = (service.create_job(**inputs)["id"] for _ in range(2))
+    gpu_job = service.create_job("tenant-b", **inputs, parallelism={"num_workers": 2, "gpus_per_worker": 1})["id"]
+    _run_pass(service)
+    assert service.store.get_job(first).status == service.store.get_job(gpu_job).status == "running"
+    waiting = status_of(service, second)
+    assert waiting["status"] == "queued" and waiting["queue_reason"] == (
+        "waiting for one of tenant tenant-a's 1 running jobs to end (its quota max_running_jobs=1)")
+
+    # a run's GPU time is counted when it ends: 2 GPUs for a quarter of an hour
+    service.store.update_job(gpu_job, started_at=time.time() - 900)
+    assert service.http("tenant-b").post(f"{JOBS}/{gpu_job}/cancel").status_code == 200
+    assert service.store.get_job(gpu_job).gpu_seconds == pytest.approx(1800, abs=5)
+
+    service.store.update_job(first, gpu_seconds=3600.0)  # tenant-a's budget is spent
+    spent = a.post(JOBS, json={**inputs, "parallelism": {"gpus_per_worker": 1}})
+    assert spent.status_code == 429 and spent.json()["error"]["code"] == "quota_exceeded"
+    assert "tenant tenant-a has used 1.00 of its 1 GPU-hour budget" in spent.json()["error"]["message"]
+    assert a.post(JOBS, json=inputs).status_code == 200  # a CPU job uses no GPU-hours
+
+    metrics = service.http(None).get("/metrics").text
+    for series in ('moetune_tenant_running_jobs{tenant="tenant-a"} 1.0', 'moetune_tenant_workers{tenant="tenant-a"} 1.0',
+                   'moetune_tenant_gpu_hours{tenant="tenant-b"} 0.5', 'moetune_tenant_quota{limit="gpu_hours",tenant="*"} 10.0',
+                   'moetune_tenant_quota{limit="max_workers",tenant="tenant-a"} 2.0', "moetune_scheduler_leader 0.0"):
+        assert series in metrics, series
+
+
+def test_a_tenant_over_its_worker_quota_waits_with_the_numbers():
+    job = JobRow(tenant="t", gpus=0, spec={"parallelism": {"num_workers": 3}})
+    usage = {"t": TenantUsage(running_jobs=1, workers=2)}
+    assert wait_reason({"t": TenantQuota(max_workers=4)}, usage, job) == (
+        "waiting for tenant t's jobs to free workers (2 in use, this job needs 3, its quota max_workers=4)")
+    assert wait_reason({"*": TenantQuota(max_workers=5)}, usage, job) is None
