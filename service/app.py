@@ -19,7 +19,9 @@ from moetune.service.console import pages as console
 from moetune.service.errors import error_response, install_error_handlers
 from moetune.service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
 from moetune.service.readiness import dependency_status
-from moetune.service.routes import files, internal, jobs, models, webhooks
+from moetune.service.routes import files, internal, jobs, models, training_sessions, webhooks
+from moetune.service.sessions.metrics import SessionsCollector
+from moetune.service.sessions.waiting import Changes
 from moetune.service.settings import Settings
 from moetune.service.store import Store
 from moetune.service.webhooks.delivery import DeliveryLoop
@@ -43,6 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     store = Store(settings.database_url)
     lease = LeaderLease(store, settings.scheduler_lease_s, settings.scheduler_lease_renew_s)
     metrics = ControlPlaneMetrics(store, lease, settings.tenant_quotas)
+    metrics.registry.register(SessionsCollector(store))
     scheduler = Scheduler(store, settings, on_dependency_error=metrics.count_dependency_error, lease=lease)
 
     @asynccontextmanager
@@ -70,6 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.store = store
     app.state.scheduler = scheduler
+    app.state.session_changes = Changes()  # wakes the training sessions' long polls
     app.state.tenant_resolver = TenantResolver(settings.tenants_by_token)
     app.state.base_models = BaseModels(settings.base_models)
     install_error_handlers(app)
@@ -82,6 +86,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models.inference)
     app.include_router(files.router)
     app.include_router(webhooks.router)
+    app.include_router(training_sessions.router)
+    app.include_router(training_sessions.internal)
     app.include_router(internal.router)
     app.include_router(console.router)
 

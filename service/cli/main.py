@@ -29,6 +29,7 @@ from moetune.service.cli.models import models
 from moetune.service.cli.plan_view import plan_summary, plan_table
 from moetune.service.cli.progress import follow
 from moetune.service.cli.report_view import compare_table
+from moetune.service.cli.sessions import sessions
 from moetune.service.cli.webhooks import webhooks
 from moetune.service.local.stack import read_stack
 
@@ -281,5 +282,6 @@ models.add_command(serve_commands.download)
 jobs.add_command(serve_commands.deploy)
 main.add_command(data)
 main.add_command(webhooks)
+main.add_command(sessions)
 main.add_command(up_commands.up)
 main.add_command(up_commands.down)

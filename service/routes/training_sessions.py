@@ -1,0 +1,235 @@
+"""Training sessions: `/v1/training_sessions` for the user's loop (create, calls, close, restart) and the internal
+routes a session's worker group takes its calls from (authenticated by the group's own token)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from fastapi import APIRouter, Body, Request
+
+from moetune.api.errors import ErrorCode
+from moetune.api.models.responses import ErrorInfo, ErrorResponse, ListPage
+from moetune.api.models.training_sessions import (
+    OPEN_STATUSES,
+    SESSION_INTERNAL,
+    CallCreate,
+    CallOutcome,
+    GroupEnded,
+    NextCall,
+    SessionCall,
+    SessionCreate,
+    TrainingSession,
+)
+from moetune.service.auth import bearer_token, job_token_matches, unauthorized
+from moetune.service.cluster.ray_jobs import RayUnavailable
+from moetune.service.errors import APIException, invalid_request
+from moetune.service.routes.deps import StoreDep, Tenant
+from moetune.service.sessions import launch, records
+from moetune.service.sessions.rows import CallRow, SessionRow
+from moetune.service.store import Store
+
+router = APIRouter(prefix="/v1/training_sessions", tags=["training sessions"], responses={
+    code: {"model": ErrorResponse, "description": what} for code, what in (
+        (401, "Missing or invalid API token"),
+        (404, "No such session (or call) for this tenant"),
+        (409, "The session is not open"),
+        (422, "Invalid session or call; `error.param` names the field"),
+    )})
+internal = APIRouter(prefix=SESSION_INTERNAL, tags=["internal"], include_in_schema=False)
+SESSION_NOT_OPEN = "session_not_open"
+_MAX_WAIT_S = 60.0
+
+
+def _view(row: SessionRow) -> TrainingSession:
+    return TrainingSession(id=row.id, status=row.status, model=row.spec["model"], created_at=int(row.created_at),
+                           closed_at=int(row.closed_at) if row.closed_at else None,
+                           idle_timeout_s=row.spec["idle_timeout_s"], output_uri=row.output_uri,
+                           restarts=row.attempt, close_reason=row.close_reason, error=row.error)
+
+
+def _call_view(row: CallRow) -> SessionCall:
+    return SessionCall(id=row.id, session_id=row.session_id, kind=row.kind, status=row.status,
+                       created_at=row.created_at, finished_at=row.finished_at, result=row.result, error=row.error)
+
+
+def _own(request: Request, store: Store, tenant: str, session_id: str, ask_ray: bool = False) -> SessionRow:
+    """The tenant's session. `ask_ray`: one whose group vanished without a word (Ray lost it, the driver was killed)
+    is marked failed first (a question to Ray's Jobs API: not on every call)."""
+    row = records.get_session(store, session_id, tenant)
+    if row is None:
+        raise APIException(404, ErrorCode.not_found, f"No training session with id {session_id!r}.")
+    if ask_ray and row.status in OPEN_STATUSES and (why := launch.group_gone(request.app.state.scheduler.ray, row)):
+        _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=why))
+        row = records.get_session(store, session_id, tenant)
+    return row
+
+
+def _end(request: Request, row: SessionRow, reason: str, error: ErrorInfo | None = None) -> None:
+    store = request.app.state.store
+    status = "failed" if error else "closed"
+    if records.set_session(store, row.id, (*OPEN_STATUSES, "closing"), status=status, closed_at=time.time(),
+                           close_reason=reason, error=error.model_dump() if error else None, token_hash=None):
+        message = error.message if error else f"the session was {reason}"
+        records.fail_calls(store, row.id, (records.PENDING, records.RUNNING),
+                           ErrorInfo(code=SESSION_NOT_OPEN, message=f"Not run: {message}").model_dump())
+        request.app.state.session_changes.notify()
+
+
+def _start(request: Request, row: SessionRow) -> None:
+    """Submits the session's current group; when Ray cannot take it the session fails and the caller gets a 503."""
+    try:
+        launch.start_group(request.app.state.store, request.app.state.scheduler.ray, request.app.state.settings, row)
+    except RayUnavailable as e:
+        _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=str(e)))
+        raise APIException(503, ErrorCode.not_ready, f"{e}: the session's worker group was not started.") from None
+
+
+def _open(row: SessionRow) -> None:
+    if row.status not in OPEN_STATUSES:
+        raise APIException(409, SESSION_NOT_OPEN, f"Training session {row.id} is {row.status}"
+                           + (f" ({row.close_reason})" if row.close_reason else "") + ": it takes no more calls.")
+
+
+@router.post("", response_model=TrainingSession)
+def create(spec: SessionCreate, request: Request, tenant: Tenant, store: StoreDep) -> TrainingSession:
+    """Starts a worker group holding a fresh LoRA on the base; calls may be queued at once (they run once it is up,
+    status `ready`)."""
+    settings = request.app.state.settings
+    model = spec.model if "://" in spec.model else request.app.state.base_models.uri(spec.model)
+    if model is None:
+        raise invalid_request(f"model: no registered base model is named {spec.model!r} (GET /v1/models lists "
+                              f"them; a checkpoint folder's URI works too)", "model")
+    session_id = records.new_id("ts")
+    row = records.add_session(store, SessionRow(
+        id=session_id, tenant=tenant, status="starting", created_at=time.time(),
+        spec=spec.model_copy(update={"model": model}).model_dump(mode="json"),
+        seed=spec.seed if spec.seed is not None else random.randrange(2**31),
+        output_uri=f"{(spec.output_uri or settings.default_output_uri).rstrip('/')}/{session_id}", attempt=0))
+    _start(request, row)
+    return _view(records.get_session(store, session_id))
+
+
+@router.get("", response_model=ListPage[TrainingSession])
+def list_(tenant: Tenant, store: StoreDep, limit: int = 20) -> ListPage[TrainingSession]:
+    rows, has_more = records.list_sessions(store, tenant, max(1, min(limit, 100)))
+    data = [_view(r) for r in rows]
+    return ListPage(data=data, has_more=has_more, first_id=data[0].id if data else None,
+                    last_id=data[-1].id if data else None)
+
+
+@router.get("/{session_id}", response_model=TrainingSession)
+def retrieve(session_id: str, request: Request, tenant: Tenant, store: StoreDep) -> TrainingSession:
+    return _view(_own(request, store, tenant, session_id, ask_ray=True))
+
+
+@router.post("/{session_id}/close", response_model=TrainingSession)
+def close(session_id: str, request: Request, tenant: Tenant, store: StoreDep) -> TrainingSession:
+    """The group finishes the call it runs and stops; queued calls are not run. Save the state first to keep it."""
+    row = _own(request, store, tenant, session_id)
+    _open(row)
+    if row.status == "starting" or not records.set_session(store, row.id, ("ready",), status="closing"):
+        launch.stop_group(request.app.state.scheduler.ray, row)  # not taking calls yet: nothing to finish
+        _end(request, row, "closed")
+    request.app.state.session_changes.notify()
+    return _view(records.get_session(store, session_id))
+
+
+@router.post("/{session_id}/restart", response_model=TrainingSession)
+def restart(session_id: str, request: Request, tenant: Tenant, store: StoreDep) -> TrainingSession:
+    """Replaces the worker group by a new one on a fresh LoRA (load_state resumes a saved state): the call the old
+    group runs fails, queued calls wait for the new group."""
+    row = _own(request, store, tenant, session_id)
+    _open(row)
+    ray = request.app.state.scheduler.ray
+    if not records.set_session(store, row.id, OPEN_STATUSES, group=row.attempt, status="starting", token_hash=None):
+        raise APIException(409, SESSION_NOT_OPEN, f"Training session {row.id} changed meanwhile; retry.")
+    launch.stop_group(ray, row)
+    records.fail_calls(store, row.id, (records.RUNNING,), ErrorInfo(
+        code="session_restarted", message="The worker group was restarted while it ran this call.").model_dump())
+    records.set_session(store, row.id, ("starting",), group=row.attempt, attempt=row.attempt + 1)
+    _start(request, records.get_session(store, row.id))
+    request.app.state.session_changes.notify()
+    return _view(records.get_session(store, session_id))
+
+
+@router.post("/{session_id}/calls", response_model=SessionCall)
+def add_call(session_id: str, body: CallCreate, request: Request, tenant: Tenant,
+             store: StoreDep) -> SessionCall:
+    """Queues a call; the session's calls run one at a time in the order they were queued."""
+    row = _own(request, store, tenant, session_id)
+    _open(row)
+    call = records.add_call(store, row.id, body.call.kind, body.call.model_dump(mode="json"))
+    request.app.state.session_changes.notify()
+    return _call_view(call)
+
+
+@router.get("/{session_id}/calls/{call_id}", response_model=SessionCall)
+def get_call(session_id: str, call_id: str, request: Request, tenant: Tenant, store: StoreDep,
+             wait_s: float = 0.0) -> SessionCall:
+    """The call; `wait_s` > 0 waits up to that long (at most 60 s) for it to finish."""
+    _own(request, store, tenant, session_id)
+
+    def finished():
+        row = records.get_call(store, session_id, call_id)
+        if row is None:
+            raise APIException(404, ErrorCode.not_found, f"No call with id {call_id!r} in session {session_id}.")
+        return row if row.status in (records.SUCCEEDED, records.FAILED) else None
+
+    row = request.app.state.session_changes.wait_for(finished, min(max(wait_s, 0.0), _MAX_WAIT_S))
+    if row is None and wait_s > 0:  # a long wait in vain: is the group still there to run it?
+        _own(request, store, tenant, session_id, ask_ray=True)
+    return _call_view(row or records.get_call(store, session_id, call_id))
+
+
+# ---------------------------------------------------------------- the group's side
+
+
+def _group(request: Request, session_id: str, attempt: int) -> SessionRow:
+    """The session whose current group's token was presented; a replaced group or an ended session gets a 409."""
+    row = records.get_session(request.app.state.store, session_id)
+    if row is None or not job_token_matches(bearer_token(request), row.token_hash):
+        if row is not None and (row.attempt != attempt or row.token_hash is None):
+            raise APIException(409, SESSION_NOT_OPEN, f"Group {attempt} of session {session_id} no longer serves.")
+        raise unauthorized("Invalid session token.", code=ErrorCode.invalid_job_token)
+    return row
+
+
+@internal.post("/ready")
+def ready(session_id: str, attempt: int, request: Request) -> dict:
+    _group(request, session_id, attempt)
+    records.set_session(request.app.state.store, session_id, ("starting",), group=attempt, status="ready")
+    return {}
+
+
+@internal.post("/next_call", response_model=NextCall)
+def next_call(session_id: str, attempt: int, request: Request, wait_s: float = Body(10.0, embed=True)) -> NextCall:
+    store = request.app.state.store
+
+    def answer():
+        row = _group(request, session_id, attempt)
+        if row.status == "closing":
+            return NextCall(close=True)
+        taken = records.take_call(store, session_id, attempt)
+        if taken is None:
+            return None
+        call, number = taken
+        return NextCall(call_id=call.id, number=number, call=call.args)
+
+    return request.app.state.session_changes.wait_for(answer, min(max(wait_s, 0.0), _MAX_WAIT_S)) or NextCall()
+
+
+@internal.post("/calls/{call_id}")
+def call_outcome(session_id: str, call_id: str, attempt: int, body: CallOutcome, request: Request) -> dict:
+    _group(request, session_id, attempt)
+    records.finish_call(request.app.state.store, call_id, attempt, body.result,
+                        body.error.model_dump() if body.error else None)
+    request.app.state.session_changes.notify()
+    return {}
+
+
+@internal.post("/ended")
+def ended(session_id: str, attempt: int, body: GroupEnded, request: Request) -> dict:
+    row = _group(request, session_id, attempt)
+    _end(request, row, body.reason, body.error)
+    return {}

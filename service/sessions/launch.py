@@ -1,0 +1,52 @@
+"""The Ray job that holds a session's worker group: submitted on create and on restart (one submission per
+group, `moetune-session-<id>-<attempt>`), stopped on close, and asked after when the group has gone quiet."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
+from moetune.api.models.training_sessions import SessionCreate, SessionRunSpec
+from moetune.service.auth import hash_token, new_job_token
+from moetune.service.cluster.ray_jobs import RayJobs
+from moetune.service.sessions import records
+from moetune.service.sessions.rows import SessionRow
+from moetune.service.settings import Settings
+from moetune.service.store import Store
+
+log = logging.getLogger("moetune.sessions")
+ENTRYPOINT = "python -m moetune.workers.sessions.driver"
+_RAY_ENDED = ("STOPPED", "SUCCEEDED", "FAILED")
+
+
+def submission_id(session_id: str, attempt: int) -> str:
+    return f"moetune-{session_id}-{attempt}"
+
+
+def start_group(store: Store, ray: RayJobs, settings: Settings, session: SessionRow) -> None:
+    """Submits the Ray job of the session's current group with a fresh token (the previous group's stops working)."""
+    token = new_job_token()
+    records.set_session(store, session.id, ("starting",), token_hash=hash_token(token))
+    run = SessionRunSpec(session_id=session.id, attempt=session.attempt, spec=SessionCreate.model_validate(
+        session.spec), seed=session.seed, output_uri=session.output_uri)
+    env = {name: os.environ[name] for name in settings.worker_env_passthrough if name in os.environ}
+    env.update({ENV_RUN_SPEC: run.model_dump_json(), ENV_CALLBACK_URL: settings.callback_url, ENV_JOB_TOKEN: token})
+    if settings.s3_endpoint_url:
+        env[ENV_S3_ENDPOINT_URL] = settings.s3_endpoint_url
+    ray.submit(submission_id(session.id, session.attempt), ENTRYPOINT, env)
+    log.info("session %s: worker group %d submitted", session.id, session.attempt)
+
+
+def stop_group(ray: RayJobs, session: SessionRow) -> None:
+    ray.stop(submission_id(session.id, session.attempt))
+
+
+def group_gone(ray: RayJobs, session: SessionRow) -> str | None:
+    """Why the open session's group is gone without a word (Ray's status and message), or None while it runs."""
+    state = ray.state(submission_id(session.id, session.attempt))
+    if state is None:
+        return "Ray no longer knows the session's worker group"
+    if state.status in _RAY_ENDED:
+        return f"the session's Ray job ended ({state.status}): {state.message or 'no message'}"
+    return None

@@ -1,0 +1,102 @@
+"""A session's rows: the session and its status, its calls as a queue the group takes from oldest first. Status
+changes are conditional updates, as the jobs' are (service/store.py), so user calls and the group's reports race
+safely."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+from sqlalchemy import func, select, update
+
+from moetune.api.models.training_sessions import OPEN_STATUSES
+from moetune.service.sessions.rows import CallRow, SessionRow
+
+if TYPE_CHECKING:
+    from moetune.service.store import Store
+
+PENDING, RUNNING, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def add_session(store: Store, row: SessionRow) -> SessionRow:
+    with store._write() as s:
+        s.add(row)
+    return row
+
+
+def get_session(store: Store, session_id: str, tenant: str | None = None) -> SessionRow | None:
+    """The session; another tenant's is as unknown as a missing one."""
+    with store._sessions() as s:
+        row = s.get(SessionRow, session_id)
+    return row if row is not None and (tenant is None or row.tenant == tenant) else None
+
+
+def list_sessions(store: Store, tenant: str, limit: int) -> tuple[list[SessionRow], bool]:
+    query = select(SessionRow).where(SessionRow.tenant == tenant)
+    return store._page(query.order_by(SessionRow.created_at.desc(), SessionRow.id.desc()), limit)
+
+
+def set_session(store: Store, session_id: str, only_if: tuple[str, ...], group: int | None = None,
+                **values) -> bool:
+    """Updates the session if its status is one of `only_if` (and, given, its current group is `group`)."""
+    query = update(SessionRow).where(SessionRow.id == session_id, SessionRow.status.in_(only_if))
+    if group is not None:
+        query = query.where(SessionRow.attempt == group)
+    with store._write() as s:
+        return s.execute(query.values(**values)).rowcount == 1
+
+
+def count_by_status(store: Store) -> dict[str, int]:
+    with store._sessions() as s:
+        return dict(s.execute(select(SessionRow.status, func.count()).group_by(SessionRow.status)).all())
+
+
+def add_call(store: Store, session_id: str, kind: str, args: dict) -> CallRow:
+    row = CallRow(id=new_id("call"), session_id=session_id, kind=kind, args=args, status=PENDING,
+                  created_at=time.time())
+    with store._write() as s:
+        s.add(row)
+    return row
+
+
+def get_call(store: Store, session_id: str, call_id: str) -> CallRow | None:
+    with store._sessions() as s:
+        row = s.scalar(select(CallRow).where(CallRow.id == call_id))
+    return row if row is not None and row.session_id == session_id else None
+
+
+def take_call(store: Store, session_id: str, attempt: int) -> tuple[CallRow, int] | None:
+    """The oldest pending call, now running on group `attempt`, and its number in the session (1-based)."""
+    with store._write() as s:
+        row = s.scalar(select(CallRow).where(CallRow.session_id == session_id, CallRow.status == PENDING)
+                       .order_by(CallRow.seq).limit(1))
+        if row is None:
+            return None
+        row.status, row.attempt = RUNNING, attempt
+        number = s.scalar(select(func.count()).where(CallRow.session_id == session_id, CallRow.seq <= row.seq))
+    return row, number
+
+
+def finish_call(store: Store, call_id: str, attempt: int, result: dict | None, error: dict | None) -> bool:
+    """Records a running call's outcome from the group that took it (a replaced group's word is dropped)."""
+    with store._write() as s:
+        return s.execute(update(CallRow).where(CallRow.id == call_id, CallRow.status == RUNNING,
+                                               CallRow.attempt == attempt)
+                         .values(status=FAILED if error else SUCCEEDED, result=result, error=error,
+                                 finished_at=time.time())).rowcount == 1
+
+
+def fail_calls(store: Store, session_id: str, statuses: tuple[str, ...], error: dict) -> None:
+    """Ends the session's calls in `statuses` with `error` (a group lost mid-call, a session closed)."""
+    with store._write() as s:
+        s.execute(update(CallRow).where(CallRow.session_id == session_id, CallRow.status.in_(statuses))
+                  .values(status=FAILED, error=error, finished_at=time.time()))
+
+
+def is_open(row: SessionRow) -> bool:
+    return row.status in OPEN_STATUSES

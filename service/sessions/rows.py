@@ -1,0 +1,48 @@
+"""The training-session tables (migration 0006), on their own declarative base as the webhook tables are."""
+
+from __future__ import annotations
+
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class SessionBase(DeclarativeBase):
+    pass
+
+
+class SessionRow(SessionBase):
+    __tablename__ = "training_sessions"
+    __table_args__ = (Index("ix_training_sessions_tenant_created", "tenant", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[float] = mapped_column(Float)
+    closed_at: Mapped[float | None] = mapped_column(Float)
+    spec: Mapped[dict] = mapped_column(JSON)  # SessionCreate, model resolved to a URI
+    seed: Mapped[int] = mapped_column(BigInteger)
+    output_uri: Mapped[str] = mapped_column(Text)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)  # the worker group now serving (0 = the first)
+    token_hash: Mapped[str | None] = mapped_column(String(64))  # the group's token (one per attempt)
+    close_reason: Mapped[str | None] = mapped_column(String(32))
+    error: Mapped[dict | None] = mapped_column(JSON)
+
+
+class CallRow(SessionBase):
+    """One call; `seq` orders a session's calls (the group runs them oldest first, one at a time)."""
+
+    __tablename__ = "training_session_calls"
+    __table_args__ = (Index("ix_training_session_calls_session_status", "session_id", "status", "seq"),)
+
+    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True,
+                                     autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("training_sessions.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(32))
+    args: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16))
+    attempt: Mapped[int | None] = mapped_column(Integer)  # the group that took it
+    created_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+    result: Mapped[dict | None] = mapped_column(JSON)
+    error: Mapped[dict | None] = mapped_column(JSON)

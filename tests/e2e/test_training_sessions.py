@@ -1,0 +1,112 @@
+"""One training session through the real stack (the `moetune server` process, Ray head, S3 server): a 2-worker
+group at EP=2 on the tiny kimi_linear, driven by the SDK. One session, shared by the checks in order: its worker
+groups are the expensive part."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import boto3
+import httpx
+import pytest
+
+from moetune.api.client import APIError, Client
+from moetune.api.training import CallFailed, Training
+from examples.rl_grpo import grpo
+from tests.support.control_plane import TOKENS
+
+pytestmark = pytest.mark.ray_job
+
+SEQ_A = [5, 17, 33, 48, 62, 71, 90, 104, 7, 12]
+SEQ_B = [9, 8, 7, 6, 5, 4, 3, 2, 1, 40]
+SEQ_C = [60, 61, 62, 63, 64, 65, 66, 67]
+ADAM = {"learning_rate": 5e-3}
+
+
+@pytest.fixture(scope="module")
+def session(control_plane, tiny_assets):
+    session = Training(Client(control_plane, TOKENS["tenant-a"])).create({
+        "model": tiny_assets["model"], "seed": 3,
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.0},
+        "parallelism": {"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2},
+    })
+    try:
+        yield session
+    finally:
+        if session.retrieve().status in ("starting", "ready"):
+            session.close()
+
+
+def _next_loss(session) -> tuple[float, list]:
+    """forward_backward on B, a step, then the loss of C: what a restored state must reproduce."""
+    first = session.forward_backward([{"tokens": SEQ_B}]).result(timeout=120)
+    session.optim_step(**ADAM)
+    after = session.forward_backward([{"tokens": SEQ_C}]).result(timeout=120)
+    return after["loss"], first["logprobs"]
+
+
+def test_session_calls_restart_and_exact_resume(session, control_plane, s3_endpoint):
+    session.wait_ready(timeout=300)
+    # forward_backward: per-token logprobs, and the summed cross-entropy is their negated sum
+    first = session.forward_backward([{"tokens": SEQ_A}, {"tokens": SEQ_B, "weights": [0.0] * 5 + [1.0] * 5}])
+    out = first.result(timeout=120)
+    assert [len(lp) for lp in out["logprobs"]] == [len(SEQ_A), len(SEQ_B)]
+    expected = -(sum(out["logprobs"][0][1:]) + sum(out["logprobs"][1][5:]))
+    assert out["loss"] == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(CallFailed, match="optim_step first"):  # calls are ordered: this one sees the pending grads
+        session.forward_backward([{"tokens": SEQ_A}]).result(timeout=120)
+    assert session.optim_step(**ADAM).result(timeout=120)["step"] == 1
+    for _ in range(3):
+        session.forward_backward([{"tokens": SEQ_A}])
+        session.optim_step(**ADAM)
+    started = time.perf_counter()
+    trained = session.forward_backward([{"tokens": SEQ_A}]).result(timeout=120)
+    print(f"session_call_overhead_ms={(time.perf_counter() - started) * 1e3 - trained['worker_ms']:.1f}")
+    trained = trained["loss"]
+    assert trained < -sum(out["logprobs"][0][1:])  # the steps learned SEQ_A
+    session.optim_step(**ADAM)
+
+    sampled = session.sample([[5, 17, 33], "ab"], n=3, max_tokens=5, temperature=1.0, seed=11).result(timeout=120)
+    sequences = sampled["sequences"]
+    assert [s["prompt_index"] for s in sequences] == [0, 0, 0, 1, 1, 1]
+    assert all(1 <= len(s["tokens"]) <= 5 and len(s["logprobs"]) == len(s["tokens"]) for s in sequences)
+    assert all(lp <= 0 for s in sequences for lp in s["logprobs"])
+    again = session.sample([[5, 17, 33], "ab"], n=3, max_tokens=5, temperature=1.0, seed=11).result(timeout=120)
+    assert [s["tokens"] for s in again["sequences"]] == [s["tokens"] for s in sequences]
+
+    assert session.save_state("s1").result(timeout=120)["step"] == 5
+    loss_without_restart, logprobs_b = _next_loss(session)
+
+    session.restart()
+    session.wait_ready(timeout=300)
+    assert session.load_state("s1").result(timeout=120)["step"] == 5
+    loss_after_restart, logprobs_b_again = _next_loss(session)
+    assert logprobs_b_again == logprobs_b
+    assert loss_after_restart == loss_without_restart  # exact: weights, Adam moments and step count restored
+    session.optim_step(**ADAM)
+
+    uri = session.save_weights("final").result(timeout=120)["uri"]
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    config = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/adapter_config.json")["Body"].read())
+    assert config["peft_type"] == "LORA" and config["r"] == 4
+    assert s3.head_object(Bucket=bucket, Key=f"{prefix}/adapter_model.safetensors")["ContentLength"] > 0
+
+
+
+def test_grpo_example_raises_the_mean_reward(session):
+    """examples/rl_grpo.py's loop at tiny size on the same session (group size 4, ppo's clipped loss)."""
+    means = grpo(session, iterations=8, questions=4, group_size=4, loss_fn="ppo", seed=1)
+    assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.05, means
+
+
+def test_metrics_and_close(session, control_plane):
+    metrics = httpx.get(f"{control_plane}/metrics").text
+    assert re.search(r'moetune_training_sessions\{status="ready"\} [1-9]', metrics)
+    closed = session.close()
+    assert closed.status in ("closing", "closed") and closed.restarts == 1
+    with pytest.raises(APIError) as refused:
+        session.optim_step(**ADAM)
+    assert refused.value.status_code == 409

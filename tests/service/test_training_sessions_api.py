@@ -1,0 +1,34 @@
+"""The training-session routes' refusals, without a worker group: a control plane whose Ray is down (the
+end-to-end session is tests/e2e/test_training_sessions.py)."""
+
+from __future__ import annotations
+
+import re
+
+from moetune.service.local.embedded import free_port
+
+
+def test_refusals_name_the_field_and_a_session_ray_never_took_is_failed(start_service):
+    service = start_service(ray_address=f"http://127.0.0.1:{free_port()}")
+    with service.http() as http:
+        unknown = http.post("/v1/training_sessions", json={"model": "no-such-base"})
+        assert unknown.status_code == 422 and unknown.json()["error"]["param"] == "model"
+        down = http.post("/v1/training_sessions", json={"model": "s3://b/m", "lora": {"rank": 4}})
+        assert down.status_code == 503 and "not started" in down.json()["error"]["message"]
+        (session,) = http.get("/v1/training_sessions").json()["data"]
+        assert session["status"] == "failed" and session["error"]["code"] == "driver_failed"
+        calls = f"/v1/training_sessions/{session['id']}/calls"
+        no_advantages = http.post(calls, json={"call": {"kind": "forward_backward", "loss_fn": "ppo",
+                                                        "data": [{"tokens": [1, 2, 3]}]}})
+        assert no_advantages.status_code == 422
+        assert "data[0].advantages is required" in no_advantages.json()["error"]["message"]
+        misaligned = http.post(calls, json={"call": {"kind": "forward_backward",
+                                                     "data": [{"tokens": [1, 2, 3], "weights": [1.0]}]}})
+        assert misaligned.status_code == 422 and "one per token" in misaligned.json()["error"]["message"]
+        closed = http.post(calls, json={"call": {"kind": "optim_step"}})
+        assert closed.status_code == 409 and closed.json()["error"]["code"] == "session_not_open"
+        assert http.get("/v1/training_sessions/ts_nope").status_code == 404
+        with service.http("tenant-b") as other:
+            assert other.get(f"/v1/training_sessions/{session['id']}").status_code == 404
+        metrics = http.get("/metrics").text
+    assert re.search(r'moetune_training_sessions\{status="failed"\} 1\.0', metrics)

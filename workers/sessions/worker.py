@@ -1,0 +1,295 @@
+"""One rank of a session's group: the job worker's model assembly (workers.loop.worker: download, streamed
+weights, kernel swaps, LoRA, expert parallelism, the ZeRO engine), then calls until the session closes.
+
+The chief polls the control plane for the next call and broadcasts it; every rank runs it (each forward is one per
+rank, so expert-parallel and ZeRO-3 forwards meet their peers), and the chief posts the outcome. A call that fails
+on user input (a token beyond the vocabulary) fails alone; the group goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+from moetune.api import storage
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.job_run import JobRunSpec
+from moetune.api.models.responses import ErrorInfo
+from moetune.api.models.training import TrainingSpec
+from moetune.api.models.training_sessions import (
+    ForwardBackward,
+    LoadState,
+    OptimStep,
+    Sample,
+    SaveState,
+    SaveWeights,
+    SessionRunSpec,
+)
+from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
+from moetune.workers.data.sampling import step_rng_seed
+from moetune.workers.engine.deepspeed import build_engine
+from moetune.workers.generate import SamplingParams, generate_batch
+from moetune.workers.loop.worker import _Worker
+from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.sessions.control import SessionLink
+from moetune.workers.sessions.losses import LOSSES
+
+log = logging.getLogger("moetune.session")
+IDLE_STATE = "idle"  # the state a group saves when it stops for idleness
+_POLL_S = 10.0  # one long poll of the next call
+
+
+class CallError(Exception):
+    """A call the user got wrong; its message goes back as the call's error."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def job_shape(run: SessionRunSpec) -> JobRunSpec:
+    """The session as the job worker's loader sees it: base, LoRA, parallelism; one sequence per rank per micro-batch
+    (the session's batches are whatever each call sends, so no training file or schedule)."""
+    par = run.spec.parallelism
+    training = TrainingSpec(global_batch_size=par.num_workers, micro_batch_size=1, activation_checkpointing=False,
+                            alignment_check=False)
+    spec = JobCreate.model_construct(model=run.spec.model, training_file=None, lora=run.spec.lora,
+                                     training=training, parallelism=par, evaluation=None)
+    return JobRunSpec.model_construct(job_id=run.session_id, spec=spec, seed=run.seed, output_uri=run.output_uri)
+
+
+class SessionWorker(_Worker):
+    def __init__(self, config: dict):
+        self.session: SessionRunSpec = config["session"]
+        super().__init__({**config, "run": job_shape(self.session)})
+        self.reporter = Reporter(self.session.session_id, None, None)  # session events are the calls' outcomes
+        self.link = SessionLink(self.settings.callback_url, self.settings.job_token, self.session) \
+            if self.chief else None
+        self.pending_gradients = False
+        self.call_number = 0  # the running call's place in the session (sample's default seed)
+
+    def start(self) -> None:
+        self.load()
+        self.engine, _ = build_engine(self.model, self.spec, self.world, total_steps=1,
+                                      bf16=self.device.type == "cuda")
+        self.engine.train()
+        self.lockstep = self.spec.parallelism.collective_forward
+        if self.chief:
+            self.link.ready()
+
+    # ------------------------------------------------------------ the call loop
+
+    def serve(self) -> str:
+        """Runs calls until the session closes; returns why it stopped ("closed" or "idle")."""
+        idle_since = time.monotonic()
+        while True:
+            message = self._next(idle_since)
+            if message == "idle":
+                self.save_state(SaveState(name=IDLE_STATE))
+                return "idle"
+            if message == "close":
+                return "closed"
+            if message is None:
+                continue  # no call yet: every rank comes round again, well within the collectives' timeout
+            call_id, self.call_number, call = message
+            started = time.perf_counter()
+            try:
+                result, error = getattr(self, call.kind)(call), None
+                result["worker_ms"] = (time.perf_counter() - started) * 1e3  # the call's cost beyond the API's
+            except CallError as e:
+                result, error = None, ErrorInfo(code="invalid_request", message=str(e), param=e.param)
+            if self.chief:
+                self.link.outcome(call_id, result, error)
+            idle_since = time.monotonic()
+
+    def _next(self, idle_since: float):
+        """The chief's next message for every rank: (call id, number, call), "close", "idle", or None when a poll
+        brought nothing."""
+        message = [None]
+        if self.chief:
+            left = self.session.spec.idle_timeout_s - (time.monotonic() - idle_since)
+            answer = self.link.next_call(wait_s=min(left, _POLL_S)) if left > 0 else None
+            if answer is None:
+                message = ["idle"]
+            elif answer.close:
+                message = ["close"]
+            elif answer.call is not None:
+                message = [(answer.call_id, answer.number, answer.call)]
+        dist.broadcast_object_list(message, src=0)
+        return message[0]
+
+    # ------------------------------------------------------------ calls
+
+    def forward_backward(self, call: ForwardBackward) -> dict:
+        if self.pending_gradients:
+            raise CallError("the gradients of the previous forward_backward are not applied yet: call optim_step "
+                            "first (or send all the sequences in one forward_backward)", "call.data")
+        self._check_tokens([d.tokens for d in call.data], "call.data")
+        mine = list(range(self.rank, len(call.data), self.world))
+        data = [call.data[i] for i in mine] or [call.data[0]]  # a rank without a datum still meets its peers
+        batch = _padded(data, self.device)
+        if not mine:
+            batch["weights"].zero_()
+        # dropout masks follow the optimizer step, so a group resumed from a state draws the same ones
+        torch.manual_seed(step_rng_seed(self.run.seed, self.engine.global_steps, self.rank))
+        logprobs = self._logprobs(batch["tokens"])
+        loss = LOSSES[call.loss_fn](logprobs, batch["weights"], batch["advantages"], batch["sampler"],
+                                    call.clip_epsilon)
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.backward(loss * self.world, scale_wrt_gas=False)  # DeepSpeed averages over ranks: a sum
+        self.pending_gradients = True
+        values = [lp[: len(d.tokens)].tolist() for lp, d in zip(logprobs.detach(), data)] if mine else []
+        (total,) = self.collectives.all_sum(loss.item())  # 0 on a rank without a datum
+        return {"loss": total, "logprobs": _in_order(mine, values, self.world, len(call.data))}
+
+    def optim_step(self, call: OptimStep) -> dict:
+        if not self.pending_gradients:
+            raise CallError("no gradients to apply: call forward_backward first", "call")
+        for group in self.engine.optimizer.param_groups:
+            group.update(lr=call.learning_rate, betas=(call.beta1, call.beta2), eps=call.eps,
+                         weight_decay=call.weight_decay)
+        self.engine.step()
+        self.pending_gradients = False
+        return {"step": int(self.engine.global_steps)}
+
+    def sample(self, call: Sample) -> dict:
+        prompts = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else p
+                   for p in call.prompts]
+        self._check_tokens(prompts, "call.prompts")
+        stops = tuple(self._stop_token(s, i) for i, s in enumerate(call.stop))
+        wanted = [(i, p) for i, p in enumerate(prompts) for _ in range(call.n)]
+        share = wanted[self.rank :: self.world]
+        rows = share + [wanted[0]] * (math.ceil(len(wanted) / self.world) - len(share)) if self.lockstep else share
+        seed = call.seed if call.seed is not None else step_rng_seed(self.run.seed, self.call_number, 0) % 2**31
+        # generate_batch seeds row i with seed + i: every sequence of the call its own draw
+        tokens = generate_batch(self.engine.module, [p for _, p in rows],
+                                SamplingParams(call.max_tokens, temperature=call.temperature,
+                                               seed=seed + self.rank * len(rows), stop_token_ids=stops),
+                                eos_token_id=self.tokenizer.eos_token_id, lockstep=self.lockstep) if rows else []
+        logprobs = self._sampled_logprobs([p for _, p in rows], tokens) if rows else []
+        mine = [{"prompt_index": i, "prompt_tokens": p, "tokens": t, "logprobs": lp,
+                 "text": self.tokenizer.decode(t, skip_special_tokens=True)}
+                for (i, p), t, lp in zip(share, tokens, logprobs)]
+        return {"sequences": _in_order(list(range(self.rank, len(wanted), self.world)), mine, self.world,
+                                       len(wanted))}
+
+    def save_state(self, call: SaveState) -> dict:
+        local = os.path.join(self.node_dir, "state")
+        save_checkpoint(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
+        return {"uri": self._upload(local, _state_uri(self.run.output_uri, call.name)),
+                "step": int(self.engine.global_steps)}
+
+    def load_state(self, call: LoadState) -> dict:
+        uri, local = _state_uri(self.run.output_uri, call.name), os.path.join(self.node_dir, "state")
+        saved = self.chief and storage.exists(storage.join(uri, "deepspeed", "latest"))
+        (found,) = self.collectives.all_sum(float(saved))
+        if not found:
+            raise CallError(f"no saved state named {call.name!r} in this session ({uri})", "call.name")
+        if self.node_leader:
+            storage.download_dir(uri, local)
+        self.collectives.barrier()
+        load_checkpoint(self.engine, local)
+        self.collectives.barrier()
+        if self.node_leader:
+            shutil.rmtree(local)
+        self.pending_gradients = False
+        return {"uri": uri, "step": int(self.engine.global_steps)}
+
+    def save_weights(self, call: SaveWeights) -> dict:
+        local = os.path.join(self.node_dir, "weights")
+        save_adapter(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
+        return {"uri": self._upload(local, storage.join(self.run.output_uri, "weights", call.name))}
+
+    # ------------------------------------------------------------ helpers
+
+    def _upload(self, local: str, uri: str) -> str:
+        self.collectives.barrier()
+        if self.node_leader:
+            storage.upload_dir(local, uri)
+            shutil.rmtree(local)
+        self.collectives.barrier()
+        return uri
+
+    def _logprobs(self, tokens):
+        """[B, T] log-probability of each token given the ones before it (0 at position 0)."""
+        logits = self.engine(input_ids=tokens).logits[:, :-1].float()
+        picked = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+        return torch.nn.functional.pad(picked, (1, 0))
+
+    def _sampled_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+        """Each completion's tokens' log-probabilities under the adapter that drew them (one forward per rank)."""
+        data = [p + c if c else p + [self.tokenizer.eos_token_id] for p, c in zip(prompts, completions)]
+        was_training = self.engine.module.training
+        self.engine.module.eval()
+        with torch.no_grad():
+            logprobs = self._logprobs(_padded_tokens(data, self.device))
+        self.engine.module.train(was_training)
+        return [lp[len(p) : len(p) + len(c)].tolist() for lp, p, c in zip(logprobs, prompts, completions)]
+
+    def _check_tokens(self, sequences: list[list[int]], param: str) -> None:
+        vocab = self.model.config.vocab_size
+        for i, tokens in enumerate(sequences):
+            if any(not 0 <= t < vocab for t in tokens):
+                raise CallError(f"{param}[{i}]: token ids must be in [0, {vocab})", f"{param}[{i}]")
+
+    def _stop_token(self, stop: str | int, i: int) -> int:
+        ids = [stop] if isinstance(stop, int) else self.tokenizer(stop, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise CallError(f"stop[{i}]: {stop!r} is {len(ids)} tokens; a stop must be one token", f"call.stop[{i}]")
+        return ids[0]
+
+
+def _state_uri(output_uri: str, name: str) -> str:
+    return storage.join(output_uri, "states", name)
+
+
+def _padded_tokens(sequences: list[list[int]], device):
+    width = max(len(s) for s in sequences)
+    tokens = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = torch.tensor(s)
+    return tokens.to(device)
+
+
+def _padded(data: list, device) -> dict:
+    """Right-padded tokens and per-token tensors; padding and position 0 weigh nothing."""
+    width = max(len(d.tokens) for d in data)
+    out = {"tokens": _padded_tokens([d.tokens for d in data], device)}
+    for key, field, default in (("weights", "weights", 1.0), ("advantages", "advantages", 0.0),
+                                ("sampler", "logprobs", 0.0)):
+        t = torch.zeros((len(data), width))
+        for i, d in enumerate(data):
+            values = getattr(d, field)
+            t[i, : len(d.tokens)] = torch.tensor(values) if values is not None else default
+        out[key] = t.to(device)
+    out["weights"][:, 0] = 0.0
+    return out
+
+
+def _in_order(mine: list[int], values: list, world: int, total: int) -> list:
+    """Every rank's values (this rank's at indices `mine`) back in the call's order, on every rank."""
+    gathered = [None] * world
+    dist.all_gather_object(gathered, list(zip(mine, values)))
+    ordered = [None] * total
+    for pairs in gathered:
+        for i, v in pairs:
+            ordered[i] = v
+    return ordered
+
+
+def session_loop_per_worker(config: dict) -> None:
+    """Entry point for ray.train.torch.TorchTrainer; `config` comes from workers.sessions.driver."""
+    worker = SessionWorker(config)
+    try:
+        worker.start()
+        reason = worker.serve()
+        if worker.chief:
+            worker.link.ended(reason)
+    finally:
+        worker.metrics.close()
