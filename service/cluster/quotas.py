@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models.job_create import JobCreate
@@ -21,9 +22,9 @@ ANY_TENANT = "*"  # the quota of every tenant not named
 
 
 class TenantQuota(BaseModel):
-    """Unset: no limit."""
+    """Unset: no limit. The Helm chart's camelCase keys (maxRunningJobs, ...) are accepted too."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
     max_running_jobs: int | None = Field(None, ge=0)
     max_workers: int | None = Field(None, ge=1)  # workers of its running jobs together (one GPU each on GPU jobs)

@@ -24,6 +24,8 @@ VALUE_SETS: dict[str, dict] = {
         "imagePullSecrets": [{"name": "registry-creds"}],
         "controlPlane": {
             "maxRunningJobs": 8,
+            "replicas": 3,
+            "tenantQuotas": {"*": {"maxRunningJobs": 2, "gpuHours": 500}, "team-a": {"maxWorkers": 64}},
             "defaultOutputUri": "s3://ml-outputs/moetune",
             "extraEnv": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
             "ingress": {"enabled": True, "className": "nginx",
@@ -68,6 +70,7 @@ VALUE_SETS: dict[str, dict] = {
         "auth": {"apiTokens": "tok-a:team-a,tok-b:team-b"},
     },
     "bare": {
+        "controlPlane": {"replicas": 1},
         "ray": {"auth": {"enabled": False}},
         "monitoring": {"grafanaDashboards": {"enabled": False}},
         "serviceAccount": {"create": False},

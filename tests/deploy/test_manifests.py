@@ -268,3 +268,22 @@ def test_control_plane_env_is_settings_the_service_reads_and_accepts(chart, rend
     assert settings.worker_env_passthrough == control_plane["workerEnvPassthrough"]
     assert settings.max_running_jobs == control_plane["maxRunningJobs"]
     assert settings.default_output_uri == control_plane["defaultOutputUri"]
+    assert (settings.scheduler_lease_s, settings.scheduler_lease_renew_s) == (
+        control_plane["schedulerLease"]["leaseSeconds"], control_plane["schedulerLease"]["renewSeconds"])
+    assert {tenant: quota.model_dump(by_alias=True, exclude_none=True)
+            for tenant, quota in settings.tenant_quotas.items()} == control_plane["tenantQuotas"]
+
+
+def test_replicas_roll_one_at_a_time_and_a_disruption_budget_keeps_one_serving(chart, rendered):
+    deployment = rendered.one("Deployment")
+    replicas = chart.merge_values(rendered.values)["controlPlane"]["replicas"]
+    assert deployment["spec"]["replicas"] == replicas
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    budgets = rendered.find("PodDisruptionBudget")
+    if replicas < 2:  # a budget for one pod would block every node drain
+        assert not budgets
+        return
+    (budget,) = budgets
+    assert budget["spec"]["minAvailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]

@@ -24,7 +24,10 @@ def test_the_schema_accepts_the_defaults_and_every_value_set(chart, value_set):
     ({"ray": {"head": {"shmSize": "8 GB"}}}, "/ray/head/shmSize"),
     ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "resources": {},
                                 "shmSize": "8Gi", "weightsCacheGiB": "400Gi"}]}}, "/ray/workerGroups/0/weightsCacheGiB"),
-    ({"controlPlane": {"replicas": 2}}, "/controlPlane/replicas"),
+    ({"controlPlane": {"replicas": -1}}, "/controlPlane/replicas"),
+    ({"controlPlane": {"schedulerLease": {"leaseSeconds": 0, "renewSeconds": 1}}},
+     "/controlPlane/schedulerLease/leaseSeconds"),
+    ({"controlPlane": {"tenantQuotas": {"team-a": {"gpuHour": 10}}}}, "/controlPlane/tenantQuotas/team-a"),
     ({"controlPlane": {"replcas": 1}}, "/controlPlane"),
     ({"controlPlane": {"maxRunningJobs": -1}}, "/controlPlane/maxRunningJobs"),
     ({"controlPlane": {"schedulerIntervalSeconds": 0}}, "/controlPlane/schedulerIntervalSeconds"),
@@ -53,8 +56,10 @@ def test_schema_rejects_bad_values_naming_the_key(chart, values, where):
     ({"ray": {"enabled": False}}, "ray.externalAddress is required"),
     ({"ray": {"enabled": False, "externalAddress": "http://ray:8265"}}, "give its token"),
     ({"s3": {"accessKeyId": "AKIA"}}, "s3.accessKeyId needs s3.secretAccessKey"),
+    ({"controlPlane": {"schedulerLease": {"leaseSeconds": 3, "renewSeconds": 3}}},
+     "renewSeconds must be below leaseSeconds"),
 ], ids=["two-databases", "no-database", "replicas-over-max", "no-ray-address", "external-ray-no-token",
-        "half-s3-keys"])
+        "half-s3-keys", "lease-renewed-too-rarely"])
 def test_impossible_combinations_fail_the_render_with_a_clear_message(chart, values, message):
     with pytest.raises(helm.HelmRenderError, match=message):
         chart.render(values, name="mt", namespace="ml")

@@ -135,6 +135,11 @@ pod, so they never travel in a job's runtime_env, which Ray's dashboard shows). 
 {{- if and (not .Values.ray.enabled) .Values.ray.auth.enabled (not (or .Values.ray.auth.token .Values.ray.auth.existingSecret)) }}
 {{- fail "ray.auth: with an external Ray cluster, give its token (ray.auth.token or ray.auth.existingSecret)" }}
 {{- end }}
+{{- with .Values.controlPlane.schedulerLease }}
+{{- if ge (float64 .renewSeconds) (float64 .leaseSeconds) }}
+{{- fail "controlPlane.schedulerLease: renewSeconds must be below leaseSeconds (the lease would lapse between renewals)" }}
+{{- end }}
+{{- end }}
 {{- if and .Values.ray.enabled (not .Values.ray.workerGroups) }}
 {{- fail "ray.workerGroups: the RayCluster needs at least one worker group for training workers" }}
 {{- end }}
