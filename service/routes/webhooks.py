@@ -22,6 +22,7 @@ from moetune.service.webhooks.signing import secret_hint
 
 router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"], responses={
     code: {"model": ErrorResponse, "description": what} for code, what in (
+        (400, "The request body could not be parsed"),
         (401, "Missing or invalid API token"),
         (404, "No such webhook endpoint for this tenant"),
         (422, "Invalid url or event_types; `error.param` names the field"),
