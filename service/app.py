@@ -13,8 +13,8 @@ from moetune.api.errors import ErrorCode
 from moetune.api.models.responses import ErrorResponse
 from moetune.service.auth import TenantResolver
 from moetune.service.base_models import BaseModels
-from moetune.service.cluster.scheduler import Scheduler
 from moetune.service.cluster.leader import LeaderLease
+from moetune.service.cluster.scheduler import Scheduler
 from moetune.service.console import pages as console
 from moetune.service.errors import error_response, install_error_handlers
 from moetune.service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     store = Store(settings.database_url)
     lease = LeaderLease(store, settings.scheduler_lease_s, settings.scheduler_lease_renew_s)
-    metrics = ControlPlaneMetrics(store, lease, settings.tenant_quotas)
+    metrics = ControlPlaneMetrics(store, lambda: lease.epoch() is not None, settings.tenant_quotas)
     metrics.registry.register(SessionsCollector(store))
     scheduler = Scheduler(store, settings, on_dependency_error=metrics.count_dependency_error, lease=lease)
 

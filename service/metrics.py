@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -11,8 +12,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moetune.api.models.responses import JobStatus
-from moetune.service.cluster import quotas
-from moetune.service.cluster.leader import LeaderLease
+from moetune.service import quotas
 from moetune.service.store import SLOT_STATUSES, Store
 
 log = logging.getLogger(__name__)
@@ -46,16 +46,15 @@ class _JobsCollector(Collector):
 class _TenantsCollector(Collector):
     """Each tenant's quota usage (and the quotas set), and whether this replica holds the scheduler lease."""
 
-    def __init__(self, store: Store, lease: LeaderLease, tenant_quotas: dict[str, quotas.TenantQuota]):
-        self.store, self.lease, self.tenant_quotas = store, lease, tenant_quotas
+    def __init__(self, store: Store, leads: Callable[[], bool], tenant_quotas: dict[str, quotas.TenantQuota]):
+        self.store, self.leads, self.tenant_quotas = store, leads, tenant_quotas
 
     def describe(self):
         return []
 
     def collect(self):
-        epoch = self.lease.epoch()
         yield GaugeMetricFamily("moetune_scheduler_leader", "1 while this replica holds the scheduler lease "
-                                "(it alone submits jobs), else 0.", value=int(epoch is not None))
+                                "(it alone submits jobs), else 0.", value=int(self.leads()))
         try:
             usage = quotas.usage_by_tenant(self.store, self.store.jobs_with_status(*SLOT_STATUSES), time.time())
         except Exception:
@@ -82,10 +81,10 @@ class _TenantsCollector(Collector):
 
 
 class ControlPlaneMetrics:
-    def __init__(self, store: Store, lease: LeaderLease, tenant_quotas: dict[str, quotas.TenantQuota]):
+    def __init__(self, store: Store, leads: Callable[[], bool], tenant_quotas: dict[str, quotas.TenantQuota]):
         self.registry = CollectorRegistry()
         self.registry.register(_JobsCollector(store))
-        self.registry.register(_TenantsCollector(store, lease, tenant_quotas))
+        self.registry.register(_TenantsCollector(store, leads, tenant_quotas))
         self.request_latency = Histogram(
             "moetune_http_request_duration_seconds",
             "Time until the response headers are sent, by route template.",

@@ -13,7 +13,7 @@ from moetune.api.images import ImageLimits
 from moetune.api.models.base import URI_SCHEMES
 from moetune.api.plans import parse_cluster
 from moetune.service.base_models import parse_base_models
-from moetune.service.cluster.quotas import TenantQuota
+from moetune.service.quotas import TenantQuota
 
 
 class Settings(BaseSettings):
@@ -38,7 +38,7 @@ class Settings(BaseSettings):
     scheduler_lease_s: float = 10.0
     scheduler_lease_renew_s: float = 3.0
     # Per tenant, JSON {"tenant": {"max_running_jobs": 2, "max_workers": 16, "gpu_hours": 500}, "*": {...}} ("*":
-    # every tenant not named; a missing key: no limit). See service/cluster/quotas.py.
+    # every tenant not named; a missing key: no limit). See service/quotas.py.
     tenant_quotas: dict[str, TenantQuota] = {}
     # Webhook deliveries (service/webhooks/): a failed one is retried after base, 2 x base, ... up to max seconds
     # (jittered), for retry_for seconds after its event (72 h like OpenAI's; never under 24 h) before it is given up.

@@ -94,7 +94,7 @@ class JobRow(Base):
     # Why a queued job has not started yet (the cluster's free resources), shown on the job; None once it runs.
     queue_reason: Mapped[str | None] = mapped_column(Text)
     # The GPUs its workers take (num_workers x gpus_per_worker) and the GPU-seconds its ended runs used: the
-    # tenant's GPU-hour budget (service/cluster/quotas.py). A run's time is added when it leaves a slot status.
+    # tenant's GPU-hour budget (service/quotas.py). A run's time is added when it leaves a slot status.
     gpus: Mapped[int] = mapped_column(Integer, default=0)
     gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
 

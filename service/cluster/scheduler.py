@@ -27,10 +27,10 @@ from moetune.api.models.job_run import JobRunSpec, ResultReport
 from moetune.api.models.parallelism import ParallelismSpec
 from moetune.api.models.responses import ErrorInfo, JobStatus
 from moetune.service.auth import hash_token, new_job_token
-from moetune.service.cluster import quotas
 from moetune.service.cluster.leader import LeaderLease
 from moetune.service.cluster.ray_jobs import RayJobs, RayUnavailable
 from moetune.service.cluster.resources import Shortage, never_placeable, wait_reason
+from moetune.service import quotas
 from moetune.service.lifecycle import SLOT_STATUSES, finish_job
 from moetune.service.settings import Settings
 from moetune.service.store import JobRow, Store

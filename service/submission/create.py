@@ -13,8 +13,8 @@ from moetune.api.models.base import SpecError
 from moetune.api.models.job_create import JobCreate, resolve_spec
 from moetune.api.models.responses import JobStatus
 from moetune.service.base_models import BaseModels
-from moetune.service.cluster.quotas import check_submission
 from moetune.service.errors import APIException, invalid_request
+from moetune.service.quotas import check_submission
 from moetune.service.settings import Settings
 from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
 from moetune.service.submission.data_images import check_data_images
