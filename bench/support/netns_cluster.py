@@ -176,6 +176,7 @@ class NetnsCluster:
         for node in self.nodes:
             with suppress(subprocess.CalledProcessError):
                 _ip("netns", "del", node.netns)
+            shutil.rmtree(f"/etc/netns/{node.netns}", ignore_errors=True)
         with suppress(subprocess.CalledProcessError):
             _ip("link", "del", self.bridge)
         shutil.rmtree(self.root, ignore_errors=True)
@@ -206,6 +207,11 @@ def _subnet(tag: str) -> str:
 def _add_namespace(tag: str, index: int, name: str, bridge: str, subnet: str) -> tuple[str, str, str]:
     netns, host_veth, address = f"mt{tag}-{name}", f"mt{tag}{index}h", f"{subnet}.{10 + index}"
     _ip("netns", "add", netns)
+    # `ip netns exec` mounts /etc/netns/<netns>/hosts over /etc/hosts: the node's hostname resolves to its address,
+    # as a pod's does (Gloo binds to what the hostname resolves to, else falls back to loopback)
+    os.makedirs(f"/etc/netns/{netns}", exist_ok=True)
+    with open(f"/etc/netns/{netns}/hosts", "w") as hosts:
+        hosts.write(f"127.0.0.1 localhost\n{address} {name}\n")
     _ip("link", "add", host_veth, "type", "veth", "peer", "name", f"mt{tag}{index}n")
     _ip("link", "set", f"mt{tag}{index}n", "netns", netns)
     _ip("link", "set", host_veth, "master", bridge, "up")

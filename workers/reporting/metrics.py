@@ -32,13 +32,14 @@ class WorkerMetrics:
     def __init__(self, job_id: str, rank: int, local_rank: int, device, event, settings: WorkerSettings):
         """Starts serving at once (phase "loading"); `event(message, level=...)` reports exporter problems."""
         self.chief = rank == 0
-        node = socket.gethostname()
+        node, address = socket.gethostname(), _node_address()
         self.labels = {"job_id": job_id, "node": node, "rank": str(rank)}
         disable_created_metrics()  # no `_created` twin of every counter: half the series, nothing lost
         self.registry = CollectorRegistry()
         self.registry.register(ProcessCollector(self.labels, device))
         if local_rank == 0:
-            self.registry.register(NodeCollector({"job_id": job_id, "node": node}))
+            # the node's address too: where its NICs' bytes go (hostnames may repeat across clusters)
+            self.registry.register(NodeCollector({"job_id": job_id, "node": node, "address": address}))
         self.phase = self._gauge("moetune_worker_phase", "1 for the phase the worker is in", "phase")
         self.step_seconds = self._gauge("moetune_train_step_seconds",
                                         "Wall time of the last step, with its evaluation if it had one")
@@ -58,7 +59,7 @@ class WorkerMetrics:
                                                                 "evaluation rows, 0..1) at the last evaluation", "metric")
             self.tokens_counted = 0
         self.set_phase("loading")
-        self.exporter = Exporter(self.registry, local_rank, _node_address(), f"{job_id}-rank{rank}",
+        self.exporter = Exporter(self.registry, local_rank, address, f"{job_id}-rank{rank}",
                                  settings.metrics_port, settings.metrics_targets_dir)
         for warning in self.exporter.warnings:
             event(f"Rank {rank}: {warning}", level="warn")
