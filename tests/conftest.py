@@ -13,7 +13,7 @@ import pytest
 from moetune.service.local.embedded import local_ray_head, local_s3_server, s3_env
 from moetune.workers.settings import use_prebuilt_ops
 from tests.support import REPO
-from tests.support.receiver import ReportReceiver
+from bench.support.receiver import ReportReceiver
 
 # What the benchmarks run too (the EP harness, tiny models, quantized checkpoints, ...) is imported as bench.support:
 # the repository root goes last on sys.path, so that an installed package named like one of its folders (the
@@ -64,7 +64,7 @@ def ray_head(s3_endpoint):
 
 @pytest.fixture
 def receiver():
-    """A ReportReceiver on loopback for this test (tests.support.receiver)."""
+    """A ReportReceiver on loopback for this test (bench.support.receiver)."""
     r = ReportReceiver()
     yield r
     r.server.shutdown()

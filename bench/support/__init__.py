@@ -6,5 +6,7 @@ bench/ imports tests):
 - image_batches: image rows, the image method and model, the EP run of an image batch;
 - quantized: tiny FP8 / INT4 / MXFP4 checkpoints and their dequantized reference;
 - adapters: a tiny checkpoint and adapters in moetune's export layout;
-- proxy: a loopback HTTP proxy that injects storage faults.
+- proxy: a loopback HTTP proxy that injects storage faults;
+- receiver: a receiver of worker reports;
+- netns_cluster, cluster_job: a multi-node Ray cluster in network namespaces, and its tiny job through node faults.
 """

@@ -1,4 +1,5 @@
-"""A loopback receiver of worker reports: what the control plane's report endpoint is to a Reporter."""
+"""A receiver of worker reports (on loopback unless told): what the control plane's report endpoint is to a
+Reporter."""
 
 from __future__ import annotations
 
