@@ -13,13 +13,14 @@ import pytest
 from moetune.service.local.embedded import local_ray_head, local_s3_server, s3_env
 from moetune.workers.settings import use_prebuilt_ops
 from tests.support import REPO
-from bench.support.receiver import ReportReceiver
 
 # What the benchmarks run too (the EP harness, tiny models, quantized checkpoints, ...) is imported as bench.support:
 # the repository root goes last on sys.path, so that an installed package named like one of its folders (the
 # `kernels` that transformers loads hub kernels with) still wins.
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
+
+from bench.support.receiver import ReportReceiver  # noqa: E402 - importable once the root is on sys.path
 
 # Every process the suite starts (the Ray head and its workers, EP harness children) loads the DeepSpeed op that
 # `make install` prebuilt into this virtualenv (with its ninja) instead of compiling it again.
