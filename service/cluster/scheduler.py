@@ -142,7 +142,7 @@ class Scheduler:
             state = self.ray.state(job.ray_submission_id)
             if state is None:
                 self._requeue_lost(job, f"Ray no longer knows job {job.ray_submission_id} (its Ray head "
-                                        "restarted)")
+                                        "restarted)", fence=self._epoch)
             elif state.status in ("FAILED", "STOPPED"):
                 self._fail(job, ErrorCode.driver_failed, short_cause(state.message))
             elif state.status == "SUCCEEDED":
@@ -165,10 +165,12 @@ class Scheduler:
             return False
         return self._requeue_lost(job, cause)
 
-    def _requeue_lost(self, job: JobRow, cause: str) -> bool:
+    def _requeue_lost(self, job: JobRow, cause: str, fence: int | None = None) -> bool:
         """A job whose Ray submission vanished goes back into the queue (a pausing one ends paused) as its next
         attempt, which resumes from the newest complete checkpoint; after _MAX_ATTEMPTS it fails as
-        ray_job_lost (a job that takes its head down every time)."""
+        ray_job_lost (a job that takes its head down every time). `fence`: the scheduler pass's lease epoch (its
+        view of Ray may be stale once deposed: the new leader may already run the next attempt); a driver's
+        report, which any replica receives, is fresh and needs none."""
         if job.attempt >= _MAX_ATTEMPTS:
             self._fail(job, ErrorCode.ray_job_lost, f"{cause}; attempt {job.attempt} of {_MAX_ATTEMPTS}, no more")
             return True
@@ -178,7 +180,7 @@ class Scheduler:
             to, message = JobStatus.queued, f"Job requeued: {cause}; the next attempt continues from its last " \
                                             "checkpoint"
         moved = self.store.transition(job.id, [JobStatus(job.status)], to, message, level="warn",
-                                      fence=self._epoch, attempt=JobRow.attempt + 1, estimated_finish=None)
+                                      fence=fence, attempt=JobRow.attempt + 1, estimated_finish=None)
         if moved:
             log.warning("job %s: %s", job.id, message)
         return moved

@@ -250,3 +250,12 @@ def test_a_tenant_over_its_worker_quota_waits_with_the_numbers():
     assert wait_reason({"t": TenantQuota(max_workers=4)}, usage, job) == (
         "waiting for tenant t's jobs to free workers (2 in use, this job needs 3, its quota max_workers=4)")
     assert wait_reason({"*": TenantQuota(max_workers=5)}, usage, job) is None
+
+
+def test_the_default_lease_replaces_a_lost_leader_within_15_s():
+    from moetune.service.settings import Settings
+
+    settings = Settings()
+    assert settings.scheduler_lease_s + settings.scheduler_lease_renew_s + settings.scheduler_interval_s < 15
+    with pytest.raises(ValueError, match="scheduler_lease_renew_s must be > 0 and below scheduler_lease_s"):
+        Settings(scheduler_lease_s=3, scheduler_lease_renew_s=3)
