@@ -81,9 +81,13 @@ class DeliveryLoop:
                .join(EndpointRow, EndpointRow.id == DeliveryRow.endpoint_id)
                .where(DeliveryRow.status == PENDING, DeliveryRow.next_attempt_at <= now)
                .order_by(DeliveryRow.next_attempt_at).limit(BATCH))
+        with self.store._sessions() as s:
+            rows = s.execute(due).all()
+        if not rows:  # the usual pass: no write transaction
+            return []
         claimed = []
         with self.store._write() as s:
-            for row, url, secret in s.execute(due).all():
+            for row, url, secret in rows:
                 taken = s.execute(update(DeliveryRow).where(
                     DeliveryRow.seq == row.seq, DeliveryRow.status == PENDING,
                     DeliveryRow.next_attempt_at == row.next_attempt_at).values(next_attempt_at=claim_until))
