@@ -57,6 +57,11 @@ class ErrorCode(StrEnum):
     alignment_failed = "alignment_failed"  # a swapped operator differs from its reference (alignment_check)
     training_failed = "training_failed"  # any other training failure (also a failed result without an error)
 
+    # ---- training sessions (/v1/training_sessions): answers, and a call's or a session's error
+    session_not_open = "session_not_open"  # 409: the session is closing, closed or failed (a call not run says so)
+    session_restarted = "session_restarted"  # a call the worker group was running when it was restarted
+    session_failed = "session_failed"  # the session's worker group failed (the cause follows)
+
     @classmethod
     def invalid_file(cls, param: str) -> ErrorCode:
         """The code of a data file that cannot be used: `param` is "training_file", "validation_file" or

@@ -37,7 +37,6 @@ router = APIRouter(prefix="/v1/training_sessions", tags=["training sessions"], r
         (422, "Invalid session or call; `error.param` names the field"),
     )})
 internal = APIRouter(prefix=SESSION_INTERNAL, tags=["internal"], include_in_schema=False)
-SESSION_NOT_OPEN = "session_not_open"
 _MAX_WAIT_S = 60.0
 
 
@@ -72,7 +71,7 @@ def _end(request: Request, row: SessionRow, reason: str, error: ErrorInfo | None
                            close_reason=reason, error=error.model_dump() if error else None, token_hash=None):
         message = error.message if error else f"the session was {reason}"
         records.fail_calls(store, row.id, (records.PENDING, records.RUNNING),
-                           ErrorInfo(code=SESSION_NOT_OPEN, message=f"Not run: {message}").model_dump())
+                           ErrorInfo(code=ErrorCode.session_not_open, message=f"Not run: {message}").model_dump())
         request.app.state.session_changes.notify()
 
 
@@ -87,7 +86,7 @@ def _start(request: Request, row: SessionRow) -> None:
 
 def _open(row: SessionRow) -> None:
     if row.status not in OPEN_STATUSES:
-        raise APIException(409, SESSION_NOT_OPEN, f"Training session {row.id} is {row.status}"
+        raise APIException(409, ErrorCode.session_not_open, f"Training session {row.id} is {row.status}"
                            + (f" ({row.close_reason})" if row.close_reason else "") + ": it takes no more calls.")
 
 
@@ -143,10 +142,11 @@ def restart(session_id: str, request: Request, tenant: Tenant, store: StoreDep) 
     _open(row)
     ray = request.app.state.scheduler.ray
     if not records.set_session(store, row.id, OPEN_STATUSES, group=row.attempt, status="starting", token_hash=None):
-        raise APIException(409, SESSION_NOT_OPEN, f"Training session {row.id} changed meanwhile; retry.")
+        raise APIException(409, ErrorCode.session_not_open, f"Training session {row.id} changed meanwhile; retry.")
     launch.stop_group(ray, row)
-    records.fail_calls(store, row.id, (records.RUNNING,), ErrorInfo(
-        code="session_restarted", message="The worker group was restarted while it ran this call.").model_dump())
+    restarted = ErrorInfo(code=ErrorCode.session_restarted,
+                          message="The worker group was restarted while it ran this call.")
+    records.fail_calls(store, row.id, (records.RUNNING,), restarted.model_dump())
     records.set_session(store, row.id, ("starting",), group=row.attempt, attempt=row.attempt + 1)
     _start(request, records.get_session(store, row.id))
     request.app.state.session_changes.notify()
@@ -190,7 +190,8 @@ def _group(request: Request, session_id: str, attempt: int) -> SessionRow:
     row = records.get_session(request.app.state.store, session_id)
     if row is None or not job_token_matches(bearer_token(request), row.token_hash):
         if row is not None and (row.attempt != attempt or row.token_hash is None):
-            raise APIException(409, SESSION_NOT_OPEN, f"Group {attempt} of session {session_id} no longer serves.")
+            raise APIException(409, ErrorCode.session_not_open,
+                               f"Group {attempt} of session {session_id} no longer serves.")
         raise unauthorized("Invalid session token.", code=ErrorCode.invalid_job_token)
     return row
 

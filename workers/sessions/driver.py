@@ -16,6 +16,7 @@ import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from moetune.api.errors import ErrorCode
 from moetune.api.models.responses import ErrorInfo
 from moetune.api.models.training_sessions import SessionRunSpec
 from moetune.workers.sessions.control import SessionLink
@@ -55,7 +56,7 @@ def main() -> int:
         log.exception("session %s: the worker group failed", session.session_id)
         cause = e.__cause__ or e
         SessionLink(settings.callback_url, settings.job_token, session).ended(
-            "failed", ErrorInfo(code="session_failed", message=f"{type(cause).__name__}: {cause}"))
+            "failed", ErrorInfo(code=ErrorCode.session_failed, message=f"{type(cause).__name__}: {cause}"))
         return 1
 
 

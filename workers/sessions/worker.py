@@ -20,6 +20,7 @@ import torch.distributed as dist
 from moetune.api import storage
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.job_run import JobRunSpec
+from moetune.api.errors import ErrorCode
 from moetune.api.models.responses import ErrorInfo
 from moetune.api.models.training import TrainingSpec
 from moetune.api.models.training_sessions import (
@@ -103,7 +104,7 @@ class SessionWorker(_Worker):
                 result, error = getattr(self, call.kind)(call), None
                 result["worker_ms"] = (time.perf_counter() - started) * 1e3  # the call's cost beyond the API's
             except CallError as e:
-                result, error = None, ErrorInfo(code="invalid_request", message=str(e), param=e.param)
+                result, error = None, ErrorInfo(code=ErrorCode.invalid_request, message=str(e), param=e.param)
             if self.chief:
                 self.link.outcome(call_id, result, error)
             idle_since = time.monotonic()
