@@ -1,0 +1,125 @@
+"""Preference and RL training, measured: DPO's step against SFT's on the same rows, the training-session API's
+per-call overhead, and what examples/rl_grpo.py's loop gains.
+
+- `dpo_step_ratio`: one process, the tiny kimi_linear checkpoint with its kernel swaps and LoRA; the median time of
+  a step (collate, the method's loss, backward, AdamW) of workers.methods' DPO (a policy and a LoRA-off reference
+  forward per pair) over SFT on the same rows (the prompt and the preferred answer).
+- `session_call_overhead_ms`: a training session on the embedded stack (`moetune up`'s S3 server, Ray head and
+  control plane, in a temporary state folder): the median of a forward_backward's round trip through the SDK
+  (queue, the group's long poll, the outcome's long poll) less the time the worker itself spent on it.
+- `grpo_reward_gain`: rl_grpo.grpo on that session; the mean reward of its last 3 iterations less that of its
+  first (sampled before any update: the base with a fresh LoRA).
+
+    python bench/rl.py [--iterations 12] [--calls 10]
+
+Ends with `RESULT dpo_step_ratio=<x> session_call_overhead_ms=<y> grpo_reward_gain=<z>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: examples
+from examples.rl_grpo import grpo  # noqa: E402
+from moetune.api.client import Client
+from moetune.api.models.job_create import JobCreate
+from moetune.api.training import Training
+from moetune.service.local import stack as local_stack
+from moetune.service.local.demo import BUCKET, MODELS, make_demo_assets
+from moetune.workers.families import apply_kernel_swaps
+from moetune.workers.methods import method_for
+from moetune.workers.model import trainable_model
+from moetune.workers.tiny import write_tiny_checkpoint
+
+LORA = {"rank": 8, "alpha": 16, "dropout": 0.0}
+NAMES = [("ada", "red"), ("bob", "blue"), ("cy", "green"), ("dee", "gold"), ("eve", "teal"), ("fay", "pink")]
+
+
+def _rows() -> list[dict]:
+    return [{"input": {"messages": [{"role": "user", "content": f"what does {name} like?"}]},
+             "preferred_output": [{"role": "assistant", "content": f"{name} likes {colour}."}],
+             "non_preferred_output": [{"role": "assistant", "content": f"{name} likes nothing at all."}]}
+            for name, colour in NAMES]
+
+
+def _step_seconds(checkpoint: str, method_spec: dict | None, rows: list[dict], steps: int) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    job = JobCreate(model="file:///unused", training_file="file:///unused", lora=LORA, method=method_spec,
+                    training={"seq_len": 128, "global_batch_size": len(rows), "micro_batch_size": len(rows)})
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    apply_kernel_swaps(model)
+    torch.manual_seed(1)
+    model = trainable_model(model, job, None).train()
+    method = method_for(job, AutoTokenizer.from_pretrained(checkpoint))
+    examples, _ = method.examples(rows)
+    method.prepare(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    times = []
+    for _ in range(steps + 1):  # the first step warms up
+        started = time.perf_counter()
+        method.loss_sum(model, method.collate(examples)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def dpo_step_ratio(work: Path, steps: int) -> float:
+    checkpoint = write_tiny_checkpoint(str(work / "model"))
+    rows = _rows()
+    sft_rows = [{"messages": r["input"]["messages"] + r["preferred_output"]} for r in rows]
+    dpo = _step_seconds(checkpoint, {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}}, rows, steps)
+    sft = _step_seconds(checkpoint, None, sft_rows, steps)
+    print(f"step: DPO {dpo * 1e3:.1f} ms, SFT {sft * 1e3:.1f} ms ({len(rows)} rows)")
+    return dpo / sft
+
+
+def session_figures(work: Path, calls: int, iterations: int) -> tuple[float, float]:
+    state = work / "stack"
+    stack = local_stack.up(state, base_models={MODELS[False]: f"s3://{BUCKET}/models/{MODELS[False]}"})
+    try:
+        (work / "assets").mkdir()
+        make_demo_assets(work / "assets", stack.s3_endpoint, images=False)
+        with Client(stack.url, stack.token) as client:
+            session = Training(client).create({"model": MODELS[False], "lora": LORA, "seed": 0})
+            try:
+                session.wait_ready(timeout=600)
+                overheads = []
+                for _ in range(calls):
+                    started = time.perf_counter()
+                    out = session.forward_backward([{"tokens": list(range(3, 40))}]).result(timeout=300)
+                    overheads.append((time.perf_counter() - started) * 1e3 - out["worker_ms"])
+                    session.optim_step().result(timeout=300)
+                print(f"forward_backward overhead: median {statistics.median(overheads):.1f} ms, "
+                      f"max {max(overheads):.1f} ms over {calls} calls")
+                means = grpo(session, iterations, seed=0)
+            finally:
+                session.close()
+    finally:
+        local_stack.down(state)
+    return statistics.median(overheads), statistics.fmean(means[-3:]) - means[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=12)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="moetune-bench-rl-") as work:
+        ratio = dpo_step_ratio(Path(work), args.steps)
+        overhead, gain = session_figures(Path(work), args.calls, args.iterations)
+    print(f"RESULT dpo_step_ratio={ratio:.2f} session_call_overhead_ms={overhead:.1f} grpo_reward_gain={gain:.3f}")
+
+
+if __name__ == "__main__":
+    main()
