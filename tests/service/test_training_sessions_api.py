@@ -1,11 +1,15 @@
 """The training-session routes' refusals, without a worker group: a control plane whose Ray is down (the
-end-to-end session is tests/e2e/test_training_sessions.py)."""
+end-to-end session is tests/e2e/test_training_sessions.py); the CLI's view of them."""
 
 from __future__ import annotations
 
 import re
 
+from click.testing import CliRunner
+
+from moetune.service.cli.main import main
 from moetune.service.local.embedded import free_port
+from tests.support.control_plane import TOKENS
 
 
 def test_refusals_name_the_field_and_a_session_ray_never_took_is_failed(start_service):
@@ -32,3 +36,10 @@ def test_refusals_name_the_field_and_a_session_ray_never_took_is_failed(start_se
             assert other.get(f"/v1/training_sessions/{session['id']}").status_code == 404
         metrics = http.get("/metrics").text
     assert re.search(r'moetune_training_sessions\{status="failed"\} 1\.0', metrics)
+    cli = CliRunner(env={"MOETUNE_URL": service.url, "MOETUNE_TOKEN": TOKENS["tenant-a"]})
+    listed = cli.invoke(main, ["sessions", "list"], catch_exceptions=False)
+    assert session["id"] in listed.output and "failed" in listed.output
+    shown = cli.invoke(main, ["sessions", "get", session["id"]], catch_exceptions=False)
+    assert "not reachable" in shown.output
+    refused = cli.invoke(main, ["sessions", "close", session["id"]])
+    assert refused.exit_code == 1 and "409 session_not_open" in refused.output
