@@ -105,6 +105,9 @@ def control_plane_env(s3_endpoint: str, ray_head, work: Path, port: int) -> dict
         "MOETUNE_CALLBACK_URL": f"http://127.0.0.1:{port}",
         "MOETUNE_DEFAULT_OUTPUT_URI": f"s3://{ASSETS_BUCKET}/outputs",
         "MOETUNE_SCHEDULER_INTERVAL_S": "0.5",
+        # a restarted process (a new lease holder) schedules once the killed one's lease ran out: 3 s, not 10
+        "MOETUNE_SCHEDULER_LEASE_S": "3",
+        "MOETUNE_SCHEDULER_LEASE_RENEW_S": "1",
     }
 
 
