@@ -31,6 +31,7 @@ from moetune.service.store import Store
 
 router = APIRouter(prefix="/v1/training_sessions", tags=["training sessions"], responses={
     code: {"model": ErrorResponse, "description": what} for code, what in (
+        (400, "The request body could not be parsed"),
         (401, "Missing or invalid API token"),
         (404, "No such session (or call) for this tenant"),
         (409, "The session is not open"),

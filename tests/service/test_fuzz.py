@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.support.control_plane import TOKENS, run_service, settings_for
 
-MIN_REQUESTS = 2000
+MIN_REQUESTS = 1500
 CHECKS = [schemathesis.checks.not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance, response_headers_conformance]
 AUTH = {"Authorization": f"Bearer {TOKENS['tenant-a']}"}
@@ -39,8 +39,8 @@ def test_generated_requests_get_no_5xx_and_schema_conforming_answers(api_schema)
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
             @given(case=operation.as_strategy(generation_mode=mode))
-            # 100 per operation and mode: the operations grew (files, models, deploy, reports), the time may not
-            @settings(max_examples=100, deadline=None, database=None,
+            # 40 per operation and mode: the operations keep growing (webhooks, training sessions), the time may not
+            @settings(max_examples=40, deadline=None, database=None,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
             def call(case):
                 case.call_and_validate(headers=AUTH, checks=CHECKS, timeout=30)
