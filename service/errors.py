@@ -27,6 +27,11 @@ def invalid_request(message: str, param: str | None = None) -> APIException:
     return APIException(422, ErrorCode.invalid_request, message, param)
 
 
+def documented_errors(*errors: tuple[int, str]) -> dict[int, dict]:
+    """A router's `responses`: each (status, description) answered with an ErrorResponse body."""
+    return {code: {"model": ErrorResponse, "description": what} for code, what in errors}
+
+
 def error_response(status_code: int, code: ErrorCode, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(code=code, message=message, param=param))

@@ -18,23 +18,22 @@ from moetune.api.data_rows import RowError, evaluation_row_problem, parse_rows, 
 from moetune.api.errors import ErrorCode
 from moetune.api.images import MB
 from moetune.api.models.base import FILE_ID_PREFIX
-from moetune.api.models.responses import ErrorResponse, FileDeleted, FileObject, FilePurpose, ListPage
-from moetune.service.errors import APIException, invalid_request
+from moetune.api.models.responses import FileDeleted, FileObject, FilePurpose, ListPage
+from moetune.service.errors import APIException, invalid_request, documented_errors
 from moetune.service.routes.deps import StoreDep, Tenant
 from moetune.service.settings import Settings
 from moetune.service.store import FileRow, Store
 from moetune.service.submission.data_images import row_image_refusal
 from moetune.service.submission.uri_policy import tenant_access
 
-router = APIRouter(prefix="/v1/files", tags=["files"], responses={
-    code: {"model": ErrorResponse, "description": what} for code, what in (
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=documented_errors(
         (400, "The multipart body could not be parsed"),
         (401, "Missing or invalid API token"),
         (404, "No such file for this tenant"),
         (413, "The file is larger than the server's MOETUNE_MAX_UPLOAD_MB"),
         (422, "Not a valid fine-tuning file; `error.message` names the row"),
         (503, "The storage of uploaded files is not reachable"),
-    )})
+    ))
 
 
 def files_root(settings: Settings) -> str:

@@ -13,11 +13,11 @@ from moetune.api.errors import ErrorCode
 from moetune.api.layout import report_html_uri, report_json_uri
 from moetune.api.models.base import SpecError
 from moetune.api.models.job_create import JobCreate, resolve_spec
-from moetune.api.models.responses import Checkpoint, ErrorResponse, Job, JobEvent, ListPage
+from moetune.api.models.responses import Checkpoint, Job, JobEvent, ListPage
 from moetune.api.plans import PlanRequest
 from moetune.api.report import AdaptationReport
 from moetune.service import lifecycle
-from moetune.service.errors import APIException, invalid_request, job_not_found
+from moetune.service.errors import APIException, invalid_request, job_not_found, documented_errors
 from moetune.service.routes.deps import JobView, StoreDep, Tenant
 from moetune.service.routes.event_stream import job_event_stream
 from moetune.service.store import JobRow, Store
@@ -34,13 +34,13 @@ from moetune.service.views import (
 )
 
 # Every error body is an ErrorResponse (the schema says so, replacing FastAPI's own 422 shape).
-_ERRORS = {code: {"model": ErrorResponse, "description": what} for code, what in (
+_ERRORS = documented_errors(
     (400, "The request body could not be parsed"),
     (401, "Missing or invalid API token"),
     (404, "No such job for this tenant"),
     (409, "The job's status does not allow this change, or the Idempotency-Key was used for another request"),
     (422, "Invalid request; `error.param` names the field"),
-)}
+)
 # The same errors for a route whose success is not JSON (FastAPI files an error model under the route's media type)
 _JSON_ERRORS = {code: {"description": error["description"], "content": {"application/json": {
     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}} for code, error in _ERRORS.items()}
@@ -175,7 +175,7 @@ def get_report_page(job_id: str, request: Request, tenant: Tenant, store: StoreD
     return HTMLResponse(_report_bytes(request, job, report_html_uri(job.output_uri)))
 
 
-@plans.post("", responses={503: {"model": ErrorResponse, "description": "The memory planner did not answer"}})
+@plans.post("", responses=documented_errors((503, "The memory planner did not answer")))
 def create_plan(request: Request, body: PlanRequest, tenant: Tenant, store: StoreDep) -> dict:
     """Per-GPU memory of a job on a described cluster and the smallest layout that fits (workers.planner)."""
     settings = request.app.state.settings

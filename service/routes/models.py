@@ -7,21 +7,21 @@ from fastapi.concurrency import run_in_threadpool
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models.job_create import JobCreate
-from moetune.api.models.responses import ErrorResponse, JobStatus
+from moetune.api.models.responses import JobStatus
 from moetune.api.serving import Deployment, ModelList, ModelObject
 from moetune.service.cluster import serve_deploy
-from moetune.service.errors import APIException, job_not_found
+from moetune.service.errors import APIException, job_not_found, documented_errors
 from moetune.service.routes.deps import JobView, StoreDep, Tenant
 from moetune.service.served_models import find_model, list_models
 
-_ERRORS = {code: {"model": ErrorResponse, "description": what} for code, what in (
+_ERRORS = documented_errors(
     (401, "Missing or invalid API token"),
     (404, "No such model (or job) for this tenant"),
-)}
+)
 models = APIRouter(prefix="/v1/models", tags=["models"], responses=_ERRORS)
 deployments = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], responses={
-    **_ERRORS, 409: {"model": ErrorResponse, "description": "The job has not succeeded"},
-    503: {"model": ErrorResponse, "description": "Ray Serve did not accept the application"}})
+    **_ERRORS, **documented_errors((409, "The job has not succeeded"),
+                                   (503, "Ray Serve did not accept the application"))})
 
 
 def model_not_found() -> APIException:

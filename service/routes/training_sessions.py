@@ -9,7 +9,7 @@ import time
 from fastapi import APIRouter, Body, Request
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models.responses import ErrorInfo, ErrorResponse, ListPage
+from moetune.api.models.responses import ErrorInfo, ListPage
 from moetune.api.models.training_sessions import (
     OPEN_STATUSES,
     SESSION_INTERNAL,
@@ -23,20 +23,19 @@ from moetune.api.models.training_sessions import (
 )
 from moetune.service.auth import bearer_token, job_token_matches, unauthorized
 from moetune.service.cluster.ray_jobs import RayUnavailable
-from moetune.service.errors import APIException, invalid_request
+from moetune.service.errors import APIException, invalid_request, documented_errors
 from moetune.service.routes.deps import StoreDep, Tenant
 from moetune.service.sessions import launch, records
 from moetune.service.sessions.rows import CallRow, SessionRow
 from moetune.service.store import Store
 
-router = APIRouter(prefix="/v1/training_sessions", tags=["training sessions"], responses={
-    code: {"model": ErrorResponse, "description": what} for code, what in (
+router = APIRouter(prefix="/v1/training_sessions", tags=["training sessions"], responses=documented_errors(
         (400, "The request body could not be parsed"),
         (401, "Missing or invalid API token"),
         (404, "No such session (or call) for this tenant"),
         (409, "The session is not open"),
         (422, "Invalid session or call; `error.param` names the field"),
-    )})
+    ))
 internal = APIRouter(prefix=SESSION_INTERNAL, tags=["internal"], include_in_schema=False)
 _MAX_WAIT_S = 60.0
 

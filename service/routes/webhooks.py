@@ -6,27 +6,26 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models.responses import ErrorResponse, ListPage
+from moetune.api.models.responses import ListPage
 from moetune.api.models.webhooks import (
     WebhookEndpoint,
     WebhookEndpointCreate,
     WebhookEndpointDeleted,
     WebhookEndpointWithSecret,
 )
-from moetune.service.errors import APIException
+from moetune.service.errors import APIException, documented_errors
 from moetune.service.routes.deps import StoreDep, Tenant
 from moetune.service.store import Store
 from moetune.service.webhooks.endpoints import create_endpoint, delete_endpoint, get_endpoint, list_endpoints
 from moetune.service.webhooks.rows import EndpointRow
 from moetune.service.webhooks.signing import secret_hint
 
-router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"], responses={
-    code: {"model": ErrorResponse, "description": what} for code, what in (
+router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"], responses=documented_errors(
         (400, "The request body could not be parsed"),
         (401, "Missing or invalid API token"),
         (404, "No such webhook endpoint for this tenant"),
         (422, "Invalid url or event_types; `error.param` names the field"),
-    )})
+    ))
 
 
 def _fields(row: EndpointRow) -> dict:
