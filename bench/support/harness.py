@@ -1,5 +1,5 @@
 """Two real processes on loopback gloo, and the plain single-process transformers + PEFT reference (the EP
-benchmarks and tests/workers/parallel run the same cases)."""
+benchmarks and tests/workers/experts run the same cases)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """LoRA on the attention / dense-MLP / shared-expert linears via PEFT; the router stays frozen.
-Routed experts get per-expert LoRA in the expert-parallel module (`lora.train_experts`, see workers.parallel)."""
+Routed experts get per-expert LoRA in the expert-parallel module (`lora.train_experts`, see workers.experts)."""
 
 from __future__ import annotations
 

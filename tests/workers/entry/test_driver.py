@@ -104,7 +104,7 @@ def test_the_coverage_warnings_of_the_seed_recipe_reach_the_control_plane_as_war
 
 @pytest.mark.ray_job
 def test_zero3_job_resumes_exactly(assets, ray_head, receiver, tiny_checkpoint, tmp_path, monkeypatch):
-    """ZeRO-3 as a whole job (ZeRO-1's checkpoints and resume are checked in process: tests/workers/parallel), with
+    """ZeRO-3 as a whole job (ZeRO-1's checkpoints and resume are checked in process: tests/workers/experts), with
     activation checkpointing and a staged context length (32 tokens for steps 1-2, then 128). LoRA on the attention
     preset only: its coverage warnings (no dense MLP, no shared expert adapted) are events, the job goes on."""
     zero_stage = 3

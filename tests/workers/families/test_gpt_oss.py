@@ -1,6 +1,6 @@
 """gpt-oss's experts in the expert-parallel module: transposed [E, in, out] tensors, biases and the clamped,
 interleaved SwiGLU give transformers' own GptOssExperts output and input gradient, also where both clamps bite
-(the EP-vs-PEFT training checks in tests/workers/parallel run the tiny model, whose activations stay below the
+(the EP-vs-PEFT training checks in tests/workers/experts run the tiny model, whose activations stay below the
 released limit of 7)."""
 
 import torch

@@ -1,4 +1,4 @@
-"""DPO with the routed experts split over two ranks (tests/workers/parallel/cases.py DPO_CASES: qwen3_moe, EP=2,
+"""DPO with the routed experts split over two ranks (tests/workers/experts/cases.py DPO_CASES: qwen3_moe, EP=2,
 ZeRO-3, expert LoRA), each rank its own two pairs through the DeepSpeed engine built as a job builds it (the
 method's output layer installed first): both forwards, LoRA off then on, cross the experts' all-to-all on both
 ranks, in one step of the job's step runner. The same DPO code in one process, on the same model with every expert
@@ -16,7 +16,7 @@ import torch
 
 from moetune.api.models.job_create import JobCreate
 from bench.support.harness import launch, spec
-from tests.workers.parallel.cases import DPO_CASES
+from tests.workers.experts.cases import DPO_CASES
 
 BETA, PAIRS_PER_RANK = 0.5, 2
 PAD = SimpleNamespace(pad_token_id=0)  # the collate's padding id (the pairs are token ids, no tokenizer)

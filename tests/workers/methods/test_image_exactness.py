@@ -1,6 +1,6 @@
 """Image + text micro-batches: moetune's model (kernel swaps, LoRA, the loss through the output layer) against stock
 transformers *ForConditionalGeneration + PEFT, in one process for every family that takes images (qwen3_5_moe: its
-Gated DeltaNet on kernels.kda; glm5_next: its KDA and sparse-attention swaps); EP=2 on qwen3_5_moe is one of tests/workers/parallel's cases."""
+Gated DeltaNet on kernels.kda; glm5_next: its KDA and sparse-attention swaps); EP=2 on qwen3_5_moe is one of tests/workers/experts's cases."""
 
 import pytest
 import torch

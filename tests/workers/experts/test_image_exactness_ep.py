@@ -6,7 +6,7 @@ swapped in too)."""
 import pytest
 
 from bench.support.image_batches import assert_grads, image_method, reference
-from tests.workers.parallel.cases import IMAGE_CASES
+from tests.workers.experts.cases import IMAGE_CASES
 
 
 @pytest.mark.parametrize("case", list(IMAGE_CASES))

@@ -5,7 +5,7 @@ or ZeRO's reductions)."""
 
 import pytest
 
-from tests.workers.parallel.cases import TUNER_START_CASES
+from tests.workers.experts.cases import TUNER_START_CASES
 
 
 @pytest.mark.parametrize("case", list(TUNER_START_CASES))

@@ -3,13 +3,13 @@ import torch
 
 from moetune.workers.families import REGISTRY
 from moetune.workers.tiny import write_tiny_multimodal_checkpoint
-from tests.workers.parallel.cases import IMAGE_CASES, RESUME_CASES, SAVED_CASES, TRAIN_CASES, TUNER_START_CASES
+from tests.workers.experts.cases import IMAGE_CASES, RESUME_CASES, SAVED_CASES, TRAIN_CASES, TUNER_START_CASES
 from bench.support.harness import launch, run_cases
 
 
 @pytest.fixture(scope="session")
 def ep_runs(tmp_path_factory):
-    """Runs every case of tests.workers.parallel.cases in one start of two processes; returns case id -> (out dir,
+    """Runs every case of tests.workers.experts.cases in one start of two processes; returns case id -> (out dir,
     per-rank results)."""
     out = tmp_path_factory.mktemp("ep-runs")
     cases = [(case, "train", fam, job.model_dump_json(), skew) for case, (fam, job, skew) in TRAIN_CASES.items()]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moetune.workers.families import REGISTRY
-from tests.workers.parallel.cases import SAVED_CASES, TRAIN_CASES
+from tests.workers.experts.cases import SAVED_CASES, TRAIN_CASES
 from bench.support.harness import launch, reference, run_cases, spec, wide_config
 
 

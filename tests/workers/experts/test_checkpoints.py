@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench.support.tiny_models import batch, plain_model
-from tests.workers.parallel.cases import RESUME_CASES
+from tests.workers.experts.cases import RESUME_CASES
 from bench.support.harness import SAVE_AFTER
 
 
