@@ -118,6 +118,10 @@ def test_the_console_drives_a_job_and_keeps_tenants_apart(console, tmp_path):
         console.report(job_id, token, {"kind": "result", "status": "succeeded", "fine_tuned_model": "s3://o/adapter"})
         page.wait_for_selector("#summary [data-status=succeeded]")
         assert _points(s, "train loss") == 4 and _points(s, "valid loss") == 1
+        # a week-long job's chart draws at most 2000 points per series (every k-th step, the newest included)
+        assert page.evaluate("""async () => { const { thinned } = await import('/console/static/chart.js');
+            const drawn = thinned(Array.from({ length: 100001 }, (_, i) => [i, 1]), 2000);
+            return [drawn.length <= 2001, drawn[0][0], drawn.at(-1)[0]]; }""") == [True, 0, 100000]
         assert page.inner_text("#tuned-model") == f"ft:{BASE}:console:{job_id}"
         assert page.is_enabled("#deploy") and page.is_disabled("#cancel")
         page.click("#open-report")  # this job's driver wrote no report: the API's answer says so

@@ -14,6 +14,12 @@ function ticks(lo, hi, count = 5) {
   return Array.from({ length: count }, (_, i) => lo + ((hi - lo) * i) / (count - 1));
 }
 
+// At most `most` of `points`: every k-th, the newest always.
+export const thinned = (points, most) => {
+  const k = Math.ceil(points.length / most);
+  return k <= 1 ? points : points.filter((_, i) => i % k === 0 || i === points.length - 1);
+};
+
 // series: [{name, points: [[x, y], ...], dashed?}]
 export function lineChart(series, { label = "chart", width = 760, height = 280, xLabel = "step" } = {}) {
   const pad = { left: 58, right: 14, top: 12, bottom: 34 };

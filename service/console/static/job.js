@@ -1,11 +1,14 @@
 // One job: summary, actions, the live loss chart (from the job's SSE event stream), events, checkpoints with their
 // scores, LoRA coverage, the expert load per layer; and its adaptation report page.
 import { TERMINAL, api, eventStream } from "./api.js";
-import { legend, lineChart } from "./chart.js";
+import { legend, lineChart, thinned } from "./chart.js";
 import { eta, fmt, h, page, progressCell, replace, statusBadge, table, when } from "./dom.js";
 
 const POLL_MS = 2000;
 const SHOWN_EVENTS = 300;
+// A week-long job reports hundreds of thousands of steps: the page keeps the events it shows, one loss per step,
+// and draws at most this many points per series.
+const DRAWN_POINTS = 2000;
 const jobId = () => decodeURIComponent(location.pathname.split("/")[3] || "");
 const jobPath = (id) => `/v1/fine_tuning/jobs/${encodeURIComponent(id)}`;
 
@@ -84,12 +87,12 @@ async function renderJob(id) {
 
   const drawChart = () => {
     const series = [
-      { name: "train loss", cls: "train", points: [...train].sort((a, b) => a[0] - b[0]) },
-      { name: "valid loss", cls: "valid", color: "#c2410c", dashed: true, points: [...valid].sort((a, b) => a[0] - b[0]) },
+      { name: "train loss", cls: "train", points: thinned([...train].sort((a, b) => a[0] - b[0]), DRAWN_POINTS) },
+      { name: "valid loss", cls: "valid", color: "#c2410c", dashed: true, points: thinned([...valid].sort((a, b) => a[0] - b[0]), DRAWN_POINTS) },
     ];
     replace(chart, legend(series), lineChart(series, { label: `loss of ${id}: ${train.size} steps` }));
   };
-  const drawEvents = () => replace(eventList, events.slice(-SHOWN_EVENTS).reverse().map((e) =>
+  const drawEvents = () => replace(eventList, [...events].reverse().map((e) =>
     h("li", { class: e.level }, h("span", { class: "muted" }, new Date(e.created_at * 1000).toLocaleTimeString(), " "), e.message)));
   const drawJob = () => {
     replace(summary, summaryRows(job));
@@ -148,6 +151,7 @@ async function renderJob(id) {
 
   const onEvent = (e) => {
     events.push(e);
+    if (events.length > SHOWN_EVENTS) events.shift();
     if (e.type === "metrics" && e.data) {
       if (typeof e.data.train_loss === "number") train.set(e.data.step, e.data.train_loss);
       if (typeof e.data.valid_loss === "number") valid.set(e.data.step, e.data.valid_loss);
