@@ -57,12 +57,17 @@ def read_json(uri: str, s3_endpoint_url: str | None) -> dict | None:
         return None
 
 
-def _read_object(uri: str, s3_endpoint_url: str | None) -> dict | None:
-    """A small JSON object from storage; None when storage cannot give it now; SpecError when it is not one."""
+def _read_object(uri: str, s3_endpoint_url: str | None, raise_missing: bool = False) -> dict | None:
+    """A small JSON object from storage; None when storage cannot give it now (FileNotFoundError when it says the
+    object is not there, if asked); SpecError when it is not one."""
     try:
         fs, path = _filesystem(uri, s3_endpoint_url, quick=True)
         with fs.open(path, "rb") as f:
             raw = f.read(1_000_000)
+    except FileNotFoundError:
+        if raise_missing:
+            raise
+        return None
     except Exception:  # noqa: BLE001 - callers treat any storage trouble as "not there (yet)"
         return None
     try:
@@ -78,12 +83,13 @@ def read_model_config(spec: JobCreate, s3_endpoint_url: str | None) -> dict | No
     """The model's config.json, or None when it cannot be read now: then the file check before queueing and
     the driver's own check report it instead. A config.json that is not a JSON object, or a model folder that
     holds files but no config.json, is a SpecError."""
-    uri = storage.join(spec.model, "config.json")
-    if (config := _read_object(uri, s3_endpoint_url)) is None and (names := model_files(spec, s3_endpoint_url)):
-        if "config.json" not in names:
+    try:
+        return _read_object(storage.join(spec.model, "config.json"), s3_endpoint_url, raise_missing=True)
+    except FileNotFoundError:  # storage answered: the folder is listed only then (an unreachable one costs no more)
+        if (names := model_files(spec, s3_endpoint_url)) and "config.json" not in names:
             raise SpecError("model", f"model: {spec.model.rstrip('/')} holds {len(names)} files but no config.json "
-                                     "(expected a Hugging Face checkpoint folder)")
-    return config
+                                     "(expected a Hugging Face checkpoint folder)") from None
+        return None
 
 
 def model_files(spec: JobCreate, s3_endpoint_url: str | None) -> list[str] | None:
