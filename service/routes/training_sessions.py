@@ -35,6 +35,7 @@ router = APIRouter(prefix="/v1/training_sessions", tags=["training sessions"], r
         (404, "No such session (or call) for this tenant"),
         (409, "The session is not open"),
         (422, "Invalid session or call; `error.param` names the field"),
+        (503, "Ray cannot be reached now: nothing changed; retry after `Retry-After` seconds"),
     ))
 internal = APIRouter(prefix=SESSION_INTERNAL, tags=["internal"], include_in_schema=False)
 _MAX_WAIT_S = 60.0
@@ -58,10 +59,24 @@ def _own(request: Request, store: Store, tenant: str, session_id: str, ask_ray: 
     row = records.get_session(store, session_id, tenant)
     if row is None:
         raise APIException(404, ErrorCode.not_found, f"No training session with id {session_id!r}.")
-    if ask_ray and row.status in OPEN_STATUSES and (why := launch.group_gone(request.app.state.scheduler.ray, row)):
-        _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=why))
-        row = records.get_session(store, session_id, tenant)
+    if ask_ray and row.status in OPEN_STATUSES:
+        try:
+            why = launch.group_gone(request.app.state.scheduler.ray, row)
+        except RayUnavailable:  # no answer is not "gone": the session stays as stored until Ray answers
+            why = None
+        if why:
+            _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=why))
+            row = records.get_session(store, session_id, tenant)
     return row
+
+
+def _stop(request: Request, row: SessionRow, what: str) -> None:
+    """Stops the session's group; while Ray cannot be reached, a retryable 503 before anything changed."""
+    try:
+        launch.stop_group(request.app.state.scheduler.ray, row)
+    except RayUnavailable as e:
+        raise APIException(503, ErrorCode.not_ready, f"{e}: the session was not {what}; retry later.",
+                           headers={"Retry-After": "5"}) from None
 
 
 def _end(request: Request, row: SessionRow, reason: str, error: ErrorInfo | None = None) -> None:
@@ -81,7 +96,8 @@ def _start(request: Request, row: SessionRow) -> None:
         launch.start_group(request.app.state.store, request.app.state.scheduler.ray, request.app.state.settings, row)
     except RayUnavailable as e:
         _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=str(e)))
-        raise APIException(503, ErrorCode.not_ready, f"{e}: the session's worker group was not started.") from None
+        raise APIException(503, ErrorCode.not_ready, f"{e}: the session's worker group was not started.",
+                           headers={"Retry-After": "5"}) from None
 
 
 def _open(row: SessionRow) -> None:
@@ -128,7 +144,7 @@ def close(session_id: str, request: Request, tenant: Tenant, store: StoreDep) ->
     row = _own(request, store, tenant, session_id)
     _open(row)
     if row.status == "starting" or not records.set_session(store, row.id, ("ready",), status="closing"):
-        launch.stop_group(request.app.state.scheduler.ray, row)  # not taking calls yet: nothing to finish
+        _stop(request, row, "closed")  # not taking calls yet: nothing to finish
         _end(request, row, "closed")
     request.app.state.session_changes.notify()
     return _view(records.get_session(store, session_id))
@@ -140,10 +156,9 @@ def restart(session_id: str, request: Request, tenant: Tenant, store: StoreDep) 
     group runs fails, queued calls wait for the new group."""
     row = _own(request, store, tenant, session_id)
     _open(row)
-    ray = request.app.state.scheduler.ray
+    _stop(request, row, "restarted")  # the old group first: a Ray that cannot be reached leaves the session as it is
     if not records.set_session(store, row.id, OPEN_STATUSES, group=row.attempt, status="starting", token_hash=None):
         raise APIException(409, ErrorCode.session_not_open, f"Training session {row.id} changed meanwhile; retry.")
-    launch.stop_group(ray, row)
     restarted = ErrorInfo(code=ErrorCode.session_restarted,
                           message="The worker group was restarted while it ran this call.")
     records.fail_calls(store, row.id, (records.RUNNING,), restarted.model_dump())

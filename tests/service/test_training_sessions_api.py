@@ -10,6 +10,8 @@ from click.testing import CliRunner
 from moetune.service.cli.main import main
 from moetune.service.local.embedded import free_port
 from tests.support.control_plane import TOKENS
+from tests.support.ray_jobs_api import RayJobsAPI
+from tests.support.waiting import wait_for
 
 
 def test_refusals_name_the_field_and_a_session_ray_never_took_is_failed(start_service):
@@ -43,3 +45,35 @@ def test_refusals_name_the_field_and_a_session_ray_never_took_is_failed(start_se
     assert "not reachable" in shown.output
     refused = cli.invoke(main, ["sessions", "close", session["id"]])
     assert refused.exit_code == 1 and "409 session_not_open" in refused.output
+
+
+def test_a_session_outlives_a_ray_outage_and_its_restart_and_close_wait_for_ray(start_service):
+    """Ray goes down (the Jobs API's port closes) under an open session: reading it keeps it open, restart and
+    close are retryable 503s that change nothing, and once Ray answers again both work."""
+    ray = RayJobsAPI()
+    port = int(ray.url.rsplit(":", 1)[1])
+    service = start_service(ray_address=ray.url)
+    with service.http() as http:
+        session = http.post("/v1/training_sessions", json={"model": "s3://b/m", "lora": {"rank": 4}}).json()
+        assert session["status"] == "starting"
+        ray.close()
+        path = f"/v1/training_sessions/{session['id']}"
+        assert http.get(path).json()["status"] == "starting"
+        for action in ("restart", "close"):
+            refused = http.post(f"{path}/{action}")
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "5", refused.text
+            assert "not reachable" in refused.json()["error"]["message"]
+            kept = http.get(path).json()
+            assert (kept["status"], kept["restarts"]) == ("starting", 0)
+        ray = RayJobsAPI(port=port)
+        try:
+            # as a client honouring Retry-After does: the control plane asks Ray again once its backoff ran out
+            restarted = wait_for(lambda: (r := http.post(f"{path}/restart")).status_code != 503 and r, 15,
+                                 "a restart once Ray answers again", interval=0.5)
+            assert restarted.status_code == 200 and restarted.json()["restarts"] == 1, restarted.text
+            assert ray.submitters(f"moetune-{session['id']}-1")
+            assert http.post(f"{path}/close").json()["status"] == "closed"
+            # the head that came back never knew group 0 (a restarted head forgets its jobs): only group 1 stopped
+            assert ray.stopped == [f"moetune-{session['id']}-1"]
+        finally:
+            ray.close()

@@ -1,7 +1,7 @@
 """A loopback stand-in for the Ray Jobs REST API (the calls ray.job_submission.JobSubmissionClient makes) that
 records every submission attempt: the replica tests count submissions per job without starting Ray jobs.
 
-Like Ray it refuses a submission id it already has; its jobs stay RUNNING; it has no /api/cluster_status (the
+Like Ray it refuses a submission id it already has; its jobs stay RUNNING (a stop is only recorded); it has no /api/cluster_status (the
 scheduler then leaves placement to Ray).
 """
 
@@ -18,12 +18,14 @@ import ray
 from moetune.api.environment import ENV_CALLBACK_URL
 
 _JOB_PATH = re.compile(r"^/api/jobs/([^/]+)$")
+_STOP_PATH = re.compile(r"^/api/jobs/([^/]+)/stop$")
 
 
 class RayJobsAPI:
-    def __init__(self, submit_delay_s: float = 0.0):
+    def __init__(self, submit_delay_s: float = 0.0, port: int = 0):
         self.attempts: list[tuple[str, str]] = []  # (submission id, the submitting replica's callback URL)
         self.entrypoints: dict[str, str] = {}
+        self.stopped: list[str] = []  # submission ids asked to stop
         self.submit_delay_s = submit_delay_s  # a slow head: a leader killed mid-queue is killed mid-submission
         self._lock = threading.Lock()
         api = self
@@ -39,7 +41,12 @@ class RayJobsAPI:
                     self._answer(404, {"detail": "not found"})
 
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if (match := _STOP_PATH.match(self.path)) and match[1] in api.entrypoints:
+                    with api._lock:
+                        api.stopped.append(match[1])
+                    self._answer(200, {"stopped": True})
+                    return
                 if self.path != "/api/jobs/":
                     self._answer(404, {"detail": "not found"})
                     return
@@ -65,7 +72,7 @@ class RayJobsAPI:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
