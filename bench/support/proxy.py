@@ -1,5 +1,6 @@
-"""A small HTTP proxy in front of the real S3 server: counts the body bytes it relays and injects faults
-into ranged GETs (HTTP 500, cut connection, truncated body, flipped byte)."""
+"""A small HTTP proxy in front of the real S3 server: counts the body bytes it relays, injects faults into ranged
+GETs (HTTP 500, cut connection, truncated body, flipped byte) and can make storage unreachable: from the first write
+to a chosen key prefix on, every request's connection is cut until restore()."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from urllib.parse import urlparse
 
 class FaultProxy:
     def __init__(self, upstream: str):
-        target = urlparse(upstream)
+        self.upstream, target = upstream, urlparse(upstream)
         self.bytes_relayed = 0
         self.ranged_gets = 0
         self.fault: str | None = None  # "500" | "cut" | "truncate" | "flip"
         self.fault_count = 0  # how many ranged GETs still get the fault (-1: all)
         self.fault_min_bytes = 0  # only ranged GETs at least this long get faults (e.g. weights, not headers)
+        self.outage_after: str | None = None  # a PUT or POST whose path holds this starts an outage
+        self.outage = threading.Event()  # set while every request is cut
         self.lock = threading.Lock()
         proxy = self
 
@@ -24,6 +27,10 @@ class FaultProxy:
             protocol_version = "HTTP/1.1"
 
             def _relay(self):
+                if proxy._unreachable(self.command, self.path):
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
@@ -86,6 +93,23 @@ class FaultProxy:
             if self.fault_count > 0:
                 self.fault_count -= 1
             return self.fault
+
+    def _unreachable(self, command: str, path: str) -> bool:
+        with self.lock:
+            if self.outage_after and command in ("PUT", "POST") and self.outage_after in path:
+                self.outage_after = None
+                self.outage.set()
+            return self.outage.is_set()
+
+    def cut_from_write(self, path_part: str) -> None:
+        """Storage becomes unreachable at the first write whose path holds `path_part`, and stays so."""
+        with self.lock:
+            self.outage_after = path_part
+
+    def restore(self) -> None:
+        with self.lock:
+            self.outage_after = None
+            self.outage.clear()
 
     def inject(self, fault: str | None, count: int = -1) -> None:
         with self.lock:

@@ -50,3 +50,19 @@ class ReportReceiver:
 
     def metrics(self) -> list[dict]:
         return [e.data for e in self.of_kind("event") if e.type == "metrics"]
+
+    def metric_runs(self) -> list[list[dict]]:
+        """The reported step metrics, cut where a restarted worker group starts again at its checkpoint."""
+        runs: list[list[dict]] = []
+        for m in self.metrics():
+            if not runs or m["step"] <= runs[-1][-1]["step"]:
+                runs.append([])
+            runs[-1].append(m)
+        return runs
+
+    def repeated_steps(self) -> list[tuple[dict, dict]]:
+        """(first, again) for each step a restarted group ran again after its checkpoint: an exact resume gives
+        both the same loss."""
+        runs = self.metric_runs()
+        return [(once, again) for earlier, later in zip(runs, runs[1:])
+                for once in earlier for again in later if again["step"] == once["step"]]

@@ -28,7 +28,8 @@ def _chain(error: BaseException) -> list[BaseException]:
         seen.add(id(e))
         chain.append(e)
         pending += list(getattr(e, "worker_failures", {}).values())
-        pending += [c for c in (getattr(e, "controller_failure", None), e.__cause__, e.__context__) if c]
+        context = None if e.__suppress_context__ else e.__context__  # `raise ... from None` hides it
+        pending += [c for c in (getattr(e, "controller_failure", None), e.__cause__, context) if c]
     return chain
 
 

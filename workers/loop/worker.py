@@ -141,7 +141,7 @@ class _Worker:
             run_state.retract_manifest(uri)
         self.collectives.barrier()
         if self.node_leader:
-            storage.upload_dir(local, uri)
+            _upload_checkpoint(local, uri, step)
             shutil.rmtree(local)
         self.collectives.barrier()  # every node's files are up: only now may the manifest say it is complete
         if self.chief:
@@ -358,3 +358,17 @@ def train_loop_per_worker(config: dict) -> None:
             worker.finish()
     finally:
         worker.metrics.close()
+
+
+class CheckpointUploadError(RuntimeError):
+    """A checkpoint that did not reach storage: the worker group restarts (not a user error) from the newest
+    complete checkpoint, which this one, without its manifest, never becomes."""
+
+
+def _upload_checkpoint(local: str, uri: str, step: int) -> None:
+    try:
+        storage.upload_dir(local, uri)
+    except Exception as e:  # noqa: BLE001 - whatever storage raised, the job's event must name the checkpoint
+        cause = (str(e).strip().splitlines() or [""])[-1]
+        raise CheckpointUploadError(f"checkpoint {step_dir(step)} could not be written to {uri} ({type(e).__name__}: "
+                                    f"{cause}); it is incomplete and never resumed from") from None
