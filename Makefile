@@ -28,7 +28,7 @@ demo: $(STAMP)
 
 # Three workers: the suite waits on Ray jobs and child processes more than half its time (tests/conftest.py).
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -n 3 --dist loadgroup
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -n 3 --dist loadgroup --no-loadscope-reorder
 
 server: $(STAMP)
 	$(BIN)/moetune server

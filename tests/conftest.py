@@ -76,9 +76,16 @@ def receiver():
 # processes, servers) more than half its time, so while one worker waits the others compute. Each worker is a pytest
 # session of its own: one S3 server and, if it runs a job, one Ray head each. A module's tests run on one worker
 # (their module fixtures are built once), and so do all tests sharing one of the expensive session fixtures below.
-# The groups that run real jobs or share such a fixture are handed out first, so that the long ones do not start
-# last.
+# The groups that run real jobs or share such a fixture are handed out first, the longest of them (measured in a
+# full run) first of all, so that no long group starts last (LPT). `make test` passes --no-loadscope-reorder: xdist
+# would otherwise hand out the groups with the most tests first, and the one-test job modules last.
 _BUILT_ONCE = ("ep_runs", "control_plane", "postgres_server", "checkpoints", "adapters")
+_LONGEST = ("tests/cluster/test_node_faults.py", "ep_runs", "tests/service/test_local_stack.py",
+            "tests/workers/checkpoints/test_resume_job.py", "control_plane", "tests/e2e/test_demo.py",
+            "tests/e2e/test_console.py", "tests/kernels/test_compile_sm90.py", "tests/workers/loop/test_tuner_job.py",
+            "tests/service/test_fuzz.py", "tests/kernels/test_gpu_check_dry_run.py",
+            "tests/workers/reporting/test_job_metrics.py", "tests/workers/entry/test_driver.py",
+            "tests/kernels/test_sparse_attention.py", "tests/workers/weights/test_quantized_job.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -87,7 +94,12 @@ def pytest_collection_modifyitems(config, items):
         shared = next((name for name in _BUILT_ONCE if name in item.fixturenames), None)
         groups[item] = shared or item.nodeid.split("::")[0]
     long = {groups[item] for item in items if item.get_closest_marker("ray_job") or groups[item] in _BUILT_ONCE}
-    items.sort(key=lambda item: groups[item] not in long)  # stable: the order within a group is kept
+
+    def order(item) -> tuple[int, bool]:
+        group = groups[item]
+        return (_LONGEST.index(group) if group in _LONGEST else len(_LONGEST), group not in long)
+
+    items.sort(key=order)  # stable: the order within a group is kept
     if getattr(config.option, "loadgroup", False):  # set on an xdist worker under --dist loadgroup
         for item in items:
             _with_group(item, groups[item])
