@@ -102,6 +102,11 @@ class KimiK3TextConfig(PreTrainedConfig):
                              "which is the only one moetune defines")
 
     @property
+    def number_of_conv_states(self) -> int:
+        """KDA's short convs run apart (q, k, v): transformers' cache keeps one conv state for each."""
+        return 3
+
+    @property
     def kda_heads(self) -> int:
         return self.linear_attn_config["num_heads"]
 

@@ -15,6 +15,12 @@ keys are the release's): `language_model.model.layers.{i}` decoder layers holdin
 
 The KDA core and short convs are this module's `chunk_kimi_delta_attention` / `causal_conv1d_fn` (transformers'
 Kimi-Linear torch functions), so the KDA kernel swap (workers.families.kda) routes them like Kimi-Linear's.
+
+Generation uses transformers' DynamicCache built from the config: a KDA layer keeps its three short-conv states (q, k,
+v: `number_of_conv_states`) and its recurrent state; an MLA layer keeps its compressed latent and the shared rope slice
+as keys / values (NoPE: nothing in them depends on the position; positions only shape the mask). Prefill runs the
+chunked core, a one-token step with a cached state runs `kernels.kda`'s recurrent step. The Attention-Residual mixes
+are per token: they carry nothing across tokens, so they need no cache.
 """
 
 from __future__ import annotations
@@ -22,19 +28,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: F401  (module-level: routed by the swap)
     causal_conv1d_fn,
+    causal_conv1d_update,
     chunk_kimi_delta_attention,
     eager_attention_forward,
 )
 
+from moetune.kernels.kda import l2norm, naive_recurrent_kda
 from moetune.workers.families.kimi_k3.configuration import KimiK3Config, KimiK3TextConfig
 
 
@@ -117,7 +125,8 @@ class KimiK3Attention(nn.Module):
         self.g_proj = nn.Linear(hidden, self.num_heads * self.v_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
+                **kwargs):
         batch, length = hidden_states.shape[:2]
         if self.config.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -125,10 +134,14 @@ class KimiK3Attention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         query = q.view(batch, length, self.num_heads, self.q_head_dim).transpose(1, 2)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, length, self.num_heads, self.nope + self.v_dim)
+        latent = self.kv_a_layernorm(latent).view(batch, 1, length, self.kv_lora_rank)
+        k_rope = k_rope.view(batch, 1, length, self.rope)
+        if cache is not None:  # cached compressed, as one-head keys / values (transformers' MLA convention)
+            latent, k_rope = cache.update(latent, k_rope, self.layer_idx)
+        seen = latent.shape[2]
+        kv = self.kv_b_proj(latent[:, 0]).view(batch, seen, self.num_heads, self.nope + self.v_dim)
         k_nope, value = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
-        k_rope = k_rope.view(batch, 1, length, self.rope).expand(-1, self.num_heads, -1, -1)
-        key = torch.cat((k_nope, k_rope), dim=-1)  # NoPE: no rotary on the rope slice
+        key = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)  # NoPE: no rotary on the slice
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         out, _ = attention(self, query, key, value, attention_mask, scaling=self.scaling,
                            dropout=self.attention_dropout if self.training else 0.0, **kwargs)
@@ -161,8 +174,17 @@ class KimiK3DeltaAttention(nn.Module):
         self.o_norm = KimiK3GatedRMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = nn.Linear(proj, hidden, bias=False)
 
-    def _conv(self, conv: nn.Conv1d, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        return causal_conv1d_fn(x.transpose(1, 2), conv.weight.squeeze(1), activation="silu", **kwargs).transpose(1, 2)
+    def _conv(self, which: int, conv: nn.Conv1d, x: torch.Tensor, cache, step: bool, **kwargs) -> torch.Tensor:
+        """The depthwise causal conv + SiLU over [B, T, D]; with a cache, its conv state `which` (0 q, 1 k, 2 v)
+        supplies the window's earlier tokens and keeps the last ones."""
+        x, weight, length = x.transpose(1, 2), conv.weight.squeeze(1), x.shape[1]
+        if step:
+            out = causal_conv1d_update(x, cache.get_conv_state(self.layer_idx, which), weight, activation="silu")
+        else:
+            if cache is not None:  # the cached window, then this forward's tokens (zeros before a first prefill)
+                x = cache.update_conv_state(x, self.layer_idx, state_idx=which, conv_kernel_size=weight.shape[-1])
+            out = causal_conv1d_fn(x, weight, activation="silu", **kwargs)[..., -length:]
+        return out.transpose(1, 2)
 
     def forget_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Log-space decay per head and key channel, in [lower_bound, 0): fp32 [B, T, H, D]."""
@@ -171,15 +193,31 @@ class KimiK3DeltaAttention(nn.Module):
         decay = self.A_log[: self.num_heads].float().exp()[:, None]
         return self.lower_bound * torch.sigmoid(decay * raw)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
+                **kwargs):
+        """`attention_mask`: the [B, T] padding mask of this forward's tokens, or None (no padding); `cache`: a
+        DynamicCache whose layer `layer_idx` holds this layer's conv and recurrent states."""
+        if attention_mask is not None:  # padding enters neither a conv window nor the state (both start at zero)
+            hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
         heads = (*hidden_states.shape[:2], self.num_heads, self.head_dim)
-        query = self._conv(self.q_conv1d, self.q_proj(hidden_states), **kwargs).reshape(heads)
-        key = self._conv(self.k_conv1d, self.k_proj(hidden_states), **kwargs).reshape(heads)
-        value = self._conv(self.v_conv1d, self.v_proj(hidden_states), **kwargs).reshape(heads)
+        state = None if cache is None else cache.get_recurrent_state(self.layer_idx)
+        step = state is not None and hidden_states.shape[1] == 1
+        query, key, value = (self._conv(i, conv, proj(hidden_states), cache, step, **kwargs).reshape(heads)
+                             for i, (conv, proj) in enumerate(((self.q_conv1d, self.q_proj),
+                                                               (self.k_conv1d, self.k_proj),
+                                                               (self.v_conv1d, self.v_proj))))
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
-        out, _ = chunk_kimi_delta_attention(query, key, value, g=self.forget_gate(hidden_states), beta=beta,
-                                            use_qk_l2norm_in_kernel=True, **kwargs)
-        out = self.o_norm(out, self.g_proj(hidden_states).reshape(heads)).to(hidden_states.dtype)
+        gate = self.forget_gate(hidden_states)
+        if step:
+            out, state = naive_recurrent_kda(l2norm(query), l2norm(key), value, gate, beta, initial_state=state,
+                                             output_final_state=True)
+        else:
+            out, state = chunk_kimi_delta_attention(query, key, value, g=gate, beta=beta, initial_state=state,
+                                                    output_final_state=cache is not None,
+                                                    use_qk_l2norm_in_kernel=True, **kwargs)
+        if cache is not None:
+            cache.update_recurrent_state(state.float(), self.layer_idx)
+        out = self.o_norm(out.to(query.dtype), self.g_proj(hidden_states).reshape(heads)).to(hidden_states.dtype)
         return self.o_proj(out.flatten(-2))
 
 
@@ -314,6 +352,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _can_compile_fullgraph = False
+    _is_stateful = True  # KDA's recurrent state cannot be rolled back (no assisted decoding, no cache cropping)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -344,20 +383,29 @@ class KimiK3TextModel(KimiK3PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, cache=None,
+                use_cache=None, **kwargs):
+        """`attention_mask`: [B, cached + T], 0 on (left) padding; `cache`: the DynamicCache to read and extend
+        (one is made when `use_cache` asks and none is given)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        positions = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
-        causal = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                    cache=None, position_ids=positions[None] if position_ids is None
-                                    else position_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            seen = 0 if cache is None else cache.get_seq_length()
+            position_ids = torch.arange(seen, seen + inputs_embeds.shape[1], device=inputs_embeds.device)[None]
+        masks = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                 "cache": cache}
+        causal = create_causal_mask(**masks, position_ids=position_ids)
+        padding = create_recurrent_attention_mask(**masks)
         partial, blocks = inputs_embeds, []
         for layer in self.layers:
-            partial, blocks = layer(partial, blocks, attention_mask=None if layer.is_linear else causal, **kwargs)
+            partial, blocks = layer(partial, blocks, attention_mask=padding if layer.is_linear else causal,
+                                    cache=cache, **kwargs)
         hidden = attn_res_mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache)
 
 
 class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
@@ -377,12 +425,12 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 logits_to_keep: int = 0, **kwargs):
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            inputs_embeds=inputs_embeds, **kwargs).last_hidden_state
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, **kwargs)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden[:, keep])
+        logits = self.lm_head(out.last_hidden_state[:, keep])
         loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
 
 
 class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
