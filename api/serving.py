@@ -33,8 +33,8 @@ class ModelList(BaseModel):
 
 
 class Deployment(BaseModel):
-    """POST /v1/fine_tuning/jobs/{id}/deploy: the name to call and the base URL of the OpenAI-compatible server
-    (`openai.OpenAI(base_url=...)`)."""
+    """POST /v1/fine_tuning/jobs/{id}/deploy (or a training session's .../weights/{name}/deploy): the name to call
+    and the base URL of the OpenAI-compatible server (`openai.OpenAI(base_url=...)`)."""
 
     model: str
     base_model: str

@@ -9,6 +9,10 @@
 
 Every call returns at once with a CallFuture; the session runs its calls one at a time in the order they were made,
 so a loop may queue a forward_backward and an optim_step and wait for the last alone.
+
+When the worker group fails (a worker or its driver lost), the control plane starts a new one that loads the newest
+save_state; the calls the old group had not finished raise CallFailed with `restarted` true and `restored_step`
+(the step the session is back at), so the loop can go on from there.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import time
 from typing import Any
 
 from moetune.api.client import APIError, Client, _typed
+from moetune.api.errors import ErrorCode
 from moetune.api.models.responses import ErrorInfo, ListPage
+from moetune.api.serving import Deployment
 from moetune.api.models.training_sessions import (
     OPEN_STATUSES,
     CallArgs,
@@ -40,13 +46,18 @@ _POLL_S = 30.0  # one long poll of a call's state
 
 
 class CallFailed(Exception):
-    """A call's error; `code` "session_restarted" when the worker group was replaced while it ran the call."""
+    """A call's error. `restarted`: the worker group was replaced before it finished the call; after a failed group,
+    the new one resumed from `restored_state` at `restored_step` (None and 0: a fresh LoRA; both None after a
+    restart the user asked for, which starts fresh)."""
 
     def __init__(self, call: SessionCall):
         error = call.error or ErrorInfo(code="unknown", message="no error recorded")
         super().__init__(f"{call.kind} {call.id} failed: {error.code}: {error.message}"
                          + (f" (param: {error.param})" if error.param else ""))
         self.call, self.code, self.param = call, error.code, error.param
+        self.restarted = error.code == ErrorCode.session_restarted
+        self.restored_state = (call.result or {}).get("restored_state")
+        self.restored_step = (call.result or {}).get("restored_step")
 
 
 class CallFuture:
@@ -106,8 +117,14 @@ class Session:
         return self._call(LoadState(name=name))
 
     def save_weights(self, name: str) -> CallFuture:
-        """Result: `uri`, a PEFT adapter folder for the base."""
+        """Result: `uri`, a PEFT adapter folder for the base (deploy(name) serves it)."""
         return self._call(SaveWeights(name=name))
+
+    def deploy(self, name: str) -> Deployment:
+        """Serves the weights saved under `name` on the Serve app: call `model` at `base_url` with an OpenAI
+        client (the app may still be DEPLOYING when this returns)."""
+        return _typed(self._http, "POST", f"{SESSIONS_PATH}/{self.id}/weights/{name}/deploy", Deployment,
+                      timeout=120.0)
 
     def retrieve(self) -> TrainingSession:
         self.info = _typed(self._http, "GET", f"{SESSIONS_PATH}/{self.id}", TrainingSession)

@@ -61,10 +61,12 @@ class _TenantsCollector(Collector):
             log.exception("could not read tenant usage for /metrics")
             return
         families = {
-            "running_jobs": GaugeMetricFamily("moetune_tenant_running_jobs", "Jobs of the tenant holding a slot.",
-                                              labels=["tenant"]),
-            "workers": GaugeMetricFamily("moetune_tenant_workers", "Workers of the tenant's running jobs.",
-                                         labels=["tenant"]),
+            "running_jobs": GaugeMetricFamily("moetune_tenant_running_jobs", "Jobs of the tenant holding a slot, "
+                                              "and its open training sessions.", labels=["tenant"]),
+            "sessions": GaugeMetricFamily("moetune_tenant_training_sessions", "The tenant's open training "
+                                          "sessions (counted in its running jobs).", labels=["tenant"]),
+            "workers": GaugeMetricFamily("moetune_tenant_workers", "Workers of the tenant's running jobs and open "
+                                         "training sessions.", labels=["tenant"]),
             "gpu_hours": GaugeMetricFamily("moetune_tenant_gpu_hours", "GPU-hours the tenant's runs used so far.",
                                            labels=["tenant"]),
         }

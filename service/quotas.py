@@ -2,6 +2,10 @@
 
 A job that can never fit its tenant's quota is refused at submission (422); a tenant whose budget is spent gets
 429 for new GPU jobs; a job that only has to wait for its tenant's own jobs to end stays queued with its reason.
+
+An open training session (from its creation until its group is gone) counts as a running job: it holds its workers
+and their GPUs, and its GPU time counts against the budget. Sessions do not queue: one that does not fit now is a
+429 naming the limit.
 """
 
 from __future__ import annotations
@@ -13,12 +17,17 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from sqlalchemy import func, select
+
 from moetune.api.errors import ErrorCode
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.parallelism import ParallelismSpec
 from moetune.service.api_exception import APIException
+from moetune.service.session_rows import SessionRow
 from moetune.service.store import SLOT_STATUSES, JobRow, Store
 
 ANY_TENANT = "*"  # the quota of every tenant not named
+SESSION_HOLDING = ("starting", "ready", "closing")  # a session's statuses while its group holds workers
 
 
 class TenantQuota(BaseModel):
@@ -26,16 +35,17 @@ class TenantQuota(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
-    max_running_jobs: int | None = Field(None, ge=0)
-    max_workers: int | None = Field(None, ge=1)  # workers of its running jobs together (one GPU each on GPU jobs)
-    gpu_hours: float | None = Field(None, ge=0)  # GPU-hours its jobs' runs may use in all
+    max_running_jobs: int | None = Field(None, ge=0)  # open training sessions count as running jobs
+    max_workers: int | None = Field(None, ge=1)  # workers of its running jobs and open sessions together
+    gpu_hours: float | None = Field(None, ge=0)  # GPU-hours its jobs' runs and its sessions may use in all
 
 
 @dataclass
 class TenantUsage:
-    running_jobs: int = 0
+    running_jobs: int = 0  # open training sessions included
     workers: int = 0
     gpu_seconds: float = 0.0
+    sessions: int = 0  # of running_jobs, the open training sessions
 
     @property
     def gpu_hours(self) -> float:
@@ -65,7 +75,26 @@ def usage_by_tenant(store: Store, holding: list[JobRow], now: float) -> defaultd
         usage[tenant].gpu_seconds += seconds
     for job in holding:
         add_run(usage, job, now)
+    _add_sessions(store, usage, now)
     return usage
+
+
+def _add_sessions(store: Store, usage: dict[str, TenantUsage], now: float) -> None:
+    """Open sessions as running jobs (GPU time from their creation on); ended ones' GPU-seconds."""
+    held = select(SessionRow.tenant, func.count(), func.sum(SessionRow.workers),
+                  func.sum((now - SessionRow.created_at) * SessionRow.gpus)) \
+        .where(SessionRow.status.in_(SESSION_HOLDING)).group_by(SessionRow.tenant)
+    ended = select(SessionRow.tenant, func.sum(SessionRow.gpu_seconds)) \
+        .where(SessionRow.status.not_in(SESSION_HOLDING), SessionRow.gpu_seconds > 0).group_by(SessionRow.tenant)
+    with store._sessions() as s:
+        for tenant, count, workers, gpu_seconds in s.execute(held):
+            used = usage[tenant]
+            used.running_jobs += count
+            used.sessions += count
+            used.workers += workers or 0
+            used.gpu_seconds += max(0.0, gpu_seconds or 0.0)
+        for tenant, gpu_seconds in s.execute(ended):
+            usage[tenant].gpu_seconds += gpu_seconds
 
 
 def _budget_spent(quota: TenantQuota, used: TenantUsage, tenant: str) -> str | None:
@@ -79,26 +108,50 @@ def wait_reason(quotas: dict[str, TenantQuota], usage: dict[str, TenantUsage], j
     quota, used = quota_of(quotas, job.tenant), usage.get(job.tenant, TenantUsage())
     if job.gpus and (spent := _budget_spent(quota, used, job.tenant)):
         return f"{spent} (tenant_quotas.gpu_hours); the job waits for a larger budget"
+    if reason := _over_limit(quota, used, job.tenant, _workers(job)):
+        return f"waiting for {reason}"
+    return None
+
+
+def _over_limit(quota: TenantQuota, used: TenantUsage, tenant: str, workers: int) -> str | None:
+    """What must end before `workers` more fit the tenant's running-jobs and workers quota, or None."""
+    sessions = f" ({used.sessions} of them training sessions)" if used.sessions else ""
     if quota.max_running_jobs is not None and used.running_jobs >= quota.max_running_jobs:
-        return (f"waiting for one of tenant {job.tenant}'s {used.running_jobs} running jobs to end (its quota "
+        return (f"one of tenant {tenant}'s {used.running_jobs} running jobs{sessions} to end (its quota "
                 f"max_running_jobs={quota.max_running_jobs})")
-    if quota.max_workers is not None and used.workers + _workers(job) > quota.max_workers:
-        return (f"waiting for tenant {job.tenant}'s jobs to free workers ({used.workers} in use, this job needs "
-                f"{_workers(job)}, its quota max_workers={quota.max_workers})")
+    if quota.max_workers is not None and used.workers + workers > quota.max_workers:
+        return (f"tenant {tenant}'s jobs{sessions} to free workers ({used.workers} in use, this job needs "
+                f"{workers}, its quota max_workers={quota.max_workers})")
     return None
 
 
 def check_submission(store: Store, quotas: dict[str, TenantQuota], tenant: str, spec: JobCreate) -> None:
     """A job its tenant's quota could never run is a 422; a GPU job of a tenant whose budget is spent a 429."""
+    _check_start(store, quotas, tenant, spec.parallelism, "job")
+
+
+def check_session(store: Store, quotas: dict[str, TenantQuota], tenant: str, par: ParallelismSpec) -> None:
+    """As a job's check; and a session, which does not queue, is a 429 while its tenant's running jobs and open
+    sessions leave it no room."""
+    _check_start(store, quotas, tenant, par, "session")
+
+
+def _check_start(store: Store, quotas: dict[str, TenantQuota], tenant: str, par: ParallelismSpec,
+                 what: str) -> None:
     quota = quota_of(quotas, tenant)
-    workers = spec.parallelism.num_workers
-    if quota.max_workers is not None and workers > quota.max_workers:
+    if quota.max_workers is not None and par.num_workers > quota.max_workers:
         raise APIException(422, ErrorCode.invalid_request,
-                           f"parallelism.num_workers: {workers} workers exceed tenant {tenant}'s quota "
-                           f"max_workers={quota.max_workers}; the job could never start",
+                           f"parallelism.num_workers: {par.num_workers} workers exceed tenant {tenant}'s quota "
+                           f"max_workers={quota.max_workers}; the {what} could never start",
                            "parallelism.num_workers")
-    if spec.parallelism.gpus_per_worker and quota.gpu_hours is not None:
-        used = usage_by_tenant(store, store.jobs_with_status(*SLOT_STATUSES), time.time())
-        if spent := _budget_spent(quota, used[tenant], tenant):
-            raise APIException(429, ErrorCode.quota_exceeded, f"{spent}; no GPU job can start until an "
-                                                              "operator raises tenant_quotas.gpu_hours")
+    budget = bool(par.gpus_per_worker) and quota.gpu_hours is not None
+    now = what == "session" and (quota.max_running_jobs is not None or quota.max_workers is not None)
+    if not (budget or now):  # nothing to count: a create makes no more database reads than it needs
+        return
+    used = usage_by_tenant(store, store.jobs_with_status(*SLOT_STATUSES), time.time())[tenant]
+    if budget and (spent := _budget_spent(quota, used, tenant)):
+        raise APIException(429, ErrorCode.quota_exceeded, f"{spent}; no GPU {what} can start until an "
+                                                          "operator raises tenant_quotas.gpu_hours")
+    if now and (reason := _over_limit(quota, used, tenant, par.num_workers)):
+        raise APIException(429, ErrorCode.quota_exceeded, f"the training session would have to wait for {reason}; "
+                                                          "sessions do not queue: retry once one has ended")

@@ -1,4 +1,5 @@
-"""Which models a tenant may call: the shared registered bases and its own succeeded jobs' adapters.
+"""Which models a tenant may call: the shared registered bases, its own succeeded jobs' adapters and the weights its
+training sessions saved.
 
 Another tenant's model resolves exactly like an unknown name (None), so a caller cannot probe for it.
 """
@@ -9,6 +10,7 @@ from moetune.api.model_names import parse_fine_tuned_name
 from moetune.api.models.job_create import JobCreate
 from moetune.api.serving import ModelObject, ServedModel
 from moetune.service.base_models import BaseModels
+from moetune.service.sessions.weights import SESSION_ID_PREFIX, saved_weights
 from moetune.service.store import JobRow, Store
 from moetune.service.views import job_view
 
@@ -30,13 +32,17 @@ def _base_model(name: str, uri: str, base_models: BaseModels) -> ModelObject:
 
 def list_models(store: Store, base_models: BaseModels, tenant: str) -> list[ModelObject]:
     bases = [_base_model(name, uri, base_models) for name, uri in base_models.uris_by_name.items()]
-    return bases + [_tuned_model(row, base_models) for row in store.succeeded_jobs(tenant)]
+    return (bases + [_tuned_model(row, base_models) for row in store.succeeded_jobs(tenant)]
+            + saved_weights(store, base_models, tenant))
 
 
 def find_model(store: Store, base_models: BaseModels, tenant: str, model: str) -> ModelObject | None:
     if model in base_models.uris_by_name:
         return _base_model(model, base_models.uris_by_name[model], base_models)
     parsed = parse_fine_tuned_name(model)
+    if parsed and parsed.job_id.startswith(SESSION_ID_PREFIX):
+        found = saved_weights(store, base_models, tenant, parsed.job_id, parsed.owner)
+        return found[0] if found and found[0].id == model else None
     row = parsed and store.get_job(parsed.job_id, tenant)
     if not row or row.status != "succeeded":
         return None

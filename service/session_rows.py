@@ -1,4 +1,5 @@
-"""The training-session tables (migration 0006), on their own declarative base as the webhook tables are."""
+"""The training-session tables (migrations 0006, 0007), on their own declarative base as the webhook tables are.
+Outside service/sessions: the tenant quotas, which the scheduler reads, count open sessions too."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ class SessionRow(SessionBase):
     token_hash: Mapped[str | None] = mapped_column(String(64))  # the group's token (one per attempt)
     close_reason: Mapped[str | None] = mapped_column(String(32))
     error: Mapped[dict | None] = mapped_column(JSON)
+    # what the session holds against its tenant's quota while open, and the GPU-seconds it used once ended
+    workers: Mapped[int] = mapped_column(Integer, default=0)
+    gpus: Mapped[int] = mapped_column(Integer, default=0)
+    gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    recoveries: Mapped[int] = mapped_column(Integer, default=0)  # failed groups replaced automatically
 
 
 class CallRow(SessionBase):

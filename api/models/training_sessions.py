@@ -28,6 +28,10 @@ class SessionCreate(StrictModel):
                                   description="With no call for this long the group saves its state as 'idle' and "
                                               "stops (the session is then closed)")
     output_uri: str | None = Field(None, description="where states and weights go (default: server setting)")
+    max_recoveries: int = Field(2, ge=0, le=10,
+                                description="A ready group that fails (a worker or its driver lost) is replaced by "
+                                            "one resuming from the newest save_state, at most this many times; "
+                                            "then the session fails")
 
     _model = field_validator("model")(check_model)
     _output = field_validator("output_uri")(check_uri)
@@ -42,7 +46,8 @@ class TrainingSession(BaseModel):
     closed_at: int | None = None
     idle_timeout_s: float
     output_uri: str
-    restarts: int = 0  # worker groups started after the first (POST .../restart)
+    restarts: int = 0  # worker groups started after the first (POST .../restart, and recoveries)
+    recoveries: int = 0  # of those, the groups that replaced a failed one (resuming from the newest saved state)
     close_reason: str | None = None  # "closed", "idle", "restarted"
     error: ErrorInfo | None = None
 
@@ -160,6 +165,7 @@ class SessionRunSpec(BaseModel):
     spec: SessionCreate  # model resolved to a URI
     seed: int
     output_uri: str  # <output_uri>/<session id>
+    restore: str | None = None  # a saved state the group loads before it takes calls (it replaces a failed one)
 
 
 class NextCall(BaseModel):

@@ -1,5 +1,6 @@
-"""Training sessions: `/v1/training_sessions` for the user's loop (create, calls, close, restart) and the internal
-routes a session's worker group takes its calls from (authenticated by the group's own token)."""
+"""Training sessions: `/v1/training_sessions` for the user's loop (create, calls, close, restart, deploy of saved
+weights) and the internal routes a session's worker group takes its calls from (authenticated by the group's own
+token). A ready group that fails is replaced by one resuming from the newest saved state (`_recover`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import APIRouter, Body, Request
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models.responses import ErrorInfo, ListPage
+from moetune.api.serving import Deployment
 from moetune.api.models.training_sessions import (
     OPEN_STATUSES,
     SESSION_INTERNAL,
@@ -22,11 +24,14 @@ from moetune.api.models.training_sessions import (
     TrainingSession,
 )
 from moetune.service.auth import bearer_token, job_token_matches, unauthorized
+from moetune.service import quotas
+from moetune.service.cluster import serve_deploy
 from moetune.service.cluster.ray_jobs import RayUnavailable
 from moetune.service.errors import APIException, invalid_request, documented_errors
 from moetune.service.routes.deps import StoreDep, Tenant
+from moetune.service.session_rows import CallRow, SessionRow
 from moetune.service.sessions import launch, records
-from moetune.service.sessions.rows import CallRow, SessionRow
+from moetune.service.sessions.weights import saved_weights
 from moetune.service.store import Store
 
 router = APIRouter(prefix="/v1/training_sessions", tags=["training sessions"], responses=documented_errors(
@@ -35,7 +40,8 @@ router = APIRouter(prefix="/v1/training_sessions", tags=["training sessions"], r
         (404, "No such session (or call) for this tenant"),
         (409, "The session is not open"),
         (422, "Invalid session or call; `error.param` names the field"),
-        (503, "Ray cannot be reached now: nothing changed; retry after `Retry-After` seconds"),
+        (429, "The tenant's quota (running jobs and sessions, workers, GPU-hours) leaves no room for the session"),
+        (503, "Ray (or Ray Serve) cannot be reached now: nothing changed; retry after `Retry-After` seconds"),
     ))
 internal = APIRouter(prefix=SESSION_INTERNAL, tags=["internal"], include_in_schema=False)
 _MAX_WAIT_S = 60.0
@@ -45,7 +51,8 @@ def _view(row: SessionRow) -> TrainingSession:
     return TrainingSession(id=row.id, status=row.status, model=row.spec["model"], created_at=int(row.created_at),
                            closed_at=int(row.closed_at) if row.closed_at else None,
                            idle_timeout_s=row.spec["idle_timeout_s"], output_uri=row.output_uri,
-                           restarts=row.attempt, close_reason=row.close_reason, error=row.error)
+                           restarts=row.attempt, recoveries=row.recoveries, close_reason=row.close_reason,
+                           error=row.error)
 
 
 def _call_view(row: CallRow) -> SessionCall:
@@ -55,7 +62,7 @@ def _call_view(row: CallRow) -> SessionCall:
 
 def _own(request: Request, store: Store, tenant: str, session_id: str, ask_ray: bool = False) -> SessionRow:
     """The tenant's session. `ask_ray`: one whose group vanished without a word (Ray lost it, the driver was killed)
-    is marked failed first (a question to Ray's Jobs API: not on every call)."""
+    is recovered or failed first (a question to Ray's Jobs API: not on every call)."""
     row = records.get_session(store, session_id, tenant)
     if row is None:
         raise APIException(404, ErrorCode.not_found, f"No training session with id {session_id!r}.")
@@ -65,7 +72,7 @@ def _own(request: Request, store: Store, tenant: str, session_id: str, ask_ray: 
         except RayUnavailable:  # no answer is not "gone": the session stays as stored until Ray answers
             why = None
         if why:
-            _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=why))
+            _recover(request, row, ErrorInfo(code=ErrorCode.driver_failed, message=why))
             row = records.get_session(store, session_id, tenant)
     return row
 
@@ -80,10 +87,11 @@ def _stop(request: Request, row: SessionRow, what: str) -> None:
 
 
 def _end(request: Request, row: SessionRow, reason: str, error: ErrorInfo | None = None) -> None:
-    store = request.app.state.store
+    store, now = request.app.state.store, time.time()
     status = "failed" if error else "closed"
-    if records.set_session(store, row.id, (*OPEN_STATUSES, "closing"), status=status, closed_at=time.time(),
-                           close_reason=reason, error=error.model_dump() if error else None, token_hash=None):
+    if records.set_session(store, row.id, (*OPEN_STATUSES, "closing"), status=status, closed_at=now,
+                           close_reason=reason, error=error.model_dump() if error else None, token_hash=None,
+                           gpu_seconds=max(0.0, now - row.created_at) * row.gpus):
         message = error.message if error else f"the session was {reason}"
         records.fail_calls(store, row.id, (records.PENDING, records.RUNNING),
                            ErrorInfo(code=ErrorCode.session_not_open, message=f"Not run: {message}").model_dump())
@@ -98,6 +106,32 @@ def _start(request: Request, row: SessionRow) -> None:
         _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=str(e)))
         raise APIException(503, ErrorCode.not_ready, f"{e}: the session's worker group was not started.",
                            headers={"Retry-After": "5"}) from None
+
+
+def _recover(request: Request, row: SessionRow, cause: ErrorInfo) -> None:
+    """The session's group died (a worker, its driver or Ray lost it). A group that was ready is replaced by one
+    loading the newest saved state, at most `max_recoveries` times; the calls it did not finish, and those queued
+    for it (they assumed its state), fail as session_restarted naming that state. Otherwise the session fails."""
+    store = request.app.state.store
+    if row.status != "ready" or row.recoveries >= row.spec.get("max_recoveries", 0):
+        _end(request, row, "failed", cause)  # one that never got ready fails alike the next time: no loop
+        return
+    if not records.set_session(store, row.id, ("ready",), group=row.attempt, status="starting", token_hash=None,
+                               attempt=row.attempt + 1, recoveries=row.recoveries + 1):
+        return  # another report of the same loss got there first
+    state = records.newest_state(store, row)
+    resumes = f"state {state[0]!r} (step {state[1]})" if state else "a fresh LoRA (no state was saved)"
+    message = f"The worker group failed ({cause.message}); a new one resumes from {resumes}."
+    records.fail_calls(store, row.id, (records.RUNNING, records.PENDING),
+                       ErrorInfo(code=ErrorCode.session_restarted, message=message).model_dump(),
+                       {"restored_state": state[0] if state else None, "restored_step": state[1] if state else 0})
+    try:
+        launch.start_group(store, request.app.state.scheduler.ray, request.app.state.settings,
+                           records.get_session(store, row.id), restore=state and state[0])
+    except RayUnavailable as e:
+        _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=f"{message} Ray did not take "
+                                                                                      f"the new group: {e}"))
+    request.app.state.session_changes.notify()
 
 
 def _open(row: SessionRow) -> None:
@@ -115,12 +149,15 @@ def create(spec: SessionCreate, request: Request, tenant: Tenant, store: StoreDe
     if model is None:
         raise invalid_request(f"model: no registered base model is named {spec.model!r} (GET /v1/models lists "
                               f"them; a checkpoint folder's URI works too)", "model")
+    par = spec.parallelism
+    quotas.check_session(store, settings.tenant_quotas, tenant, par)
     session_id = records.new_id("ts")
     row = records.add_session(store, SessionRow(
         id=session_id, tenant=tenant, status="starting", created_at=time.time(),
         spec=spec.model_copy(update={"model": model}).model_dump(mode="json"),
         seed=spec.seed if spec.seed is not None else random.randrange(2**31),
-        output_uri=f"{(spec.output_uri or settings.default_output_uri).rstrip('/')}/{session_id}", attempt=0))
+        output_uri=f"{(spec.output_uri or settings.default_output_uri).rstrip('/')}/{session_id}", attempt=0,
+        workers=par.num_workers, gpus=par.num_workers * par.gpus_per_worker))
     _start(request, row)
     return _view(records.get_session(store, session_id))
 
@@ -166,6 +203,23 @@ def restart(session_id: str, request: Request, tenant: Tenant, store: StoreDep) 
     _start(request, records.get_session(store, row.id))
     request.app.state.session_changes.notify()
     return _view(records.get_session(store, session_id))
+
+
+@router.post("/{session_id}/weights/{name}/deploy", response_model=Deployment)
+def deploy_weights(session_id: str, name: str, request: Request, tenant: Tenant, store: StoreDep) -> Deployment:
+    """Makes the Serve app serve the session's base; the weights saved under `name` load on first use, called by
+    the returned model name (the session may be closed by then)."""
+    row = _own(request, store, tenant, session_id)
+    settings, base_models = request.app.state.settings, request.app.state.base_models
+    found = saved_weights(store, base_models, tenant, row.id, name)
+    if not found:
+        raise APIException(404, ErrorCode.not_found, f"Training session {row.id} saved no weights named {name!r} "
+                                                     "(save_weights saves them).", "name")
+    served = found[0].moetune
+    status = serve_deploy.deploy(settings.ray_address, settings.serve_url, settings.callback_url,
+                                 {served.base_model: served.base_model_uri}, settings.s3_endpoint_url)
+    return Deployment(model=found[0].id, base_model=served.base_model,
+                      base_url=serve_deploy.openai_base_url(settings.serve_url), status=status)
 
 
 @router.post("/{session_id}/calls", response_model=SessionCall)
@@ -247,5 +301,8 @@ def call_outcome(session_id: str, call_id: str, attempt: int, body: CallOutcome,
 @internal.post("/ended")
 def ended(session_id: str, attempt: int, body: GroupEnded, request: Request) -> dict:
     row = _group(request, session_id, attempt)
-    _end(request, row, body.reason, body.error)
+    if body.reason == "failed":
+        _recover(request, row, body.error or ErrorInfo(code=ErrorCode.session_failed, message="no cause given"))
+    else:
+        _end(request, row, body.reason, body.error)
     return {}

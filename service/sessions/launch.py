@@ -11,7 +11,7 @@ from moetune.api.models.training_sessions import SessionCreate, SessionRunSpec
 from moetune.service.auth import hash_token, new_job_token
 from moetune.service.cluster.ray_jobs import RayJobs
 from moetune.service.sessions import records
-from moetune.service.sessions.rows import SessionRow
+from moetune.service.session_rows import SessionRow
 from moetune.service.settings import Settings
 from moetune.service.store import Store
 
@@ -24,12 +24,14 @@ def submission_id(session_id: str, attempt: int) -> str:
     return f"moetune-{session_id}-{attempt}"
 
 
-def start_group(store: Store, ray: RayJobs, settings: Settings, session: SessionRow) -> None:
-    """Submits the Ray job of the session's current group with a fresh token (the previous group's stops working)."""
+def start_group(store: Store, ray: RayJobs, settings: Settings, session: SessionRow,
+                restore: str | None = None) -> None:
+    """Submits the Ray job of the session's current group with a fresh token (the previous group's stops working);
+    `restore`: the saved state it loads before it takes calls."""
     token = new_job_token()
     records.set_session(store, session.id, ("starting",), token_hash=hash_token(token))
     run = SessionRunSpec(session_id=session.id, attempt=session.attempt, spec=SessionCreate.model_validate(
-        session.spec), seed=session.seed, output_uri=session.output_uri)
+        session.spec), seed=session.seed, output_uri=session.output_uri, restore=restore)
     env = {name: os.environ[name] for name in settings.worker_env_passthrough if name in os.environ}
     env.update({ENV_RUN_SPEC: run.model_dump_json(), ENV_CALLBACK_URL: settings.callback_url, ENV_JOB_TOKEN: token})
     if settings.s3_endpoint_url:

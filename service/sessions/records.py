@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import func, select, update
 
 from moetune.api.models.training_sessions import OPEN_STATUSES
-from moetune.service.sessions.rows import CallRow, SessionRow
+from moetune.service.session_rows import CallRow, SessionRow
 
 if TYPE_CHECKING:
     from moetune.service.store import Store
@@ -91,11 +91,29 @@ def finish_call(store: Store, call_id: str, attempt: int, result: dict | None, e
                                  finished_at=time.time())).rowcount == 1
 
 
-def fail_calls(store: Store, session_id: str, statuses: tuple[str, ...], error: dict) -> None:
-    """Ends the session's calls in `statuses` with `error` (a group lost mid-call, a session closed)."""
+def fail_calls(store: Store, session_id: str, statuses: tuple[str, ...], error: dict,
+               result: dict | None = None) -> None:
+    """Ends the session's calls in `statuses` with `error` (a group lost mid-call, a session closed); `result`
+    says what the caller may resume from."""
     with store._write() as s:
         s.execute(update(CallRow).where(CallRow.session_id == session_id, CallRow.status.in_(statuses))
-                  .values(status=FAILED, error=error, finished_at=time.time()))
+                  .values(status=FAILED, error=error, result=result, finished_at=time.time()))
+
+
+def succeeded_calls(store: Store, kind: str, tenant: str, session_id: str | None = None) -> list[CallRow]:
+    """The tenant's succeeded calls of `kind` (in one session, given), newest first."""
+    query = select(CallRow).join(SessionRow, SessionRow.id == CallRow.session_id) \
+        .where(SessionRow.tenant == tenant, CallRow.kind == kind, CallRow.status == SUCCEEDED)
+    if session_id is not None:
+        query = query.where(CallRow.session_id == session_id)
+    with store._sessions() as s:
+        return list(s.scalars(query.order_by(CallRow.seq.desc())))
+
+
+def newest_state(store: Store, session: SessionRow) -> tuple[str, int] | None:
+    """The name and step of the session's newest saved state, None before its first save_state."""
+    saved = succeeded_calls(store, "save_state", session.tenant, session.id)
+    return (saved[0].args["name"], saved[0].result["step"]) if saved else None
 
 
 def is_open(row: SessionRow) -> bool:

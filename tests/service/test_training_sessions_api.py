@@ -1,17 +1,30 @@
-"""The training-session routes' refusals, without a worker group: a control plane whose Ray is down (the
-end-to-end session is tests/e2e/test_training_sessions.py); the CLI's view of them."""
+"""The training-session routes without a worker group: refusals, a control plane whose Ray is down, tenant quotas,
+and the recovery of a failed group against a stand-in of Ray's Jobs API, the group's side played by the test (the
+end-to-end session, with a real worker killed, is tests/e2e/test_training_sessions.py); the CLI's view of them."""
 
 from __future__ import annotations
 
 import re
+import time
 
+import httpx
+import pytest
 from click.testing import CliRunner
 
+from moetune.api.environment import ENV_JOB_TOKEN, ENV_RUN_SPEC
+from moetune.api.models.training_sessions import SESSION_INTERNAL, SessionRunSpec
+from moetune.api.training import CallFailed, Training
 from moetune.service.cli.main import main
 from moetune.service.local.embedded import free_port
+from moetune.service.quotas import usage_by_tenant, wait_reason
+from moetune.service.sessions import records
+from moetune.service.store import JobRow
 from tests.support.control_plane import TOKENS
 from tests.support.ray_jobs_api import RayJobsAPI
 from tests.support.waiting import wait_for
+
+SESSIONS = "/v1/training_sessions"
+SPEC = {"model": "s3://b/m", "lora": {"rank": 4}, "parallelism": {"num_workers": 2}}
 
 
 def test_refusals_name_the_field_and_a_session_ray_never_took_is_failed(start_service):
@@ -77,3 +90,102 @@ def test_a_session_outlives_a_ray_outage_and_its_restart_and_close_wait_for_ray(
             assert ray.stopped == [f"moetune-{session['id']}-1"]
         finally:
             ray.close()
+
+
+def test_open_sessions_count_against_the_tenant_quota(start_service):
+    """An open session is a running job of its tenant: it holds its workers (and GPUs, whose time counts against
+    the budget until it closes); one that does not fit now is a 429 (sessions do not queue), and a job waits."""
+    ray = RayJobsAPI()
+    service = start_service(ray_address=ray.url, tenant_quotas={
+        "tenant-a": {"max_running_jobs": 1, "max_workers": 2}, "tenant-b": {"gpu_hours": 0.5}})
+    try:
+        with service.http() as a, service.http("tenant-b") as b:
+            wide = a.post(SESSIONS, json={**SPEC, "parallelism": {"num_workers": 3}})
+            assert wide.status_code == 422 and wide.json()["error"]["param"] == "parallelism.num_workers"
+            first = a.post(SESSIONS, json=SPEC).json()
+            refused = a.post(SESSIONS, json=SPEC)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "quota_exceeded"
+            assert ("one of tenant tenant-a's 1 running jobs (1 of them training sessions) to end (its quota "
+                    "max_running_jobs=1)") in refused.json()["error"]["message"]
+            usage = usage_by_tenant(service.store, [], time.time())  # the scheduler's view: a job of tenant-a waits
+            job = JobRow(tenant="tenant-a", gpus=0, spec={"parallelism": {"num_workers": 1}})
+            assert wait_reason(service.app.state.settings.tenant_quotas, usage, job) == (
+                "waiting for one of tenant tenant-a's 1 running jobs (1 of them training sessions) to end (its "
+                "quota max_running_jobs=1)")
+
+            gpu = b.post(SESSIONS, json={**SPEC, "parallelism": {"num_workers": 2, "gpus_per_worker": 1}}).json()
+            records.set_session(service.store, gpu["id"], ("starting",), created_at=time.time() - 900)
+            metrics = service.http(None).get("/metrics").text
+            for series in ('moetune_tenant_running_jobs{tenant="tenant-a"} 1.0',
+                           'moetune_tenant_training_sessions{tenant="tenant-a"} 1.0',
+                           'moetune_tenant_workers{tenant="tenant-a"} 2.0',
+                           'moetune_tenant_workers{tenant="tenant-b"} 2.0'):
+                assert series in metrics, series
+            assert re.search(r'moetune_tenant_gpu_hours\{tenant="tenant-b"\} 0\.50', metrics)
+
+            assert a.post(f"{SESSIONS}/{first['id']}/close").json()["status"] == "closed"
+            assert a.post(SESSIONS, json=SPEC).status_code == 200  # the closed session freed its place
+            assert b.post(f"{SESSIONS}/{gpu['id']}/close").status_code == 200  # 2 GPUs for a quarter of an hour
+            assert records.get_session(service.store, gpu["id"]).gpu_seconds == pytest.approx(1800, abs=5)
+            spent = b.post(SESSIONS, json={**SPEC, "parallelism": {"num_workers": 1, "gpus_per_worker": 1}})
+            assert spent.status_code == 429 and "has used 0.50 of its 0.5 GPU-hour budget" in spent.text
+            assert b.post(SESSIONS, json=SPEC).status_code == 200  # a CPU session uses no GPU-hours
+    finally:
+        ray.close()
+
+
+def _group(service, ray: RayJobsAPI, session_id: str, attempt: int) -> tuple[httpx.Client, SessionRunSpec]:
+    """The side of the session's group `attempt` (its chief's calls), with the token and run spec Ray was given."""
+    env = ray.env_vars[f"moetune-{session_id}-{attempt}"]
+    client = httpx.Client(base_url=service.url + SESSION_INTERNAL.format(session_id=session_id), timeout=10,
+                          params={"attempt": attempt}, headers={"Authorization": f"Bearer {env[ENV_JOB_TOKEN]}"})
+    return client, SessionRunSpec.model_validate_json(env[ENV_RUN_SPEC])
+
+
+def _run_next(group: httpx.Client, result: dict | None = None) -> None:
+    call = group.post("/next_call", json={"wait_s": 0}).json()
+    assert call["call_id"], call
+    if result is not None:
+        assert group.post(f"/calls/{call['call_id']}", json={"result": result}).status_code == 200
+
+
+def test_a_failed_group_is_replaced_from_the_newest_state_and_the_sdk_says_so(start_service):
+    """Control-plane level (the Ray Jobs API a stand-in, the group played by the test): the driver reports its
+    group failed; a new group is submitted that restores the newest saved state, and the calls the old one left
+    fail as session_restarted with that state's step. The next loss, a driver that vanished (its Ray job ended
+    without a word) and max_recoveries spent, fail the session with the cause."""
+    ray = RayJobsAPI()
+    service = start_service(ray_address=ray.url)
+    try:
+        session = Training(service.sdk()).create({**SPEC, "max_recoveries": 1})
+        group, run = _group(service, ray, session.id, 0)
+        assert run.restore is None and group.post("/ready").status_code == 200
+        for name, step in (("s1", 3), ("s2", 5)):
+            session.save_state(name)
+            _run_next(group, {"uri": f"s3://b/{name}", "step": step})
+        running = session.forward_backward([{"tokens": [1, 2, 3]}])
+        queued = session.optim_step()
+        _run_next(group)  # taken, never finished: the group dies under it
+        failed = group.post("/ended", json={"reason": "failed", "error": {
+            "code": "session_failed", "message": "WorkerGroupError: a worker died"}})
+        assert failed.status_code == 200
+
+        info = session.retrieve()
+        assert (info.status, info.restarts, info.recoveries) == ("starting", 1, 1)
+        new_group, run = _group(service, ray, session.id, 1)
+        assert run.restore == "s2"
+        for future in (running, queued):
+            with pytest.raises(CallFailed) as lost:
+                future.result(timeout=5)
+            assert (lost.value.restarted, lost.value.restored_state, lost.value.restored_step) == (True, "s2", 5)
+        assert "WorkerGroupError: a worker died" in str(lost.value) and "state 's2' (step 5)" in str(lost.value)
+        assert group.post("/next_call", json={"wait_s": 0}).status_code == 409  # the dead group is locked out
+
+        assert new_group.post("/ready").status_code == 200
+        ray.end(f"moetune-{session.id}-1")  # its driver killed: nothing reported, Ray says FAILED
+        info = session.retrieve()
+        assert (info.status, info.recoveries, info.error.code) == ("failed", 1, "driver_failed")
+        assert "session's Ray job ended (FAILED)" in info.error.message
+        assert f"moetune-{session.id}-2" not in ray.entrypoints
+    finally:
+        ray.close()

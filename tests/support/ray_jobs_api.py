@@ -1,8 +1,8 @@
 """A loopback stand-in for the Ray Jobs REST API (the calls ray.job_submission.JobSubmissionClient makes) that
 records every submission attempt: the replica tests count submissions per job without starting Ray jobs.
 
-Like Ray it refuses a submission id it already has; its jobs stay RUNNING (a stop is only recorded); it has no /api/cluster_status (the
-scheduler then leaves placement to Ray).
+Like Ray it refuses a submission id it already has; its jobs stay RUNNING (a stop is only recorded) unless a test
+ends one (`end`: a driver that died); it has no /api/cluster_status (the scheduler then leaves placement to Ray).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class RayJobsAPI:
     def __init__(self, submit_delay_s: float = 0.0, port: int = 0):
         self.attempts: list[tuple[str, str]] = []  # (submission id, the submitting replica's callback URL)
         self.entrypoints: dict[str, str] = {}
+        self.env_vars: dict[str, dict[str, str]] = {}  # each submission's environment (its token, its run spec)
+        self.ended: dict[str, str] = {}  # submission id -> the status a test ended it with
         self.stopped: list[str] = []  # submission ids asked to stop
         self.submit_delay_s = submit_delay_s  # a slow head: a leader killed mid-queue is killed mid-submission
         self._lock = threading.Lock()
@@ -35,7 +37,8 @@ class RayJobsAPI:
                 if self.path == "/api/version":
                     self._answer(200, {"version": "4", "ray_version": ray.__version__})
                 elif (match := _JOB_PATH.match(self.path)) and match[1] in api.entrypoints:
-                    self._answer(200, {"type": "SUBMISSION", "submission_id": match[1], "status": "RUNNING",
+                    self._answer(200, {"type": "SUBMISSION", "submission_id": match[1],
+                                       "status": api.ended.get(match[1], "RUNNING"),
                                        "entrypoint": api.entrypoints[match[1]]})
                 else:
                     self._answer(404, {"detail": "not found"})
@@ -56,6 +59,7 @@ class RayJobsAPI:
                     api.attempts.append((sid, body["runtime_env"]["env_vars"][ENV_CALLBACK_URL]))
                     known = sid in api.entrypoints
                     api.entrypoints.setdefault(sid, body["entrypoint"])
+                    api.env_vars.setdefault(sid, body["runtime_env"]["env_vars"])
                 if known:
                     self._answer(400, {"detail": f"Job with submission_id {sid} already exists."})
                 else:
@@ -79,6 +83,10 @@ class RayJobsAPI:
     def submitters(self, sid: str) -> list[str]:
         with self._lock:
             return [replica for attempt, replica in self.attempts if attempt == sid]
+
+    def end(self, sid: str, status: str = "FAILED") -> None:
+        with self._lock:
+            self.ended[sid] = status
 
     def close(self) -> None:
         self.server.shutdown()

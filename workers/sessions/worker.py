@@ -81,6 +81,10 @@ class SessionWorker(_Worker):
                                       bf16=self.device.type == "cuda")
         self.engine.train()
         self.lockstep = self.spec.parallelism.collective_forward
+        if self.session.restore:  # this group replaces a failed one: it resumes where the session last saved
+            step = self.load_state(LoadState(name=self.session.restore))["step"]
+            log.info("session %s: resumed from state %r (step %d)", self.session.session_id, self.session.restore,
+                     step)
         if self.chief:
             self.link.ready()
 
