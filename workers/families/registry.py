@@ -33,7 +33,8 @@ def family_for(config) -> Family:
 
 
 def demo_family(kind: str) -> Family:
-    """The family of the embedded demo's (and the tests') tiny checkpoint of this kind ("text", "images")."""
+    """The family of the tiny checkpoint of this kind: "text" (the tests'), "seed" (`moetune demo`'s, the seed model
+    as released), "images" (`moetune demo --images`')."""
     return next(f for f in REGISTRY.values() if f.demo == kind)
 
 

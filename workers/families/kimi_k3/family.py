@@ -31,4 +31,5 @@ FAMILY = Family(FAMILIES["kimi_k3"], moe_block="KimiK3MoE", shared_experts="shar
                 swaps=(kda_swap("KimiK3DeltaAttention"), segment_attention_swap("KimiK3Attention")),
                 model_type_aliases=("kimi_k3_text",), expert_activation=expert_activation,
                 # the Attention Residuals' projections: their weight is the mix's pseudo-query, never called
-                lora_unsupported=("self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj"))
+                lora_unsupported=("self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj"),
+                demo="seed")
