@@ -6,6 +6,7 @@ ZeRO neither averages different experts' gradients nor partitions them over the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -119,6 +120,7 @@ class ExpertParallelExperts(nn.Module):
                 setattr(self, name, _own_experts(getattr(experts, name), ep))
         self.quantized = bool(quantized)
         self.lora_rank = lora_rank
+        self.lora_on = bool(lora_rank)  # off: the forward runs the frozen experts alone (expert_lora_off)
         if lora_rank:
             self.lora_scaling = lora_scaling(lora_alpha, lora_rank)
             self._init_lora(ep.local)
@@ -148,8 +150,12 @@ class ExpertParallelExperts(nn.Module):
             return held(self, self.in_proj), held(self, "down_proj")
         return getattr(self, self.in_proj), self.down_proj
 
+    @property
+    def has_lora(self) -> bool:
+        return self.lora_rank > 0
+
     def lora_factors(self) -> ExpertLoraFactors | None:
-        if not self.lora_rank:
+        if not self.lora_on:
             return None
         return ExpertLoraFactors(self.lora_gate_up_a, self.lora_gate_up_b, self.lora_down_a, self.lora_down_b,
                                  self.lora_scaling)
@@ -193,6 +199,20 @@ class ExpertParallelExperts(nn.Module):
                          self.lora_factors(), biases)
         y = y[torch.argsort(by_expert)]  # back to (source rank, local expert) order
         return _exchange(y, in_splits, out_splits, ep, self.comm)
+
+
+@contextlib.contextmanager
+def expert_lora_off(model):
+    """The routed experts of `model` without their own LoRA while inside (it lives outside PEFT, so PEFT's
+    disable_adapter leaves it on)."""
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts) and m.has_lora]
+    for m in experts:
+        m.lora_on = False
+    try:
+        yield
+    finally:
+        for m in experts:
+            m.lora_on = True
 
 
 def trainable_experts_class():

@@ -23,7 +23,7 @@ EXPERT_DIR = "expert_lora"
 
 def expert_modules(module) -> list[tuple[str, object]]:
     """(qualified name, module) of every expert-parallel experts module that carries LoRA."""
-    return [(n, m) for n, m in module.named_modules() if isinstance(m, ExpertParallelExperts) and m.lora_rank]
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, ExpertParallelExperts) and m.has_lora]
 
 
 def _lora_params(module) -> dict:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from moetune.api.chat_content import joined_text
 from moetune.kernels.loss import linear_cross_entropy_sum
+from moetune.workers.experts.module import expert_lora_off
 from moetune.workers.families.segments import packs_sequences
 from moetune.workers.methods.batch import IGNORE, Batch
 from moetune.workers.methods.loss_head import LossHead, install_loss_head
@@ -110,18 +111,10 @@ def _logits_nll(logits, labels, sequence_of, sequences: int):
 @contextlib.contextmanager
 def lora_off(model):
     """The reference policy: the model with PEFT's adapters disabled and the routed experts' own LoRA (the
-    expert-parallel module, outside PEFT: its `lora_rank` 0 means no LoRA in its forward) off."""
+    expert-parallel module, outside PEFT) off."""
     peft_model = getattr(model, "module", model)  # under DeepSpeed, the engine's module
-    experts = [m for m in peft_model.modules() if hasattr(m, "lora_factors") and m.lora_rank]
-    ranks = [m.lora_rank for m in experts]
-    with peft_model.disable_adapter():
-        for m in experts:
-            m.lora_rank = 0
-        try:
-            yield
-        finally:
-            for m, rank in zip(experts, ranks):
-                m.lora_rank = rank
+    with peft_model.disable_adapter(), expert_lora_off(peft_model):
+        yield
 
 
 class DpoMethod:

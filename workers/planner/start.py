@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.training import TrainingSpec
+from moetune.workers.experts.module import ExpertParallelExperts
+from moetune.workers.lora.peft_lora import lora_spec_of
 
 
 def _job_of(model, training: TrainingSpec) -> tuple[dict, JobCreate, int, bool]:
     """(config.json dict, the job's spec as far as memory goes, EP size, checkpointing) of a trainable model."""
-    lora = model.peft_config["default"]
-    targets = lora.target_modules if isinstance(lora.target_modules, str) else sorted(lora.target_modules)
-    expert_modules = [m for m in model.modules() if hasattr(m, "ep") and hasattr(m, "lora_rank")]
-    spec = JobCreate(model="file:///unused", training_file="file:///unused", training=training,
-                     lora={"rank": lora.r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
-                           "target_modules": targets, "train_experts": any(m.lora_rank for m in expert_modules)})
+    expert_modules = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    lora = lora_spec_of(model.peft_config["default"], any(m.has_lora for m in expert_modules))
+    spec = JobCreate(model="file:///unused", training_file="file:///unused", training=training, lora=lora)
     checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     ep = expert_modules[0].ep.size if expert_modules else 1
     return model.config.to_dict(), spec, ep, checkpointing
