@@ -33,6 +33,14 @@ def wait_until_running(ray_address: str, timeout: float) -> str:
         time.sleep(1)
 
 
+def _require_running(ray_address: str, timeout: float) -> str:
+    """Waits for the Serve app's replicas; a clear error (exit 1) unless it runs."""
+    status = wait_until_running(ray_address, timeout)
+    if status != "RUNNING":
+        raise click.ClickException(f"the Serve app is {status} (see the Ray dashboard's Serve page)")
+    return status
+
+
 def print_openai_snippet(base_url: str, model: str) -> None:
     console.print(f"[bold]OpenAI base URL[/] {base_url}\n"
                   f"  client = openai.OpenAI(base_url={base_url!r}, api_key=<your moetune token>)\n"
@@ -64,9 +72,7 @@ def serve(ctx: click.Context, models: tuple[str, ...], ray_address: str, serve_u
         bases[served.base_model] = served.base_model_uri
     serve_deploy.deploy(ray_address, serve_url, control_plane or ctx.obj["url"], bases, s3_endpoint_url)
     console.print(f"Serving {', '.join(sorted(bases))} on {ray_address}")
-    status = wait_until_running(ray_address, timeout)
-    if status != "RUNNING":
-        raise click.ClickException(f"the Serve app is {status} (see the Ray dashboard's Serve page)")
+    _require_running(ray_address, timeout)
     print_openai_snippet(serve_deploy.openai_base_url(serve_url), names[0])
 
 
@@ -80,7 +86,7 @@ def deploy(ctx: click.Context, job_id: str, wait: bool, ray_address: str) -> Non
     deployment = _client(ctx).jobs.deploy(job_id)
     console.print(f"{deployment.model}: {deployment.status}")
     if wait and deployment.status != "RUNNING":
-        console.print(f"Serve app: {wait_until_running(ray_address, 600)}")
+        console.print(f"Serve app: {_require_running(ray_address, 600)}")
     print_openai_snippet(deployment.base_url, deployment.model)
 
 

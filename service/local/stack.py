@@ -42,6 +42,7 @@ class Stack:
     token: str
     s3_endpoint: str
     ray_address: str
+    serve_url: str = ""  # where the Serve app's HTTP proxy listens once a model is deployed (`jobs deploy`, `chat`)
     pids: dict[str, int] = field(default_factory=dict)  # process-group leaders `up` started, by role
     ray_temp_dir: str | None = None  # a Ray head of its own (not one given with --ray-address)
     ray_ports: dict[str, int] = field(default_factory=dict)  # its ports, kept for a restart
@@ -52,10 +53,10 @@ class Stack:
     last_up: dict[str, str] = field(default_factory=dict)  # role -> started, restarted or adopted
 
     def env(self) -> dict[str, str]:
-        """What a shell needs to use the stack: the CLI's (deploy and serve talk to Ray), the SDK's and boto3's
-        variables."""
+        """What a shell needs to use the stack: the CLI's (deploy and serve talk to Ray, chat to the Serve app),
+        the SDK's and boto3's variables."""
         return {"MOETUNE_URL": self.url, "MOETUNE_TOKEN": self.token, "MOETUNE_RAY_ADDRESS": self.ray_address,
-                **s3_env(self.s3_endpoint)}
+                "MOETUNE_SERVE_URL": self.serve_url, **s3_env(self.s3_endpoint)}
 
     def health_url(self, role: str) -> str:
         return {"s3": f"{self.s3_endpoint}/", "ray": f"{self.ray_address}/api/version",
@@ -132,7 +133,7 @@ def _api_tokens(stack: Stack) -> str:
 
 def _server_config(stack: Stack, base_models: dict[str, str]) -> dict:
     return {"api_tokens": _api_tokens(stack), "s3": stack.s3_endpoint, "ray": stack.ray_address,
-            "base_models": base_models}
+            "serve": stack.serve_url, "base_models": base_models}
 
 
 def up(state_dir: Path = STATE_DIR, ray_address: str | None = None, num_cpus: int | None = None,
@@ -148,6 +149,8 @@ def up(state_dir: Path = STATE_DIR, ray_address: str | None = None, num_cpus: in
         stack = _stack(saved) if saved else Stack(url=f"http://127.0.0.1:{free_port()}",
                                                   token=f"local-{secrets.token_hex(8)}", s3_endpoint="",
                                                   ray_address="")
+        # a port of its own, not the Serve default 8001 another stack or program may hold
+        stack.serve_url = stack.serve_url or f"http://127.0.0.1:{free_port()}"
         if ray_address is None and stack.pids and not stack.ray_ports:
             ray_address = stack.ray_address  # keep the cluster a running stack was given
         for name in tenants:
@@ -193,6 +196,8 @@ def _start(role: str, stack: Stack, state_dir: Path, base_models: dict[str, str]
                                                          **processes.tag(stack.stack_id, role)},
                                     stack.ray_temp_dir, ports)
         stack.pids["ray"], stack.ray_address, stack.ray_ports = proc.pid, head.dashboard_url, head.ports
+        # a new head runs no Serve proxy yet: keep the port unless something else took it (the server restarts then)
+        stack.serve_url = f"http://127.0.0.1:{_port_like(_port(stack.serve_url))}"
     else:
         stack.url = f"http://127.0.0.1:{_port_like(_port(stack.url))}"
         stack.server_config = _server_config(stack, base_models)
@@ -221,6 +226,7 @@ def _server_env(stack: Stack, state_dir: Path, base_models: dict[str, str], env:
         "MOETUNE_CALLBACK_URL": f"http://127.0.0.1:{port}",
         "MOETUNE_DEFAULT_OUTPUT_URI": f"s3://{OUTPUT_BUCKET}/outputs",
         "MOETUNE_BASE_MODELS": json.dumps(base_models),
+        "MOETUNE_SERVE_URL": stack.serve_url,
     }
 
 
