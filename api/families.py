@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from moetune.api.config_fields import config_error, read
 from moetune.api.models.base import SpecError
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.parallelism import ParallelismSpec
 from moetune.api.quantization import quantization_of
 
 
@@ -125,14 +127,12 @@ def images_refusal(config: dict) -> str | None:
     return None
 
 
-def check_model_spec(config: dict, spec) -> None:
-    """Rules that need the model's config.json; raises api.models.base.SpecError naming the field.
-
-    `spec` is a resolved JobCreate. Used at submission (422) and again by the driver before workers start.
-    """
+def check_model_spec(config: dict, lora: LoraSpec, parallelism: ParallelismSpec) -> None:
+    """Rules that need the model's config.json, on the job's `lora` and `parallelism` sections; raises
+    api.models.base.SpecError naming the field. Used at submission (422) and again by the driver before workers
+    start."""
     facts = facts_of(config)  # a malformed field or an unsupported model before the family's own rules
-    lora = spec.lora
-    spec.parallelism.check_expert_split(facts.num_experts(config))
+    parallelism.check_expert_split(facts.num_experts(config))
     if lora.vision != "none" and (why := images_refusal(config)):
         raise SpecError("lora.vision", f"{lora.vision!r} puts LoRA on the model's vision tower, but {why}; "
                                        f"use \"none\" (the default)")

@@ -183,7 +183,7 @@ def create_plan(request: Request, body: PlanRequest, tenant: Tenant, store: Stor
     check_job_uris(job, tenant, settings)
     try:
         spec = resolve_spec(job)
-        config = read_model_config(spec, settings.s3_endpoint_url)
+        config = read_model_config(spec.model, settings.s3_endpoint_url)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
     if config is None:

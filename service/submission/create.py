@@ -58,13 +58,13 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
         spec = resolve_spec(request)
         # Rules that need storage (the model's files, the output location); what storage cannot answer now, the
         # driver checks before any worker starts.
-        if (config := read_model_config(spec, settings.s3_endpoint_url)) is not None:
-            check_model_spec(config, spec)
+        if (config := read_model_config(spec.model, settings.s3_endpoint_url)) is not None:
+            check_model_spec(config, spec.lora, spec.parallelism)
             check_fits(config, spec, settings)
-            if (names := model_files(spec, settings.s3_endpoint_url)) is not None:
+            if (names := model_files(spec.model, settings.s3_endpoint_url)) is not None:
                 check_tokenizer_files(names, spec.model)
         rows = check_data_images(spec, config, tenant_access(tenant, settings), settings)
-        check_epochs(spec, rows.get("training_file"), settings.max_epochs)
+        check_epochs(spec.training, rows.get("training_file"), settings.max_epochs)
         check_output_writable(output_uri, settings.s3_endpoint_url, default=request.output_uri is None)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
@@ -85,7 +85,7 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
         gpus=spec.parallelism.num_workers * spec.parallelism.gpus_per_worker,
     )
     try:
-        warnings = [(warning, "warn") for warning in schedule_warnings(spec, rows.get("training_file"))]
+        warnings = [(warning, "warn") for warning in schedule_warnings(spec.training, rows.get("training_file"))]
         return store.create_job(row, ["Job created", *warnings, "Validating files"])
     except IdempotencyKeyTaken:  # an identical request raced this one
         return _replay(store.find_by_idempotency_key(tenant, idempotency_key), digest)

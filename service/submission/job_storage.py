@@ -79,23 +79,23 @@ def _read_object(uri: str, s3_endpoint_url: str | None, raise_missing: bool = Fa
     return value
 
 
-def read_model_config(spec: JobCreate, s3_endpoint_url: str | None) -> dict | None:
-    """The model's config.json, or None when it cannot be read now: then the file check before queueing and
+def read_model_config(model_uri: str, s3_endpoint_url: str | None) -> dict | None:
+    """The config.json of the model folder at `model_uri`, or None when it cannot be read now: then the file check before queueing and
     the driver's own check report it instead. A config.json that is not a JSON object, or a model folder that
     holds files but no config.json, is a SpecError."""
     try:
-        return _read_object(storage.join(spec.model, "config.json"), s3_endpoint_url, raise_missing=True)
+        return _read_object(storage.join(model_uri, "config.json"), s3_endpoint_url, raise_missing=True)
     except FileNotFoundError:  # storage answered: the folder is listed only then (an unreachable one costs no more)
-        if (names := model_files(spec, s3_endpoint_url)) and "config.json" not in names:
-            raise SpecError("model", f"model: {spec.model.rstrip('/')} holds {len(names)} files but no config.json "
+        if (names := model_files(model_uri, s3_endpoint_url)) and "config.json" not in names:
+            raise SpecError("model", f"model: {model_uri.rstrip('/')} holds {len(names)} files but no config.json "
                                      "(expected a Hugging Face checkpoint folder)") from None
         return None
 
 
-def model_files(spec: JobCreate, s3_endpoint_url: str | None) -> list[str] | None:
-    """Names of the files directly in the model folder; None when storage cannot list it now."""
+def model_files(model_uri: str, s3_endpoint_url: str | None) -> list[str] | None:
+    """Names of the files directly in the model folder at `model_uri`; None when storage cannot list it now."""
     try:
-        fs, path = _filesystem(spec.model, s3_endpoint_url, quick=True)
+        fs, path = _filesystem(model_uri, s3_endpoint_url, quick=True)
         return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
     except Exception:  # noqa: BLE001 - the driver lists it again
         return None

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from moetune.api.lr_schedule import lr_factor, total_steps, warmup_steps
 from moetune.api.models.base import SpecError
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.training import TrainingSpec
 
 _FIRST_STEP_LR_FLOOR = 0.01  # a first step at under 1% of learning_rate: the warm-up is the whole story
 
 
-def check_epochs(spec: JobCreate, training_rows: int | None, max_epochs: float) -> None:
+def check_epochs(t: TrainingSpec, training_rows: int | None, max_epochs: float) -> None:
     """SpecError (param training.max_steps) when max_steps runs more than `max_epochs` passes over the rows."""
-    t = spec.training
     if t.max_steps is None or not training_rows or t.allow_many_epochs:
         return
     epochs = t.max_steps * t.global_batch_size / training_rows
@@ -26,9 +25,8 @@ def check_epochs(spec: JobCreate, training_rows: int | None, max_epochs: float) 
                         f"training.allow_many_epochs: true if it is meant")
 
 
-def schedule_warnings(spec: JobCreate, training_rows: int | None) -> list[str]:
+def schedule_warnings(t: TrainingSpec, training_rows: int | None) -> list[str]:
     """What the job's learning-rate schedule will do that its numbers may not suggest (empty: nothing)."""
-    t = spec.training
     if t.max_steps is None and not training_rows:
         return []  # the step count is only known from the rows
     steps = total_steps(training_rows or 0, t.global_batch_size, t.max_steps, t.n_epochs)

@@ -115,7 +115,7 @@ def test_unreadable_config_defers_to_the_driver(control_plane):
     assert _post(control_plane, "not-uploaded-yet", **EP3_OF_6).status_code == 200
     spec = JobCreate(model="s3://b/m", training_file="s3://b/t.jsonl", **EP3_OF_6)
     with pytest.raises(JobError) as err:
-        check_supported(spec, REGISTRY["kimi_linear"].tiny_config().to_dict())
+        check_supported(REGISTRY["kimi_linear"].tiny_config().to_dict(), spec.lora, spec.parallelism)
     assert err.value.param == "parallelism.expert_parallel_size" and "8 routed experts" in err.value.message
 
 
@@ -126,7 +126,7 @@ def test_the_driver_refuses_lora_vision_without_a_vision_tower_it_trains(model_t
     spec = JobCreate(model="s3://b/m", training_file="s3://b/t.jsonl", lora={"vision": "all"})
     config = REGISTRY[model_type].tiny_config().to_dict()
     try:
-        check_supported(spec, config)
+        check_supported(config, spec.lora, spec.parallelism)
     except JobError as err:
         assert refused and err.param == "lora.vision", err
         assert "'all' puts LoRA on the model's vision tower, but moetune trains" in err.message

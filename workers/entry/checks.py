@@ -15,7 +15,8 @@ from moetune.api.checkpoint_files import check_tokenizer_files, check_tokenizer_
 from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec, facts_of, images_refusal
 from moetune.api.models.base import SpecError
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.parallelism import ParallelismSpec
 from moetune.api.models.job_run import JobRunSpec
 from moetune.api.preference import method_type
 from moetune.workers.data.images import ImageCheck
@@ -36,7 +37,7 @@ def validate(run: JobRunSpec, settings: WorkerSettings) -> tuple[int, Coverage]:
     the tenant's storage access and the image limits, for the images the data files name."""
     spec = run.spec
     config = read_remote_config(spec.model)
-    check_supported(spec, config)
+    check_supported(config, spec.lora, spec.parallelism)
     lora = check_targets_on_config(config, spec.lora)
     check_output(run.output_uri)
     with tempfile.TemporaryDirectory() as model_dir:
@@ -75,11 +76,11 @@ def check_output(output_uri: str) -> None:
                        "output_uri") from None
 
 
-def check_supported(spec: JobCreate, config: dict) -> None:
+def check_supported(config: dict, lora: LoraSpec, parallelism: ParallelismSpec) -> None:
     """The submission-time rules that need config.json, again here: the control plane skips them when it
     cannot read storage at submission."""
     try:
-        check_model_spec(config, spec)
+        check_model_spec(config, lora, parallelism)
     except SpecError as e:
         raise JobError(ErrorCode.invalid_request, e.message, e.param) from None
 

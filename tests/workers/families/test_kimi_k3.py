@@ -1,12 +1,14 @@
 """Kimi K3 (moetune's own model definition) against NeMo Automodel 0.7.0's reference, on tiny checkpoints the
 reference writes in the release's naming: bf16, and with the routed experts in compressed-tensors'
 mxfp4-pack-quantized per expert. moetune's model comes from its streaming loader; both models run in fp32 for the
-comparison (the reference in a child process)."""
+comparison (the reference in a child process). The same child run decodes greedily for the serving engine's test."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -25,12 +27,43 @@ from moetune.workers.weights.loader import stream_model
 from moetune.workers.weights.push import inspect
 from bench.support.kimi_k3_reference import LORA_TARGETS, run_reference
 
+# the engine test's prompts (different lengths: rows join left-padded) and expert LoRA (rank 4, alpha 8)
+PROMPTS = ([7, 99, 180, 23, 250, 61, 5, 140, 33], [44, 201, 9, 130])
+NEW_TOKENS, EXPERT_RANK = 8, 4
+MOE_LAYERS = range(TINY_TEXT["first_k_dense_replace"], TINY_TEXT["num_hidden_layers"])
+
+
+def _expert_lora() -> dict[str, dict[str, torch.Tensor]]:
+    """experts module path -> moetune's fused-expert LoRA factors (lora_gate_up_a [E, r, latent], ...)."""
+    g = torch.Generator().manual_seed(3)
+    e, latent, inner = TINY_TEXT["num_experts"], TINY_TEXT["routed_expert_hidden_size"], \
+        TINY_TEXT["moe_intermediate_size"]
+    shapes = {"lora_gate_up_a": (e, EXPERT_RANK, latent), "lora_gate_up_b": (e, 2 * inner, EXPERT_RANK),
+              "lora_down_a": (e, EXPERT_RANK, inner), "lora_down_b": (e, latent, EXPERT_RANK)}
+    return {f"language_model.model.layers.{i}.block_sparse_moe.experts":
+            {name: torch.randn(shape, generator=g) * 0.3 for name, shape in shapes.items()} for i in MOE_LAYERS}
+
+
+def _released_expert_deltas(lora: dict, scaling: float) -> dict[str, torch.Tensor]:
+    """The expert LoRA as merged deltas of the release's per-expert w1 / w3 / w2 (gate_up_proj rows: w1, then w3)."""
+    deltas = {}
+    for path, f in lora.items():
+        gate_up = scaling * f["lora_gate_up_b"] @ f["lora_gate_up_a"]
+        down = scaling * f["lora_down_b"] @ f["lora_down_a"]
+        for e in range(gate_up.shape[0]):
+            w1, w3 = gate_up[e].chunk(2)
+            deltas.update({f"{path}.{e}.w1.weight": w1, f"{path}.{e}.w3.weight": w3, f"{path}.{e}.w2.weight": down[e]})
+    return deltas
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("kimi-k3-reference"))
     ids = torch.randint(3, TINY_TEXT["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
-    request = {"seed": 0, "input_ids": ids.tolist(), "lora_targets": LORA_TARGETS, "text_config": TINY_TEXT}
+    torch.save(_released_expert_deltas(_expert_lora(), 8 / EXPERT_RANK), os.path.join(workdir, "expert_deltas.pt"))
+    request = {"seed": 0, "input_ids": ids.tolist(), "lora_targets": LORA_TARGETS, "text_config": TINY_TEXT,
+               "decode": {"prompts": [list(p) for p in PROMPTS], "new_tokens": NEW_TOKENS,
+                          "expert_deltas": "expert_deltas.pt"}}
     return workdir, ids, run_reference(workdir, request)
 
 
@@ -165,7 +198,7 @@ def test_a_released_checkpoint_is_accepted_and_inspected(reference):
     spec = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
                      lora={"target_modules": ["q_proj", "g_proj", "kv_b_proj", "routed_expert_down_proj"]},
                      parallelism={"expert_parallel_size": 2, "num_workers": 2})
-    check_model_spec(config, spec)
+    check_model_spec(config, spec.lora, spec.parallelism)
     summary = inspect(f"file://{workdir}/mxfp4", ep=2)
     assert (summary["model_type"], summary["quantization"]) == ("kimi_k3", "mxfp4-pack-quantized")
     assert (summary["moe_layers"], summary["experts_per_layer"]) == (3, 8)
@@ -183,3 +216,61 @@ def test_the_planner_counts_the_packed_experts_the_loader_keeps(reference, ep):
     frozen = plan(config, spec, ClusterSpec(nodes=1, gpus_per_node=2, gpu_memory="80GB"))["submitted"]["bytes"]
     kept = _stream(f"{workdir}/mxfp4", "quantized").quantized_bytes
     assert frozen["frozen_weights"]["mxfp4-pack-quantized"] == kept / ep
+
+
+def _write_adapter(folder: str, linear_lora: dict[str, torch.Tensor]) -> str:
+    """A PEFT adapter in moetune's export layout: the reference's linear LoRA (released names) and `_expert_lora`
+    as target_parameters on the fused experts."""
+    from safetensors.torch import save_file
+
+    from moetune.workers.experts.lora_layout import peft_expert_state, target_parameters
+
+    tensors = {f"base_model.model.{name.replace('.default.', '.')}": t for name, t in linear_lora.items()}
+    for path, factors in _expert_lora().items():
+        tensors.update(peft_expert_state(f"base_model.model.{path}", factors))
+    os.makedirs(folder)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": EXPERT_RANK, "lora_alpha": 8, "target_modules": LORA_TARGETS,
+                   "target_parameters": target_parameters()}, f)
+    return folder
+
+
+def test_engine_greedy_decode_equals_the_reference(reference, tmp_path):
+    """The serving engine on the MXFP4 checkpoint (experts kept packed), base and adapter (linear + expert LoRA)
+    rows in one batch: rows prefilled alone, joining a running batch left-padded (KDA conv + recurrent states, MLA
+    latent KV), leaving at different lengths; every answer is the reference's greedy decode token for token."""
+    from moetune.workers.generate import Engine, GenerationRequest, SamplingParams
+    from moetune.workers.tiny import write_tiny_tokenizer
+
+    workdir, _, results = reference
+    checkpoint = str(tmp_path / "served")
+    shutil.copytree(f"{workdir}/mxfp4", checkpoint)
+    write_tiny_tokenizer(checkpoint)
+    adapter = _write_adapter(str(tmp_path / "adapter"), results["mxfp4"]["lora_weights"])
+    runs = [(PROMPTS[0], adapter, NEW_TOKENS), (PROMPTS[1], None, NEW_TOKENS), (PROMPTS[1], adapter, 5),
+            (PROMPTS[0], None, 6)]
+
+    async def answers(engine):
+        async def one(prompt, uri, n):
+            request = GenerationRequest(list(prompt), uri, SamplingParams(n, temperature=0.0))
+            return [e.token_id async for e in engine.stream(request) if e.token_id is not None]
+        first = asyncio.create_task(one(*runs[0]))
+        while not engine.batch.steps:  # the others join a batch that is already decoding
+            await asyncio.sleep(0.01)
+        return [await first, *await asyncio.gather(*(one(*r) for r in runs[1:]))]
+
+    engine = Engine.from_uri(checkpoint, max_batch=4)
+    try:
+        got = asyncio.run(answers(engine))
+        stop_ids, peak = engine.base.stop_ids, engine.stats()["peak_batch"]
+    finally:
+        engine.close()
+    decoded = results["decode"]
+
+    def expected(prompt, uri, n):
+        tokens = decoded["adapter" if uri else "base"][PROMPTS.index(prompt)][:n]
+        return next((tokens[:i] for i, t in enumerate(tokens) if t in stop_ids), tokens)
+
+    assert got == [expected(*r) for r in runs]
+    assert peak >= 3 and all(got) and decoded["base"] != decoded["adapter"]  # batched, and the adapter matters

@@ -66,6 +66,6 @@ def test_a_kimi_k2_release_streams_into_transformers_deepseek_v3(tmp_path):
     spec = resolve_spec(JobCreate(model=f"file://{release}", training_file="file:///t.jsonl",
                                   lora={"target_modules": ["q_a_proj", "kv_b_proj"]},
                                   parallelism={"num_workers": 2, "expert_parallel_size": 2}))
-    check_model_spec(config, spec)
+    check_model_spec(config, spec.lora, spec.parallelism)
     report = inspect(f"file://{release}", ep=2)
     assert report["model_type"] == "kimi_k2" and report["experts_per_layer"] == config["n_routed_experts"]
