@@ -39,7 +39,9 @@ def control_plane(s3_endpoint, ray_head, tmp_path_factory):
     """Base URL of a `moetune server` process; its output goes to a log file shown on failure."""
     port = free_port()
     work = tmp_path_factory.mktemp("control-plane")
-    proc = spawn_control_plane(control_plane_env(s3_endpoint, ray_head, work, port), port, work / "server.log")
+    env = {**control_plane_env(s3_endpoint, ray_head, work, port),
+           "MOETUNE_SERVE_URL": f"http://127.0.0.1:{free_port()}"}  # a session's weights deploy there
+    proc = spawn_control_plane(env, port, work / "server.log")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

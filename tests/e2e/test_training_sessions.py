@@ -1,21 +1,28 @@
-"""One training session through the real stack (the `moetune server` process, Ray head, S3 server): a 2-worker
-group at EP=2 on the tiny kimi_linear, driven by the SDK. One session, shared by the checks in order: its worker
-groups are the expensive part."""
+"""One training session through the real stack (the `moetune server` process, Ray head, S3 server, Ray Serve): a
+2-worker group at EP=2 on the tiny kimi_linear, driven by the SDK. One session, shared by the checks in order: its
+worker groups are the expensive part. Its one restart is a real fault: a worker process killed mid-call."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 
 import boto3
 import httpx
+import openai
+import psutil
 import pytest
 
 from moetune.api.client import APIError, Client
+from moetune.api.environment import ENV_RUN_SPEC
 from moetune.api.training import CallFailed, Training
+from moetune.service.cluster.serve_deploy import APP_NAME
 from examples.rl_grpo import grpo
 from tests.support.control_plane import TOKENS
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.ray_job
 
@@ -24,10 +31,11 @@ SEQ_B = [9, 8, 7, 6, 5, 4, 3, 2, 1, 40]
 SEQ_C = [60, 61, 62, 63, 64, 65, 66, 67]
 ADAM = {"learning_rate": 5e-3}
 IDLE_S = 8  # the checks follow each other within a second: only after the last does the group idle out
+SAVED = {}  # the greedy answer of the weights saved as "final" (first check), for the deployed model (last check)
 
 
 @pytest.fixture(scope="module")
-def session(control_plane, tiny_assets):
+def session(control_plane, tiny_assets, ray_head):
     session = Training(Client(control_plane, TOKENS["tenant-a"])).create({
         "model": tiny_assets["model"], "seed": 3, "idle_timeout_s": IDLE_S,
         "lora": {"rank": 4, "alpha": 8, "dropout": 0.0},
@@ -38,6 +46,7 @@ def session(control_plane, tiny_assets):
     finally:
         if session.retrieve().status in ("starting", "ready"):
             session.close()
+        httpx.delete(f"{ray_head.dashboard_url}/api/serve/applications/", timeout=60)  # the deployed weights' app
 
 
 def _next_loss(session) -> tuple[float, list]:
@@ -48,8 +57,49 @@ def _next_loss(session) -> tuple[float, list]:
     return after["loss"], first["logprobs"]
 
 
-def test_session_calls_restart_and_exact_resume(session, control_plane, s3_endpoint):
+def _worker_pids(session_id: str, attempt: int) -> list[int]:
+    """The Ray Train worker processes of the session's group `attempt`: Ray gives them the job's environment, whose
+    run spec names the session and the group."""
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "RayTrainWorker" not in " ".join(proc.info["cmdline"] or ()):
+                continue
+            spec = proc.environ().get(ENV_RUN_SPEC)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        run = spec and json.loads(spec)
+        if run and run.get("session_id") == session_id and run.get("attempt") == attempt:
+            pids.append(proc.pid)
+    return pids
+
+
+def _kill_a_worker_mid_call(session, control_plane) -> CallFailed:
+    """A long sample running, one of the group's two worker processes is killed (SIGKILL): the call's failure."""
+    slow = session.sample([SEQ_A[:4]], n=8, max_tokens=2000, temperature=1.0)
+    with httpx.Client(base_url=control_plane, headers={"Authorization": f"Bearer {TOKENS['tenant-a']}"}) as http:
+        wait_for(lambda: http.get(f"/v1/training_sessions/{session.id}/calls/{slow.call.id}").json()["status"]
+                 == "running", 60, "the sample running", interval=0.05)
+    pids = _worker_pids(session.id, 0)
+    assert len(pids) == 2, pids
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(CallFailed) as lost:
+        slow.result(timeout=300)
+    return lost.value
+
+
+def _wait_for_serve(ray_head) -> None:
+    deadline = time.monotonic() + 180
+    while (status := httpx.get(f"{ray_head.dashboard_url}/api/serve/applications/").json()
+           ["applications"].get(APP_NAME, {}).get("status")) != "RUNNING":
+        assert status != "DEPLOY_FAILED" and time.monotonic() < deadline, status
+        time.sleep(0.5)
+
+
+def test_session_calls_recovery_from_a_killed_worker_and_exact_resume(session, control_plane, s3_endpoint):
     session.wait_ready(timeout=300)
+    greedy = {"prompts": [SEQ_A[:4]], "max_tokens": 4, "temperature": 0.0}
+    base_answer = session.sample(**greedy).result(timeout=120)["sequences"][0]
     # forward_backward: per-token logprobs, and the summed cross-entropy is their negated sum
     first = session.forward_backward([{"tokens": SEQ_A}, {"tokens": SEQ_B, "weights": [0.0] * 5 + [1.0] * 5}])
     out = first.result(timeout=120)
@@ -81,12 +131,17 @@ def test_session_calls_restart_and_exact_resume(session, control_plane, s3_endpo
     assert session.save_state("s1").result(timeout=120)["step"] == 5
     loss_without_restart, logprobs_b = _next_loss(session)
 
-    session.restart()
-    session.wait_ready(timeout=300)
-    assert session.load_state("s1").result(timeout=120)["step"] == 5
+    started = time.perf_counter()
+    lost = _kill_a_worker_mid_call(session, control_plane)
+    assert (lost.restarted, lost.restored_state, lost.restored_step) == (True, "s1", 5), lost
+    session.wait_ready(timeout=300)  # the new group loaded s1 before it took calls
+    print(f"recovered from the killed worker in {time.perf_counter() - started:.1f} s: {lost}")
+    assert (session.info.restarts, session.info.recoveries) == (1, 1)
     loss_after_restart, logprobs_b_again = _next_loss(session)
     assert logprobs_b_again == logprobs_b
     assert loss_after_restart == loss_without_restart  # exact: weights, Adam moments and step count restored
+    assert session.load_state("s1").result(timeout=120)["step"] == 5  # and the user's own load_state
+    assert _next_loss(session)[0] == loss_without_restart
     session.optim_step(**ADAM)
 
     uri = session.save_weights("final").result(timeout=120)["uri"]
@@ -95,6 +150,10 @@ def test_session_calls_restart_and_exact_resume(session, control_plane, s3_endpo
     config = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/adapter_config.json")["Body"].read())
     assert config["peft_type"] == "LORA" and config["r"] == 4
     assert s3.head_object(Bucket=bucket, Key=f"{prefix}/adapter_model.safetensors")["ContentLength"] > 0
+
+    # what the weights answer (the served check is in the last test, where Serve starts while the group idles out)
+    SAVED["final"] = session.sample(**greedy).result(timeout=120)["sequences"][0]
+    assert SAVED["final"]["tokens"] != base_answer["tokens"]
 
 
 
@@ -105,9 +164,21 @@ def test_grpo_example_raises_the_mean_reward(session):
     assert sum(means[-3:]) / 3 > means[0] + 0.05, means  # iteration 1 samples before any update
 
 
-def test_an_idle_group_saves_its_state_and_stops(session, control_plane, s3_endpoint):
+def test_deployed_weights_answer_and_an_idle_group_saves_its_state_and_stops(session, control_plane, s3_endpoint,
+                                                                              ray_head):
     metrics = httpx.get(f"{control_plane}/metrics").text
     assert re.search(r'moetune_training_sessions\{status="ready"\} [1-9]', metrics)
+    assert 'moetune_tenant_training_sessions{tenant="tenant-a"} 1.0' in metrics
+
+    # deploy -> chat: the Serve app answers with the saved weights as the session's adapter did, not as the base
+    started = time.perf_counter()
+    deployment = session.deploy("final")
+    assert deployment.model == f"ft:model:final:{session.id}"
+    _wait_for_serve(ray_head)
+    served = openai.OpenAI(base_url=deployment.base_url, api_key=TOKENS["tenant-a"], max_retries=0)
+    answer = served.completions.create(model=deployment.model, prompt=SEQ_A[:4], max_tokens=4, temperature=0)
+    print(f"deploy -> first answer {time.perf_counter() - started:.1f} s")
+    assert answer.choices[0].text == SAVED["final"]["text"]
     deadline = time.monotonic() + 180
     while (info := session.retrieve()).status == "ready" and time.monotonic() < deadline:
         time.sleep(1)
