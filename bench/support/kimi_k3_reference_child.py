@@ -4,6 +4,10 @@ experts MXFP4-packed by compressed-tensors' own compressor) and computes logits,
 each, in fp32. fla's CUDA-only ops are replaced by fla's own pure-torch references (naive_recurrent_kda,
 naive_kda_lowerbound_gate, naive_attnres) and torch versions of ShortConvolution and FusedRMSNormGated.
 
+With "decode" in the request it also decodes greedily on the MXFP4 checkpoint, the base and with an adapter (its
+linear LoRA the LoRA above, its expert LoRA the deltas the request names, merged into the dequantized experts), by
+full recomputation each step (the reference runs without a cache).
+
 With "step_repeats" in the request (bench/k3_step.py) it times its LoRA train step on the bf16 checkpoint instead.
 
 usage: python kimi_k3_reference_child.py WORKDIR   (WORKDIR/request.json in; checkpoints and reference.pt or
@@ -156,23 +160,31 @@ def _released_name(adapter, native: str) -> str:
     return adapter._add_hf_text_prefix(_native_moe_key_to_hf(native))
 
 
-def _run(model, adapter, hf: dict, request: dict) -> dict:
-    """Load one checkpoint the reference's way, fp32, LoRA on every linear both models have; logits, loss and the
-    LoRA gradients by released name."""
+def _with_lora(model, hf: dict, request: dict, weights: dict | None = None):
+    """`model` loaded with one checkpoint the reference's way, fp32, under LoRA on every linear both models have:
+    `weights` (by PEFT name), else random ones."""
     from peft import LoraConfig, get_peft_model
 
-    native = adapter.from_hf(dict(hf))
+    native = model.state_dict_adapter.from_hf(dict(hf))
+    model.float()  # before loading: fp32 tensors (merged expert LoRA) load unrounded
     missing, unexpected = model.load_state_dict(native, strict=False)
     assert not unexpected and not [m for m in missing if "lora" not in m], (missing, unexpected)
-    model.float()
     torch.manual_seed(request["seed"] + 1)
     lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=request["lora_targets"]))
-    lora_weights = {}
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_" in name:
-                p.copy_(0.1 * torch.randn_like(p))
-                lora_weights[_released_name(adapter, name.removeprefix("base_model.model."))] = p.detach().clone()
+                p.copy_(0.1 * torch.randn_like(p) if weights is None else weights[name])
+    return lora
+
+
+def _run(model, adapter, hf: dict, request: dict) -> dict:
+    """Logits, loss and the LoRA gradients (by released name) of one checkpoint under random LoRA; "peft_weights"
+    keeps that LoRA by PEFT name."""
+    lora = _with_lora(model, hf, request)
+    peft_weights = {n: p.detach().clone() for n, p in lora.named_parameters() if "lora_" in n}
+    lora_weights = {_released_name(adapter, n.removeprefix("base_model.model.")): p
+                    for n, p in peft_weights.items()}
     ids = torch.tensor(request["input_ids"])
     out = lora.base_model.model(ids)
     logits = out.logits.float()
@@ -180,7 +192,40 @@ def _run(model, adapter, hf: dict, request: dict) -> dict:
     loss.backward()
     grads = {_released_name(adapter, n.removeprefix("base_model.model.")): p.grad.detach().clone()
              for n, p in lora.named_parameters() if "lora_" in n}
-    return {"logits": logits.detach(), "loss": loss.detach(), "lora_weights": lora_weights, "lora_grads": grads}
+    return {"logits": logits.detach(), "loss": loss.detach(), "lora_weights": lora_weights, "lora_grads": grads,
+            "peft_weights": peft_weights}
+
+
+def _greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    answers = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(new_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            answers.append(ids[len(prompt):])
+    return answers
+
+
+def _greedy_decodes(text: dict, packed: dict, peft_weights: dict, request: dict, workdir: str) -> dict:
+    """{"base", "adapter": one answer per prompt} on the MXFP4 checkpoint; the adapter's expert LoRA is merged:
+    each released expert weight, dequantized by the reference's own code, plus its delta."""
+    from nemo_automodel.components.models.kimi_k3.state_dict_adapter import dequantize_mxfp4
+
+    decode = request["decode"]
+    prompts, new_tokens = decode["prompts"], decode["new_tokens"]
+    lora = _with_lora(_reference_model(text), packed, request, peft_weights)
+    with lora.disable_adapter():
+        base = _greedy(lora.base_model.model, prompts, new_tokens)
+    deltas = torch.load(os.path.join(workdir, decode["expert_deltas"]))
+    merged = {k: v for k, v in packed.items() if ".block_sparse_moe.experts." not in k}
+    for key in [k for k in packed if k.endswith(".weight_packed")]:
+        stem = key.removesuffix(".weight_packed")
+        weight = dequantize_mxfp4(packed[key], packed[f"{stem}.weight_scale"], torch.float32)
+        merged[f"{stem}.weight"] = weight + deltas.pop(f"{stem}.weight")
+    assert not deltas, sorted(deltas)  # every delta names a released expert weight
+    adapted = _with_lora(_reference_model(text), merged, request, peft_weights)
+    return {"base": base, "adapter": _greedy(adapted.base_model.model, prompts, new_tokens)}
 
 
 def _step_seconds(model, hf: dict, request: dict) -> dict:
@@ -235,6 +280,8 @@ def main(workdir: str) -> None:
     for name, tensors in (("bf16", hf), ("mxfp4", packed)):
         fresh = _reference_model(text)
         results[name] = _run(fresh, fresh.state_dict_adapter, tensors, request)
+    if "decode" in request:
+        results["decode"] = _greedy_decodes(text, packed, results["mxfp4"]["peft_weights"], request, workdir)
     torch.save(results, os.path.join(workdir, "reference.pt"))
 
 
