@@ -59,7 +59,7 @@ def _step_seconds(checkpoint: str, method_spec: dict | None, rows: list[dict], s
     apply_kernel_swaps(model)
     torch.manual_seed(1)
     model = trainable_model(model, job, None).train()
-    method = method_for(job, AutoTokenizer.from_pretrained(checkpoint))
+    method = method_for(job.method, job.training, AutoTokenizer.from_pretrained(checkpoint))
     examples, _ = method.examples(rows)
     method.prepare(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)

@@ -17,6 +17,8 @@ from torch import nn
 from moetune.api.errors import ErrorCode
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.lora import LoraSpec
+from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.workers.engine.zero3_load import Zero3Partitioner
 from moetune.workers.errors import JobError
 from moetune.workers.experts.module import parallelize, quantized_experts
@@ -88,20 +90,21 @@ def build_model(mode: Mode, config: dict, spec: JobCreate | None = None, *, devi
     else:
         streamed = stream_model(weights.uri, device, dtype, placement, weights.cache_dir, weights.cache_max_bytes,
                                 spec.training.base_weights if spec else "quantized",
-                                load_partitioner(spec, device) if mode == TRAIN else None)
+                                load_partitioner(spec.training, spec.parallelism, device) if mode == TRAIN else None)
         model = streamed.model
     base = read_base(model, family) if read_base else None
     custom_kernels = spec.training.custom_kernels if spec else True
     swapped = family.apply_kernel_swaps(model) if custom_kernels else {}
-    return Built(_adapted(mode, model, family, spec, placement), family, placement, streamed, swapped, base)
+    adapted = _adapted(mode, model, family, spec.lora if spec else None, spec.training if spec else None, placement)
+    return Built(adapted, family, placement, streamed, swapped, base)
 
 
-def load_partitioner(spec: JobCreate, device) -> Zero3Partitioner | None:
+def load_partitioner(training: TrainingSpec, parallelism: ParallelismSpec, device) -> Zero3Partitioner | None:
     """Under ZeRO-3, what puts each frozen parameter into its partition as it loads (bf16 on GPUs, as the engine
     the loop builds): no rank holds its whole share of the base at once. None for ZeRO-1/2."""
-    if spec.parallelism.zero_stage != 3:
+    if parallelism.zero_stage != 3:
         return None
-    return Zero3Partitioner(spec, spec.parallelism.num_workers, bf16=device.type == "cuda")
+    return Zero3Partitioner(training, parallelism, parallelism.num_workers, bf16=device.type == "cuda")
 
 
 def meta_model(config: dict, dtype):
@@ -116,21 +119,22 @@ def trainable_model(model, spec: JobCreate, placement: ExpertPlacement | None):
     """`train`'s steps after the kernel swaps, on a model whose weights are in (tests and benchmarks build a plain
     transformers model and swap its kernels themselves). `training.activation_checkpointing` "auto" is resolved to
     true or false before this is called."""
-    return _adapted(TRAIN, model, family_for(model.config), spec, placement)
+    return _adapted(TRAIN, model, family_for(model.config), spec.lora, spec.training, placement)
 
 
-def _adapted(mode: Mode, model, family: Family, spec: JobCreate | None, placement: ExpertPlacement | None):
+def _adapted(mode: Mode, model, family: Family, lora: LoraSpec | None, training: TrainingSpec | None,
+             placement: ExpertPlacement | None):
     """LoRA (serving has none: its adapters are applied per row), then expert parallelism (stand-ins on the meta
-    device), then what training alone needs: LoRA in the compute dtype, activation checkpointing."""
+    device), then what training alone needs: LoRA in the compute dtype, activation checkpointing. `lora` and
+    `training`: the job's sections (None when serving)."""
     dtype = model.dtype  # the compute dtype: that of the dense weights (a quantized base keeps some: embeddings)
-    lora = spec.lora if spec is not None else None
     if lora is not None:
         model = apply_lora(_no_kv_cache(model), lora)
     if mode == META:
         install_stand_ins(model, family)
         return model.train()
     if runs_expert_module(placement, lora, quantized_experts(model, family), serving=mode == SERVE):
-        parallelize(model, family, placement, lora, spec.training.custom_kernels if spec else True)
+        parallelize(model, family, placement, lora, training.custom_kernels if training else True)
     if mode == SERVE:
         return model.requires_grad_(False)
     # PEFT puts a linear's LoRA in its weight's dtype; a quantized weight has no such dtype, so LoRA joins the
@@ -138,7 +142,7 @@ def _adapted(mode: Mode, model, family: Family, spec: JobCreate | None, placemen
     for param in model.parameters():
         if param.requires_grad and param.dtype != dtype:
             param.data = param.data.to(dtype)
-    if spec.training.activation_checkpointing is True:
+    if training.activation_checkpointing is True:
         enable_activation_checkpointing(model)
     return model
 

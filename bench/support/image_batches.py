@@ -19,7 +19,7 @@ def image_method(model_dir: str, seq_len: int = 512):
 
     job = spec(ep=1, zero=2)
     job.training.seq_len = seq_len
-    return method_for(job, AutoTokenizer.from_pretrained(model_dir), model_dir)
+    return method_for(job.method, job.training, AutoTokenizer.from_pretrained(model_dir), model_dir)
 
 
 def image_model(model_dir: str):

@@ -6,18 +6,19 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.workers.engine.schedule import lr_scheduler
 
 
-def deepspeed_config(spec: JobCreate, world_size: int, bf16: bool) -> dict:
-    t = spec.training
+def deepspeed_config(t: TrainingSpec, parallelism: ParallelismSpec, world_size: int, bf16: bool) -> dict:
     micro_batch_size = 1 if t.micro_batch_size == "auto" else t.micro_batch_size  # StepRunner sets the tuned start
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": t.global_batch_size // (micro_batch_size * world_size),
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": spec.parallelism.zero_stage},
+        "zero_optimization": {"stage": parallelism.zero_stage},
         "bf16": {"enabled": bf16},
         # bf16 compute, fp32 gradients: accumulated over micro-batches (ZeRO-1's bf16 optimizer reads this) and
         # reduced across ranks in fp32 (DeepSpeed's default follows the model's bf16). LoRA gradients are small.
@@ -63,7 +64,7 @@ def build_engine(model, spec: JobCreate, world_size: int, total_steps: int, bf16
         model=model,
         optimizer=optimizer,
         lr_scheduler=scheduler,
-        config=deepspeed_config(spec, world_size, bf16),
+        config=deepspeed_config(spec.training, spec.parallelism, world_size, bf16),
     )
     return engine, scheduler
 

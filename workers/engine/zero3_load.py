@@ -9,7 +9,8 @@ with this same zero.Init, and takes the partitioned parameters as they are."""
 
 from __future__ import annotations
 
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.workers.engine.deepspeed import deepspeed_config, init_comm
 from moetune.workers.engine.experts import tag_expert_param
 
@@ -18,7 +19,7 @@ class Zero3Partitioner:
     """Partitions one parameter at a time over the job's data-parallel ranks, or, for a routed-expert share, over
     the ranks holding the same experts (its replica group)."""
 
-    def __init__(self, spec: JobCreate, world_size: int, bf16: bool):
+    def __init__(self, training: TrainingSpec, parallelism: ParallelismSpec, world_size: int, bf16: bool):
         import deepspeed
         import torch
 
@@ -26,7 +27,7 @@ class Zero3Partitioner:
         # Over an empty module: DeepSpeed's partitioner for the job's config, which also puts in ZeRO-3's
         # memory-efficient linear, as deepspeed.initialize's own zero.Init(module=model) would.
         self._init = deepspeed.zero.Init(module=torch.nn.Module(),
-                                         config_dict_or_path=deepspeed_config(spec, world_size, bf16))
+                                         config_dict_or_path=deepspeed_config(training, parallelism, world_size, bf16))
 
     def __call__(self, param, expert_group: tuple[str, object] | None = None) -> None:
         """`param`, whole and loaded, becomes this rank's partition of it. `expert_group`: (DeepSpeed's EP group

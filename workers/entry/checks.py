@@ -42,7 +42,7 @@ def validate(run: JobRunSpec, settings: WorkerSettings) -> tuple[int, Coverage]:
     check_output(run.output_uri)
     with tempfile.TemporaryDirectory() as model_dir:
         tokenizer = check_tokenizer(spec.model, config, model_dir)
-        method = method_for(spec, tokenizer, model_dir)
+        method = method_for(spec.method, spec.training, tokenizer, model_dir)
         too_long = method.too_long if isinstance(method, SupervisedImageMethod) else None
         images = ImageCheck(settings.uri_access, settings.image_limits, images_refusal(config), too_long)
         problem = training_row_problem(method_type(spec.method))  # preference rows for dpo, SFT rows otherwise

@@ -115,7 +115,8 @@ class _Worker:
 
     def load_data(self) -> None:
         seq_len = self.t.seq_len
-        self.method = method_for(self.spec, self.tokenizer, os.path.join(self.node_dir, "model"))
+        self.method = method_for(self.spec.method, self.spec.training, self.tokenizer,
+                                 os.path.join(self.node_dir, "model"))
         self.train_set, dropped = self.method.examples(load_rows(self.spec.training_file, "training_file"))
         if not self.train_set:
             raise DatasetError("training_file", f"training_file {self.spec.training_file}: no row has a trained "

@@ -8,24 +8,26 @@ import json
 import os
 
 from moetune.api.families import images_refusal
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.method import Method
+from moetune.api.models.training import TrainingSpec
 from moetune.api.preference import dpo_beta, method_type
 from moetune.workers.methods.dpo import DpoMethod
 from moetune.workers.methods.multimodal import ImageRows, SupervisedImageMethod
 from moetune.workers.methods.sft import SupervisedMethod
 
 
-def method_for(spec: JobCreate, tokenizer, model_dir: str | None = None) -> SupervisedMethod | DpoMethod:
+def method_for(method: Method | None, training: TrainingSpec, tokenizer,
+               model_dir: str | None = None) -> SupervisedMethod | DpoMethod:
     """DPO for method.type "dpo" (text rows only); else SFT, and on a checkpoint that takes images
     (api.families.images_refusal) SFT whose rows may carry them, through the processor files in `model_dir` (the
     downloaded model folder)."""
-    if method_type(spec.method) == "dpo":
-        return DpoMethod(tokenizer, spec.training.seq_len, dpo_beta(spec.method.dpo))
+    if method_type(method) == "dpo":
+        return DpoMethod(tokenizer, training.seq_len, dpo_beta(method.dpo))
     config = {}
     if model_dir and os.path.exists(path := os.path.join(model_dir, "config.json")):
         with open(path) as f:
             config = json.load(f)
     if config and images_refusal(config) is None:
-        return SupervisedImageMethod(tokenizer, spec.training.seq_len,
+        return SupervisedImageMethod(tokenizer, training.seq_len,
                                      ImageRows(model_dir, tokenizer, config["image_token_id"]))
-    return SupervisedMethod(tokenizer, spec.training.seq_len)
+    return SupervisedMethod(tokenizer, training.seq_len)

@@ -96,7 +96,7 @@ def model_facts(config: dict, spec: JobCreate, dtype: torch.dtype = torch.bfloat
     saved = ({flag: expert_bytes(experts, family, spec, flag, dtype) for flag in {at_ep1, True}}
              if experts is not None else {})
     text = built.model.config.get_text_config()
-    method = method_for(spec, tokenizer=None)
+    method = method_for(spec.method, spec.training, tokenizer=None)
     method.prepare(built.model)  # its output layer computes the loss, as in a job
     return ModelFacts(config.get("model_type"), base.parameters, quantization.format if quantization else None,
                       base.tensors, found.trainable - routed, routed, experts.num_experts if experts else 0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moetune.api.models.job_create import JobCreate, resolve_spec
+from moetune.api.models.training import TrainingSpec
 from moetune.api.plans import ClusterSpec
 from moetune.workers.planner.memory import (
     CUDA_CONTEXT_BYTES,
@@ -23,22 +24,22 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _checkpointing_options(spec: JobCreate) -> tuple[bool, ...]:
-    setting = spec.training.activation_checkpointing
+def _checkpointing_options(training: TrainingSpec) -> tuple[bool, ...]:
+    setting = training.activation_checkpointing
     return (False, True) if setting == "auto" else (setting,)
 
 
-def _micro_batch(spec: JobCreate) -> int:
-    return 1 if spec.training.micro_batch_size == "auto" else spec.training.micro_batch_size
+def _micro_batch(training: TrainingSpec) -> int:
+    return 1 if training.micro_batch_size == "auto" else training.micro_batch_size
 
 
-def _layouts(facts: ModelFacts, spec: JobCreate, world: int):
+def _layouts(facts: ModelFacts, training: TrainingSpec, world: int):
     """Layouts in the order a plan prefers them: smallest EP, then ZeRO stage, then no recomputation."""
     eps = [d for d in _divisors(world) if not facts.num_experts or facts.num_experts % d == 0]
     for ep in eps:
         for zero in (1, 2, 3):
-            for checkpointing in _checkpointing_options(spec):
-                yield Layout(world, ep, zero, checkpointing, _micro_batch(spec))
+            for checkpointing in _checkpointing_options(training):
+                yield Layout(world, ep, zero, checkpointing, _micro_batch(training))
 
 
 def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> dict:
@@ -50,8 +51,8 @@ def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> dict:
             "fits": used <= usable and loading <= usable}
 
 
-def _first_fit(facts: ModelFacts, spec: JobCreate, world: int, usable: float) -> dict | None:
-    return next((e for layout in _layouts(facts, spec, world) if (e := _evaluate(facts, layout, usable))["fits"]),
+def _first_fit(facts: ModelFacts, training: TrainingSpec, world: int, usable: float) -> dict | None:
+    return next((e for layout in _layouts(facts, training, world) if (e := _evaluate(facts, layout, usable))["fits"]),
                 None)
 
 
@@ -74,17 +75,17 @@ def plan(config: dict, request: JobCreate, cluster: ClusterSpec, facts: ModelFac
     usable = USABLE_FRACTION * cluster.gpu_memory
     par = spec.parallelism
     world = par.num_workers
-    for checkpointing in _checkpointing_options(spec):  # "auto": recomputation only if that is what fits
-        layout = Layout(world, par.expert_parallel_size, par.zero_stage, checkpointing, _micro_batch(spec))
+    for checkpointing in _checkpointing_options(spec.training):  # "auto": recomputation only if that is what fits
+        layout = Layout(world, par.expert_parallel_size, par.zero_stage, checkpointing, _micro_batch(spec.training))
         if (submitted := _evaluate(facts, layout, usable))["fits"]:
             break
-    recommended = _first_fit(facts, spec, world, usable)
+    recommended = _first_fit(facts, spec.training, world, usable)
     if recommended is not None:
         best = Layout(world, recommended["expert_parallel_size"], recommended["zero_stage"],
                       recommended["activation_checkpointing"], 1)
         per_rank = spec.training.global_batch_size // world
         recommended["tuner_start_micro_batch"] = largest_fitting_micro_batch(facts, best, per_rank, usable)
-    fewest = next((fit for n in _gpu_counts(cluster) if (fit := _first_fit(facts, spec, n, usable))), None)
+    fewest = next((fit for n in _gpu_counts(cluster) if (fit := _first_fit(facts, spec.training, n, usable))), None)
     ep = (recommended or fewest or submitted)["expert_parallel_size"]
     per_rank_bytes = facts.load_bytes(ep)
     node_bytes = per_rank_bytes * min(cluster.gpus_per_node, world)
@@ -120,5 +121,5 @@ def needs_activation_checkpointing(config: dict, spec: JobCreate, device_memory_
         return spec.training.activation_checkpointing
     par = spec.parallelism
     facts = model_facts(config, spec)
-    layout = Layout(par.num_workers, par.expert_parallel_size, par.zero_stage, False, _micro_batch(spec))
+    layout = Layout(par.num_workers, par.expert_parallel_size, par.zero_stage, False, _micro_batch(spec.training))
     return total(breakdown(facts, layout)) > USABLE_FRACTION * device_memory_bytes

@@ -16,8 +16,8 @@ def test_bf16_jobs_accumulate_and_reduce_gradients_in_fp32(zero_stage):
                      training={"global_batch_size": 8, "micro_batch_size": 2},
                      parallelism={"num_workers": 1, "zero_stage": zero_stage})
     # no process group here: DeepSpeed checks the batch sizes against a world of one rank
-    parsed = DeepSpeedConfig(deepspeed_config(spec, world_size=1, bf16=True))
+    parsed = DeepSpeedConfig(deepspeed_config(spec.training, spec.parallelism, world_size=1, bf16=True))
     assert parsed.bfloat16_config.enabled and parsed.zero_optimization_stage == zero_stage
     assert parsed.grad_accum_dtype == "fp32" and parsed.communication_data_type == torch.float32
-    fp32 = DeepSpeedConfig(deepspeed_config(spec, world_size=1, bf16=False))
+    fp32 = DeepSpeedConfig(deepspeed_config(spec.training, spec.parallelism, world_size=1, bf16=False))
     assert fp32.grad_accum_dtype is None and fp32.communication_data_type is None

@@ -108,7 +108,7 @@ def _moetune(checkpoint, rows):
     torch.manual_seed(1)
     model = trainable_model(model, job, None).train()
     random_lora_b(model)
-    method = method_for(job, tokenizer)
+    method = method_for(job.method, job.training, tokenizer)
     assert isinstance(method, DpoMethod) and method.beta == BETA
     pairs, dropped = method.examples(rows)
     assert len(pairs) == len(rows) and not dropped

@@ -144,10 +144,11 @@ def test_method_for_takes_images_only_on_a_checkpoint_that_does(tiny_vl, tmp_pat
     from bench.support.harness import spec
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
-    assert type(method_for(spec(ep=1, zero=2), tokenizer, tiny_vl)) is SupervisedImageMethod
+    job = spec(ep=1, zero=2)
+    assert type(method_for(job.method, job.training, tokenizer, tiny_vl)) is SupervisedImageMethod
     text_dir = write_tiny_checkpoint(str(tmp_path / "text"))
-    assert type(method_for(spec(ep=1, zero=2), tokenizer, text_dir)).__name__ == "SupervisedMethod"
-    assert type(method_for(spec(ep=1, zero=2), tokenizer)).__name__ == "SupervisedMethod"
+    assert type(method_for(job.method, job.training, tokenizer, text_dir)).__name__ == "SupervisedMethod"
+    assert type(method_for(job.method, job.training, tokenizer)).__name__ == "SupervisedMethod"
 
 
 def test_mixed_batch_loss_through_the_loss_head(tiny_vl, image_rows):

@@ -77,7 +77,7 @@ def _saved_by_forward(name: str, spec: JobCreate) -> tuple[float, tuple[float, .
     """What the tuner's CPU measure (MemoryProbe) sees in the forward of the worker's model, the loss computed by
     its output layer as the step computes it; and each decoder layer's share, counted the same way."""
     model = _worker_model(name, spec, 1)
-    method = method_for(spec, tokenizer=None)
+    method = method_for(spec.method, spec.training, tokenizer=None)
     method.prepare(model)
     ids = torch.randint(0, 256, (1, spec.training.seq_len))
     batch = Batch({"input_ids": ids}, ids, spec.training.seq_len)

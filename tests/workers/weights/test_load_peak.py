@@ -73,7 +73,7 @@ def _load_rank(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     before = _resident_bytes()
     with _PeakResident() as peak:  # the fetcher's bytes in flight bounded to 2 MiB
         streamed = stream_model(f"file://{model_dir}", torch.device("cpu"), torch.float32, placement, cache_dir="",
-                                partition=load_partitioner(job, torch.device("cpu")), chunk_bytes=2**20,
+                                partition=load_partitioner(job.training, job.parallelism, torch.device("cpu")), chunk_bytes=2**20,
                                 max_inflight_bytes=2 * 2**20)
         model = trainable_model(streamed.model, job, placement)
         engine, _ = build_engine(model, job, world, total_steps=1, bf16=False)
