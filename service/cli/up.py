@@ -16,7 +16,7 @@ _STATE_DIR = click.option("--state-dir", default=str(local_stack.STATE_DIR), sho
 @click.command()
 @click.option("--with-demo-assets", is_flag=True,
               help="Generate the tiny demo model and datasets into s3://moetune-demo/ (registered as "
-                   "tiny-kimi-linear).")
+                   "tiny-kimi-k3).")
 @click.option("--ray-address", default=None, help="Use this Ray cluster's Jobs API instead of starting a head.")
 @click.option("--num-cpus", default=None, type=click.IntRange(1), help="Logical CPUs of the local Ray head.")
 @click.option("--tenant", "tenants", multiple=True, metavar="NAME",

@@ -1,9 +1,10 @@
 """`moetune demo`: the whole path on the embedded default, end to end.
 
-Loopback S3 server + local Ray head + SQLite control plane; a tiny MoE checkpoint of the demo's family
-(workers.tiny) and a dataset are generated, uploaded, and fine-tuned by a 2-worker ZeRO-2 LoRA job
-submitted through the SDK. `--images`: a tiny vision-language checkpoint of the image demo's family (its image
-processor config, image tokens) and chat rows asking the colour of a solid-colour image, trained with EP=2.
+Loopback S3 server + local Ray head + SQLite control plane; a tiny checkpoint of the seed model as released
+(Kimi K3: KDA and MLA layers, Attention-Residual blocks, routed experts in MXFP4; workers.tiny) and a dataset are
+generated, uploaded, and fine-tuned by a 2-worker ZeRO-2 LoRA job submitted through the SDK. `--images`: a tiny
+vision-language checkpoint of the image demo's family (its image processor config, image tokens) and chat rows
+asking the colour of a solid-colour image, trained with EP=2.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ TOKEN = "demo-token"
 ADAPTER_COPY = Path(".moetune/demo-adapter")  # the demo's S3 server is gone when it exits; keep the adapter
 
 
-MODELS = {False: "tiny-kimi-linear", True: "tiny-qwen3.5-moe-vl"}  # by --images
+MODELS = {False: "tiny-kimi-k3", True: "tiny-qwen3.5-moe-vl"}  # by --images
+KINDS = {False: "seed", True: "images"}  # the demo family of each (workers.families.demo_family)
 
 
 def make_demo_assets(work: Path, s3_url: str, images: bool) -> str:
@@ -51,15 +53,15 @@ def make_demo_assets(work: Path, s3_url: str, images: bool) -> str:
     from moetune.workers.tiny import (
         tiny_image_rows,
         tiny_rows,
-        write_tiny_checkpoint,
         write_tiny_dataset,
         write_tiny_multimodal_checkpoint,
+        write_tiny_seed_checkpoint,
     )
 
     if images:
         write_tiny_multimodal_checkpoint(str(work / "model"), demo_family("images").tiny_config)
     else:
-        write_tiny_checkpoint(work / "model", seed=0)
+        write_tiny_seed_checkpoint(str(work / "model"), seed=0)
     rows = tiny_image_rows if images else tiny_rows
     write_tiny_dataset(work / "train.jsonl", n_rows=256, seed=1, rows=rows)
     write_tiny_dataset(work / "valid.jsonl", n_rows=32, seed=2, rows=rows)
@@ -67,7 +69,7 @@ def make_demo_assets(work: Path, s3_url: str, images: bool) -> str:
     storage.upload_dir(str(work / "model"), f"s3://{BUCKET}/models/{MODELS[images]}", endpoint_url=s3_url)
     for name in ("train.jsonl", "valid.jsonl"):
         storage.write_bytes(f"s3://{BUCKET}/data/{name}", (work / name).read_bytes(), endpoint_url=s3_url)
-    return demo_family("images" if images else "text").model_type
+    return demo_family(KINDS[images]).model_type
 
 
 def demo_job_spec(images: bool = False) -> JobCreate:
@@ -100,7 +102,7 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
         console.print(f"[bold]S3-compatible server[/] {s3_url}")
         model_type = make_demo_assets(work, s3_url, images)
         what = (f"{model_type} vision-language checkpoint, tokenizer, image processor and solid-colour image dataset"
-                if images else f"{model_type} MoE checkpoint, tokenizer and dataset")
+                if images else f"{model_type} MoE checkpoint (routed experts in MXFP4), tokenizer and dataset")
         console.print(f"Generated a tiny {what}; uploaded to s3://{BUCKET}/")
         with local_ray_head(num_cpus=max(4, os.cpu_count() or 1), env=env) as head:
             console.print(f"[bold]Ray head[/] {head.gcs_address} (Jobs API {head.dashboard_url})")
@@ -121,11 +123,13 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
                 console.print(f"[bold]Web console[/] {url}/console (sign in with the token; open while the demo runs)")
                 client = Client(url, TOKEN)
                 job = client.jobs.create(demo_job_spec(images))
+                submitted = time.monotonic()
                 if not images:
                     start_serving(settings, MODELS[images])
                 console.print(f"Submitted [bold]{job.id}[/]: 2 workers, ZeRO-2{', EP=2' if images else ''}, LoRA r=8 "
                               f"on all linear layers{' of the text model' if images else ''}")
                 job, follower = follow(client, job.id, timeout=timeout, console=console)
+                job_seconds = time.monotonic() - submitted
                 if job.status == JobStatus.succeeded:
                     shutil.rmtree(ADAPTER_COPY, ignore_errors=True)
                     storage.download_dir(job.fine_tuned_model_uri, str(ADAPTER_COPY), endpoint_url=s3_url)
@@ -133,7 +137,7 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
                     served = images or chat_with_tuned_model(client, job, MODELS[images], head.dashboard_url,
                                                              TOKEN, work / "valid.jsonl", console)
     elapsed = time.monotonic() - start
-    console.print(f"\nstatus: [bold]{job.status}[/]  ({elapsed:.0f}s)")
+    console.print(f"\nstatus: [bold]{job.status}[/]  (job {job_seconds:.0f}s, demo {elapsed:.0f}s)")
     if follower.losses:
         console.print(f"loss: first {follower.losses[0]:.4f} -> last {follower.losses[-1]:.4f}")
     if job.status == JobStatus.succeeded and served:

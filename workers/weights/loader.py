@@ -401,7 +401,7 @@ def load_summary(streamed: StreamedModel, ep_size: int) -> tuple[str, dict]:
         message += (f"; {s.bytes_not_cached / 2**20:.1f} MiB not cached: the local weights cache is full "
                     f"({ENV_WEIGHTS_CACHE_MAX_GB} or its disk's free-space floor)")
     if streamed.quantization:
-        kept = (f"{streamed.quantized_bytes / 2**20:.1f} MiB kept quantized" if streamed.quantized_bytes
+        kept = (f"{streamed.quantized_bytes / 2**20:.2f} MiB kept quantized" if streamed.quantized_bytes
                 else "dequantized at load (training.base_weights)")
         message += f"; {streamed.quantization} base: {kept}"
     if streamed.plan.unexpected:
