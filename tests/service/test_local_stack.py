@@ -1,12 +1,18 @@
 """`moetune up` / `moetune down`: the S3 server and the control plane as background processes (here on the
-session's Ray head), their data kept across a restart, and the CLI finding the stack of the directory; and a stack
-with a Ray head of its own whose every component is killed under a running job and brought back by `moetune up`."""
+session's Ray head), their data kept across a restart, and the CLI finding the stack of the directory; and one stack
+with a Ray head of its own, started by the README's "Run it locally" commands run word for word (through
+`moetune jobs deploy` to a chat with the tuned model, then `moetune down`), whose every component is then killed
+under a running job and brought back by `moetune up`."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +29,9 @@ from moetune.service.local import stack as local_stack
 from moetune.service.local.embedded import s3_env
 from tests.support.waiting import wait_for
 
+REPO = Path(__file__).resolve().parents[2]
+JOB_ID = "ftjob-..."  # how the README's lines stand for the id `moetune submit` printed
+
 
 def _run(*args):
     result = CliRunner().invoke(cli.main, list(args), catch_exceptions=False, env={"MOETUNE_URL": None,
@@ -33,7 +42,7 @@ def _run(*args):
 
 def test_up_prints_how_to_reach_it_keeps_data_across_down_and_up(ray_head, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the stack of this directory: .moetune/
-    for name in [*s3_env(""), "MOETUNE_RAY_ADDRESS"]:  # `up` and the CLI set them here: the session's come back
+    for name in [*s3_env(""), "MOETUNE_RAY_ADDRESS", "MOETUNE_SERVE_URL"]:  # `up` and the CLI set them here: the session's come back
         monkeypatch.delenv(name, raising=False)
     output = _run("up", "--ray-address", ray_head.dashboard_url)
     stack = local_stack.read_stack()
@@ -43,6 +52,7 @@ def test_up_prints_how_to_reach_it_keeps_data_across_down_and_up(ray_head, tmp_p
     assert f"export MOETUNE_URL={stack.url}" in output and f"export MOETUNE_TOKEN={stack.token}" in output
     assert f"export MOETUNE_S3_ENDPOINT_URL={stack.s3_endpoint}" in output
     assert f"export MOETUNE_RAY_ADDRESS={ray_head.dashboard_url}" in output
+    assert f"export MOETUNE_SERVE_URL={stack.serve_url}" in output and stack.serve_url != "http://127.0.0.1:8001"
     try:
         uploaded = Client(stack.url, stack.token).files.create(b'{"text": "kept"}\n', "kept.jsonl")
         s3 = boto3.client("s3", endpoint_url=stack.s3_endpoint)
@@ -98,18 +108,114 @@ def _messages(client: Client, job_id: str) -> list[str]:
     return [e.message for e in client.jobs.events_since(job_id)]
 
 
+def readme_commands(section: str = "Run it locally") -> list[str]:
+    """The lines of the README section's fenced shell blocks, as a user copies them (comments included: the shell
+    drops them)."""
+    text = (REPO / "README.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```(?:bash|sh)\n(.*?)^```", body, flags=re.M | re.S)
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+class ReadmeWalk:
+    """The README's commands run one by one by bash in a fresh project directory holding what a clone has
+    (examples/), with the venv's `moetune` first on PATH and no moetune, S3 or Ray variable set: its first line,
+    `make install && . .venv/bin/activate`, is what the test environment already is (the venv installed, its bin
+    on PATH), so it is the one line not run."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        shutil.copytree(REPO / "examples", directory / "examples")
+        lines = readme_commands()
+        assert lines[0].startswith("make install && . .venv/bin/activate"), lines[0]
+        self.lines = lines[1:]
+        unset = set(s3_env(""))  # with every MOETUNE_ variable: the CLI must find the stack by itself
+        self.env = {name: value for name, value in os.environ.items()
+                    if name not in unset and not name.startswith("MOETUNE_")}
+        venv_bin = Path(sys.executable).parent  # what activate does
+        self.env.update(PATH=f"{venv_bin}{os.pathsep}{self.env.get('PATH', '')}", VIRTUAL_ENV=str(venv_bin.parent))
+        self.job_id = ""
+        self.is_down = False
+        self.seconds: dict[str, float] = {}  # what each line took
+
+    def run(self, line: str, stdin: str = "") -> str:
+        """Runs one README line (the job id put in for `ftjob-...`); fails with its output unless it exits 0."""
+        command = line.replace(JOB_ID, self.job_id) if JOB_ID in line else line
+        started = time.monotonic()
+        done = subprocess.run(["bash", "-c", command], cwd=self.directory, env=self.env, input=stdin, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+        self.seconds[line.split("#")[0].strip()] = time.monotonic() - started
+        assert done.returncode == 0, f"$ {command}\n{done.stdout}"
+        return done.stdout
+
+    def lines_with_job(self) -> list[str]:
+        with_job = [line for line in self.lines if JOB_ID in line]
+        assert with_job, f"the README's walk names no job ({JOB_ID}): {self.lines}"
+        return with_job
+
+    def down(self) -> None:
+        """The README's lines after the job's (`moetune down`), once; then no process of the stack is left."""
+        self.is_down = True
+        stack_id = json.loads((self.directory / ".moetune/stack.json").read_text())["stack_id"]
+        after = self.lines[self.lines.index(self.lines_with_job()[-1]) + 1:]
+        for line in after or ["moetune down"]:  # the stack goes even when the README forgot to say how
+            output = self.run(line)
+        assert [line.split()[:2] for line in after] == [["moetune", "down"]], f"the walk's end is not down: {after}"
+        assert "down; data kept in .moetune" in output
+        assert processes.tagged(stack_id) == []  # every process the stack started, Ray's workers and drivers too
+
+
+@pytest.fixture(scope="module")
+def readme_walk(tmp_path_factory):
+    """The README walk up to its job: `moetune up --with-demo-assets` and the job file submitted and followed to
+    its end; `moetune down` at the end of the module if a test did not run it."""
+    walk = ReadmeWalk(tmp_path_factory.mktemp("readme-walk"))
+    try:
+        for line in walk.lines[:walk.lines.index(walk.lines_with_job()[0])]:
+            output = walk.run(line)
+            if submitted := re.search(r"^submitted (ftjob-\S+)", output, flags=re.M):
+                walk.job_id = submitted[1]
+        assert walk.job_id, f"no line of the walk submitted a job: {walk.lines}"
+        yield walk
+    finally:
+        if (walk.directory / ".moetune/stack.json").exists() and not walk.is_down:
+            walk.down()
+        print("README walk, seconds per line:", json.dumps({k: round(v, 1) for k, v in walk.seconds.items()}))
+
+
 @pytest.mark.ray_job
-def test_up_brings_back_each_killed_component_and_the_job_resumes_losing_nothing(tmp_path, monkeypatch):
-    """One tiny job on a stack with a Ray head of its own; the control plane, then the S3 server, then the Ray
-    head are SIGKILLed (by their PID in stack.json) while it trains, `moetune up` after each: each comes back on
-    its ports and data, beside no second copy; files stay listed and readable; the job is followed again, then
-    requeued when the head goes and resumes from its last checkpoint to succeed; `down` leaves no process."""
+def test_the_readme_walk_reaches_a_chat_with_the_tuned_model_through_jobs_deploy(readme_walk):
+    """`moetune jobs deploy <id>` then `moetune chat <its model>` as the README writes them, with no variable set:
+    the CLI finds the stack's Ray address and the Serve app's URL in the directory, and the tuned model answers."""
+    job = json.loads(readme_walk.run(f"moetune jobs get {readme_walk.job_id}"))
+    assert job["status"] == "succeeded", job
+    deploy, chat = readme_walk.lines_with_job()
+    assert deploy.startswith("moetune jobs deploy ") and chat.startswith("moetune chat "), (deploy, chat)
+    deployed = readme_walk.run(deploy)
+    model = job["fine_tuned_model"]
+    assert f"{model}: RUNNING" in deployed or f"{model}: DEPLOYING\nServe app: RUNNING" in deployed, deployed
+    said_model = chat.split("#")[0].split()[2].replace(JOB_ID, readme_walk.job_id)
+    assert said_model == model, f"the README chats with {said_model}, deploy served {model}"
+    answer = readme_walk.run(chat, stdin="What colour is the sky?\n")
+    # `you> ` is the prompt; the model's streamed answer follows its name
+    assert re.search(rf"{re.escape(said_model)}> .*\S", answer), answer
+    print(f"README walk, the tuned model's answer: {answer.split(f'{said_model}> ', 1)[1].strip()!r}")
+
+
+@pytest.mark.ray_job
+def test_up_brings_back_each_killed_component_and_the_job_resumes_losing_nothing(readme_walk, monkeypatch):
+    """One tiny job on the README walk's stack (a Ray head of its own); the control plane, then the S3 server, then
+    the Ray head are SIGKILLed (by their PID in stack.json) while it trains, `moetune up` after each: each comes
+    back on its ports and data, beside no second copy; files stay listed and readable; the job is followed again,
+    then requeued when the head goes and resumes from its last checkpoint to succeed; the README's `moetune down`
+    leaves no process."""
     started = time.monotonic()
-    monkeypatch.chdir(tmp_path)
-    for name in [*s3_env(""), "MOETUNE_RAY_ADDRESS"]:
+    monkeypatch.chdir(readme_walk.directory)
+    for name in [*s3_env(""), "MOETUNE_RAY_ADDRESS", "MOETUNE_SERVE_URL"]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MOETUNE_API_TOKENS", "carol-token:carol")  # the user's own tenant stays beside ours
-    output = _run("up", "--num-cpus", "4", "--with-demo-assets", "--tenant", "bob")
+    output = _run("up", "--tenant", "bob")  # the control plane restarts to know the tenants
+    assert "server restarted" in output and "s3 adopted" in output and "ray adopted" in output, output
     stack = local_stack.read_stack()
     seen = set(_pids().values())  # every process-group leader the stack had, checked gone at the end
     assert f"tenant bob: token {stack.tenants['bob']}" in output
@@ -118,8 +224,9 @@ def test_up_brings_back_each_killed_component_and_the_job_resumes_losing_nothing
         assert Client(stack.url, "carol-token").files.list().data == []
         files = {me.files.create(b'{"text": "before"}\n', "before.jsonl").id: b'{"text": "before"}\n'}
         bobs = bob.files.create(b'{"text": "bob"}\n', "bob.jsonl").id
+        walked = me.jobs.retrieve(readme_walk.job_id)  # the README's job: its base and data
         job = me.jobs.create({
-            "model": "tiny-kimi-linear", "training_file": "s3://moetune-demo/data/train.jsonl", "seed": 7,
+            "model": walked.model, "training_file": walked.training_file, "seed": 7,
             "lora": {"rank": 8, "alpha": 16}, "parallelism": {"num_workers": 1},
             "training": {"max_steps": 36, "learning_rate": 0.003, "global_batch_size": 4, "micro_batch_size": 2,
                          "seq_len": 64, "checkpoint_every": 6}}).id
@@ -171,16 +278,14 @@ def test_up_brings_back_each_killed_component_and_the_job_resumes_losing_nothing
         assert [s.submission_id for s in JobSubmissionClient(stack.ray_address).list_jobs()] == [f"moetune-{job}-2"]
 
         # Nothing lost or duplicated: one job, every file listed and readable, the adapter in storage.
-        assert [j.id for j in me.jobs.list().data] == [job]
+        assert [j.id for j in me.jobs.list().data] == [job, walked.id]
         assert sorted(f.id for f in me.files.list().data) == sorted(files)
         assert {f: me.files.content(f) for f in files} == files
         bucket, _, prefix = done.fine_tuned_model_uri.removeprefix("s3://").partition("/")
         s3 = boto3.client("s3", endpoint_url=stack.s3_endpoint)
         assert s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["KeyCount"]
     finally:
-        _run("down")
-    stack_id = json.loads(Path(".moetune/stack.json").read_text())["stack_id"]
-    assert processes.tagged(stack_id) == []  # every process the stack started, Ray's workers and drivers too
+        readme_walk.down()
     assert not [pid for pid in seen if processes.alive(pid)]
     print(f"crash test: {time.monotonic() - started:.0f} s")
 
