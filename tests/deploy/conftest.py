@@ -52,6 +52,7 @@ VALUE_SETS: dict[str, dict] = {
             ],
             "enableInTreeAutoscaling": True,
             "serviceAccountName": "ray-s3-reader",
+            "gcsFaultTolerance": {"redisAddress": "redis.ml-platform.svc:6379", "redisPasswordSecret": "ray-redis"},
         },
         "monitoring": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
@@ -84,6 +85,7 @@ USER_SECRETS = {
     "moetune-s3": {"AWS_ACCESS_KEY_ID": "AKIAPROD", "AWS_SECRET_ACCESS_KEY": "prod-secret"},
     "moetune-db": {"database-url": "postgresql+psycopg://moetune:pw@pg.db.svc:5432/moetune"},
     "ray-token": {"auth-token": "prod-ray-token"},
+    "ray-redis": {"redis-password": "prod-redis-password"},
 }
 
 

@@ -287,3 +287,19 @@ def test_replicas_roll_one_at_a_time_and_a_disruption_budget_keeps_one_serving(c
     (budget,) = budgets
     assert budget["spec"]["minAvailable"] == 1
     assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_ray_head_keeps_its_state_in_the_given_redis_only(chart, rendered):
+    """GCS fault tolerance (bench/cluster_faults.py measured worker nodes surviving a head restart with it): the
+    RayCluster names the Redis and the password's Secret key when ray.gcsFaultTolerance has an address."""
+    clusters = rendered.find("RayCluster")
+    if not clusters:
+        return
+    wanted = chart.merge_values(rendered.values)["ray"]["gcsFaultTolerance"]
+    options = clusters[0]["spec"].get("gcsFaultToleranceOptions")
+    if not wanted["redisAddress"]:
+        assert options is None
+        return
+    assert options["redisAddress"] == wanted["redisAddress"]
+    ref = options["redisPassword"]["valueFrom"]["secretKeyRef"]
+    assert rendered.secret_value(ref["name"], ref["key"]) == "prod-redis-password"
