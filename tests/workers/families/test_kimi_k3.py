@@ -256,7 +256,7 @@ def test_engine_greedy_decode_equals_the_reference(reference, tmp_path):
             request = GenerationRequest(list(prompt), uri, SamplingParams(n, temperature=0.0))
             return [e.token_id async for e in engine.stream(request) if e.token_id is not None]
         first = asyncio.create_task(one(*runs[0]))
-        while not engine.batch.steps:  # the others join a batch that is already decoding
+        while not engine.batch.steps and not first.done():  # the others join a batch that is already decoding
             await asyncio.sleep(0.01)
         return [await first, *await asyncio.gather(*(one(*r) for r in runs[1:]))]
 
