@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ray.dashboard.modules.job.common import JobErrorType
 from ray.job_submission import JobSubmissionClient
 
 from moetune.service.cluster.resources import NodeResources, nodes_from_cluster_status
@@ -20,10 +21,18 @@ class RayUnavailable(Exception):
     """The Jobs API could not be reached; try again on a later tick."""
 
 
+# How Ray's job manager fails a job whose supervisor actor is gone: with GCS fault tolerance a restarted head still
+# knows the submission, but the supervisor (and the driver under it) died with the old head.
+_SUPERVISOR_LOST = {e.value for e in (JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
+                                      JobErrorType.JOB_SUPERVISOR_ACTOR_START_FAILURE,
+                                      JobErrorType.JOB_SUPERVISOR_ACTOR_UNKNOWN_FAILURE)}
+
+
 @dataclass(frozen=True)
 class RayJobState:
     status: str  # ray.job_submission.JobStatus value: PENDING, RUNNING, STOPPED, SUCCEEDED, FAILED
     message: str | None
+    supervisor_lost: bool = False  # FAILED because Ray lost the job's supervisor, not because the driver failed
 
 
 class _TimedClient(JobSubmissionClient):
@@ -109,7 +118,8 @@ class RayJobs:
             if _is_not_found(e):
                 return None
             raise
-        return RayJobState(status=str(info.status.value), message=info.message)
+        return RayJobState(status=str(info.status.value), message=info.message,
+                           supervisor_lost=info.error_type in _SUPERVISOR_LOST)
 
     def stop(self, submission_id: str) -> None:
         """Asks Ray to stop the job; a submission Ray no longer knows needs no stopping."""

@@ -143,6 +143,9 @@ class Scheduler:
             if state is None:
                 self._requeue_lost(job, f"Ray no longer knows job {job.ray_submission_id} (its Ray head "
                                         "restarted)", fence=self._epoch)
+            elif state.supervisor_lost:
+                self._requeue_lost(job, f"Ray lost the supervisor of job {job.ray_submission_id} with its head "
+                                        f"({short_cause(state.message)})", fence=self._epoch)
             elif state.status in ("FAILED", "STOPPED"):
                 self._fail(job, ErrorCode.driver_failed, short_cause(state.message))
             elif state.status == "SUCCEEDED":

@@ -259,3 +259,23 @@ def test_the_default_lease_replaces_a_lost_leader_within_15_s():
     assert settings.scheduler_lease_s + settings.scheduler_lease_renew_s + settings.scheduler_interval_s < 15
     with pytest.raises(ValueError, match="scheduler_lease_renew_s must be > 0 and below scheduler_lease_s"):
         Settings(scheduler_lease_s=3, scheduler_lease_renew_s=3)
+
+
+def test_a_job_whose_supervisor_died_with_a_fault_tolerant_head_is_requeued(start_service, s3_endpoint, inputs,
+                                                                            ray_api):
+    """A head restarted on its state in Redis (GCS fault tolerance) still knows the submission, but fails it: its
+    supervisor and driver died with the old head. That is the head's loss: the job goes back to the queue as its
+    next attempt (resuming from its newest checkpoint); a driver's own failure still fails its job."""
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=ray_api.url, max_running_jobs=2)
+    lost, failing = (service.create_job(**inputs)["id"] for _ in range(2))
+    scheduler = _run_pass(service)
+    ray_api.end(f"moetune-{lost}-1", error_type="JOB_SUPERVISOR_ACTOR_DIED")
+    ray_api.end(f"moetune-{failing}-1", error_type="JOB_ENTRYPOINT_COMMAND_ERROR")
+    scheduler.follow_running()
+    row = service.store.get_job(lost)
+    assert (row.status, row.attempt) == ("queued", 2)
+    assert service.sdk().jobs.events_since(lost)[-1].message.startswith(
+        f"Job requeued: Ray lost the supervisor of job moetune-{lost}-1 with its head")
+    assert service.store.get_job(failing).status == "failed"
+    scheduler.submit_queued()
+    assert service.store.get_job(lost).ray_submission_id == f"moetune-{lost}-2"

@@ -26,7 +26,7 @@ class RayJobsAPI:
         self.attempts: list[tuple[str, str]] = []  # (submission id, the submitting replica's callback URL)
         self.entrypoints: dict[str, str] = {}
         self.env_vars: dict[str, dict[str, str]] = {}  # each submission's environment (its token, its run spec)
-        self.ended: dict[str, str] = {}  # submission id -> the status a test ended it with
+        self.ended: dict[str, tuple[str, str | None]] = {}  # submission id -> the status and error type it ended with
         self.stopped: list[str] = []  # submission ids asked to stop
         self.submit_delay_s = submit_delay_s  # a slow head: a leader killed mid-queue is killed mid-submission
         self._lock = threading.Lock()
@@ -37,9 +37,9 @@ class RayJobsAPI:
                 if self.path == "/api/version":
                     self._answer(200, {"version": "4", "ray_version": ray.__version__})
                 elif (match := _JOB_PATH.match(self.path)) and match[1] in api.entrypoints:
-                    self._answer(200, {"type": "SUBMISSION", "submission_id": match[1],
-                                       "status": api.ended.get(match[1], "RUNNING"),
-                                       "entrypoint": api.entrypoints[match[1]]})
+                    status, error_type = api.ended.get(match[1], ("RUNNING", None))
+                    self._answer(200, {"type": "SUBMISSION", "submission_id": match[1], "status": status,
+                                       "error_type": error_type, "entrypoint": api.entrypoints[match[1]]})
                 else:
                     self._answer(404, {"detail": "not found"})
 
@@ -84,9 +84,10 @@ class RayJobsAPI:
         with self._lock:
             return [replica for attempt, replica in self.attempts if attempt == sid]
 
-    def end(self, sid: str, status: str = "FAILED") -> None:
+    def end(self, sid: str, status: str = "FAILED", error_type: str | None = None) -> None:
+        """Ray's JobErrorType value says why it failed (None: the driver's own failure, or no failure)."""
         with self._lock:
-            self.ended[sid] = status
+            self.ended[sid] = (status, error_type)
 
     def close(self) -> None:
         self.server.shutdown()
