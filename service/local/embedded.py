@@ -170,17 +170,18 @@ def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
 
 
 @contextmanager
-def control_plane_in_thread(app, port: int):
-    """Serves the FastAPI app with uvicorn on loopback from a background thread; yields its base URL."""
+def control_plane_in_thread(app, port: int, host: str = "127.0.0.1"):
+    """Serves the FastAPI app with uvicorn on `host` (loopback unless other machines' workers report to it) from a
+    background thread; yields its base URL."""
     import threading
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, name="moetune-control-plane", daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     try:
         wait_http(f"{url}/healthz", 30)
         yield url
