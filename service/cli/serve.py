@@ -144,4 +144,7 @@ def chat(ctx: click.Context, model: str, base_url: str, max_tokens: int, tempera
             console.print()
         except openai.APIStatusError as e:
             raise click.ClickException(f"{e.status_code}: {e.message}") from None
+        except openai.APIConnectionError:  # nothing listens there: no model deployed, or another URL
+            raise click.ClickException(f"cannot reach the Serve app at {client.base_url} (`moetune jobs deploy ID` "
+                                       "starts it; --base-url or MOETUNE_SERVE_URL says where it is)") from None
         history.append({"role": "assistant", "content": "".join(answer)})

@@ -31,6 +31,16 @@ def test_an_unreachable_server_is_one_line_without_a_traceback():
                                                   "[Errno 111] Connection refused"]
 
 
+def test_chat_with_no_serve_app_listening_is_one_line_without_a_traceback():
+    url = f"http://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(cli.main, ["--url", url, "chat", "ft:any", "--base-url", url], input="hi\n",
+                                catch_exceptions=False)
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"you> Error: cannot reach the Serve app at {url}/v1/ (`moetune "
+                                                  "jobs deploy ID` starts it; --base-url or MOETUNE_SERVE_URL says "
+                                                  "where it is)"]  # the prompt, then the one line
+
+
 def test_jobs_list_is_readable_at_80_columns(service, monkeypatch):
     jobs = [service.create_job(model="s3://models/a-rather-long-base-model-name-for-the-table") for _ in range(2)]
     monkeypatch.setattr(cli, "console", Console(width=80))
