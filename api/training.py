@@ -1,7 +1,7 @@
 """The SDK of training sessions: the user's own loop (RL, custom losses) on a LoRA held by a worker group.
 
     training = Training(Client(url, token))
-    session = training.create({"model": "tiny-kimi-linear", "parallelism": {"num_workers": 2}})
+    session = training.create({"model": "tiny-kimi-k3", "parallelism": {"num_workers": 2}})
     out = session.sample(["2+3="], n=4, max_tokens=4).result()
     fb = session.forward_backward(data, loss_fn="importance_sampling")   # a future: .result() or `await fb`
     session.optim_step(learning_rate=1e-4).result()

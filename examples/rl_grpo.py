@@ -1,7 +1,7 @@
 """GRPO through a training session: the policy answers templated sums ("3+4="), a verifier scores each answer, and
 each group of answers to one question is its own baseline (advantage = reward - group mean, over the group's std).
 
-    python examples/rl_grpo.py --model tiny-kimi-linear --iterations 20    # against `moetune up --with-demo-assets`
+    python examples/rl_grpo.py --model tiny-kimi-k3 --iterations 20        # against `moetune up --with-demo-assets`
 
 The reward checks the first character of the answer against the sum: 1 for the right digit, less the further its
 character code is from it (a tiny random base rarely says the digit itself; the shaped part gives every group a
@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=os.environ.get("MOETUNE_URL", "http://127.0.0.1:8000"))
     parser.add_argument("--token", default=os.environ.get("MOETUNE_TOKEN", "dev-token"))
-    parser.add_argument("--model", default="tiny-kimi-linear")
+    parser.add_argument("--model", default="tiny-kimi-k3")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--workers", type=int, default=1)

@@ -238,7 +238,7 @@ class SessionWorker(_Worker):
         return [lp[len(p) : len(p) + len(c)].tolist() for lp, p, c in zip(logprobs, prompts, completions)]
 
     def _check_tokens(self, sequences: list[list[int]], param: str) -> None:
-        vocab = self.model.config.vocab_size
+        vocab = self.model.config.get_text_config().vocab_size  # a nested text_config (K3) holds it
         for i, tokens in enumerate(sequences):
             if any(not 0 <= t < vocab for t in tokens):
                 raise CallError(f"{param}[{i}]: token ids must be in [0, {vocab})", f"{param}[{i}]")
