@@ -48,9 +48,10 @@ def test_every_family_folder_is_complete(name):
 
 
 def test_each_demo_checkpoint_is_one_familys():
-    for kind in ("text", "images"):
+    for kind in ("text", "seed", "images"):
         assert len([f for f in REGISTRY.values() if f.demo == kind]) == 1, kind
-    assert {f.demo for f in REGISTRY.values()} == {None, "text", "images"}
+    assert {f.demo for f in REGISTRY.values()} == {None, "text", "seed", "images"}
+    assert REGISTRY["kimi_k3"].demo == "seed"  # `moetune demo` trains the seed model
 
 
 def test_sub_model_types_find_their_family_and_unknown_ones_name_the_supported():
