@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ray.dashboard.modules.job.common import JobErrorType
+from ray.dashboard.modules.job.common import JOB_ACTOR_NAME_TEMPLATE, JobErrorType
 from ray.job_submission import JobSubmissionClient
 
 from moetune.service.cluster.resources import NodeResources, nodes_from_cluster_status
@@ -118,8 +118,21 @@ class RayJobs:
             if _is_not_found(e):
                 return None
             raise
-        return RayJobState(status=str(info.status.value), message=info.message,
-                           supervisor_lost=info.error_type in _SUPERVISOR_LOST)
+        status = str(info.status.value)
+        return RayJobState(status=status, message=info.message, supervisor_lost=info.error_type in _SUPERVISOR_LOST
+                           or status == "RUNNING" and self._supervisor_dead(submission_id))
+
+    def _supervisor_dead(self, submission_id: str) -> bool:
+        """Whether Ray's state API reports the job's supervisor actor dead. A head restarted with GCS fault
+        tolerance keeps saying RUNNING for a job whose supervisor died with the old head: its job manager
+        (created on a node agent's first job request) only looks again once something is submitted."""
+        response = self._call("_do_request", "GET", "/api/v0/actors", params={
+            "filter_keys": "name", "filter_predicates": "=", "filter_values": JOB_ACTOR_NAME_TEMPLATE.format(job_id=submission_id),
+            "detail": "false"})
+        if response.status_code != 200:
+            return False  # no state API (an older or stand-in head): the job status is all there is
+        actors = (response.json().get("data") or {}).get("result", {}).get("result", [])
+        return any(actor.get("state") == "DEAD" for actor in actors)
 
     def stop(self, submission_id: str) -> None:
         """Asks Ray to stop the job; a submission Ray no longer knows needs no stopping."""

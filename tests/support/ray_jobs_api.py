@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
 
 import ray
 
@@ -28,13 +29,19 @@ class RayJobsAPI:
         self.env_vars: dict[str, dict[str, str]] = {}  # each submission's environment (its token, its run spec)
         self.ended: dict[str, tuple[str, str | None]] = {}  # submission id -> the status and error type it ended with
         self.stopped: list[str] = []  # submission ids asked to stop
+        self.dead_supervisors: set[str] = set()  # supervisor actor names the state API reports DEAD
         self.submit_delay_s = submit_delay_s  # a slow head: a leader killed mid-queue is killed mid-submission
         self._lock = threading.Lock()
         api = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
-                if self.path == "/api/version":
+                url = urlsplit(self.path)
+                if url.path == "/api/v0/actors":  # the state API, asked for a job's supervisor actor
+                    name = parse_qs(url.query)["filter_values"][0]
+                    dead = [{"name": name, "state": "DEAD"}] if name in api.dead_supervisors else []
+                    self._answer(200, {"result": True, "data": {"result": {"result": dead}}})
+                elif self.path == "/api/version":
                     self._answer(200, {"version": "4", "ray_version": ray.__version__})
                 elif (match := _JOB_PATH.match(self.path)) and match[1] in api.entrypoints:
                     status, error_type = api.ended.get(match[1], ("RUNNING", None))
