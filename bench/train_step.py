@@ -13,9 +13,11 @@ Time split per step (ms, mean over steps and ranks), measured with wall-clock ho
   all_to_all = time inside the token and count all-to-alls (a part of experts; includes waiting for the peer);
   optimizer  = engine.step() (ZeRO-2 optimizer step and parameter all-gather);
   other      = the rest (embeddings, norms, router, shared experts, LM head and loss, ZeRO-2 gradient reduction).
+With `--profile N`, rank 0's timed moetune steps also run under torch.profiler and the N ops with the most self
+CPU time are printed before the RESULT (the profiler's own overhead inflates the step times of that run).
 The last line is `RESULT speedup=<x> moetune_tok_s=<a> baseline_tok_s=<b>`.
 
-    python bench/train_step.py [--steps 8] [--micro 4] [--seq 128]
+    python bench/train_step.py [--steps 8] [--micro 4] [--seq 128] [--profile 25]
 """
 
 from __future__ import annotations
@@ -121,11 +123,14 @@ def _measure(rank: int, world: int, moetune: bool, args) -> dict:
         timer.watch(getattr(block, fam.experts), "experts")
     stock_all_to_all = dist.all_to_all_single
     dist.all_to_all_single = timer.timed_all_to_all(stock_all_to_all)
+    profiler = torch.profiler.profile() if args.profile and moetune and rank == 0 else None
     try:
         wall = 0.0
         for step in range(args.warmup + args.steps):
             if step == args.warmup:
                 timer.totals.clear()
+                if profiler is not None:
+                    profiler.start()
             data = batch(rank, step, args.micro, args.seq)
             dist.barrier()
             start = time.perf_counter()
@@ -139,9 +144,22 @@ def _measure(rank: int, world: int, moetune: bool, args) -> dict:
                 wall += time.perf_counter() - start
     finally:
         dist.all_to_all_single = stock_all_to_all
+        if profiler is not None:
+            profiler.stop()
     parts = {p: timer.totals[p] / args.steps * 1e3 for p in PARTS if p != "other"}
     parts["other"] = wall / args.steps * 1e3 - sum(v for p, v in parts.items() if p != "all_to_all")
+    if profiler is not None:
+        _print_profile(profiler, args)
     return {"step_ms": wall / args.steps * 1e3, **parts}
+
+
+def _print_profile(profiler, args) -> None:
+    """The ops with the most self CPU time over the timed steps, per step."""
+    ops = sorted(profiler.key_averages(), key=lambda op: op.self_cpu_time_total, reverse=True)[:args.profile]
+    print(f"rank 0 moetune, per step: {'self ms':>8s} {'calls':>7s}  op", flush=True)
+    for op in ops:
+        print(f"{'':25s} {op.self_cpu_time_total / 1e3 / args.steps:8.2f} {op.count / args.steps:7.0f}  {op.key}",
+              flush=True)
 
 
 def _worker(rank: int, world: int, args, out_file: str) -> None:
@@ -153,7 +171,7 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
 
 
 def main() -> None:
-    args = step_arguments(__doc__, steps=8, warmup=2)
+    args = step_arguments(__doc__, steps=8, warmup=2, profile=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     world = 2
     out_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moetune-bench-train-step-{os.getpid()}.pt")
