@@ -126,9 +126,9 @@ class RayJobs:
         """Whether Ray's state API reports the job's supervisor actor dead. A head restarted with GCS fault
         tolerance keeps saying RUNNING for a job whose supervisor died with the old head: its job manager
         (created on a node agent's first job request) only looks again once something is submitted."""
+        name = JOB_ACTOR_NAME_TEMPLATE.format(job_id=submission_id)
         response = self._call("_do_request", "GET", "/api/v0/actors", params={
-            "filter_keys": "name", "filter_predicates": "=", "filter_values": JOB_ACTOR_NAME_TEMPLATE.format(job_id=submission_id),
-            "detail": "false"})
+            "filter_keys": "name", "filter_predicates": "=", "filter_values": name, "detail": "false"})
         if response.status_code != 200:
             return False  # no state API (an older or stand-in head): the job status is all there is
         actors = (response.json().get("data") or {}).get("result", {}).get("result", [])
