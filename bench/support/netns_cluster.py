@@ -68,6 +68,9 @@ class NetnsCluster:
     env: dict[str, str]  # every node's processes get it (the S3 endpoint, say)
     root: str
     log_paths: list[str] = field(default_factory=list)
+    # Ray's GCS fault tolerance: the head keeps the cluster's state in this Redis (host:port), so a restarted head
+    # finds its nodes, actors and jobs again; None: a restarted head starts a new cluster
+    gcs_redis: str | None = None
 
     @property
     def gcs_address(self) -> str:
@@ -110,6 +113,8 @@ class NetnsCluster:
                "RAY_health_check_period_ms": str(HEALTH_CHECK_MS),
                "RAY_health_check_timeout_ms": str(HEALTH_CHECK_MS),
                "RAY_health_check_failure_threshold": str(HEALTH_CHECK_MISSES)}
+        if head and self.gcs_redis:
+            env["RAY_REDIS_ADDRESS"] = self.gcs_redis
         with open(log_path, "ab") as log:
             node.proc = subprocess.Popen(
                 ["ip", "netns", "exec", node.netns, "unshare", "--uts", "sh", "-c",
@@ -169,6 +174,18 @@ class NetnsCluster:
         self.heal(node)
         self.kill_node(node)
         self.start_node(node)
+
+    def restart_head(self) -> float:
+        """The head node loses every process and comes back at its address; returns the seconds until its Jobs
+        API answered again."""
+        self.kill_node(self.head)
+        # a restarted head pod has a fresh /tmp: `ray start --head` would take the killed GCS, a zombie here where
+        # nothing reaps it, for a running one at the address it last started
+        with suppress(FileNotFoundError):
+            os.remove(os.path.join(self.head.temp_dir, "ray_current_cluster"))
+        start = time.monotonic()
+        self.start_node(self.head)
+        return time.monotonic() - start
 
     def stop(self) -> None:
         for node in reversed(self.nodes):

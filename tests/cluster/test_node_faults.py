@@ -62,7 +62,7 @@ def faulted(netns_stack):
         receiver.server.shutdown()
     assert outcome["status"] == JobStatus.SUCCEEDED, jobs.get_job_logs(sid)[-3000:]
     watcher.join()
-    return {**outcome, "pages": pages, "receiver": receiver, "history": history(netns_stack, run)}
+    return {**outcome, "pages": pages, "receiver": receiver, "history": history(netns_stack, run.output_uri)}
 
 
 def test_a_job_spreads_over_nodes_with_node_caches_and_node_metrics(netns_stack, faulted):
