@@ -47,7 +47,7 @@ class RowLoraExperts(nn.Module):
         biases = (ex.gate_up_proj_bias, ex.down_proj_bias) if ex.biased else None
         if sel.uniform is not None or not sel.slots & f.filled:  # one adapter or none: the compute as trained
             s = sel.uniform
-            lora = (ExpertLoraFactors(*(f[n][s] for n in self.FACTORS), float(f.scaling[s]))
+            lora = (ExpertLoraFactors(*(f.of(n, s) for n in self.FACTORS), float(f.scaling[s]))
                     if s is not None and s in f.filled else None)
             y = ex.compute(rows, counts.tolist(), *ex.base_weights(), ex.activation, lora, biases)
         else:
@@ -61,14 +61,15 @@ class RowLoraExperts(nn.Module):
         row's low-rank update gathered from its (slot, expert) factors."""
         f, ex = self.factors, self.experts
         w_in, w_down = ex.base_weights()
+        factor_rows = f.row_of[slots]  # a slot without expert LoRA reads row 0, scaled by 0
 
         def project(x, w, bias, a, b):
             frozen = w if isinstance(w, QuantizedWeight) else w.transpose(1, 2)  # kernels.moe's [E, in, out]
             y = moe_lora_grouped(x, counts, frozen, None, None, 0.0)
             if bias is not None:
                 y = y + bias[expert_of]
-            lowrank = torch.bmm(f[a][slots, expert_of], x.unsqueeze(-1).to(self.dtype))
-            delta = torch.bmm(f[b][slots, expert_of], lowrank).squeeze(-1) * f.scaling[slots, None]
+            lowrank = torch.bmm(f[a][factor_rows, expert_of], x.unsqueeze(-1).to(self.dtype))
+            delta = torch.bmm(f[b][factor_rows, expert_of], lowrank).squeeze(-1) * f.scaling[slots, None]
             return y + delta.to(y.dtype)
 
         gate_up_bias, down_bias = biases if biases is not None else (None, None)

@@ -222,7 +222,7 @@ class AdapterStore:
     def stats(self) -> dict:
         return {"adapters_loaded": len(self.slots), "adapter_loads": self.loads, "adapter_evictions": self.evictions,
                 "adapter_load_failures": self.failures, "adapter_bytes": sum(self.bytes.values()),
-                # what the slots hold allocated (all slots, at the largest rank loaded)
+                # what the slots hold allocated: one row per loaded adapter that adapts a module, at the largest rank
                 "adapter_slot_bytes": sum(m.factors.nbytes() for m in (*self.linears.values(),
                                                                         *self.experts.values())),
                 "adapters": list(self.slots)}

@@ -10,7 +10,6 @@ padding that no remaining row needs is cut off.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 # (attribute, sequence dim) of the per-token tensors of a KV layer: keys / values [B, H, S, D], DSA indexer keys
 _KV_TENSORS = (("keys", -2), ("values", -2), ("indexer_keys", 1))
@@ -45,11 +44,15 @@ def kv_length(cache) -> int:
     return max((getattr(layer, "keys").shape[-2] for layer in cache.layers if _kv(layer)), default=0)
 
 
-def _left_pad(tensor: torch.Tensor, dim: int, pad: int) -> torch.Tensor:
-    if pad == 0:
-        return tensor
-    widths = [0, 0] * (tensor.dim() - 1 - dim % tensor.dim()) + [pad, 0]
-    return F.pad(tensor, widths)
+def _stacked(mine: torch.Tensor, theirs: torch.Tensor, dim: int, total: int) -> torch.Tensor:
+    """`mine`'s rows then `theirs`, each left-padded with zeros to `total` positions along `dim`: one copy of each
+    (padding then concatenating would copy the batch's KV twice)."""
+    shape = list(mine.shape)
+    shape[0], shape[dim] = mine.shape[0] + theirs.shape[0], total
+    out = mine.new_zeros(shape)
+    for rows, part in ((out[:mine.shape[0]], mine), (out[mine.shape[0]:], theirs)):
+        rows.narrow(dim, total - part.shape[dim], part.shape[dim]).copy_(part)
+    return out
 
 
 def merge(batch, row) -> tuple[int, int]:
@@ -59,8 +62,7 @@ def merge(batch, row) -> tuple[int, int]:
     total = max(length, row_length)
     for mine, theirs in zip(batch.layers, row.layers, strict=True):
         for name, dim in _kv(theirs):
-            setattr(mine, name, torch.cat([_left_pad(getattr(mine, name), dim, total - length),
-                                           _left_pad(getattr(theirs, name), dim, total - row_length)], dim=0))
+            setattr(mine, name, _stacked(getattr(mine, name), getattr(theirs, name), dim, total))
         for (states, i), (their_states, _) in zip(_states(mine), _states(theirs), strict=True):
             states[i] = torch.cat([states[i], their_states[i]], dim=0)
     return total - length, total - row_length

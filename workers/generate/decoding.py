@@ -71,7 +71,7 @@ class DecodeBatch:
         for r in rows:
             r.pad, r.length = longest - len(r.prompt_ids), len(r.prompt_ids)
         ids = torch.tensor([[0] * r.pad + r.prompt_ids for r in rows], dtype=torch.long, device=self.device)
-        mask = torch.tensor([[0] * r.pad + [1] * r.length for r in rows], dtype=torch.long, device=self.device)
+        mask = padding_mask([r.pad for r in rows], longest, self.device)
         self.rows, self.cache = list(rows), batch_cache.new_cache(self.model)
         logits = self._forward(ids, self.cache, rows, attention_mask=mask,
                                position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
@@ -90,9 +90,7 @@ class DecodeBatch:
         """One decode forward of every row (each fed its last token); the next token of each."""
         rows = self.rows
         ids = torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device)
-        mask = torch.ones(len(rows), batch_cache.kv_length(self.cache) + 1, dtype=torch.long, device=self.device)
-        for i, r in enumerate(rows):
-            mask[i, :r.pad] = 0
+        mask = padding_mask([r.pad for r in rows], batch_cache.kv_length(self.cache) + 1, self.device)
         positions = torch.tensor([[r.length] for r in rows], dtype=torch.long, device=self.device)
         logits = self._forward(ids, self.cache, rows, attention_mask=mask, position_ids=positions)
         for r in rows:
@@ -110,6 +108,12 @@ class DecodeBatch:
         self.rows = [self.rows[i] for i in keep]
         for r in self.rows:
             r.pad -= cut
+
+
+def padding_mask(pads: list[int], width: int, device) -> torch.Tensor:
+    """[rows, width] attention mask of left-padded rows: 0 on each row's first `pad` positions, 1 after."""
+    columns = torch.arange(width, device=device)
+    return (columns >= torch.tensor(pads, device=device).unsqueeze(1)).long()
 
 
 def new_row(prompt_ids: list[int], params: SamplingParams, eos_token_id, device, slot: int = 0) -> Row:

@@ -34,6 +34,16 @@ def _failed(error: Exception) -> RuntimeError:
     return RuntimeError(f"generation failed: {type(error).__name__}: {error}")
 
 
+def use_device(device: torch.device) -> torch.device:
+    """Makes `device` the calling thread's current CUDA device; the device the thread now computes on. CUDA's current
+    device is per thread and a new thread starts on cuda:0: without this, a replica's decode thread on another GPU
+    would allocate its scratch and launch its kernels' streams on cuda:0. On CPU nothing changes."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass(eq=False)
 class _Job:
     request: GenerationRequest
@@ -51,6 +61,7 @@ class Engine:
         self.base, self.store, self.max_batch = base, store, max_batch
         self.batch = DecodeBatch(self.model, selection)
         self.device = self.batch.device
+        self.decode_device: torch.device | None = None  # the decode thread's device, once it runs
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self._waiting: collections.deque[_Job] = collections.deque()
         self._jobs: list[_Job] = []  # the running batch's jobs, in row order
@@ -139,6 +150,7 @@ class Engine:
             self._wake.notify()
 
     def _run(self) -> None:
+        self.decode_device = use_device(self.device)
         with torch.inference_mode():
             while True:
                 with self._wake:

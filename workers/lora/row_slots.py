@@ -34,47 +34,71 @@ class RowSelection:
         return self.row_slots.repeat_interleave(n // rows)
 
 
-class _Stack:
-    """One factor of all slots, [slots, *shape], grown along `rank_dim` when a larger rank comes (zeros: exact)."""
-
-    def __init__(self, slots: int, shape: tuple[int, ...], rank_dim: int, dtype, device):
-        self.rank_dim = rank_dim
-        self.data = torch.zeros(slots, *shape, dtype=dtype, device=device)
-
-    def put(self, slot: int, value: torch.Tensor | None) -> None:
-        if value is None:
-            self.data[slot].zero_()
-            return
-        grow = value.shape[self.rank_dim] - self.data.shape[self.rank_dim + 1]
-        if grow > 0:
-            pad = [0, 0] * (self.data.dim() - 1 - (self.rank_dim + 1)) + [0, grow]
-            self.data = nn.functional.pad(self.data, pad)
-        target = self.data[slot]
-        target.zero_()
-        target.narrow(self.rank_dim, 0, value.shape[self.rank_dim]).copy_(value)
-
-
 class SlotFactors(nn.Module):
-    """The stacked (A, B) pairs of a module and each slot's scaling."""
+    """The (A, B) factors of the slots whose adapter adapts this module, stacked one row per such slot, and each
+    slot's scaling (0: none). Memory follows the adapters loaded here, not the slots: the base and adapters that
+    leave this module alone hold no row (an expert LoRA of 896 experts at rank 16 is ~0.6 GB per layer per row)."""
 
     def __init__(self, slots: int, shapes: dict[str, tuple[tuple[int, ...], int]], dtype, device):
         super().__init__()
-        self.stacks = {name: _Stack(slots, shape, rank_dim, dtype, device) for name, (shape, rank_dim) in
-                       shapes.items()}
+        self.rank_dims = {name: rank_dim for name, (_, rank_dim) in shapes.items()}
+        # [rows, *shape], the rank grown to the largest loaded (zeros beyond a smaller rank: exact)
+        self.stacks = {name: torch.zeros(0, *shape, dtype=dtype, device=device) for name, (shape, _) in shapes.items()}
         self.scaling = torch.zeros(slots, dtype=dtype, device=device)
-        self.filled: set[int] = set()
+        self.rows: dict[int, int] = {}  # slot -> its row, for the slots with factors
+        # the same on the device, per slot; a slot without factors reads row 0, which its zero scaling cancels
+        self.row_of = torch.zeros(slots, dtype=torch.long, device=device)
+
+    @property
+    def filled(self) -> set[int]:
+        return set(self.rows)
 
     def put(self, slot: int, factors: dict[str, torch.Tensor] | None, scaling: float) -> None:
-        for name, stack in self.stacks.items():
-            stack.put(slot, None if factors is None else factors[name].to(stack.data.dtype))
+        if factors is None:
+            self._drop(slot)
+        else:
+            self._fill(slot, factors)
         self.scaling[slot] = scaling if factors is not None else 0.0
-        (self.filled.add if factors is not None else self.filled.discard)(slot)
+
+    def _fill(self, slot: int, factors: dict[str, torch.Tensor]) -> None:
+        row = self.rows.setdefault(slot, len(self.rows))
+        for name, data in self.stacks.items():
+            value, rank_dim = factors[name].to(data.dtype), self.rank_dims[name]
+            grow_rows = row + 1 - data.shape[0]
+            grow_rank = max(value.shape[rank_dim] - data.shape[rank_dim + 1], 0)
+            if grow_rows or grow_rank:
+                pad = [0, 0] * (data.dim() - 2 - rank_dim) + [0, grow_rank] + [0, 0] * rank_dim + [0, grow_rows]
+                data = self.stacks[name] = nn.functional.pad(data, pad)
+            target = data[row]
+            target.zero_()
+            target.narrow(rank_dim, 0, value.shape[rank_dim]).copy_(value)
+        self.row_of[slot] = row
+
+    def _drop(self, slot: int) -> None:
+        """Frees the slot's row: the last row moves into it, and the stacks shrink by one row (copied, so that
+        the memory goes)."""
+        row = self.rows.pop(slot, None)
+        if row is None:
+            return
+        last = len(self.rows)
+        if row != last:
+            moved = next(s for s, r in self.rows.items() if r == last)
+            for data in self.stacks.values():
+                data[row].copy_(data[last])
+            self.rows[moved] = row
+            self.row_of[moved] = row
+        self.stacks = {name: data[:last].clone() for name, data in self.stacks.items()}
+        self.row_of[slot] = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.stacks[name].data
+        """The stack of factor `name`, [rows, ...]: index it by `rows` / `row_of`, not by slot."""
+        return self.stacks[name]
+
+    def of(self, name: str, slot: int) -> torch.Tensor:
+        return self.stacks[name][self.rows[slot]]
 
     def nbytes(self) -> int:
-        return sum(s.data.nbytes for s in self.stacks.values())
+        return sum(data.nbytes for data in self.stacks.values())
 
 
 class RowLoraLinear(nn.Module):
@@ -107,9 +131,10 @@ class RowLoraLinear(nn.Module):
         flat = x.reshape(-1, x.shape[-1]).to(f["a"].dtype)
         if sel.uniform is not None:  # one adapter for all rows: two plain matmuls, in PEFT's order
             s = sel.uniform
-            delta = (flat @ f["a"][s].T) @ f["b"][s].T * f.scaling[s]
-        else:  # rows of different adapters: each token its slot's factors (slot 0 is all zeros)
+            delta = (flat @ f.of("a", s).T) @ f.of("b", s).T * f.scaling[s]
+        else:  # rows of different adapters: each token its slot's factors (scaled by 0 where it has none)
             slots = sel.slots_of(flat.shape[0])
-            lowrank = torch.bmm(f["a"][slots], flat.unsqueeze(-1))  # [tokens, r, 1]
-            delta = torch.bmm(f["b"][slots], lowrank).squeeze(-1) * f.scaling[slots, None]
+            rows = f.row_of[slots]
+            lowrank = torch.bmm(f["a"][rows], flat.unsqueeze(-1))  # [tokens, r, 1]
+            delta = torch.bmm(f["b"][rows], lowrank).squeeze(-1) * f.scaling[slots, None]
         return y + delta.reshape(y.shape).to(y.dtype)
