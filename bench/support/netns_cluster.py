@@ -206,8 +206,10 @@ def _ray_bin() -> str:
 def _wait_http(url: str, timeout: float, node: Node, log_path: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if node.proc.poll() is not None:
-            raise RuntimeError(f"ray start on {node.name} exited with {node.proc.returncode}; see {log_path}")
+        if node.proc.poll() is not None:  # the log's end says why (the cluster's temp dir goes with it)
+            with open(log_path, errors="replace") as log:
+                tail = "".join(log.readlines()[-15:])
+            raise RuntimeError(f"ray start on {node.name} exited with {node.proc.returncode}; {log_path} ends:\n{tail}")
         with suppress(httpx.HTTPError):
             if httpx.get(url, timeout=2).status_code < 500:
                 return
