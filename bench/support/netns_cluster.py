@@ -150,16 +150,23 @@ class NetnsCluster:
         return time.monotonic() - start
 
     def kill_node(self, node: Node) -> int:
-        """SIGKILLs every process of the node's namespace (a machine that lost power); returns how many."""
-        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True,
-                                               text=True).stdout.split()]
-        for pid in pids:
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        """SIGKILLs every process of the node's namespace (a machine that lost power); returns the kills sent. Again
+        until none is left: a process forked while the first ones were killed would outlive the node."""
+        killed = 0
+        for _ in range(20):
+            pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True,
+                                                   text=True).stdout.split()]
+            if not pids:
+                break
+            for pid in pids:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed += len(pids)
+            time.sleep(0.1)
         if node.proc is not None:
             with suppress(ProcessLookupError):
                 node.proc.wait(10)
-        return len(pids)
+        return killed
 
     def cut(self, node: Node) -> None:
         """The node's link goes down; its processes live on, unreachable."""
