@@ -4,6 +4,7 @@
     session = training.create({"model": "tiny-kimi-k3", "parallelism": {"num_workers": 2}})
     out = session.sample(["2+3="], n=4, max_tokens=4).result()
     fb = session.forward_backward(data, loss_fn="importance_sampling")   # a future: .result() or `await fb`
+    fb = session.forward_backward_custom(data, my_loss)   # my_loss(data, logprobs) -> a torch scalar, run here
     session.optim_step(learning_rate=1e-4).result()
     session.close()
 
@@ -30,6 +31,7 @@ from moetune.api.models.training_sessions import (
     CallArgs,
     CallCreate,
     Datum,
+    Forward,
     ForwardBackward,
     LoadState,
     OptimStep,
@@ -84,6 +86,19 @@ class CallFuture:
         return asyncio.to_thread(self.result).__await__()
 
 
+class CustomLossFuture(CallFuture):
+    """forward_backward_custom's future: the surrogate's call; its result's `loss` is the user's loss (the
+    surrogate's, -Σ w·logp, is `surrogate_loss`)."""
+
+    def __init__(self, future: CallFuture, result: dict[str, Any]):
+        super().__init__(future._http, future.call)
+        self._result = result
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        surrogate = super().result(timeout)
+        return {**surrogate, "surrogate_loss": surrogate["loss"], **self._result}
+
+
 class Session:
     """One training session; each method queues a call and returns its CallFuture."""
 
@@ -99,6 +114,23 @@ class Session:
         """Result: `loss` (summed over the weighted tokens of all sequences) and `logprobs` (per sequence, per
         token, entry 0 being 0)."""
         return self._call(ForwardBackward(data=data, loss_fn=loss_fn, clip_epsilon=clip_epsilon))
+
+    def forward(self, data: list[Datum | dict]) -> CallFuture:
+        """Result: `logprobs` (per sequence, per token, entry 0 being 0); no gradient is kept."""
+        return self._call(Forward(data=data))
+
+    def forward_backward_custom(self, data: list[Datum | dict], loss_fn) -> CustomLossFuture:
+        """forward_backward with your own loss: `loss_fn(data, logprobs)` gets the data (Datum) and one torch
+        tensor of per-token logprobs per sequence and returns a scalar tensor (or it and a dict of metrics). It
+        runs here, on the client, after a forward (this call waits for it); the workers then apply its gradient
+        through a linear surrogate loss (moetune.api.custom_loss). Result: your `loss`, `metrics`, `logprobs`."""
+        from moetune.api.custom_loss import surrogate_weights  # torch: only a custom loss needs it on the client
+
+        data = [Datum.model_validate(d) for d in data]
+        logprobs = self.forward(data).result()["logprobs"]
+        loss, metrics, weights = surrogate_weights(data, logprobs, loss_fn)
+        call = ForwardBackward(data=[d.model_copy(update={"weights": w}) for d, w in zip(data, weights)])
+        return CustomLossFuture(self._call(call), {"loss": loss, "metrics": metrics, "logprobs": logprobs})
 
     def optim_step(self, **adam: float) -> CallFuture:
         """AdamW on the gradients since the last step: learning_rate, beta1, beta2, eps, weight_decay."""

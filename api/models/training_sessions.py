@@ -88,6 +88,14 @@ class ForwardBackward(StrictModel):
         return self
 
 
+class Forward(StrictModel):
+    """The per-token log-probabilities of `data` under the current adapter, with no gradient kept (the first half of
+    the SDK's forward_backward_custom: the same forward as the forward_backward that follows it)."""
+
+    kind: Literal["forward"] = "forward"
+    data: list[Datum] = Field(..., min_length=1)
+
+
 class OptimStep(StrictModel):
     """Adam (AdamW) on the LoRA weights with the gradients of the forward_backward calls since the last step."""
 
@@ -101,8 +109,10 @@ class OptimStep(StrictModel):
 
 class Sample(StrictModel):
     """`n` completions of each prompt (a string, tokenized without special tokens, or token ids) with the current
-    adapter; stop at the tokenizer's eos, at any of `stop` (token ids, or strings that are one token each), or after
-    `max_tokens`. `seed` None: the session's seed and the call's number (reproducible either way)."""
+    adapter; stop at the tokenizer's eos, at any of `stop`, or after `max_tokens`. A stop string (as OpenAI's) ends
+    the text just before its first occurrence, and the tokens before the first token that reaches into it; a stop
+    token id ends the tokens before it. `seed` None: the session's seed and the call's number (reproducible either
+    way)."""
 
     kind: Literal["sample"] = "sample"
     prompts: list[str | list[int]] = Field(..., min_length=1)
@@ -111,6 +121,14 @@ class Sample(StrictModel):
     temperature: float = Field(1.0, ge=0)
     stop: list[str | int] = Field(default_factory=list)
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: list[str | int]) -> list[str | int]:
+        for i, s in enumerate(stop):
+            if s == "" or isinstance(s, int) and s < 0:
+                raise ValueError(f"stop[{i}] is {s!r}: a stop is a non-empty string or a token id")
+        return stop
 
 
 class SaveState(StrictModel):
@@ -130,7 +148,7 @@ class SaveWeights(SaveState):
     kind: Literal["save_weights"] = "save_weights"
 
 
-CallArgs = ForwardBackward | OptimStep | Sample | SaveState | LoadState | SaveWeights
+CallArgs = Forward | ForwardBackward | OptimStep | Sample | SaveState | LoadState | SaveWeights
 
 
 class CallCreate(BaseModel):
@@ -138,8 +156,8 @@ class CallCreate(BaseModel):
 
 
 class SessionCall(BaseModel):
-    """A call's state; `result` once succeeded (forward_backward: loss and per-datum logprobs; sample: sequences;
-    save_*: the URI), `error` once failed."""
+    """A call's state; `result` once succeeded (forward_backward: loss and per-datum logprobs; forward: logprobs;
+    sample: sequences; save_*: the URI), `error` once failed."""
 
     id: str
     object: Literal["training_session.call"] = "training_session.call"

@@ -154,6 +154,19 @@ def test_session_calls_recovery_from_a_killed_worker_and_exact_resume(session, c
     # what the weights answer (the served check is in the last test, where Serve starts while the group idles out)
     SAVED["final"] = session.sample(**greedy).result(timeout=120)["sequences"][0]
     assert SAVED["final"]["tokens"] != base_answer["tokens"]
+    text = SAVED["final"]["text"]  # a stop string inside that answer cuts it just before, tokens with it
+    stopped = session.sample(**greedy, stop=[text[1:3]]).result(timeout=120)["sequences"][0]
+    assert len(text) >= 3 and stopped["text"] == text[: text.find(text[1:3])]
+    assert stopped["tokens"] == SAVED["final"]["tokens"][: len(stopped["tokens"])]
+    assert len(stopped["logprobs"]) == len(stopped["tokens"])
+
+    # a custom loss on the logprobs of a forward, applied through the surrogate: written as cross-entropy here, so
+    # the surrogate's loss (the next forward_backward's) must equal it: both forwards saw the same logprobs
+    custom = session.forward_backward_custom([{"tokens": SEQ_A}, {"tokens": SEQ_C}],
+                                             lambda data, logprobs: -sum(lp[1:].sum() for lp in logprobs))
+    custom = custom.result(timeout=120)
+    assert custom["surrogate_loss"] == pytest.approx(custom["loss"], rel=1e-5)
+    session.optim_step(**ADAM)
 
 
 

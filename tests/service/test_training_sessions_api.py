@@ -44,6 +44,12 @@ def test_refusals_name_the_field_and_a_session_ray_never_took_is_failed(start_se
         misaligned = http.post(calls, json={"call": {"kind": "forward_backward",
                                                      "data": [{"tokens": [1, 2, 3], "weights": [1.0]}]}})
         assert misaligned.status_code == 422 and "one per token" in misaligned.json()["error"]["message"]
+        forward = http.post(calls, json={"call": {"kind": "forward", "data": [{"tokens": [1, 2], "logprobs": [0.0]}]}})
+        assert forward.status_code == 422 and forward.json()["error"]["param"] == "call.forward.data.0"
+        assert "logprobs has 1 entries, tokens 2" in forward.json()["error"]["message"]
+        empty_stop = http.post(calls, json={"call": {"kind": "sample", "prompts": ["ab"], "stop": ["\n\n", ""]}})
+        assert empty_stop.status_code == 422 and empty_stop.json()["error"]["param"] == "call.sample.stop"
+        assert "stop[1] is ''" in empty_stop.json()["error"]["message"]
         closed = http.post(calls, json={"call": {"kind": "optim_step"}})
         assert closed.status_code == 409 and closed.json()["error"]["code"] == "session_not_open"
         assert http.get("/v1/training_sessions/ts_nope").status_code == 404

@@ -24,6 +24,7 @@ from moetune.api.errors import ErrorCode
 from moetune.api.models.responses import ErrorInfo
 from moetune.api.models.training import TrainingSpec
 from moetune.api.models.training_sessions import (
+    Forward,
     ForwardBackward,
     LoadState,
     OptimStep,
@@ -38,8 +39,10 @@ from moetune.workers.engine.deepspeed import build_engine
 from moetune.workers.generate import SamplingParams, generate_batch
 from moetune.workers.loop.worker import _Worker
 from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.sessions.batch import padded, padded_tokens, token_logprobs
 from moetune.workers.sessions.control import SessionLink
 from moetune.workers.sessions.losses import LOSSES
+from moetune.workers.sessions.stops import cut_at_stop
 
 log = logging.getLogger("moetune.session")
 IDLE_STATE = "idle"  # the state a group saves when it stops for idleness
@@ -135,23 +138,19 @@ class SessionWorker(_Worker):
         if self.pending_gradients:
             raise CallError("the gradients of the previous forward_backward are not applied yet: call optim_step "
                             "first (or send all the sequences in one forward_backward)", "call.data")
-        self._check_tokens([d.tokens for d in call.data], "call.data")
-        mine = list(range(self.rank, len(call.data), self.world))
-        data = [call.data[i] for i in mine] or [call.data[0]]  # a rank without a datum still meets its peers
-        batch = _padded(data, self.device)
-        if not mine:
-            batch["weights"].zero_()
-        # dropout masks follow the optimizer step, so a group resumed from a state draws the same ones
-        torch.manual_seed(step_rng_seed(self.run.seed, self.engine.global_steps, self.rank))
-        logprobs = self._logprobs(batch["tokens"])
+        mine, batch, logprobs = self._forward(call.data)
         loss = LOSSES[call.loss_fn](logprobs, batch["weights"], batch["advantages"], batch["sampler"],
                                     call.clip_epsilon)
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.backward(loss * self.world, scale_wrt_gas=False)  # DeepSpeed averages over ranks: a sum
         self.pending_gradients = True
-        values = [lp[: len(d.tokens)].tolist() for lp, d in zip(logprobs.detach(), data)] if mine else []
         (total,) = self.collectives.all_sum(loss.item())  # 0 on a rank without a datum
-        return {"loss": total, "logprobs": _in_order(mine, values, self.world, len(call.data))}
+        return {"loss": total, "logprobs": self._gathered(call.data, mine, logprobs)}
+
+    def forward(self, call: Forward) -> dict:
+        with torch.no_grad():
+            mine, _, logprobs = self._forward(call.data)
+        return {"logprobs": self._gathered(call.data, mine, logprobs)}
 
     def optim_step(self, call: OptimStep) -> dict:
         if not self.pending_gradients:
@@ -167,7 +166,7 @@ class SessionWorker(_Worker):
         prompts = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else p
                    for p in call.prompts]
         self._check_tokens(prompts, "call.prompts")
-        stops = tuple(self._stop_token(s, i) for i, s in enumerate(call.stop))
+        texts = [s for s in call.stop if isinstance(s, str)]
         wanted = [(i, p) for i, p in enumerate(prompts) for _ in range(call.n)]
         share = wanted[self.rank :: self.world]
         rows = share + [wanted[0]] * (math.ceil(len(wanted) / self.world) - len(share)) if self.lockstep else share
@@ -175,12 +174,14 @@ class SessionWorker(_Worker):
         # generate_batch seeds row i with seed + i: every sequence of the call its own draw
         tokens = generate_batch(self.engine.module, [p for _, p in rows],
                                 SamplingParams(call.max_tokens, temperature=call.temperature,
-                                               seed=seed + self.rank * len(rows), stop_token_ids=stops),
+                                               seed=seed + self.rank * len(rows),
+                                               stop_token_ids=self._stop_tokens(call.stop)),
                                 eos_token_id=self.tokenizer.eos_token_id, lockstep=self.lockstep) if rows else []
+        cut = [cut_at_stop(t, self._decode, texts) for t in tokens]
+        tokens = [t for t, _ in cut]
         logprobs = self._sampled_logprobs([p for _, p in rows], tokens) if rows else []
-        mine = [{"prompt_index": i, "prompt_tokens": p, "tokens": t, "logprobs": lp,
-                 "text": self.tokenizer.decode(t, skip_special_tokens=True)}
-                for (i, p), t, lp in zip(share, tokens, logprobs)]
+        mine = [{"prompt_index": i, "prompt_tokens": p, "tokens": t, "logprobs": lp, "text": text}
+                for (i, p), (t, text), lp in zip(share, cut, logprobs)]
         return {"sequences": _in_order(list(range(self.rank, len(wanted), self.world)), mine, self.world,
                                        len(wanted))}
 
@@ -213,6 +214,22 @@ class SessionWorker(_Worker):
 
     # ------------------------------------------------------------ helpers
 
+    def _forward(self, data: list) -> tuple[list[int], dict, torch.Tensor]:
+        """This rank's share of the call's sequences (their indices), as a batch, and their per-token logprobs."""
+        self._check_tokens([d.tokens for d in data], "call.data")
+        mine = list(range(self.rank, len(data), self.world))
+        batch = padded([data[i] for i in mine] or [data[0]], self.device)  # a rank without a datum meets its peers
+        if not mine:
+            batch["weights"].zero_()
+        # dropout masks follow the optimizer step, so a group resumed from a state draws the same ones (and a
+        # forward the same ones as the forward_backward after it)
+        torch.manual_seed(step_rng_seed(self.run.seed, self.engine.global_steps, self.rank))
+        return mine, batch, token_logprobs(self.engine, batch["tokens"])
+
+    def _gathered(self, data: list, mine: list[int], logprobs: torch.Tensor) -> list[list[float]]:
+        values = [lp[: len(data[i].tokens)].tolist() for lp, i in zip(logprobs.detach(), mine)]
+        return _in_order(mine, values, self.world, len(data))
+
     def _upload(self, local: str, uri: str) -> str:
         self.collectives.barrier()
         if self.node_leader:
@@ -221,19 +238,13 @@ class SessionWorker(_Worker):
         self.collectives.barrier()
         return uri
 
-    def _logprobs(self, tokens):
-        """[B, T] log-probability of each token given the ones before it (0 at position 0)."""
-        logits = self.engine(input_ids=tokens).logits[:, :-1].float()
-        picked = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
-        return torch.nn.functional.pad(picked, (1, 0))
-
     def _sampled_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
         """Each completion's tokens' log-probabilities under the adapter that drew them (one forward per rank)."""
         data = [p + c if c else p + [self.tokenizer.eos_token_id] for p, c in zip(prompts, completions)]
         was_training = self.engine.module.training
         self.engine.module.eval()
         with torch.no_grad():
-            logprobs = self._logprobs(_padded_tokens(data, self.device))
+            logprobs = token_logprobs(self.engine, padded_tokens(data, self.device))
         self.engine.module.train(was_training)
         return [lp[len(p) : len(p) + len(c)].tolist() for lp, p, c in zip(logprobs, prompts, completions)]
 
@@ -243,38 +254,18 @@ class SessionWorker(_Worker):
             if any(not 0 <= t < vocab for t in tokens):
                 raise CallError(f"{param}[{i}]: token ids must be in [0, {vocab})", f"{param}[{i}]")
 
-    def _stop_token(self, stop: str | int, i: int) -> int:
-        ids = [stop] if isinstance(stop, int) else self.tokenizer(stop, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
-            raise CallError(f"stop[{i}]: {stop!r} is {len(ids)} tokens; a stop must be one token", f"call.stop[{i}]")
-        return ids[0]
+    def _stop_tokens(self, stop: list[str | int]) -> tuple[int, ...]:
+        """What the engine stops on: the token ids, and the strings that are one token (the others are cut out of
+        the decoded text afterwards, workers.sessions.stops)."""
+        ids = [[s] if isinstance(s, int) else self.tokenizer(s, add_special_tokens=False)["input_ids"] for s in stop]
+        return tuple(i[0] for i in ids if len(i) == 1)
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def _state_uri(output_uri: str, name: str) -> str:
     return storage.join(output_uri, "states", name)
-
-
-def _padded_tokens(sequences: list[list[int]], device):
-    width = max(len(s) for s in sequences)
-    tokens = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        tokens[i, : len(s)] = torch.tensor(s)
-    return tokens.to(device)
-
-
-def _padded(data: list, device) -> dict:
-    """Right-padded tokens and per-token tensors; padding and position 0 weigh nothing."""
-    width = max(len(d.tokens) for d in data)
-    out = {"tokens": _padded_tokens([d.tokens for d in data], device)}
-    for key, field, default in (("weights", "weights", 1.0), ("advantages", "advantages", 0.0),
-                                ("sampler", "logprobs", 0.0)):
-        t = torch.zeros((len(data), width))
-        for i, d in enumerate(data):
-            values = getattr(d, field)
-            t[i, : len(d.tokens)] = torch.tensor(values) if values is not None else default
-        out[key] = t.to(device)
-    out["weights"][:, 0] = 0.0
-    return out
 
 
 def _in_order(mine: list[int], values: list, world: int, total: int) -> list:
