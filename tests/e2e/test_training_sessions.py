@@ -156,15 +156,18 @@ def test_session_calls_recovery_from_a_killed_worker_and_exact_resume(session, c
     assert SAVED["final"]["tokens"] != base_answer["tokens"]
     text = SAVED["final"]["text"]  # a stop string inside that answer cuts it just before, tokens with it
     stopped = session.sample(**greedy, stop=[text[1:3]]).result(timeout=120)["sequences"][0]
+    print(f"stop {text[1:3]!r} in {text!r}: {stopped['text']!r}, tokens {stopped['tokens']}")
     assert len(text) >= 3 and stopped["text"] == text[: text.find(text[1:3])]
     assert stopped["tokens"] == SAVED["final"]["tokens"][: len(stopped["tokens"])]
     assert len(stopped["logprobs"]) == len(stopped["tokens"])
 
     # a custom loss on the logprobs of a forward, applied through the surrogate: written as cross-entropy here, so
     # the surrogate's loss (the next forward_backward's) must equal it: both forwards saw the same logprobs
+    started = time.perf_counter()
     custom = session.forward_backward_custom([{"tokens": SEQ_A}, {"tokens": SEQ_C}],
                                              lambda data, logprobs: -sum(lp[1:].sum() for lp in logprobs))
     custom = custom.result(timeout=120)
+    print(f"forward_backward_custom {time.perf_counter() - started:.2f} s")
     assert custom["surrogate_loss"] == pytest.approx(custom["loss"], rel=1e-5)
     session.optim_step(**ADAM)
 
