@@ -64,7 +64,7 @@ class SlotFactors(nn.Module):
         row = self.rows.setdefault(slot, len(self.rows))
         for name, data in self.stacks.items():
             value, rank_dim = factors[name].to(data.dtype), self.rank_dims[name]
-            grow_rows = row + 1 - data.shape[0]
+            grow_rows = max(row + 1 - data.shape[0], 0)  # a new row, else overwritten in place
             grow_rank = max(value.shape[rank_dim] - data.shape[rank_dim + 1], 0)
             if grow_rows or grow_rank:
                 pad = [0, 0] * (data.dim() - 2 - rank_dim) + [0, grow_rank] + [0, 0] * rank_dim + [0, grow_rows]

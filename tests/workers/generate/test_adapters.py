@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from safetensors.torch import load_file
 
 from moetune.api import storage
 from moetune.workers.generate import (
@@ -36,6 +37,10 @@ def test_adapters_from_storage_lru_and_bad_adapters(checkpoints, adapters, s3_bu
         assert stats["adapter_evictions"] == 1 and stats["adapters"] == [uris["experts"], uris["linear-2"]]
         assert run(engine, PROMPTS[1], uris["linear"]) == first["linear"]  # reloaded into a reused slot
         assert engine.stats()["adapters"] == [uris["linear-2"], uris["linear"]]
+        # the evicted expert LoRA's memory went with it: the slots hold the two linear adapters' factors
+        held = sum(t.nbytes for kind in ("linear-2", "linear")
+                   for t in load_file(f"{adapters['kimi_linear', kind]}/adapter_model.safetensors").values())
+        assert engine.stats()["adapter_slot_bytes"] == held
         assert engine.stats()["adapter_loads"] == 4
 
         for uri, cause in ((f"{base}/adapters/missing", "not found"),
