@@ -10,17 +10,6 @@ from bench.support.adapters import write_adapter, write_checkpoint
 FAMILIES = ("kimi_linear", "qwen3_moe")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny models gain nothing from a second intra-op thread, and lose much where the cores are shared."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     return {name: write_checkpoint(name, tmp_path_factory.mktemp(f"ckpt-{name}")) for name in FAMILIES}
