@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 
 ROLES = ("system", "user", "assistant", "tool")
 PAD, BOS, EOS, END = "<pad>", "<s>", "</s>", "<|end|>"
@@ -54,9 +53,11 @@ def write_tiny_tokenizer(local_dir: str, extra_tokens: tuple[str, ...] = (),
     ).save_pretrained(local_dir)
 
 
-def write_tiny_checkpoint(local_dir: str, seed: int = 0, kind: str = "text", head_std: float = 0.1) -> str:
-    """Writes a sharded safetensors checkpoint (with index.json) of the `kind` demo family, fp32, plus tokenizer;
-    `head_std`: the output head's init (see _like_trained). Returns the dir."""
+def write_tiny_checkpoint(local_dir: str, seed: int = 0, kind: str = "text", head_std: float = 0.1,
+                          released: bool = True) -> str:
+    """Writes a sharded safetensors checkpoint (with index.json) of the `kind` demo family plus tokenizer: fp32 as
+    transformers saves it, then in the family's released format where it has one (`Family.as_released`) unless
+    `released` is False; `head_std`: the output head's init (see _like_trained). Returns the dir."""
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -74,62 +75,9 @@ def write_tiny_checkpoint(local_dir: str, seed: int = 0, kind: str = "text", hea
     model = getattr(transformers, family.auto_class).from_config(config, dtype=torch.float32)
     _like_trained(model, config.get_text_config().initializer_range, head_std)
     model.save_pretrained(local_dir, max_shard_size="200KB")
+    if released and family.as_released is not None:
+        family.as_released(local_dir)
     return local_dir
-
-
-# the seed model's routed experts, one 2-D weight per expert and projection (w1 / w3 gate and up, w2 down)
-_PER_EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
-
-
-def write_tiny_seed_checkpoint(local_dir: str, seed: int = 0) -> str:
-    """The seed model (the "seed" demo family, Kimi K3) as released, tiny: its config.json nests the language model
-    in `text_config` (model_type `kimi_linear`), tensors under `language_model.`, the routed experts per expert in
-    compressed-tensors' mxfp4-pack-quantized (`weight_packed` [out, in/2] two e2m1 codes a byte, low nibble first;
-    `weight_scale` [out, in/32] e8m0), everything else bf16. Packed by moetune's own MXFP4 quantizer; returns the
-    dir."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from moetune.kernels.quant import quantize_mxfp4
-
-    # the demo's 30 steps, in one process: last loss 2.7 with the 0.1 head, 1.7 with 0.2 (kimi_linear's, 0.1: 1.7)
-    write_tiny_checkpoint(local_dir, seed, kind="seed", head_std=0.2)
-    index_path = os.path.join(local_dir, "model.safetensors.index.json")
-    index = json.load(open(index_path))
-    weight_map, unquantized = {}, set()
-    for shard in sorted(set(index["weight_map"].values())):
-        tensors = {}
-        for name, tensor in load_file(os.path.join(local_dir, shard)).items():
-            if _PER_EXPERT_WEIGHT.search(name):
-                packed = quantize_mxfp4(tensor)
-                tensors[f"{name}_packed"], tensors[f"{name}_scale"] = packed.blocks.flatten(-2), packed.scales
-            else:
-                tensors[name] = tensor.to(torch.bfloat16)
-                if name.endswith(".weight") and "norm" not in name:
-                    unquantized.add(name.removesuffix(".weight"))
-        save_file(tensors, os.path.join(local_dir, shard), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, shard))
-    with open(index_path, "w") as f:
-        json.dump({**index, "weight_map": weight_map}, f, indent=2)
-    config_path = os.path.join(local_dir, "config.json")
-    config = json.load(open(config_path))
-    # as released: the text model's config carries Kimi-Linear's model_type and no derived layer_types
-    text = {k: v for k, v in config["text_config"].items() if k not in ("layer_types", "dtype")}
-    config.update(text_config={**text, "model_type": "kimi_linear", "architectures": ["KimiK3ForCausalLM"]},
-                  dtype="bfloat16", quantization_config=_mxfp4_pack_quantization(sorted(unquantized)))
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=2)
-    return local_dir
-
-
-def _mxfp4_pack_quantization(ignore: list[str]) -> dict:
-    """compressed-tensors' quantization_config of weight-only MXFP4 (group 32, e8m0 scales) on every Linear but
-    the modules in `ignore`."""
-    weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
-               "dynamic": False, "scale_dtype": "torch.uint8"}
-    return {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
-            "ignore": ignore}
 
 
 def _like_trained(model, initializer_range: float, head_std: float = 0.1) -> None:

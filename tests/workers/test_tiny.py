@@ -46,11 +46,11 @@ def test_seed_checkpoint_is_the_release_format_and_streams_back_exactly(tmp_path
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import MXFP4A16
 
-    from moetune.workers.tiny import write_tiny_checkpoint, write_tiny_seed_checkpoint
+    from moetune.workers.tiny import write_tiny_checkpoint
     from moetune.workers.weights.loader import stream_model
 
-    folder = write_tiny_seed_checkpoint(str(tmp_path / "seed"))
-    source = _stored(write_tiny_checkpoint(str(tmp_path / "fp32"), kind="seed"))
+    folder = write_tiny_checkpoint(str(tmp_path / "seed"), kind="seed")
+    source = _stored(write_tiny_checkpoint(str(tmp_path / "fp32"), kind="seed", released=False))
     stored, config = _stored(folder), json.load(open(os.path.join(folder, "config.json")))
     assert config["model_type"] == "kimi_k3" and config["text_config"]["model_type"] == "kimi_linear"
     assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"

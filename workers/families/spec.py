@@ -49,6 +49,9 @@ class Family:
     expert_activation: Callable[[object], Callable] | None = None
     tiny_vision: TinyVision | None = None  # what its tiny vision-language checkpoint needs (families that take images)
     demo: str | None = None  # the embedded demo's (and the tests') tiny checkpoint of this kind is this family's
+    # rewrites a tiny checkpoint saved by transformers into the family's released format (naming, quantization),
+    # where the two differ (workers.tiny)
+    as_released: Callable[[str], None] | None = None
 
     @property
     def model_type(self) -> str:

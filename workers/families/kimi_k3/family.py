@@ -1,5 +1,6 @@
 from moetune.api.families import FAMILIES
 from moetune.workers.families.kda import kda_swap
+from moetune.workers.families.kimi_k3.release import as_released
 from moetune.workers.families.kimi_k3.tiny import tiny_config
 from moetune.workers.families.segments import segment_attention_swap
 from moetune.workers.families.spec import Family
@@ -32,4 +33,4 @@ FAMILY = Family(FAMILIES["kimi_k3"], moe_block="KimiK3MoE", shared_experts="shar
                 model_type_aliases=("kimi_k3_text",), expert_activation=expert_activation,
                 # the Attention Residuals' projections: their weight is the mix's pseudo-query, never called
                 lora_unsupported=("self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj"),
-                demo="seed")
+                demo="seed", as_released=as_released)
