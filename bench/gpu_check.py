@@ -427,6 +427,12 @@ def stage_job_step(s: Setting) -> dict:
     if missing:
         return {"skipped": f"{', '.join(missing)} not installed (see the docstring for the wheels)"}
     family = _job_family()
+    if s.dry:
+        # the CPU rehearsal: DeepSpeed's CPU backend would JIT-build its shared-memory comm op (C++, minutes on 2
+        # cores in a fresh venv, where the prebuilt one's paths do not match); a device run talks NCCL without it
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     dist.init_process_group(s.backend, rank=0, world_size=1)
