@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ray.dashboard.modules.job.common import JOB_ACTOR_NAME_TEMPLATE, JobErrorType
+from ray.dashboard.modules.job.job_supervisor import JobSupervisor
 from ray.job_submission import JobSubmissionClient
 
 from moetune.service.cluster.resources import NodeResources, nodes_from_cluster_status
@@ -15,6 +16,7 @@ log = logging.getLogger(__name__)
 
 # After a failed call the next ones wait 1 s, 2 s, 4 s ... up to a minute (not one attempt per scheduler tick).
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 60.0
+_STATE_API_LIMIT = 10_000  # the most actors Ray's state API lists in one answer (RAY_MAX_LIMIT_FROM_API_SERVER)
 
 
 class RayUnavailable(Exception):
@@ -118,21 +120,40 @@ class RayJobs:
             if _is_not_found(e):
                 return None
             raise
-        status = str(info.status.value)
-        return RayJobState(status=status, message=info.message, supervisor_lost=info.error_type in _SUPERVISOR_LOST
-                           or status == "RUNNING" and self._supervisor_dead(submission_id))
+        return RayJobState(status=str(info.status.value), message=info.message,
+                           supervisor_lost=info.error_type in _SUPERVISOR_LOST)
 
-    def _supervisor_dead(self, submission_id: str) -> bool:
-        """Whether Ray's state API reports the job's supervisor actor dead. A head restarted with GCS fault
-        tolerance keeps saying RUNNING for a job whose supervisor died with the old head: its job manager
-        (created on a node agent's first job request) only looks again once something is submitted."""
-        name = JOB_ACTOR_NAME_TEMPLATE.format(job_id=submission_id)
+    def states(self, submission_ids: list[str]) -> list[RayJobState | None]:
+        """Each submission's `state`, where a RUNNING one whose supervisor actor is gone counts as supervisor_lost,
+        with one state-API call for all of them. A head restarted with GCS fault tolerance keeps saying RUNNING
+        for a job whose supervisor died with the old head: its job manager (created on a node agent's first job
+        request) only looks again once something is submitted."""
+        states = [self.state(sid) for sid in submission_ids]
+        running = [i for i, state in enumerate(states) if state is not None and state.status == "RUNNING"]
+        if not running or (live := self._live_supervisors()) is None:
+            return states
+        for i in running:
+            sid = submission_ids[i]
+            if JOB_ACTOR_NAME_TEMPLATE.format(job_id=sid) not in live:
+                # RUNNING (set by its supervisor) before the list, which lacks it: the supervisor is gone, unless
+                # it ended the job in between, which a second look tells
+                again = self.state(sid)
+                states[i] = replace(again, supervisor_lost=True) if again and again.status == "RUNNING" else again
+        return states
+
+    def _live_supervisors(self) -> set[str] | None:
+        """The names of the job supervisor actors the state API reports not DEAD; None when it cannot say (no
+        state API: an older or stand-in head; a partial or truncated answer)."""
         response = self._call("_do_request", "GET", "/api/v0/actors", params={
-            "filter_keys": "name", "filter_predicates": "=", "filter_values": name, "detail": "false"})
+            "filter_keys": ["class_name", "state"], "filter_predicates": ["=", "!="],
+            "filter_values": [JobSupervisor.__name__, "DEAD"], "limit": _STATE_API_LIMIT, "detail": "false"})
         if response.status_code != 200:
-            return False  # no state API (an older or stand-in head): the job status is all there is
-        actors = (response.json().get("data") or {}).get("result", {}).get("result", [])
-        return any(actor.get("state") == "DEAD" for actor in actors)
+            return None
+        listed = (response.json().get("data") or {}).get("result") or {}
+        actors = listed.get("result") or []
+        if listed.get("partial_failure_warning") or listed.get("num_filtered", len(actors)) > len(actors):
+            return None
+        return {actor.get("name") for actor in actors}
 
     def stop(self, submission_id: str) -> None:
         """Asks Ray to stop the job; a submission Ray no longer knows needs no stopping."""

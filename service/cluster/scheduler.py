@@ -138,8 +138,8 @@ class Scheduler:
 
     def follow_running(self) -> None:
         """Ends jobs whose Ray job ended without the driver's ResultReport reaching us (e.g. while we were down)."""
-        for job in self.store.jobs_with_status(*SLOT_STATUSES):
-            state = self.ray.state(job.ray_submission_id)
+        jobs = self.store.jobs_with_status(*SLOT_STATUSES)
+        for job, state in zip(jobs, self.ray.states([job.ray_submission_id for job in jobs])):
             if state is None:
                 self._requeue_lost(job, f"Ray no longer knows job {job.ray_submission_id} (its Ray head "
                                         "restarted)", fence=self._epoch)

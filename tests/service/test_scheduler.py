@@ -265,15 +265,19 @@ def test_a_job_whose_supervisor_died_with_a_fault_tolerant_head_is_requeued(star
                                                                             ray_api):
     """A head restarted on its state in Redis (GCS fault tolerance) still knows the submission, but fails it: its
     supervisor and driver died with the old head. That is the head's loss: the job goes back to the queue as its
-    next attempt (resuming from its newest checkpoint); a driver's own failure still fails its job."""
-    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=ray_api.url, max_running_jobs=3)
-    lost, stale, failing = (service.create_job(**inputs)["id"] for _ in range(3))
+    next attempt (resuming from its newest checkpoint); a driver's own failure still fails its job. The supervisors
+    are listed once per pass, not once per running job."""
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=ray_api.url, max_running_jobs=4)
+    lost, stale, failing, healthy = (service.create_job(**inputs)["id"] for _ in range(4))
     scheduler = _run_pass(service)
     ray_api.end(f"moetune-{lost}-1", error_type="JOB_SUPERVISOR_ACTOR_DIED")
     # still RUNNING to Ray (its job manager has not looked again since the head came back), supervisor DEAD
     ray_api.dead_supervisors.add(f"_ray_internal_job_actor_moetune-{stale}-1")
     ray_api.end(f"moetune-{failing}-1", error_type="JOB_ENTRYPOINT_COMMAND_ERROR")
+    lists = ray_api.actor_lists
     scheduler.follow_running()
+    assert ray_api.actor_lists == lists + 1
+    assert service.store.get_job(healthy).status == "running"  # its supervisor is alive
     for job_id in (lost, stale):
         row = service.store.get_job(job_id)
         assert (row.status, row.attempt) == ("queued", 2)

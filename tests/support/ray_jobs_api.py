@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import ray
+from ray.dashboard.modules.job.common import JOB_ACTOR_NAME_TEMPLATE
 
 from moetune.api.environment import ENV_CALLBACK_URL
 
@@ -30,6 +31,7 @@ class RayJobsAPI:
         self.ended: dict[str, tuple[str, str | None]] = {}  # submission id -> the status and error type it ended with
         self.stopped: list[str] = []  # submission ids asked to stop
         self.dead_supervisors: set[str] = set()  # supervisor actor names the state API reports DEAD
+        self.actor_lists = 0  # state-API actor listings asked for
         self.submit_delay_s = submit_delay_s  # a slow head: a leader killed mid-queue is killed mid-submission
         self._lock = threading.Lock()
         api = self
@@ -37,10 +39,16 @@ class RayJobsAPI:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 url = urlsplit(self.path)
-                if url.path == "/api/v0/actors":  # the state API, asked for a job's supervisor actor
-                    name = parse_qs(url.query)["filter_values"][0]
-                    dead = [{"name": name, "state": "DEAD"}] if name in api.dead_supervisors else []
-                    self._answer(200, {"result": True, "data": {"result": {"result": dead}}})
+                if url.path == "/api/v0/actors":  # the state API, asked for the job supervisor actors
+                    query = parse_qs(url.query)
+                    listed = [actor for actor in api.supervisors() if all(
+                        (actor.get(key) == value) == (predicate == "=") for key, predicate, value in
+                        zip(query["filter_keys"], query["filter_predicates"], query["filter_values"]))]
+                    with api._lock:
+                        api.actor_lists += 1
+                    self._answer(200, {"result": True, "data": {"result": {
+                        "total": len(listed), "num_after_truncation": len(listed), "num_filtered": len(listed),
+                        "result": listed}}})
                 elif self.path == "/api/version":
                     self._answer(200, {"version": "4", "ray_version": ray.__version__})
                 elif (match := _JOB_PATH.match(self.path)) and match[1] in api.entrypoints:
@@ -90,6 +98,15 @@ class RayJobsAPI:
     def submitters(self, sid: str) -> list[str]:
         with self._lock:
             return [replica for attempt, replica in self.attempts if attempt == sid]
+
+    def supervisors(self) -> list[dict]:
+        """The state API's view of each submission's supervisor actor: DEAD once its job ended or a test killed
+        it, else ALIVE."""
+        with self._lock:
+            names = {sid: JOB_ACTOR_NAME_TEMPLATE.format(job_id=sid) for sid in self.entrypoints}
+            return [{"name": name, "class_name": "JobSupervisor",
+                     "state": "DEAD" if sid in self.ended or name in self.dead_supervisors else "ALIVE"}
+                    for sid, name in names.items()]
 
     def end(self, sid: str, status: str = "FAILED", error_type: str | None = None) -> None:
         """Ray's JobErrorType value says why it failed (None: the driver's own failure, or no failure)."""
