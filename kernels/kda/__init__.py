@@ -14,6 +14,11 @@ moetune's own Triton kernel (kernels/kda/triton_kda.py: one program per sequence
 only where fla cannot: a CUDA machine without fla installed, or MOETUNE_KDA_KERNEL=moetune (bench/gpu_check.py
 measures both). Elsewhere (CPU) the chunked PyTorch implementation runs; `naive_recurrent_kda` is the token-by-token
 oracle.
+
+`recurrent_kda` is generation's step (a token or a few per row on each row's cached state): fla's
+`fused_recurrent_kda` on CUDA where fla is chosen, else `recurrent_kda_torch` (every row and head at once, a loop
+over the tokens only). Both take the gate already computed: fla's `lower_bound` applies only where its kernel
+computes the gate itself from raw inputs (`use_gate_in_kernel`).
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import torch
 
 from .chunked import chunk_kda_torch
 from .naive import naive_recurrent_kda
+from .recurrent import recurrent_kda_torch
 
-__all__ = ["chunk_gated_delta_rule", "chunk_kda", "chunk_kda_torch", "l2norm", "naive_recurrent_kda"]
+__all__ = ["chunk_gated_delta_rule", "chunk_kda", "chunk_kda_torch", "l2norm", "naive_recurrent_kda", "recurrent_kda",
+           "recurrent_kda_torch"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -94,6 +101,40 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                                           output_final_state=output_final_state,
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
                                           lower_bound=lower_bound)
+    return o.to(q.dtype), final_state
+
+
+def _fla_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False):
+    from fla.ops.kda import fused_recurrent_kda
+
+    return fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def _torch_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                         use_qk_l2norm_in_kernel=False):
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    return recurrent_kda_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state)
+
+
+def recurrent_kda_kernel(device: torch.device | str):
+    """recurrent_kda's implementation for tensors on `device`: fla's where chunk_kda runs fla's, else PyTorch's."""
+    if torch.device(device).type == "cuda" and _cuda_kernel_name() == "fla":
+        importlib.import_module("fla.ops.kda")
+        return _fla_recurrent_kda
+    return _torch_recurrent_kda
+
+
+def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False):
+    """Equal-length rows, token by token, on their states (N = B): layouts and results as chunk_kda's (o in q's
+    dtype, final state (B, H, K, V) fp32 or None)."""
+    o, final_state = recurrent_kda_kernel(q.device)(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                                    output_final_state=output_final_state,
+                                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     return o.to(q.dtype), final_state
 
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetune.kernels.kda import chunk_gated_delta_rule, chunk_kda, chunk_kda_torch, l2norm, naive_recurrent_kda
+from moetune.kernels.kda import (
+    chunk_gated_delta_rule,
+    chunk_kda,
+    chunk_kda_torch,
+    l2norm,
+    naive_recurrent_kda,
+    recurrent_kda,
+)
 from moetune.kernels.kda.chunked import _DecayedProducts
 from tests.support.kda_cases import (
     BF16_TOL,
@@ -138,6 +145,35 @@ def test_gated_delta_rule_matches_transformers_reference():
     assert max(rmse_ratio(ours, ref) for ours, ref in zip(results[1], results[0])) <= 1e-5
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_recurrent_step_equals_the_oracle_with_no_loop_over_rows(tokens):
+    """Generation's step (recurrent_kda on CPU) gives the oracle's outputs and final states bit for bit, q and k
+    normalised by the step; its operators do not grow with the number of rows (every row moves at once)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for rows in (2, 6):  # (einsum takes another path for a single row)
+        x = {n: t.detach() for n, t in make_inputs(rows, tokens, 3, 16, 24, gate_scale=4.0).items()}
+        q, k = 3 * x["q"], 2 * x["k"]
+        with CountOps() as ops:
+            o, final = recurrent_kda(q, k, x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+                                     use_qk_l2norm_in_kernel=True)
+        counts.append(ops.count)
+        want_o, want_final = naive_recurrent_kda(l2norm(q), l2norm(k), x["v"], x["g"], x["beta"],
+                                                 initial_state=x["h0"], output_final_state=True)
+        assert torch.equal(o, want_o) and torch.equal(final, want_final)
+    assert counts[0] == counts[1], counts
+
+
 def test_packing_rejects_a_batch():
     inputs = make_inputs(2, 8, 1, 16, 16)
     with pytest.raises(ValueError, match="batch size 1"):
@@ -149,7 +185,7 @@ def test_the_cuda_kernel_setting_chooses_fla_or_moetunes_own(monkeypatch):
     default is moetune's Triton KDA; MOETUNE_KDA_KERNEL names either, anything else is refused by name."""
     import importlib.util
 
-    from moetune.kernels.kda import KERNEL_SETTING, cuda_kda_kernel
+    from moetune.kernels.kda import KERNEL_SETTING, cuda_kda_kernel, recurrent_kda_kernel
     from moetune.kernels.kda.triton_kda import chunk_kda_triton
 
     assert importlib.util.find_spec("fla") is None
@@ -163,3 +199,5 @@ def test_the_cuda_kernel_setting_chooses_fla_or_moetunes_own(monkeypatch):
     monkeypatch.setenv(KERNEL_SETTING, "fla")
     with pytest.raises(ModuleNotFoundError, match="fla"):  # asked for, not installed: no silent fallback
         cuda_kda_kernel()
+    with pytest.raises(ModuleNotFoundError, match="fla"):  # generation's step too
+        recurrent_kda_kernel("cuda")

@@ -19,8 +19,9 @@ Kimi-Linear torch functions), so the KDA kernel swap (workers.families.kda) rout
 Generation uses transformers' DynamicCache built from the config: a KDA layer keeps its three short-conv states (q, k,
 v: `number_of_conv_states`) and its recurrent state; an MLA layer keeps its compressed latent and the shared rope slice
 as keys / values (NoPE: nothing in them depends on the position; positions only shape the mask). Prefill runs the
-chunked core, a one-token step with a cached state runs `kernels.kda`'s recurrent step. The Attention-Residual mixes
-are per token: they carry nothing across tokens, so they need no cache.
+chunked core, a one-token step with a cached state runs `kernels.kda.recurrent_kda` (every row at once; fla's
+fused recurrent kernel on CUDA). The Attention-Residual mixes are per token: they carry nothing across tokens, so they
+need no cache.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: F401
     eager_attention_forward,
 )
 
-from moetune.kernels.kda import l2norm, naive_recurrent_kda
+from moetune.kernels.kda import recurrent_kda
 from moetune.workers.families.kimi_k3.configuration import KimiK3Config, KimiK3TextConfig
 
 
@@ -209,8 +210,8 @@ class KimiK3DeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
         gate = self.forget_gate(hidden_states)
         if step:
-            out, state = naive_recurrent_kda(l2norm(query), l2norm(key), value, gate, beta, initial_state=state,
-                                             output_final_state=True)
+            out, state = recurrent_kda(query, key, value, gate, beta, initial_state=state, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
         else:
             out, state = chunk_kimi_delta_attention(query, key, value, g=gate, beta=beta, initial_state=state,
                                                     output_final_state=cache is not None,
