@@ -27,6 +27,10 @@ class Settings(BaseSettings):
     # A job whose workers no node of the Ray cluster (or not all nodes together) could ever hold fails before it
     # is submitted. False on an autoscaling cluster: such a job waits queued, with its reason, for new nodes.
     fail_unschedulable: bool = True
+    # ... but only once the cluster's nodes (as Ray's resource report shows them) have held still this long: the
+    # report lags a node that just joined, or the nodes rejoining a restarted head. Until then such a job waits,
+    # queued with its reason.
+    unschedulable_grace_s: float = 30.0
     # A job whose max_steps x global_batch_size passes over its training file more often than this is refused
     # (422 naming training.max_steps) unless it sets training.allow_many_epochs.
     max_epochs: float = 100.0

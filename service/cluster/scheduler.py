@@ -29,7 +29,7 @@ from moetune.api.models.responses import ErrorInfo, JobStatus
 from moetune.service.auth import hash_token, new_job_token
 from moetune.service.cluster.leader import LeaderLease
 from moetune.service.cluster.ray_jobs import RayJobs, RayUnavailable
-from moetune.service.cluster.resources import Shortage, never_placeable, wait_reason
+from moetune.service.cluster.resources import NodeResources, Shortage, never_placeable, wait_reason
 from moetune.service import quotas
 from moetune.service.lifecycle import SLOT_STATUSES, finish_job
 from moetune.service.settings import Settings
@@ -94,6 +94,8 @@ class Scheduler:
         self._epoch: int | None = None
         self._storage_backoff_s = 0.0
         self._storage_retry_at = 0.0
+        self._capacity: list | None = None  # the Ray nodes' totals last seen, and since when (monotonic)
+        self._capacity_since = 0.0
 
     # ------------------------------------------------------------ thread
 
@@ -250,6 +252,7 @@ class Scheduler:
                 self.store.note_queue_reason(job.id, f"Ray is not reachable ({e}); retrying with backoff",
                                              [JobStatus.queued])
             raise
+        settled = self._nodes_settled(nodes)
         held = _held(holding)
         usage = quotas.usage_by_tenant(self.store, holding, time.time())
         for job in queued:
@@ -262,9 +265,15 @@ class Scheduler:
             if nodes:  # no report yet (a head just started): Ray's own placement decides
                 shortage = never_placeable(par, nodes)
                 if shortage is not None and self.settings.fail_unschedulable:
-                    self._fail_unschedulable(job, shortage)
-                    continue
-                if reason := (shortage.message if shortage else wait_reason(par, nodes, held)):
+                    if settled:
+                        self._fail_unschedulable(job, shortage)
+                        continue
+                    reason = (f"{shortage.message}; the Ray cluster's nodes changed less than "
+                              f"{self.settings.unschedulable_grace_s:g} s ago, so the job waits for them to settle "
+                              "before it fails")
+                else:
+                    reason = shortage.message if shortage else wait_reason(par, nodes, held)
+                if reason:
                     # strict priority order: a smaller job behind it does not overtake it
                     self.store.note_queue_reason(job.id, reason, [JobStatus.queued])
                     return
@@ -275,6 +284,16 @@ class Scheduler:
                     held[name] = held.get(name, 0.0) + amount
 
     # ------------------------------------------------------------ helpers
+
+    def _nodes_settled(self, nodes: list[NodeResources]) -> bool:
+        """Whether the Ray nodes' totals have looked the same for unschedulable_grace_s (an empty report counts as
+        no view). Ray's resource report lags a node that just joined, and the nodes rejoining a head that just came
+        back: a job no node can hold fails only once the view held still that long (the first view, from a
+        control plane that just started, counts as a change)."""
+        now = time.monotonic()
+        if nodes and (capacity := sorted(sorted(node.total.items()) for node in nodes)) != self._capacity:
+            self._capacity, self._capacity_since = capacity, now
+        return self._capacity is not None and now - self._capacity_since >= self.settings.unschedulable_grace_s
 
     def _submit(self, job: JobRow) -> bool:
         """Submits the job's attempt to Ray and marks it running; False when another actor (a user's cancel or

@@ -102,7 +102,7 @@ def _ray_reports_nodes(scheduler: Scheduler) -> None:
 ])
 def test_a_job_no_node_can_hold_fails_before_submission(start_service, s3_endpoint, inputs, ray_head,
                                                        parallelism, param, cause):
-    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=ray_head.dashboard_url)
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=ray_head.dashboard_url, unschedulable_grace_s=0)
     job_id = service.create_job(**inputs, parallelism=parallelism,
                                 training={"global_batch_size": 1000})["id"]
     scheduler = Scheduler(service.store, service.app.state.settings)
@@ -250,6 +250,31 @@ def test_a_tenant_over_its_worker_quota_waits_with_the_numbers():
     assert wait_reason({"t": TenantQuota(max_workers=4)}, usage, job) == (
         "waiting for tenant t's jobs to free workers (2 in use, this job needs 3, its quota max_workers=4)")
     assert wait_reason({"*": TenantQuota(max_workers=5)}, usage, job) is None
+
+
+def test_a_job_no_node_can_hold_waits_while_the_nodes_change_then_fails(start_service, s3_endpoint, inputs, ray_api):
+    """Ray's resource report lags a node that just joined: a job the report says no node can hold waits, with its
+    reason, until the nodes held still for unschedulable_grace_s, and starts if a node joins meanwhile."""
+    grace = 1.0
+    service = start_service(s3_endpoint_url=s3_endpoint, ray_address=ray_api.url, max_running_jobs=3,
+                            unschedulable_grace_s=grace)
+    ray_api.usage_by_node = {"head": {"CPU": [0.0, 1.0]}}
+    two = service.create_job(**inputs, parallelism={"num_workers": 2}, priority=1)["id"]
+    three = service.create_job(**inputs, parallelism={"num_workers": 3}, training={"global_batch_size": 3})["id"]
+    scheduler = _run_pass(service)
+    job = status_of(service, two)
+    assert job["status"] == "queued" and job["queue_reason"].endswith(
+        "the Ray cluster's nodes changed less than 1 s ago, so the job waits for them to settle before it fails")
+    assert "2 workers need 2 CPU" in job["queue_reason"]
+    time.sleep(grace)
+    ray_api.usage_by_node["worker1"] = {"CPU": [0.0, 1.0]}  # a node joined within the grace: the job starts
+    scheduler.submit_queued()
+    assert service.store.get_job(two).status == "running"
+    assert status_of(service, three)["status"] == "queued"  # 3 workers on 2 nodes: the nodes just changed
+    time.sleep(grace)  # the nodes held still: it can never start
+    scheduler.submit_queued()
+    job = status_of(service, three)
+    assert job["status"] == "failed" and job["error"]["code"] == "unschedulable", job
 
 
 def test_the_default_lease_replaces_a_lost_leader_within_15_s():

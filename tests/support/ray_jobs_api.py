@@ -2,7 +2,8 @@
 records every submission attempt: the replica tests count submissions per job without starting Ray jobs.
 
 Like Ray it refuses a submission id it already has; its jobs stay RUNNING (a stop is only recorded) unless a test
-ends one (`end`: a driver that died); it has no /api/cluster_status (the scheduler then leaves placement to Ray).
+ends one (`end`: a driver that died); it has no /api/cluster_status (the scheduler then leaves placement to Ray)
+unless a test sets the nodes it reports (`usage_by_node`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class RayJobsAPI:
         self.stopped: list[str] = []  # submission ids asked to stop
         self.dead_supervisors: set[str] = set()  # supervisor actor names the state API reports DEAD
         self.actor_lists = 0  # state-API actor listings asked for
+        # what /api/cluster_status reports per node ({node id: {resource: [used, total]}}); None: no such endpoint
+        self.usage_by_node: dict[str, dict[str, list[float]]] | None = None
         self.submit_delay_s = submit_delay_s  # a slow head: a leader killed mid-queue is killed mid-submission
         self._lock = threading.Lock()
         api = self
@@ -49,6 +52,9 @@ class RayJobsAPI:
                     self._answer(200, {"result": True, "data": {"result": {
                         "total": len(listed), "num_after_truncation": len(listed), "num_filtered": len(listed),
                         "result": listed}}})
+                elif self.path == "/api/cluster_status" and api.usage_by_node is not None:
+                    report = {"loadMetricsReport": {"usageByNode": api.usage_by_node}}
+                    self._answer(200, {"result": True, "data": {"clusterStatus": report}})
                 elif self.path == "/api/version":
                     self._answer(200, {"version": "4", "ray_version": ray.__version__})
                 elif (match := _JOB_PATH.match(self.path)) and match[1] in api.entrypoints:
