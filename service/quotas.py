@@ -127,31 +127,56 @@ def _over_limit(quota: TenantQuota, used: TenantUsage, tenant: str, workers: int
 
 def check_submission(store: Store, quotas: dict[str, TenantQuota], tenant: str, spec: JobCreate) -> None:
     """A job its tenant's quota could never run is a 422; a GPU job of a tenant whose budget is spent a 429."""
-    _check_start(store, quotas, tenant, spec.parallelism, "job")
-
-
-def check_session(store: Store, quotas: dict[str, TenantQuota], tenant: str, par: ParallelismSpec) -> None:
-    """As a job's check; and a session, which does not queue, is a 429 while its tenant's running jobs and open
-    sessions leave it no room."""
-    _check_start(store, quotas, tenant, par, "session")
-
-
-def _check_start(store: Store, quotas: dict[str, TenantQuota], tenant: str, par: ParallelismSpec,
-                 what: str) -> None:
     quota = quota_of(quotas, tenant)
+    _check_fits(quota, tenant, spec.parallelism, "job")
+    if spec.parallelism.gpus_per_worker and quota.gpu_hours is not None:
+        _check_budget(quota, usage_by_tenant(store, store.jobs_with_status(*SLOT_STATUSES), time.time())[tenant],
+                      tenant, "job")
+
+
+def check_session(store: Store, quotas: dict[str, TenantQuota], tenant: str, par: ParallelismSpec,
+                  max_running_jobs: int) -> None:
+    """As a job's check; and a session, which does not queue, is a 429 while the cluster's running slots (jobs and
+    open sessions together) or its tenant's running jobs and sessions leave it no room. Run it, and the session's
+    insert, under Store.slots_locked(): two creates at once must not both take the last place."""
+    quota = quota_of(quotas, tenant)
+    _check_fits(quota, tenant, par, "session")
+    holding = store.jobs_with_status(*SLOT_STATUSES)
+    usage = usage_by_tenant(store, holding, time.time())
+    used = usage[tenant]
+    if par.gpus_per_worker and quota.gpu_hours is not None:
+        _check_budget(quota, used, tenant, "session")
+    sessions = sum(u.sessions for u in usage.values())
+    reason = slots_full(len(holding), sessions, max_running_jobs) or _over_limit(quota, used, tenant,
+                                                                                 par.num_workers)
+    if reason:
+        raise APIException(429, ErrorCode.quota_exceeded, f"the training session would have to wait for {reason}; "
+                                                          "sessions do not queue: retry once one has ended")
+
+
+def open_sessions(store: Store) -> int:
+    """Training sessions holding a running slot (open), of every tenant."""
+    with store._sessions() as s:
+        return s.scalar(select(func.count()).where(SessionRow.status.in_(SESSION_HOLDING)))
+
+
+def slots_full(jobs: int, sessions: int, max_running_jobs: int) -> str | None:
+    """Why no running slot is free (max_running_jobs counts jobs holding one and open sessions), or None."""
+    if jobs + sessions < max_running_jobs:
+        return None
+    open_ = f" and {sessions} training sessions open" if sessions else ""
+    return f"a running slot ({jobs} jobs running{open_}, max_running_jobs={max_running_jobs})"
+
+
+def _check_fits(quota: TenantQuota, tenant: str, par: ParallelismSpec, what: str) -> None:
     if quota.max_workers is not None and par.num_workers > quota.max_workers:
         raise APIException(422, ErrorCode.invalid_request,
                            f"parallelism.num_workers: {par.num_workers} workers exceed tenant {tenant}'s quota "
                            f"max_workers={quota.max_workers}; the {what} could never start",
                            "parallelism.num_workers")
-    budget = bool(par.gpus_per_worker) and quota.gpu_hours is not None
-    now = what == "session" and (quota.max_running_jobs is not None or quota.max_workers is not None)
-    if not (budget or now):  # nothing to count: a create makes no more database reads than it needs
-        return
-    used = usage_by_tenant(store, store.jobs_with_status(*SLOT_STATUSES), time.time())[tenant]
-    if budget and (spent := _budget_spent(quota, used, tenant)):
+
+
+def _check_budget(quota: TenantQuota, used: TenantUsage, tenant: str, what: str) -> None:
+    if spent := _budget_spent(quota, used, tenant):
         raise APIException(429, ErrorCode.quota_exceeded, f"{spent}; no GPU {what} can start until an "
                                                           "operator raises tenant_quotas.gpu_hours")
-    if now and (reason := _over_limit(quota, used, tenant, par.num_workers)):
-        raise APIException(429, ErrorCode.quota_exceeded, f"the training session would have to wait for {reason}; "
-                                                          "sessions do not queue: retry once one has ended")

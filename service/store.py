@@ -51,6 +51,7 @@ ACTIVE_STATUSES = tuple(s for s in JobStatus if not s.terminal)
 # Jobs whose Ray submission holds one of the max_running_jobs slots (and its GPUs).
 SLOT_STATUSES = (JobStatus.running, JobStatus.pausing)
 SCHEDULER_LEASE = "scheduler"  # the leases row whose holder schedules (service/cluster/leader.py)
+SLOTS_LOCK = "slots"  # the leases row locked while a slot is given (Store.slots_locked; migration 0008)
 # Autoincrementing 64-bit keys; SQLite only autoincrements a column declared INTEGER.
 SequenceKey = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -201,11 +202,26 @@ class Store:
         # latency under concurrent creates); queueing writers on a lock in-process avoids the polling.
         self._write_lock = threading.RLock() if self.engine.dialect.name == "sqlite" else nullcontext()
         self.reads_are_local = self.engine.dialect.name == "sqlite"  # a file on this machine, not a server
+        self._slots_lock = threading.Lock()
 
     @contextmanager
     def _write(self) -> Iterator[Session]:
         with self._write_lock, self._sessions.begin() as s:
             yield s
+
+    @contextmanager
+    def slots_locked(self) -> Iterator[None]:
+        """Serializes what gives out running slots and tenant quota (the scheduler starting jobs, a training session
+        being created): each checks what is held and takes its share under it. PostgreSQL: every replica's, by a
+        row lock held for the transaction; SQLite: this process's, its one writer (not the write lock: the
+        scheduler holds this one across Ray submissions)."""
+        with self._slots_lock:
+            if self.engine.dialect.name == "sqlite":
+                yield
+                return
+            with self._sessions.begin() as s:
+                s.execute(select(LeaseRow.name).where(LeaseRow.name == SLOTS_LOCK).with_for_update())
+                yield
 
     # ------------------------------------------------------------ lifecycle
 

@@ -232,15 +232,20 @@ class Scheduler:
 
     def submit_queued(self) -> None:
         """Starts queued jobs, highest priority first and the tenants taking turns within one, while jobs holding a
-        slot < max_running_jobs and the Ray cluster has the resources their workers need; a job that must wait
-        says why (queue_reason). One over its tenant's quota is passed over: the next tenant's job goes first."""
+        slot and open training sessions < max_running_jobs and the Ray cluster has the resources their workers
+        need; a job that must wait says why (queue_reason). One over its tenant's quota is passed over: the next
+        tenant's job goes first. Under the slots lock: a session created meanwhile cannot take the same place."""
+        with self.store.slots_locked():
+            self._submit_queued()
+
+    def _submit_queued(self) -> None:
         holding = self.store.jobs_with_status(*SLOT_STATUSES)
-        free = self.settings.max_running_jobs - len(holding)
+        sessions = quotas.open_sessions(self.store)
+        free = self.settings.max_running_jobs - len(holding) - sessions
         if free <= 0:
+            reason = quotas.slots_full(len(holding), sessions, self.settings.max_running_jobs)
             for job in self.store.next_queued(20):
-                self.store.note_queue_reason(job.id, f"waiting for a running slot ({len(holding)} jobs running, "
-                                             f"max_running_jobs={self.settings.max_running_jobs})",
-                                             [JobStatus.queued], level="info")
+                self.store.note_queue_reason(job.id, f"waiting for {reason}", [JobStatus.queued], level="info")
             return
         queued = self.store.next_queued(_QUEUE_SCAN)
         if not queued:

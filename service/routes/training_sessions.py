@@ -40,7 +40,8 @@ router = APIRouter(prefix="/v1/training_sessions", tags=["training sessions"], r
         (404, "No such session (or call) for this tenant"),
         (409, "The session is not open"),
         (422, "Invalid session or call; `error.param` names the field"),
-        (429, "The tenant's quota (running jobs and sessions, workers, GPU-hours) leaves no room for the session"),
+        (429, "The cluster's running slots (max_running_jobs) or the tenant's quota (running jobs and sessions, "
+         "workers, GPU-hours) leave no room for the session"),
         (503, "Ray (or Ray Serve) cannot be reached now: nothing changed; retry after `Retry-After` seconds"),
     ))
 internal = APIRouter(prefix=SESSION_INTERNAL, tags=["internal"], include_in_schema=False)
@@ -150,14 +151,15 @@ def create(spec: SessionCreate, request: Request, tenant: Tenant, store: StoreDe
         raise invalid_request(f"model: no registered base model is named {spec.model!r} (GET /v1/models lists "
                               f"them; a checkpoint folder's URI works too)", "model")
     par = spec.parallelism
-    quotas.check_session(store, settings.tenant_quotas, tenant, par)
     session_id = records.new_id("ts")
-    row = records.add_session(store, SessionRow(
-        id=session_id, tenant=tenant, status="starting", created_at=time.time(),
-        spec=spec.model_copy(update={"model": model}).model_dump(mode="json"),
-        seed=spec.seed if spec.seed is not None else random.randrange(2**31),
-        output_uri=f"{(spec.output_uri or settings.default_output_uri).rstrip('/')}/{session_id}", attempt=0,
-        workers=par.num_workers, gpus=par.num_workers * par.gpus_per_worker))
+    with store.slots_locked():  # checked and inserted as one: two creates at once cannot both take the last place
+        quotas.check_session(store, settings.tenant_quotas, tenant, par, settings.max_running_jobs)
+        row = records.add_session(store, SessionRow(
+            id=session_id, tenant=tenant, status="starting", created_at=time.time(),
+            spec=spec.model_copy(update={"model": model}).model_dump(mode="json"),
+            seed=spec.seed if spec.seed is not None else random.randrange(2**31),
+            output_uri=f"{(spec.output_uri or settings.default_output_uri).rstrip('/')}/{session_id}", attempt=0,
+            workers=par.num_workers, gpus=par.num_workers * par.gpus_per_worker))
     _start(request, row)
     return _view(records.get_session(store, session_id))
 

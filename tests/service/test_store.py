@@ -1,6 +1,9 @@
 """The SQL store on a real SQLite file and a real PostgreSQL server: queue order, cursors, idempotency,
 conditional status changes."""
 
+import threading
+import time
+
 import pytest
 
 from moetune.api.models.responses import JobStatus
@@ -84,3 +87,28 @@ def test_tenant_scoped_lookup_hides_other_tenants_jobs(store):
     orm = store.get_job("j")
     assert {c: getattr(store.read_job("j", "a"), c) for c in columns} == {c: getattr(orm, c) for c in columns}
     assert store.read_job("j", "b") is None
+
+
+def test_the_slots_lock_lets_one_holder_in_at_a_time(store):
+    """Two holders at once (on PostgreSQL: two replicas, each its own Store on the database) enter one after the
+    other, and each reads what the previous one wrote before it let go."""
+    other = Store(store.engine.url.render_as_string(hide_password=False)) \
+        if store.engine.dialect.name != "sqlite" else store  # SQLite: one process writes its file
+    entered = threading.Event()
+    seen = []
+
+    def second():
+        entered.wait(5)
+        with other.slots_locked():
+            seen.append(other.get_job("first") is not None)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with store.slots_locked():
+        entered.set()
+        time.sleep(0.3)  # the second holder is waiting now
+        add_job(store, "first")
+    thread.join(10)
+    assert seen == [True]
+    if other is not store:
+        other.close()

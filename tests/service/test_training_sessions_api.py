@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 from moetune.api.environment import ENV_JOB_TOKEN, ENV_RUN_SPEC
 from moetune.api.models.training_sessions import SESSION_INTERNAL, SessionRunSpec
 from moetune.api.training import CallFailed, Training
+from moetune.service import quotas
 from moetune.service.cli.main import main
 from moetune.service.local.embedded import free_port
 from moetune.service.quotas import usage_by_tenant, wait_reason
@@ -136,6 +138,44 @@ def test_open_sessions_count_against_the_tenant_quota(start_service):
             spent = b.post(SESSIONS, json={**SPEC, "parallelism": {"num_workers": 1, "gpus_per_worker": 1}})
             assert spent.status_code == 429 and "has used 0.50 of its 0.5 GPU-hour budget" in spent.text
             assert b.post(SESSIONS, json=SPEC).status_code == 200  # a CPU session uses no GPU-hours
+    finally:
+        ray.close()
+
+
+def test_two_creates_at_once_cannot_both_take_the_last_place(start_service, monkeypatch):
+    """A create checks what is held, then inserts its session. The check is slowed here (a sleep: the race cannot be
+    timed otherwise) so that, were the two not one step, the second create's check would run before the first's
+    insert. Of two creates at once against a tenant quota of one, and of two against the cluster's last running
+    slot (max_running_jobs counts open sessions), one is a 429; a queued job waits for a slot the sessions hold."""
+    ray = RayJobsAPI()
+    service = start_service(ray_address=ray.url, max_running_jobs=2,
+                            tenant_quotas={"tenant-a": {"max_running_jobs": 1}})
+    counted = quotas.usage_by_tenant
+
+    def slow_usage(*args):
+        usage = counted(*args)
+        time.sleep(0.3)
+        return usage
+
+    monkeypatch.setattr(quotas, "usage_by_tenant", slow_usage)
+
+    def create_twice(tenant: str) -> list[httpx.Response]:
+        with service.http(tenant) as first, service.http(tenant) as second, ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda http: http.post(SESSIONS, json=SPEC), (first, second)))
+        return sorted(answers, key=lambda r: r.status_code)
+
+    try:
+        taken, refused = create_twice("tenant-a")
+        assert (taken.status_code, refused.status_code) == (200, 429), refused.text
+        assert "its quota max_running_jobs=1" in refused.json()["error"]["message"]
+        taken, refused = create_twice("tenant-b")
+        assert (taken.status_code, refused.status_code) == (200, 429), refused.text
+        assert ("wait for a running slot (0 jobs running and 2 training sessions open, max_running_jobs=2)"
+                in refused.json()["error"]["message"])
+        job = service.store.create_job(JobRow(id="ftjob-behind-sessions", tenant="tenant-b", status="queued",
+                                              spec={}, seed=1, output_uri="s3://b/o"), [])
+        service.app.state.scheduler.submit_queued()  # one pass (the tests' control planes do not schedule alone)
+        assert service.store.get_job(job.id).queue_reason == "waiting for a running slot (0 jobs running and 2 training sessions open, max_running_jobs=2)"
     finally:
         ray.close()
 
