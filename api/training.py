@@ -11,8 +11,8 @@
 Every call returns at once with a CallFuture; the session runs its calls one at a time in the order they were made,
 so a loop may queue a forward_backward and an optim_step and wait for the last alone.
 
-When the worker group fails (a worker or its driver lost), the control plane starts a new one that loads the newest
-save_state; the calls the old group had not finished raise CallFailed with `restarted` true and `restored_step`
+When the worker group fails (a worker or its driver lost), or on restart(), the control plane starts a new one that
+loads the newest save_state; the calls the old group had not finished raise CallFailed with `restarted` true and `restored_step`
 (the step the session is back at), so the loop can go on from there.
 """
 
@@ -49,8 +49,8 @@ _POLL_S = 30.0  # one long poll of a call's state
 
 class CallFailed(Exception):
     """A call's error. `restarted`: the worker group was replaced before it finished the call; after a failed group,
-    the new one resumed from `restored_state` at `restored_step` (None and 0: a fresh LoRA; both None after a
-    restart the user asked for, which starts fresh)."""
+    the new one (after a restart the user asked for too) resumed from `restored_state` at `restored_step` (None and
+    0: a fresh LoRA, no state was saved)."""
 
     def __init__(self, call: SessionCall):
         error = call.error or ErrorInfo(code="unknown", message="no error recorded")
@@ -174,7 +174,8 @@ class Session:
         return info
 
     def restart(self) -> TrainingSession:
-        """A new worker group on a fresh LoRA (load_state resumes a saved state); the running call fails."""
+        """A new worker group resuming from the newest save_state (a fresh LoRA before the first); the running call
+        fails naming that state."""
         self.info = _typed(self._http, "POST", f"{SESSIONS_PATH}/{self.id}/restart", TrainingSession)
         return self.info
 

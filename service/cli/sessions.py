@@ -76,5 +76,5 @@ def sessions_close(obj: dict, session_id: str) -> None:
 @click.argument("session_id")
 @click.pass_obj
 def sessions_restart(obj: dict, session_id: str) -> None:
-    """A new worker group on a fresh LoRA; load_state resumes a saved state."""
+    """A new worker group resuming from the newest save_state (a fresh LoRA before the first)."""
     _show(_training(obj).session(session_id).restart())

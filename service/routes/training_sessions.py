@@ -99,14 +99,25 @@ def _end(request: Request, row: SessionRow, reason: str, error: ErrorInfo | None
         request.app.state.session_changes.notify()
 
 
-def _start(request: Request, row: SessionRow) -> None:
-    """Submits the session's current group; when Ray cannot take it the session fails and the caller gets a 503."""
+def _start(request: Request, row: SessionRow, restore: str | None = None) -> None:
+    """Submits the session's current group (loading saved state `restore` first, given); when Ray cannot take it
+    the session fails and the caller gets a 503."""
     try:
-        launch.start_group(request.app.state.store, request.app.state.scheduler.ray, request.app.state.settings, row)
+        launch.start_group(request.app.state.store, request.app.state.scheduler.ray, request.app.state.settings, row,
+                           restore)
     except RayUnavailable as e:
         _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=str(e)))
         raise APIException(503, ErrorCode.not_ready, f"{e}: the session's worker group was not started.",
                            headers={"Retry-After": "5"}) from None
+
+
+def _newest_state(store: Store, row: SessionRow) -> tuple[str | None, dict, str]:
+    """What a new group of the session resumes from, as a failed group's replacement and a restart both do: the
+    newest saved state's name (None: a fresh LoRA), the result the calls failed by the change carry, in words."""
+    state = records.newest_state(store, row)
+    if state is None:
+        return None, {"restored_state": None, "restored_step": 0}, "a fresh LoRA (no state was saved)"
+    return state[0], {"restored_state": state[0], "restored_step": state[1]}, f"state {state[0]!r} (step {state[1]})"
 
 
 def _recover(request: Request, row: SessionRow, cause: ErrorInfo) -> None:
@@ -120,15 +131,13 @@ def _recover(request: Request, row: SessionRow, cause: ErrorInfo) -> None:
     if not records.set_session(store, row.id, ("ready",), group=row.attempt, status="starting", token_hash=None,
                                attempt=row.attempt + 1, recoveries=row.recoveries + 1):
         return  # another report of the same loss got there first
-    state = records.newest_state(store, row)
-    resumes = f"state {state[0]!r} (step {state[1]})" if state else "a fresh LoRA (no state was saved)"
+    restore, restored, resumes = _newest_state(store, row)
     message = f"The worker group failed ({cause.message}); a new one resumes from {resumes}."
     records.fail_calls(store, row.id, (records.RUNNING, records.PENDING),
-                       ErrorInfo(code=ErrorCode.session_restarted, message=message).model_dump(),
-                       {"restored_state": state[0] if state else None, "restored_step": state[1] if state else 0})
+                       ErrorInfo(code=ErrorCode.session_restarted, message=message).model_dump(), restored)
     try:
         launch.start_group(store, request.app.state.scheduler.ray, request.app.state.settings,
-                           records.get_session(store, row.id), restore=state and state[0])
+                           records.get_session(store, row.id), restore=restore)
     except RayUnavailable as e:
         _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=f"{message} Ray did not take "
                                                                                       f"the new group: {e}"))
@@ -191,18 +200,21 @@ def close(session_id: str, request: Request, tenant: Tenant, store: StoreDep) ->
 
 @router.post("/{session_id}/restart", response_model=TrainingSession)
 def restart(session_id: str, request: Request, tenant: Tenant, store: StoreDep) -> TrainingSession:
-    """Replaces the worker group by a new one on a fresh LoRA (load_state resumes a saved state): the call the old
-    group runs fails, queued calls wait for the new group."""
+    """Replaces the worker group by a new one resuming from the newest saved state, as a failed group's replacement
+    does (a fresh LoRA before the first save_state): the call the old group runs fails naming that state, queued
+    calls wait for the new group."""
     row = _own(request, store, tenant, session_id)
     _open(row)
     _stop(request, row, "restarted")  # the old group first: a Ray that cannot be reached leaves the session as it is
     if not records.set_session(store, row.id, OPEN_STATUSES, group=row.attempt, status="starting", token_hash=None):
         raise APIException(409, ErrorCode.session_not_open, f"Training session {row.id} changed meanwhile; retry.")
+    restore, restored, resumes = _newest_state(store, row)
     restarted = ErrorInfo(code=ErrorCode.session_restarted,
-                          message="The worker group was restarted while it ran this call.")
-    records.fail_calls(store, row.id, (records.RUNNING,), restarted.model_dump())
+                          message=f"The worker group was restarted while it ran this call; the new one resumes from "
+                                  f"{resumes}.")
+    records.fail_calls(store, row.id, (records.RUNNING,), restarted.model_dump(), restored)
     records.set_session(store, row.id, ("starting",), group=row.attempt, attempt=row.attempt + 1)
-    _start(request, records.get_session(store, row.id))
+    _start(request, records.get_session(store, row.id), restore)
     request.app.state.session_changes.notify()
     return _view(records.get_session(store, session_id))
 

@@ -198,8 +198,9 @@ def _run_next(group: httpx.Client, result: dict | None = None) -> None:
 def test_a_failed_group_is_replaced_from_the_newest_state_and_the_sdk_says_so(start_service):
     """Control-plane level (the Ray Jobs API a stand-in, the group played by the test): the driver reports its
     group failed; a new group is submitted that restores the newest saved state, and the calls the old one left
-    fail as session_restarted with that state's step. The next loss, a driver that vanished (its Ray job ended
-    without a word) and max_recoveries spent, fail the session with the cause."""
+    fail as session_restarted with that state's step. The user's restart resumes from it too. The next loss, a
+    driver that vanished (its Ray job ended without a word) and max_recoveries spent, fail the session with the
+    cause."""
     ray = RayJobsAPI()
     service = start_service(ray_address=ray.url)
     try:
@@ -228,10 +229,20 @@ def test_a_failed_group_is_replaced_from_the_newest_state_and_the_sdk_says_so(st
         assert group.post("/next_call", json={"wait_s": 0}).status_code == 409  # the dead group is locked out
 
         assert new_group.post("/ready").status_code == 200
-        ray.end(f"moetune-{session.id}-1")  # its driver killed: nothing reported, Ray says FAILED
+        running = session.forward_backward([{"tokens": [1, 2, 3]}])
+        _run_next(new_group)
+        assert session.restart().restarts == 2  # the user's restart resumes alike, not from a fresh LoRA
+        assert ray.stopped == [f"moetune-{session.id}-1"] and _group(service, ray, session.id, 2)[1].restore == "s2"
+        with pytest.raises(CallFailed) as lost:
+            running.result(timeout=5)
+        assert (lost.value.restarted, lost.value.restored_state, lost.value.restored_step) == (True, "s2", 5)
+        assert "the new one resumes from state 's2' (step 5)" in str(lost.value)
+
+        assert _group(service, ray, session.id, 2)[0].post("/ready").status_code == 200
+        ray.end(f"moetune-{session.id}-2")  # its driver killed: nothing reported, Ray says FAILED
         info = session.retrieve()
         assert (info.status, info.recoveries, info.error.code) == ("failed", 1, "driver_failed")
         assert "session's Ray job ended (FAILED)" in info.error.message
-        assert f"moetune-{session.id}-2" not in ray.entrypoints
+        assert f"moetune-{session.id}-3" not in ray.entrypoints
     finally:
         ray.close()
