@@ -229,6 +229,12 @@ def test_a_failed_group_is_replaced_from_the_newest_state_and_the_sdk_says_so(st
         assert group.post("/next_call", json={"wait_s": 0}).status_code == 409  # the dead group is locked out
 
         assert new_group.post("/ready").status_code == 200
+        for uri in ("s3://b/ts/weights/w/7", "s3://b/ts/weights/w/8"):  # two saves under one name
+            session.save_weights("w")
+            _run_next(new_group, {"uri": uri})
+        (served,) = [m["id"] for m in service.http().get("/v1/models").json()["data"] if m["id"].startswith("ft:")]
+        model = service.http().get(f"/v1/models/{served}").json()  # what a Serve replica loads
+        assert model["moetune"]["adapter_uri"] == "s3://b/ts/weights/w/8"  # the name's newest save
         running = session.forward_backward([{"tokens": [1, 2, 3]}])
         _run_next(new_group)
         assert session.restart().restarts == 2  # the user's restart resumes alike, not from a fresh LoRA

@@ -41,6 +41,7 @@ from moetune.workers.loop.worker import _Worker
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.sessions.batch import padded, padded_tokens, token_logprobs
 from moetune.workers.sessions.control import SessionLink
+from moetune.workers.sessions.layout import state_uri, weights_uri
 from moetune.workers.sessions.losses import LOSSES
 from moetune.workers.sessions.stops import cut_at_stop
 
@@ -188,11 +189,11 @@ class SessionWorker(_Worker):
     def save_state(self, call: SaveState) -> dict:
         local = os.path.join(self.node_dir, "state")
         save_checkpoint(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
-        return {"uri": self._upload(local, _state_uri(self.run.output_uri, call.name)),
+        return {"uri": self._upload(local, state_uri(self.run.output_uri, call.name)),
                 "step": int(self.engine.global_steps)}
 
     def load_state(self, call: LoadState) -> dict:
-        uri, local = _state_uri(self.run.output_uri, call.name), os.path.join(self.node_dir, "state")
+        uri, local = state_uri(self.run.output_uri, call.name), os.path.join(self.node_dir, "state")
         saved = self.chief and storage.exists(storage.join(uri, "deepspeed", "latest"))
         (found,) = self.collectives.all_sum(float(saved))
         if not found:
@@ -210,7 +211,7 @@ class SessionWorker(_Worker):
     def save_weights(self, call: SaveWeights) -> dict:
         local = os.path.join(self.node_dir, "weights")
         save_adapter(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
-        return {"uri": self._upload(local, storage.join(self.run.output_uri, "weights", call.name))}
+        return {"uri": self._upload(local, weights_uri(self.run.output_uri, call.name, self.call_number))}
 
     # ------------------------------------------------------------ helpers
 
@@ -262,10 +263,6 @@ class SessionWorker(_Worker):
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-
-def _state_uri(output_uri: str, name: str) -> str:
-    return storage.join(output_uri, "states", name)
 
 
 def _in_order(mine: list[int], values: list, world: int, total: int) -> list:
