@@ -30,6 +30,7 @@ class FamilyFacts:
     linear_names: tuple[str, ...]  # LoRA target names PEFT can match (leaf names of nn.Linear modules) ...
     text_config_key: str | None = None  # multimodal checkpoints: the text model's config lives under this key
     images: bool = False  # moetune feeds image rows through the family's processor (checkpoints with a vision tower)
+    image_token_key: str = "image_token_id"  # the config.json key of the token each image token takes
     # ... of which these are absent from a model of the given (text) config
     absent_linears: Callable[[dict], tuple[str, ...]] = _none
     # model_types of released checkpoints of this family's architecture that transformers does not know

@@ -38,7 +38,7 @@ class Family:
     experts: str = "experts"
     auto_class: str = "AutoModelForCausalLM"  # the transformers auto class that builds the trainable model
     lora_scope: str | None = None  # only linears whose name contains this get LoRA (text path of a multimodal model)
-    # name parts of the vision tower and of its projector, for lora.vision (multimodal families moetune feeds images)
+    # name parts of the vision tower and of its projector (inside the tower or beside it), for lora.vision
     vision_scopes: tuple[str, str] | None = None
     # Kernel swaps in the order they are applied; each changes the given model's modules and returns how many.
     swaps: tuple[Callable[[object], int], ...] = ()

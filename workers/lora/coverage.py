@@ -104,7 +104,7 @@ def in_vision_lora(name: str, vision: str, family: Family) -> bool:
     if vision == "none" or family.vision_scopes is None:
         return False
     tower, projector = family.vision_scopes
-    return (projector if vision == "projector" else tower) in f".{name}."
+    return projector in f".{name}." or (vision == "all" and tower in f".{name}.")
 
 
 def _vision_modules(model, family: Family) -> list[Module]:
@@ -113,7 +113,7 @@ def _vision_modules(model, family: Family) -> list[Module]:
     tower, projector = family.vision_scopes
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and tower in f".{name}.":
+        if isinstance(module, torch.nn.Linear) and (tower in f".{name}." or projector in f".{name}."):
             parts = name.split(".")
             if projector in f".{name}.":
                 layer = "projector"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from moetune.api.families import images_refusal
+from moetune.api.families import images_refusal, known_facts
 from moetune.api.models.method import Method
 from moetune.api.models.training import TrainingSpec
 from moetune.api.preference import dpo_beta, method_type
@@ -29,5 +29,5 @@ def method_for(method: Method | None, training: TrainingSpec, tokenizer,
             config = json.load(f)
     if config and images_refusal(config) is None:
         return SupervisedImageMethod(tokenizer, training.seq_len,
-                                     ImageRows(model_dir, tokenizer, config["image_token_id"]))
+                                     ImageRows(model_dir, tokenizer, config[known_facts(config).image_token_key]))
     return SupervisedMethod(tokenizer, training.seq_len)
