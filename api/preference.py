@@ -39,6 +39,11 @@ def method_type(method) -> str:
     return "supervised" if method is None else method.type
 
 
+def sequences_per_example(method) -> int:
+    """Sequences one example runs through the model: DPO's chosen and rejected run together in its micro-batch."""
+    return 2 if method_type(method) == "dpo" else 1
+
+
 def method_view(method, hyperparameters: dict) -> dict:
     """A job's `method` (api.models.method.Method, or None) as OpenAI shows it: its type and the knobs it runs with."""
     if method_type(method) != "dpo":

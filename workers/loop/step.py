@@ -51,8 +51,9 @@ class StepRunner:
         self.per_rank = training.global_batch_size // place.world
         self.tuner, self.figures = None, {}  # figures: the method's own metrics of the last step run
         if training.micro_batch_size == "auto":
+            sequences = method.sequences_per_example if method else 1  # a harness that only plans has no method
             self.tuner = MicroBatchTuner.planned(engine.module, self.per_rank, training, self._budget_bytes(),
-                                                 place.device)
+                                                 place.device, sequences)
             # each rank planned from its own free memory: all start at the smallest, or they run different numbers
             # of micro-batches and one waits alone in the experts' all-to-all or ZeRO's reductions
             self.tuner.size = int(collectives.all_min(self.tuner.size)[0])

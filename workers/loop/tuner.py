@@ -67,13 +67,16 @@ class MemoryProbe:
 class MicroBatchTuner:
     """Pure decision rules over agreed measurements; holds the current micro-batch size."""
 
-    def __init__(self, per_rank: int, seq_len: int, budget_bytes: float | None, size: int = 1):
+    def __init__(self, per_rank: int, seq_len: int, budget_bytes: float | None, size: int = 1, sequences: int = 1):
+        """Sizes count examples, each `sequences` sequences of the micro-batch (the method's sequences_per_example:
+        DPO's chosen and rejected are 2)."""
         self.sizes = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-        self.seq_len, self.budget, self.size = seq_len, budget_bytes, size
+        self.seq_len, self.budget, self.size, self.sequences = seq_len, budget_bytes, size, sequences
         self.ceiling = per_rank  # sizes above it failed with an OOM
 
     @classmethod
-    def planned(cls, model, per_rank: int, training, budget_bytes: float | None, device) -> MicroBatchTuner:
+    def planned(cls, model, per_rank: int, training, budget_bytes: float | None, device,
+                sequences: int = 1) -> MicroBatchTuner:
         """Starts at the planner's micro-batch size (workers.planner): the largest whose planned activations fit
         the budget less the measure's fixed part, what is allocated now on a GPU (on CPU the measure has none);
         at 1 without a budget. A rank's start is its own: the step agrees on one (StepRunner)."""
@@ -82,11 +85,12 @@ class MicroBatchTuner:
             import torch
 
             fixed = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            size = starting_micro_batch(model, training, per_rank, budget_bytes - fixed)
-        return cls(per_rank, training.seq_len, budget_bytes, size)
+            size = starting_micro_batch(model, training, per_rank, budget_bytes - fixed, sequences)
+        return cls(per_rank, training.seq_len, budget_bytes, size, sequences)
 
     def predicted(self, size: int, fixed: float, per_token: float) -> float:
-        return fixed + per_token * size * self.seq_len
+        """`per_token`: activation bytes per token of the micro-batch, all its sequences' tokens counted."""
+        return fixed + per_token * size * self.sequences * self.seq_len
 
     def _fits(self, size: int, fixed: float, per_token: float) -> bool:
         return size <= self.ceiling and (self.budget is None or self.predicted(size, fixed, per_token) <= self.budget)

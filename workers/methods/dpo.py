@@ -121,6 +121,7 @@ class DpoMethod:
     """The step's view of DPO: pairs from rows, a micro-batch of both answers from pairs, the summed pair loss."""
 
     name = "dpo"
+    sequences_per_example = 2  # a pair runs its chosen and rejected answers in the same micro-batch (collate)
 
     def __init__(self, tokenizer, seq_len: int, beta: float):
         self.tokenizer, self.seq_len, self.beta = tokenizer, seq_len, beta
@@ -159,7 +160,7 @@ class DpoMethod:
         with torch.no_grad():
             rewards = self.beta * torch.stack((chosen, rejected))
             self.last = torch.stack((rewards[0].sum(), rewards[1].sum(), logits.sum(),
-                                     (logits > 0).sum().to(logits.dtype), logits.new_tensor(len(logits)))).cpu()
+                                     (logits > 0).sum().to(logits.dtype), logits.new_tensor(len(logits))))
         return -F.logsigmoid(logits).sum()
 
     def figure_sums(self) -> list[float]:

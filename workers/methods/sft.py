@@ -154,6 +154,7 @@ class SupervisedMethod:
     """The step's view of SFT: examples from rows, micro-batches from examples, the loss of a forward."""
 
     name = "supervised"
+    sequences_per_example = 1  # sequences an example runs (the planner and the tuner count activations per sequence)
 
     def __init__(self, tokenizer, seq_len: int):
         self.tokenizer, self.seq_len = tokenizer, seq_len

@@ -106,19 +106,22 @@ def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 
 def _measure(model, method, seq_len: int) -> Activations:
-    ids = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
+    """One example of the method (DPO's: a pair, both answers in one batch as its loss needs), per sequence."""
+    sequences = method.sequences_per_example
+    ids = torch.zeros((sequences, seq_len), dtype=torch.long, device="meta")
     counter = SavedBytes(model)
     recorder = _Recorder(model, counter)
     try:
         with counter.counting(), _no_packed_sequence_check(), torch.fx.experimental._config.patch(
                 meta_nonzero_assume_all_nonzero=True), mock.patch(  # top-k selections (DSA) keep every candidate
                 "torch.nn.functional.scaled_dot_product_attention", _flash_attention):
-            method.loss_sum(model, Batch({"input_ids": ids}, ids, seq_len))
+            method.loss_sum(model, Batch({"input_ids": ids}, ids, sequences * seq_len))
     finally:
         recorder.remove()
     head_start = counter.total if recorder.head_start is None else recorder.head_start
-    return Activations(head_start - sum(recorder.layers), tuple(recorder.layers), tuple(recorder.inputs),
-                       counter.total - head_start)
+    example = Activations(head_start - sum(recorder.layers), tuple(recorder.layers), tuple(recorder.inputs),
+                          counter.total - head_start)
+    return example.combine((1 / sequences,), ())
 
 
 def activations(model, method, seq_len: int) -> Activations:

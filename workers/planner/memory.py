@@ -29,7 +29,8 @@ class Layout:
     ep: int
     zero: int
     checkpointing: bool
-    micro_batch: int
+    micro_batch: int  # examples
+    sequences: int = 1  # per example (api.preference.sequences_per_example: DPO's chosen and rejected)
 
 
 def partition(numel: int, dp: int) -> int:
@@ -42,7 +43,7 @@ def partition(numel: int, dp: int) -> int:
 
 def breakdown(model, layout: Layout) -> dict[str, object]:
     """Bytes per rank by part; `model` is a planner.model.ModelFacts."""
-    w, ep, z, m = layout.world, layout.ep, layout.zero, layout.micro_batch
+    w, ep, z, m = layout.world, layout.ep, layout.zero, layout.micro_batch * layout.sequences
     replicas = w // ep
     frozen = _frozen(model, layout)
     dense, experts = model.lora_dense, model.lora_experts // ep

@@ -9,6 +9,7 @@ from dataclasses import replace
 from moetune.api.models.job_create import JobCreate, resolve_spec
 from moetune.api.models.training import TrainingSpec
 from moetune.api.plans import ClusterSpec
+from moetune.api.preference import sequences_per_example
 from moetune.workers.planner.memory import (
     CUDA_CONTEXT_BYTES,
     USABLE_FRACTION,
@@ -33,13 +34,14 @@ def _micro_batch(training: TrainingSpec) -> int:
     return 1 if training.micro_batch_size == "auto" else training.micro_batch_size
 
 
-def _layouts(facts: ModelFacts, training: TrainingSpec, world: int):
+def _layouts(facts: ModelFacts, spec: JobCreate, world: int):
     """Layouts in the order a plan prefers them: smallest EP, then ZeRO stage, then no recomputation."""
     eps = [d for d in _divisors(world) if not facts.num_experts or facts.num_experts % d == 0]
     for ep in eps:
         for zero in (1, 2, 3):
-            for checkpointing in _checkpointing_options(training):
-                yield Layout(world, ep, zero, checkpointing, _micro_batch(training))
+            for checkpointing in _checkpointing_options(spec.training):
+                yield Layout(world, ep, zero, checkpointing, _micro_batch(spec.training),
+                             sequences_per_example(spec.method))
 
 
 def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> dict:
@@ -51,8 +53,8 @@ def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> dict:
             "fits": used <= usable and loading <= usable}
 
 
-def _first_fit(facts: ModelFacts, training: TrainingSpec, world: int, usable: float) -> dict | None:
-    return next((e for layout in _layouts(facts, training, world) if (e := _evaluate(facts, layout, usable))["fits"]),
+def _first_fit(facts: ModelFacts, spec: JobCreate, world: int, usable: float) -> dict | None:
+    return next((e for layout in _layouts(facts, spec, world) if (e := _evaluate(facts, layout, usable))["fits"]),
                 None)
 
 
@@ -74,18 +76,19 @@ def plan(config: dict, request: JobCreate, cluster: ClusterSpec, facts: ModelFac
     facts = facts or model_facts(config, spec)
     usable = USABLE_FRACTION * cluster.gpu_memory
     par = spec.parallelism
-    world = par.num_workers
+    world, sequences = par.num_workers, sequences_per_example(spec.method)
     for checkpointing in _checkpointing_options(spec.training):  # "auto": recomputation only if that is what fits
-        layout = Layout(world, par.expert_parallel_size, par.zero_stage, checkpointing, _micro_batch(spec.training))
+        layout = Layout(world, par.expert_parallel_size, par.zero_stage, checkpointing, _micro_batch(spec.training),
+                        sequences)
         if (submitted := _evaluate(facts, layout, usable))["fits"]:
             break
-    recommended = _first_fit(facts, spec.training, world, usable)
+    recommended = _first_fit(facts, spec, world, usable)
     if recommended is not None:
         best = Layout(world, recommended["expert_parallel_size"], recommended["zero_stage"],
-                      recommended["activation_checkpointing"], 1)
+                      recommended["activation_checkpointing"], 1, sequences)
         per_rank = spec.training.global_batch_size // world
         recommended["tuner_start_micro_batch"] = largest_fitting_micro_batch(facts, best, per_rank, usable)
-    fewest = next((fit for n in _gpu_counts(cluster) if (fit := _first_fit(facts, spec.training, n, usable))), None)
+    fewest = next((fit for n in _gpu_counts(cluster) if (fit := _first_fit(facts, spec, n, usable))), None)
     ep = (recommended or fewest or submitted)["expert_parallel_size"]
     per_rank_bytes = facts.load_bytes(ep)
     node_bytes = per_rank_bytes * min(cluster.gpus_per_node, world)
@@ -121,5 +124,6 @@ def needs_activation_checkpointing(config: dict, spec: JobCreate, device_memory_
         return spec.training.activation_checkpointing
     par = spec.parallelism
     facts = model_facts(config, spec)
-    layout = Layout(par.num_workers, par.expert_parallel_size, par.zero_stage, False, _micro_batch(spec.training))
+    layout = Layout(par.num_workers, par.expert_parallel_size, par.zero_stage, False, _micro_batch(spec.training),
+                    sequences_per_example(spec.method))
     return total(breakdown(facts, layout)) > USABLE_FRACTION * device_memory_bytes

@@ -30,8 +30,9 @@ def sequence_bytes(model, training: TrainingSpec) -> float:
     return facts.activation_bytes(ep, checkpointing) + facts.activations.loss + a2a
 
 
-def starting_micro_batch(model, training: TrainingSpec, per_rank: int, free_bytes: float) -> int:
-    """The largest divisor of the per-rank batch whose planned activations fit `free_bytes` (1 if none does)."""
-    per_sequence = sequence_bytes(model, training)
-    return max((m for m in range(1, per_rank + 1) if per_rank % m == 0 and m * per_sequence <= free_bytes),
+def starting_micro_batch(model, training: TrainingSpec, per_rank: int, free_bytes: float, sequences: int = 1) -> int:
+    """The largest divisor of the per-rank batch whose planned activations fit `free_bytes` (1 if none does), each
+    example running `sequences` sequences (DPO: 2)."""
+    per_example = sequence_bytes(model, training) * sequences
+    return max((m for m in range(1, per_rank + 1) if per_rank % m == 0 and m * per_example <= free_bytes),
                default=1)

@@ -14,6 +14,16 @@ def test_grows_one_divisor_at_a_time_to_the_largest_size_that_fits():
     assert reasons == ["grow", "grow", None, None] and tuner.size == 4  # 8 would need 80
 
 
+def test_a_dpo_pair_is_predicted_as_its_two_sequences():
+    """per_token is measured over all the micro-batch's tokens, chosen and rejected answers both: a size of m pairs
+    holds 2 m sequences."""
+    tuner = MicroBatchTuner(per_rank=8, seq_len=10, budget_bytes=45.0, sequences=2)  # predicted(m) = 20 m
+    assert tuner.predicted(2, fixed=0.0, per_token=1.0) == 40.0
+    while tuner.after_step(fixed=0.0, per_token=1.0):
+        pass
+    assert tuner.size == 2  # 4 pairs would need 80
+
+
 def test_shrinks_when_the_measure_no_longer_fits_and_counts_the_fixed_part():
     tuner = MicroBatchTuner(per_rank=8, seq_len=10, budget_bytes=45.0, size=4)
     assert tuner.after_step(fixed=0.0, per_token=1.5) == "shrink" and tuner.size == 2  # 60 > 45 >= 30

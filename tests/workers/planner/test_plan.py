@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.method import Method
 from moetune.api.plans import parse_cluster
 from moetune.api.quantization import quantization_of
 from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
@@ -110,6 +111,26 @@ def test_layout_search_takes_the_smallest_fitting_layout_and_the_tuner_start():
     tight = plan(config, _tiny_job(), parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={one * 0.98 / 0.9:.0f}"),
                  facts)
     assert tight["recommended"]["activation_checkpointing"] is True
+
+
+def test_a_dpo_pair_is_planned_as_its_two_sequences():
+    """DPO runs a pair's chosen and rejected answers in one micro-batch: a pair costs two sequences' activations and
+    logits, so where the tuner starts SFT at 2 examples it starts DPO at 1 pair, and "auto" checkpointing sees it."""
+    config = REGISTRY["kimi_linear"].tiny_config().to_dict()
+    facts = model_facts(config, _tiny_job())
+    assert breakdown(facts, Layout(4, 1, 1, False, 1, sequences=2)) == breakdown(facts, Layout(4, 1, 1, False, 2))
+    one = total(breakdown(facts, Layout(4, 1, 1, False, 1)))
+    four = total(breakdown(facts, Layout(4, 1, 1, False, 4)))
+    cluster = parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={(one + (four - one) / 2) / 0.9:.0f}")
+    dpo = _tiny_job().model_copy(update={"method": Method(type="dpo")})
+    per_sequence = model_facts(config, dpo).activation_bytes(1, False)  # measured on a pair, per sequence
+    assert per_sequence == pytest.approx(facts.activation_bytes(1, False), rel=0.05)
+    assert plan(config, _tiny_job(), cluster, facts)["recommended"]["tuner_start_micro_batch"] == 2
+    assert plan(config, dpo, cluster, facts)["recommended"]["tuner_start_micro_batch"] == 1
+    two = total(breakdown(facts, Layout(4, 1, 1, False, 2)))
+    assert not needs_activation_checkpointing(config, _tiny_job(micro_batch_size=1), two / 0.9 * 1.01)
+    assert needs_activation_checkpointing(config, dpo.model_copy(update={"training": _tiny_job(
+        micro_batch_size=1).training}), one / 0.9 * 1.01)
 
 
 def test_auto_checkpointing_is_needed_only_when_the_job_does_not_fit_without():
