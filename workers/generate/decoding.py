@@ -7,6 +7,7 @@ gather per prompt."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -123,11 +124,13 @@ def new_row(prompt_ids: list[int], params: SamplingParams, eos_token_id, device,
 
 
 def generate_batch(model, prompts: list[list[int]], params: SamplingParams, *, eos_token_id,
-                   lockstep: bool = False) -> list[list[int]]:
+                   lockstep: bool = False, ends: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
     """The generated tokens of each prompt (no stop token), on an already built model (a training worker's PEFT
     model, its active adapter). All prompts are prefilled in one forward; rows leave the batch as they finish.
     `lockstep=True` keeps every row in and runs exactly one prefill plus max_new_tokens - 1 decode steps, so that
-    ranks whose every forward runs collectives (expert parallelism, ZeRO-3) stay in step."""
+    ranks whose every forward runs collectives (expert parallelism, ZeRO-3) stay in step. `ends(tokens)`: a row
+    also finishes once it is true of its tokens (a session's stop strings on the decoded text; the tokens that
+    made it true are kept, for the caller to cut)."""
     device = next(model.parameters()).device
     seeded = params.seed is not None
     rows = [new_row(p, dataclasses.replace(params, seed=params.seed + i) if seeded else params, eos_token_id, device)
@@ -138,7 +141,7 @@ def generate_batch(model, prompts: list[list[int]], params: SamplingParams, *, e
     try:
         with torch.no_grad():
             for row, token in zip(rows, batch.prefill_all(rows) if rows else [], strict=True):
-                row.take(token)
+                _take(row, token, ends)
             for _ in range(params.max_new_tokens - 1):
                 if not lockstep:
                     batch.keep([i for i, r in enumerate(batch.rows) if r.finish_reason is None])
@@ -146,7 +149,12 @@ def generate_batch(model, prompts: list[list[int]], params: SamplingParams, *, e
                         break
                 for row, token in zip(batch.rows, batch.step(), strict=True):
                     if row.finish_reason is None:
-                        row.take(token)
+                        _take(row, token, ends)
     finally:
         model.train(was_training)
     return [r.tokens for r in rows]
+
+
+def _take(row: Row, token: int, ends: Callable[[list[int]], bool] | None) -> None:
+    if not row.take(token) and ends is not None and ends(row.tokens):
+        row.finish_reason = "stop"

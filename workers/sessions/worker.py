@@ -43,7 +43,7 @@ from moetune.workers.sessions.batch import padded, padded_tokens, token_logprobs
 from moetune.workers.sessions.control import SessionLink
 from moetune.workers.sessions.layout import state_uri, weights_uri
 from moetune.workers.sessions.losses import LOSSES
-from moetune.workers.sessions.stops import cut_at_stop
+from moetune.workers.sessions.stops import cut_at_stop, stop_reached
 
 log = logging.getLogger("moetune.session")
 IDLE_STATE = "idle"  # the state a group saves when it stops for idleness
@@ -173,11 +173,11 @@ class SessionWorker(_Worker):
         rows = share + [wanted[0]] * (math.ceil(len(wanted) / self.world) - len(share)) if self.lockstep else share
         seed = call.seed if call.seed is not None else step_rng_seed(self.run.seed, self.call_number, 0) % 2**31
         # generate_batch seeds row i with seed + i: every sequence of the call its own draw
-        tokens = generate_batch(self.engine.module, [p for _, p in rows],
-                                SamplingParams(call.max_tokens, temperature=call.temperature,
-                                               seed=seed + self.rank * len(rows),
-                                               stop_token_ids=self._stop_tokens(call.stop)),
-                                eos_token_id=self.tokenizer.eos_token_id, lockstep=self.lockstep) if rows else []
+        params = SamplingParams(call.max_tokens, temperature=call.temperature, seed=seed + self.rank * len(rows),
+                                stop_token_ids=self._stop_tokens(call.stop))
+        ends = (lambda t: stop_reached(t, self._decode, texts)) if texts else None  # a multi-token stop ends a row
+        tokens = generate_batch(self.engine.module, [p for _, p in rows], params, lockstep=self.lockstep,
+                                eos_token_id=self.tokenizer.eos_token_id, ends=ends) if rows else []
         cut = [cut_at_stop(t, self._decode, texts) for t in tokens]
         tokens = [t for t, _ in cut]
         logprobs = self._sampled_logprobs([p for _, p in rows], tokens) if rows else []
@@ -256,8 +256,8 @@ class SessionWorker(_Worker):
                 raise CallError(f"{param}[{i}]: token ids must be in [0, {vocab})", f"{param}[{i}]")
 
     def _stop_tokens(self, stop: list[str | int]) -> tuple[int, ...]:
-        """What the engine stops on: the token ids, and the strings that are one token (the others are cut out of
-        the decoded text afterwards, workers.sessions.stops)."""
+        """What the engine stops on: the token ids, and the strings that are one token (the others end a row once its
+        decoded text holds them, and are cut out of it, workers.sessions.stops)."""
         ids = [[s] if isinstance(s, int) else self.tokenizer(s, add_special_tokens=False)["input_ids"] for s in stop]
         return tuple(i[0] for i in ids if len(i) == 1)
 

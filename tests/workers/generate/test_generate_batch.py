@@ -1,6 +1,7 @@
 """`generate_batch` on an already built model (what a training worker evaluates with): each row equals that
 prompt's transformers `generate` alone, though all prompts are prefilled in one left-padded forward; lockstep runs
-the same number of forwards whatever the rows do: one prefill, one step per further token."""
+the same number of forwards whatever the rows do: one prefill, one step per further token. A row ends early on a stop
+token, or once the caller's `ends` holds for its tokens (a session's multi-token stop strings)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def test_rows_equal_generate_and_lockstep_keeps_the_forward_count(family_name, c
     forwards.clear()
     assert generate_batch(model, prompts, params, eos_token_id=258, lockstep=True) == stopped
     assert len(forwards) == 1 + 8 - 1  # lockstep: every forward runs, whatever the rows did
+
+    forwards.clear()  # `ends` (a session's multi-token stop strings) ends a row on what it generated so far
+    runs = {tuple(w[2:4]) for w in want}  # every row holds one of these two-token runs by its fourth token
+
+    def ends(tokens):
+        return any(tuple(tokens[i : i + 2]) in runs for i in range(len(tokens) - 1))
+
+    ended = [w[: next(n for n in range(2, 9) if ends(w[:n]))] for w in want]
+    assert generate_batch(model, prompts, SamplingParams(8, temperature=0.0), eos_token_id=258, ends=ends) == ended
+    assert len(forwards) <= 1 + 3

@@ -6,7 +6,7 @@ after the kept prefix (the straddling one)."""
 
 import pytest
 
-from moetune.workers.sessions.stops import cut_at_stop
+from moetune.workers.sessions.stops import cut_at_stop, stop_reached
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +28,17 @@ def test_the_completion_ends_before_the_first_stop_string(tokenizer):
     assert text == "ada likes red." and decode(kept) == text and kept == tokens[: len(kept)]
     assert cut_at_stop(tokens, decode, ["nowhere"]) == (tokens, "ada likes red. END bob END")
     assert cut_at_stop(tokens, decode, ["ada"]) == ([], "")
+
+
+def test_a_row_ends_at_the_token_that_completes_a_stop(tokenizer):
+    """Decoding stops as soon as a row's text holds a stop string; the cut of that shorter row is the cut of the row
+    decoded on to its end."""
+    decode, stops = tokenizer.decode, ["bob", " END"]
+    tokens = _tokens(tokenizer, "ada likes red. END bob END")
+    ends_at = next(n for n in range(len(tokens) + 1) if stop_reached(tokens[:n], decode, stops))
+    assert decode(tokens[:ends_at]) == "ada likes red. END"
+    assert cut_at_stop(tokens[:ends_at], decode, stops) == cut_at_stop(tokens, decode, stops)
+    assert not stop_reached(tokens, decode, ["nowhere"])
 
 
 def test_a_token_straddling_the_stop_is_dropped_with_it():
