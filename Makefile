@@ -27,8 +27,10 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/moetune demo
 
 # Three workers: the suite waits on Ray jobs and child processes more than half its time (tests/conftest.py).
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): hundreds of processes
+# (Ray workers, children) import the same moetune modules, and each would compile them again (~0.5 s apiece).
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -n 3 --dist loadgroup --no-loadscope-reorder
+	PYTHONDONTWRITEBYTECODE= HF_HUB_OFFLINE=1 $(BIN)/pytest -n 3 --dist loadgroup --no-loadscope-reorder
 
 server: $(STAMP)
 	$(BIN)/moetune server
