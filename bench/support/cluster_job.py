@@ -18,7 +18,7 @@ import boto3
 import httpx
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from bench.support.netns_cluster import DETECTION_BOUND_S, NetnsCluster, cluster_network
+from bench.support.netns_cluster import DETECTION_BOUND_S, NetnsCluster, NodeExited, cluster_network
 from bench.support.receiver import ReportReceiver
 from moetune.api.client import Client
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC
@@ -202,9 +202,7 @@ def control_plane(stack: ClusterStack, work: str):
     settings = Settings(database_url=f"sqlite:///{work}/control-plane.db", api_tokens=f"{_TENANT_TOKEN}:cluster",
                         scheduler_enabled=True, scheduler_interval_s=0.5, ray_address=cluster.dashboard_url,
                         callback_url=f"http://{cluster.host_address}:{port}", s3_endpoint_url=stack.s3_url,
-                        default_output_uri=f"{stack.assets}/out",
-                        # a node that just joined may be missing from Ray's resource report: wait, do not fail
-                        fail_unschedulable=False)
+                        default_output_uri=f"{stack.assets}/out")
     with control_plane_in_thread(create_app(settings), port, host=cluster.host_address) as url:
         yield url, Client(url, _TENANT_TOKEN, timeout=30)
 
@@ -232,7 +230,7 @@ def through_head_loss(stack: ClusterStack, work: str) -> dict:
             cluster.wait_alive({node.address for node in cluster.workers}, 60 if cluster.gcs_redis else 5)
             workers_kept = all(node.proc.poll() is None and node.proc.pid == raylets[node.name]
                                for node in cluster.workers)
-        except TimeoutError:
+        except (TimeoutError, NodeExited):
             workers_kept = False
         if not workers_kept:
             for node in cluster.workers:

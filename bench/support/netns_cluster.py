@@ -17,7 +17,7 @@ import tempfile
 import time
 import uuid
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -28,6 +28,10 @@ NIC = "eth0"  # the node's interface, as on a real node
 # timeout, 5 misses, take over a minute).
 HEALTH_CHECK_MS, HEALTH_CHECK_MISSES = 500, 4
 DETECTION_BOUND_S = 15.0  # what the tests hold detection to: measured 8.2 s for a cut link on 2 busy cores
+
+
+class NodeExited(RuntimeError):
+    """A node's `ray start --block` ended."""
 
 
 def _ip(*args: str) -> None:
@@ -57,6 +61,10 @@ class Node:
     num_cpus: int
     proc: subprocess.Popen | None = None
 
+    @property
+    def start_log(self) -> str:  # its `ray start`'s output
+        return os.path.join(self.temp_dir, "ray-start.log")
+
 
 @dataclass
 class NetnsCluster:
@@ -67,7 +75,6 @@ class NetnsCluster:
     workers: list[Node]
     env: dict[str, str]  # every node's processes get it (the S3 endpoint, say)
     root: str
-    log_paths: list[str] = field(default_factory=list)
     # Ray's GCS fault tolerance: the head keeps the cluster's state in this Redis (host:port), so a restarted head
     # finds its nodes, actors and jobs again; None: a restarted head starts a new cluster
     gcs_redis: str | None = None
@@ -88,14 +95,25 @@ class NetnsCluster:
         return next(n for n in self.nodes if n.name == name)
 
     def start(self, env: dict[str, str]) -> None:
-        """Every node, the head first; `env` reaches every node's processes (the S3 endpoint, say)."""
+        """Every node, the head first, then the worker nodes all at once; `env` reaches every node's processes
+        (the S3 endpoint, say)."""
         self.env = dict(env)
-        for node in self.nodes:
-            self.start_node(node)
+        self.start_node(self.head)
+        for node in self.workers:
+            self._spawn(node)
+        self.wait_alive({node.address for node in self.workers}, 90)
 
     def start_node(self, node: Node) -> None:
         """`ray start --block` inside the node's namespace, with its hostname; returns once the node is alive
         in the cluster (for the head: its Jobs API answers)."""
+        self._spawn(node)
+        if node is self.head:
+            _wait_http(f"{self.dashboard_url}/api/version", 90, node)
+        else:
+            self.wait_alive({node.address}, 90)
+
+    def _spawn(self, node: Node) -> None:
+        """Starts the node's `ray start --block`, its output into node.start_log."""
         head = node is self.head
         args = [_ray_bin(), "start", "--block", f"--node-ip-address={node.address}", f"--num-cpus={node.num_cpus}",
                 f"--temp-dir={node.temp_dir}", "--disable-usage-stats"]
@@ -104,8 +122,6 @@ class NetnsCluster:
                      f"--dashboard-port={DASHBOARD_PORT}"]
         else:
             args += [f"--address={self.gcs_address}"]
-        log_path = os.path.join(node.temp_dir, "ray-start.log")
-        self.log_paths.append(log_path)
         env = {**os.environ, **self.env, "TMPDIR": node.temp_dir,
                "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}",
                # a test cluster on private addresses: no token to hand every node and client
@@ -115,15 +131,11 @@ class NetnsCluster:
                "RAY_health_check_failure_threshold": str(HEALTH_CHECK_MISSES)}
         if head and self.gcs_redis:
             env["RAY_REDIS_ADDRESS"] = self.gcs_redis
-        with open(log_path, "ab") as log:
+        with open(node.start_log, "ab") as log:
             node.proc = subprocess.Popen(
                 ["ip", "netns", "exec", node.netns, "unshare", "--uts", "sh", "-c",
                  f'hostname {node.name} && exec "$@"', "sh", *args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        if head:
-            _wait_http(f"{self.dashboard_url}/api/version", 90, node, log_path)
-        else:
-            self.wait_alive({node.address}, 90)
 
     def alive_addresses(self) -> set[str]:
         """Addresses of the nodes the head counts alive (an empty set while the head is down)."""
@@ -136,8 +148,12 @@ class NetnsCluster:
     def wait_alive(self, addresses: set[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not addresses <= self.alive_addresses():
+            for node in self.nodes:
+                if node.address in addresses:
+                    _check_running(node)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nodes {sorted(addresses)} not alive after {timeout:.0f}s; logs: {self.log_paths}")
+                raise TimeoutError(f"nodes {sorted(addresses)} not alive after {timeout:.0f}s; logs: "
+                                   f"{[node.start_log for node in self.nodes]}")
             time.sleep(0.3)
 
     def wait_dead(self, address: str, timeout: float) -> float:
@@ -154,15 +170,16 @@ class NetnsCluster:
         until none is left: a process forked while the first ones were killed would outlive the node."""
         killed = 0
         for _ in range(20):
-            pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True,
-                                                   text=True).stdout.split()]
-            if not pids:
+            if not (pids := _pids(node)):
                 break
             for pid in pids:
                 with suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             killed += len(pids)
             time.sleep(0.1)
+        else:
+            if left := _pids(node):  # a node restarted over them would find its ports taken
+                raise RuntimeError(f"{node.name}: processes {left} outlived 20 rounds of SIGKILL")
         if node.proc is not None:
             with suppress(ProcessLookupError):
                 node.proc.wait(10)
@@ -206,22 +223,34 @@ class NetnsCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _pids(node: Node) -> list[int]:
+    """The processes in the node's namespace (zombies hold nothing there and are not listed)."""
+    listed = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout
+    return [int(pid) for pid in listed.split()]
+
+
 def _ray_bin() -> str:
     return shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
 
 
-def _wait_http(url: str, timeout: float, node: Node, log_path: str) -> None:
+def _check_running(node: Node) -> None:
+    """Raises if the node's `ray start` exited, with its log's end (the cluster's temp dir goes with it)."""
+    if node.proc is not None and node.proc.poll() is not None:
+        with open(node.start_log, errors="replace") as log:
+            tail = "".join(log.readlines()[-15:])
+        raise NodeExited(f"ray start on {node.name} exited with {node.proc.returncode}; {node.start_log} ends:\n"
+                         f"{tail}")
+
+
+def _wait_http(url: str, timeout: float, node: Node) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if node.proc.poll() is not None:  # the log's end says why (the cluster's temp dir goes with it)
-            with open(log_path, errors="replace") as log:
-                tail = "".join(log.readlines()[-15:])
-            raise RuntimeError(f"ray start on {node.name} exited with {node.proc.returncode}; {log_path} ends:\n{tail}")
+        _check_running(node)
         with suppress(httpx.HTTPError):
             if httpx.get(url, timeout=2).status_code < 500:
                 return
         time.sleep(0.3)
-    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s; see {log_path}")
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s; see {node.start_log}")
 
 
 def _subnet(tag: str) -> str:
@@ -233,11 +262,6 @@ def _subnet(tag: str) -> str:
 def _add_namespace(tag: str, index: int, name: str, bridge: str, subnet: str) -> tuple[str, str, str]:
     netns, host_veth, address = f"mt{tag}-{name}", f"mt{tag}{index}h", f"{subnet}.{10 + index}"
     _ip("netns", "add", netns)
-    # `ip netns exec` mounts /etc/netns/<netns>/hosts over /etc/hosts: the node's hostname resolves to its address,
-    # as a pod's does (Gloo binds to what the hostname resolves to, else falls back to loopback)
-    os.makedirs(f"/etc/netns/{netns}", exist_ok=True)
-    with open(f"/etc/netns/{netns}/hosts", "w") as hosts:
-        hosts.write(f"127.0.0.1 localhost\n{address} {name}\n")
     _ip("link", "add", host_veth, "type", "veth", "peer", "name", f"mt{tag}{index}n")
     _ip("link", "set", f"mt{tag}{index}n", "netns", netns)
     _ip("link", "set", host_veth, "master", bridge, "up")
@@ -248,6 +272,21 @@ def _add_namespace(tag: str, index: int, name: str, bridge: str, subnet: str) ->
     # Ray finds a node's own address by the route to a public one: through the bridge, never to loopback
     _ip("-n", netns, "route", "add", "default", "via", f"{subnet}.1")
     return netns, host_veth, address
+
+
+def _name_service(cluster: NetnsCluster) -> None:
+    """What a pod's DNS gives it, as files: `ip netns exec` mounts /etc/netns/<netns>/{hosts,resolv.conf} over
+    /etc's. Every node's hostname resolves to its address (Gloo binds to what its own resolves to, else falls back
+    to loopback), and each address back to its name: c10d's TCPStore looks up every peer's name as it connects.
+    No name server: a lookup of anything else fails at once, where the machine's, unreachable from the
+    namespaces, took 10 s per lookup (each worker group's rendezvous waited that long)."""
+    names = "".join(f"{node.address} {node.name}\n" for node in cluster.nodes)
+    for node in cluster.nodes:
+        os.makedirs(f"/etc/netns/{node.netns}", exist_ok=True)
+        with open(f"/etc/netns/{node.netns}/hosts", "w") as hosts:
+            hosts.write(f"127.0.0.1 localhost\n{names}")
+        with open(f"/etc/netns/{node.netns}/resolv.conf", "w") as resolv:
+            resolv.write("# no name server: the cluster's names are in hosts\n")
 
 
 def create_network(worker_nodes: int, worker_cpus: int) -> NetnsCluster:
@@ -271,6 +310,7 @@ def create_network(worker_nodes: int, worker_cpus: int) -> NetnsCluster:
                 cluster.head = node
             else:
                 cluster.workers.append(node)
+        _name_service(cluster)
     except BaseException:
         cluster.stop()
         raise
