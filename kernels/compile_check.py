@@ -71,7 +71,11 @@ def launch_source(launch: Launch):
     kernel, options = launch.kernel, {"num_warps": 4, "num_stages": 3}
     values = dict(zip(kernel.arg_names, launch.args))
     for key, value in launch.kwargs.items():
-        (options if key in ("num_warps", "num_stages", "num_ctas", "maxnreg") else values)[key] = value
+        is_option = key in ("num_warps", "num_stages", "num_ctas", "maxnreg")
+        if is_option:
+            options[key] = value
+        if not is_option or key in kernel.arg_names:  # an option a kernel also takes (fla's num_stages) gets both
+            values[key] = value
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
         value = values[param.name] if param.name in values else param.default

@@ -37,13 +37,17 @@ def fla_path(tmp_path_factory) -> Path:
     return folder
 
 
-def _in_fla_child(fla_path: Path, ops: list[str]) -> dict:
-    """tests.support.kda_cases.fla_launch_failures of each op, in a child where fla is importable."""
+def _in_fla_child(fla_path: Path, ops: list[str], interpreted: bool = False) -> dict:
+    """tests.support.kda_cases.fla_launch_failures of each op, in a child where fla is importable; `interpreted`:
+    kda_cases.fla_decode_errors instead, under the Triton interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces kernels
     env["PYTHONPATH"] = os.pathsep.join([str(fla_path), str(REPO)])
     env.pop("MOETUNE_KDA_KERNEL", None)  # the default: fla, where it is importable
-    code = ("import json, sys\nfrom tests.support.kda_cases import fla_launch_failures\n"
-            "print(json.dumps({op: fla_launch_failures(op) for op in sys.argv[1:]}))")
+    if interpreted:
+        env["TRITON_INTERPRET"] = "1"
+    call = "fla_decode_errors()" if interpreted else "{op: fla_launch_failures(op) for op in sys.argv[1:]}"
+    code = (f"import json, sys\nfrom tests.support.kda_cases import fla_decode_errors, fla_launch_failures\n"
+            f"print(json.dumps({call}))")
     done = subprocess.run([sys.executable, "-c", code, *ops], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -54,11 +58,22 @@ def test_fla_launches_build_for_sm90_on_the_models_dtypes(fla_path):
     """kimi_linear's and glm5_next's KDA (the latter on fla's bounded-gate path) and qwen3_next / qwen3_5_moe's
     Gated DeltaNet: every launch builds. q and k normalised in fp32 before fla, against bf16 v, failed in
     recompute_w_u_fwd_kda_kernel, chunk_kda_bwd_kernel_dAv and chunk_kda_bwd_kernel_wy_dqkg_fused."""
-    results = _in_fla_child(fla_path, ["kda", "kda_bounded", "gated_delta"])
-    assert {op: r["failures"] for op, r in results.items()} == {"kda": {}, "kda_bounded": {}, "gated_delta": {}}
+    results = _in_fla_child(fla_path, ["kda", "kda_bounded", "gated_delta", "kda_decode"])
+    assert {op: r["failures"] for op, r in results.items()} == {"kda": {}, "kda_bounded": {}, "gated_delta": {},
+                                                                "kda_decode": {}}
+    assert results["kda_decode"]["kernels"] == ["fused_recurrent_kda_fwd_kernel"]  # K3's decode step: one launch
     # fla's own kernels ran, its normalisation included, and the bound chose its sub-chunk path
     assert {"recompute_w_u_fwd_kda_kernel", "chunk_kda_bwd_kernel_dAv", "l2norm_fwd_kernel"} <= set(
         results["kda"]["kernels"])
     assert "chunk_kda_fwd_kernel_intra_sub_chunk" in set(results["kda_bounded"]["kernels"]) - set(
         results["kda"]["kernels"])
     assert {"recompute_w_u_fwd_kernel", "chunk_local_cumsum_scalar_kernel"} <= set(results["gated_delta"]["kernels"])
+
+
+def test_fla_decode_step_equals_the_cpu_step(fla_path):
+    """Kimi K3's decode step on CUDA is fla's fused_recurrent_kda (kernels.kda.recurrent_kda): run by the Triton
+    interpreter on CPU tensors, it gives the CPU step's outputs and final states on the same rows (one token a row,
+    and three), so moetune hands it the layout it reads (q, k, g [B, T, H, K], β [B, T, H], states [B, H, K, V])."""
+    errors = _in_fla_child(fla_path, [], interpreted=True)
+    assert errors.keys() == {"3x1", "2x3"}
+    assert all(o < 1e-5 and final < 1e-5 for o, final in errors.values()), errors

@@ -49,24 +49,30 @@ def as_fp32(inputs):
 def fla_launch_failures(op: str) -> dict:
     """Run only in a child process where fla is importable (never in the suite's own: transformers would dispatch
     to it). The Triton launches fla makes for moetune's CUDA kernel of `op` ("kda", "kda_bounded": with glm5_next's
-    gate lower bound, "gated_delta": two value heads per query/key head) on the dtypes the models hand it (bf16 q, k,
-    v and β, fp32 gates; q and k unnormalised), forward and backward, captured on CPU tensors and each lowered to
+    gate lower bound, "gated_delta": two value heads per query/key head; forward and backward; "kda_decode": Kimi
+    K3's generation step, three rows of one token on their fp32 states, with its fp32 β) on the dtypes the models
+    hand it (bf16 q, k, v and β, fp32 gates; q and k unnormalised), captured on CPU tensors and each lowered to
     Triton IR for sm_90, where operand dtype errors arise. {"kernels": launched, "failures": {kernel: error}}."""
     from moetune.kernels.compile_check import captured_launches, launch_source
-    from moetune.kernels.kda import gated_delta_kernel, kda_kernel
+    from moetune.kernels.kda import gated_delta_kernel, kda_kernel, recurrent_kda_kernel
 
-    t, heads, dim, bf16 = 128, 2, 64, torch.bfloat16
+    decode = op == "kda_decode"
+    (rows, t), heads, dim, bf16 = (3, 1) if decode else (1, 128), 2, 64, torch.bfloat16
     value_heads = 2 * heads if op == "gated_delta" else heads
-    gate_shape = (1, t, value_heads) if op == "gated_delta" else (1, t, heads, dim)
-    q, k = (torch.zeros(1, t, heads, dim, dtype=bf16, requires_grad=True) for _ in range(2))
-    v = torch.zeros(1, t, value_heads, dim, dtype=bf16, requires_grad=True)
+    gate_shape = (rows, t, value_heads) if op == "gated_delta" else (rows, t, heads, dim)
+    q, k = (torch.zeros(rows, t, heads, dim, dtype=bf16, requires_grad=True) for _ in range(2))
+    v = torch.zeros(rows, t, value_heads, dim, dtype=bf16, requires_grad=True)
     g = torch.zeros(gate_shape, requires_grad=True)
-    beta = torch.zeros(1, t, value_heads, dtype=bf16, requires_grad=True)
+    beta = torch.zeros(rows, t, value_heads, dtype=torch.float32 if decode else bf16, requires_grad=True)
     bound = {"lower_bound": -5.0} if op == "kda_bounded" else {}
-    kernel = gated_delta_kernel("cuda") if op == "gated_delta" else kda_kernel("cuda")
     with captured_launches() as launches:
-        o, _ = kernel(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **bound)
-        torch.autograd.grad(o, (q, k, v, g, beta), torch.zeros_like(o))
+        if decode:
+            recurrent_kda_kernel("cuda")(q, k, v, g, beta, initial_state=torch.zeros(rows, heads, dim, dim),
+                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+        else:
+            kernel = gated_delta_kernel("cuda") if op == "gated_delta" else kda_kernel("cuda")
+            o, _ = kernel(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **bound)
+            torch.autograd.grad(o, (q, k, v, g, beta), torch.zeros_like(o))
     failures, built = {}, set()
     for launch in launches:  # every autotune config, many alike: each distinct specialisation once
         source, options = launch_source(launch)
@@ -77,6 +83,24 @@ def fla_launch_failures(op: str) -> dict:
         if error:
             failures[launch.kernel.__name__] = error
     return {"kernels": sorted({launch.kernel.__name__ for launch in launches}), "failures": failures}
+
+
+def fla_decode_errors() -> dict:
+    """Run only in a child process where fla is importable, under TRITON_INTERPRET=1 (fla's kernels then run on CPU
+    tensors). moetune's CUDA decode step (kernels.kda.recurrent_kda_kernel("cuda"): fla's fused_recurrent_kda)
+    against its CPU one on the same rows: the largest absolute difference of the outputs and of the final states,
+    for one token a row and for a few."""
+    from moetune.kernels.kda import recurrent_kda_kernel
+
+    errors = {}
+    for rows, t in ((3, 1), (2, 3)):
+        x = {name: value.detach() for name, value in make_inputs(rows, t, 2, 16, 32, gate_scale=4.0).items()}
+        args = (3 * x["q"], 2 * x["k"], x["v"], x["g"], x["beta"])  # q and k unnormalised: the step normalises them
+        (o, final), (want_o, want_final) = (
+            recurrent_kda_kernel(device)(*args, initial_state=x["h0"], output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True) for device in ("cuda", "cpu"))
+        errors[f"{rows}x{t}"] = [(o - want_o).abs().max().item(), (final - want_final).abs().max().item()]
+    return errors
 
 
 def _sm90_ir_error(source, options) -> str | None:
