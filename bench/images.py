@@ -15,7 +15,7 @@ busy 2-core machine (load 4-5: runs there differ by 1.7x, see the load averages 
 and sparse-attention swaps (2.3x). The first losses must agree: same model, LoRA draw and rows.
 Last line: `RESULT image_step_speedup=<moetune tok/s over baseline> image_tokens_per_s=<moetune's>`.
 
-    python bench/images.py [--family qwen3_5_moe|glm5_next] [--steps 6] [--micro 32]
+    python bench/images.py [--family qwen3_5_moe|glm5_next] [--steps 6] [--micro 32] [--profile 25]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from bench.support.image_batches import image_method, image_model
+from bench.support.op_profile import print_top_ops
 from bench.support.harness import launch, spec
 
 
@@ -74,8 +75,11 @@ def _loss(engine, method, batch, moetune: bool):
 
 def _measure(rank: int, world: int, model_dir: str, moetune: bool, args, method, batches) -> dict:
     engine = _engine(model_dir, world, moetune, args, method)
+    profiler = torch.profiler.profile() if args.profile and moetune and rank == 0 else None
     wall, losses = 0.0, []
     for step, batch in enumerate(batches):
+        if step == args.warmup and profiler is not None:
+            profiler.start()
         dist.barrier()
         start = time.perf_counter()
         loss = _loss(engine, method, batch, moetune)
@@ -84,6 +88,9 @@ def _measure(rank: int, world: int, model_dir: str, moetune: bool, args, method,
         losses.append(loss.item())
         if step >= args.warmup:
             wall += time.perf_counter() - start
+    if profiler is not None:
+        profiler.stop()
+        print_top_ops(profiler, args.profile, args.steps, "rank 0 moetune")
     tokens = sum(b.tokens for b in batches[args.warmup:])
     return {"step_s": wall / args.steps, "tokens": tokens / args.steps, "first_loss": losses[0]}
 
@@ -108,6 +115,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro", type=int, default=32, help="image rows per worker and step")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile the timed moetune steps on rank 0 and print the top N ops (inflates its times)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     world = 2

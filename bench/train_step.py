@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from bench.step_args import step_arguments
+from bench.support.op_profile import print_top_ops
 from bench.support.tiny_models import batch, plain_model
 from bench.support.harness import launch, spec
 
@@ -149,17 +150,8 @@ def _measure(rank: int, world: int, moetune: bool, args) -> dict:
     parts = {p: timer.totals[p] / args.steps * 1e3 for p in PARTS if p != "other"}
     parts["other"] = wall / args.steps * 1e3 - sum(v for p, v in parts.items() if p != "all_to_all")
     if profiler is not None:
-        _print_profile(profiler, args)
+        print_top_ops(profiler, args.profile, args.steps, "rank 0 moetune")
     return {"step_ms": wall / args.steps * 1e3, **parts}
-
-
-def _print_profile(profiler, args) -> None:
-    """The ops with the most self CPU time over the timed steps, per step."""
-    ops = sorted(profiler.key_averages(), key=lambda op: op.self_cpu_time_total, reverse=True)[:args.profile]
-    print(f"rank 0 moetune, per step: {'self ms':>8s} {'calls':>7s}  op", flush=True)
-    for op in ops:
-        print(f"{'':25s} {op.self_cpu_time_total / 1e3 / args.steps:8.2f} {op.count / args.steps:7.0f}  {op.key}",
-              flush=True)
 
 
 def _worker(rank: int, world: int, args, out_file: str) -> None:
