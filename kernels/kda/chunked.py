@@ -39,15 +39,13 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     beta = chunks(beta.unsqueeze(-1))
     gamma = g.cumsum(-2)
     strict = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril(-1)
-    kk, qk = _decayed_products(torch.stack([k, q]), k, gamma)
+    kk, qk = _decayed_products(k, q, gamma)
     kk = kk.masked_fill(~strict, 0.0)
     # (I + Diag(β) KKᵀ_decayed) [W U] = Diag(β) [K ⊙ e^Γ, V]
-    eye = torch.eye(chunk_size, device=q.device)
     decay_in = gamma.exp()  # from the chunk start, <= 1
     rhs = beta * torch.cat([k * decay_in, v], dim=-1)
     # the inverse then one matmul: cheaper on a CPU than a triangular solve against the (K + V)-wide right side
-    inverse = torch.linalg.solve_triangular(eye + beta * kk, eye.expand_as(kk), upper=False, unitriangular=True)
-    wu = inverse @ rhs
+    wu = _UnitLowerInverse.apply(beta * kk) @ rhs
     w, u = wu.split([dk, dv], dim=-1)
     q_decayed = q * decay_in
     last = gamma[..., -1:, :]
@@ -136,14 +134,35 @@ def _packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     return o[valid].unsqueeze(0), final
 
 
-def _decayed_products(xs, y, gamma):
-    """P[r, i] = Σ_d x_r[d] y_i[d] e^{Γ_r[d] − Γ_i[d]} for i <= r, else 0 (see _DecayedProducts); with one gate
-    channel the decays leave the sum: (X Yᵀ) ⊙ e^{Γ_r − Γ_i}, every exponent <= 0 where it is kept."""
+def _decayed_products(k, q, gamma):
+    """P[r, i] = Σ_d x_r[d] k_i[d] e^{Γ_r[d] − Γ_i[d]} for i <= r, else 0, for x = k and x = q (see
+    _DecayedProducts); with one gate channel the decays leave the sum: (X Kᵀ) ⊙ e^{Γ_r − Γ_i}, every exponent <= 0
+    where it is kept, both products one matmul of [K; Q] (2C rows) against Kᵀ."""
     if gamma.shape[-1] > 1:
-        return _DecayedProducts.apply(xs, y, gamma)
-    causal = torch.ones(gamma.shape[-2], gamma.shape[-2], dtype=torch.bool, device=gamma.device).tril()
+        return _DecayedProducts.apply(torch.stack([k, q]), k, gamma)
+    size = gamma.shape[-2]
+    causal = torch.ones(size, size, dtype=torch.bool, device=gamma.device).tril()
     exponents = (gamma - gamma.transpose(-1, -2)).masked_fill(~causal, float("-inf"))
-    return (xs @ y.transpose(-1, -2)) * exponents.exp()
+    products = torch.cat([k, q], dim=-2) @ k.transpose(-1, -2)
+    return (products.unflatten(-2, (2, size)) * exponents.exp().unsqueeze(-3)).unbind(-3)
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    """(I + A)⁻¹ for A (..., C, C) strictly lower triangular. The backward reuses the inverse X: dA = −Xᵀ dX Xᵀ
+    below the diagonal, two batched matmuls where autograd through solve_triangular solves again."""
+
+    @staticmethod
+    def forward(ctx, a):
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        inverse = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
+        ctx.save_for_backward(inverse)
+        return inverse
+
+    @staticmethod
+    def backward(ctx, d_inverse):
+        (inverse,) = ctx.saved_tensors
+        inverse_t = inverse.transpose(-1, -2)
+        return (inverse_t @ d_inverse @ inverse_t).tril_(-1).neg_()
 
 
 class _DecayedProducts(torch.autograd.Function):
