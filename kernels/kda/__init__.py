@@ -155,11 +155,13 @@ def _on_kda(kda, gate_per_channel: bool):
 
     def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        if use_qk_l2norm_in_kernel:  # before the repeat: each query/key head normalised once (as _normalising)
+            q, k = l2norm(q), l2norm(k)
         group = v.shape[2] // q.shape[2]
         q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))
         g = g.unsqueeze(-1).expand(*g.shape, q.shape[-1] if gate_per_channel else 1)
         return kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+                   cu_seqlens=cu_seqlens)
 
     return run
 
