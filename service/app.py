@@ -24,6 +24,7 @@ from moetune.service.sessions.metrics import SessionsCollector
 from moetune.service.sessions.waiting import Changes
 from moetune.service.settings import Settings
 from moetune.service.store import Store
+from moetune.service.submission.storage_facts import StorageFacts
 from moetune.service.webhooks.delivery import DeliveryLoop
 
 
@@ -76,6 +77,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.session_changes = Changes()  # wakes the training sessions' long polls
     app.state.tenant_resolver = TenantResolver(settings.tenants_by_token)
     app.state.base_models = BaseModels(settings.base_models)
+    app.state.storage_facts = StorageFacts()  # what submission learned from storage, for a few seconds
     install_error_handlers(app)
     app.add_middleware(RequestLatencyMiddleware, histogram=metrics.request_latency)
     app.add_middleware(_TrailingSlashIgnored)

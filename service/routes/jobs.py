@@ -76,8 +76,9 @@ def _page(rows: list, has_more: bool, view) -> ListPage:
 @router.post("", response_model=Job)
 def create_job(request: Request, body: JobCreate, tenant: Tenant, store: StoreDep, job_view: JobView,
                idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> Job:
-    return job_view(submission.create_job(store, request.app.state.settings, tenant, body,
-                                           request.app.state.base_models, idempotency_key))
+    state = request.app.state
+    return job_view(submission.create_job(store, state.settings, tenant, body, state.base_models, idempotency_key,
+                                          state.storage_facts))
 
 
 @router.get("", response_model=ListPage[Job])
@@ -183,7 +184,7 @@ def create_plan(request: Request, body: PlanRequest, tenant: Tenant, store: Stor
     check_job_uris(job, tenant, settings)
     try:
         spec = resolve_spec(job)
-        config = read_model_config(spec.model, settings.s3_endpoint_url)
+        config = read_model_config(spec.model, settings.s3_endpoint_url, request.app.state.storage_facts)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
     if config is None:

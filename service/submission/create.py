@@ -22,6 +22,7 @@ from moetune.service.submission.inputs import resolve_inputs
 from moetune.service.submission.job_storage import check_output_writable, model_files, read_model_config
 from moetune.service.submission.limits import check_epochs, schedule_warnings
 from moetune.service.submission.planning import check_fits
+from moetune.service.submission.storage_facts import StorageFacts
 from moetune.service.submission.uri_policy import check_job_uris, tenant_access
 
 MAX_SEED = 2**31 - 1
@@ -45,27 +46,30 @@ def _replay(existing: JobRow, digest: str) -> JobRow:
 
 
 def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate, base_models: BaseModels,
-               idempotency_key: str | None = None) -> JobRow:
-    """The new job, or the one an earlier identical request with the same Idempotency-Key created."""
+               idempotency_key: str | None = None, facts: StorageFacts | None = None) -> JobRow:
+    """The new job, or the one an earlier identical request with the same Idempotency-Key created. `facts`: what
+    storage confirmed for recent creates (the model's config and files, the output location) is not asked again."""
     digest = request_hash(request)
     if idempotency_key is not None and (existing := store.find_by_idempotency_key(tenant, idempotency_key)):
         return _replay(existing, digest)
     request = resolve_inputs(request, store, tenant, base_models)
     check_job_uris(request, tenant, settings)
     job_id = new_job_id()
-    output_uri = f"{(request.output_uri or settings.default_output_uri).rstrip('/')}/{job_id}"
+    location = (request.output_uri or settings.default_output_uri).rstrip("/")
+    output_uri = f"{location}/{job_id}"
     try:
         spec = resolve_spec(request)
         # Rules that need storage (the model's files, the output location); what storage cannot answer now, the
         # driver checks before any worker starts.
-        if (config := read_model_config(spec.model, settings.s3_endpoint_url)) is not None:
+        if (config := read_model_config(spec.model, settings.s3_endpoint_url, facts)) is not None:
             check_model_spec(config, spec.lora, spec.parallelism)
             check_fits(config, spec, settings)
-            if (names := model_files(spec.model, settings.s3_endpoint_url)) is not None:
+            if (names := model_files(spec.model, settings.s3_endpoint_url, facts)) is not None:
                 check_tokenizer_files(names, spec.model)
-        rows = check_data_images(spec, config, tenant_access(tenant, settings), settings)
+        rows = check_data_images(spec, config, tenant_access(tenant, settings), settings, facts)
         check_epochs(spec.training, rows.get("training_file"), settings.max_epochs)
-        check_output_writable(output_uri, settings.s3_endpoint_url, default=request.output_uri is None)
+        check_output_writable(location, job_id, settings.s3_endpoint_url, default=request.output_uri is None,
+                              facts=facts)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
     check_submission(store, settings.tenant_quotas, tenant, spec)

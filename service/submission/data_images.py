@@ -8,6 +8,7 @@ every row, reads every image object and decodes every image before any worker st
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from moetune.api import storage
 from moetune.api.chat_content import image_url_refusal, image_urls
@@ -17,22 +18,53 @@ from moetune.api.models.base import SpecError
 from moetune.api.models.job_create import JobCreate
 from moetune.api.uri_access import UriAccess
 from moetune.service.settings import Settings
+from moetune.service.submission.storage_facts import StorageFacts
 
 _DATA_FIELDS = ("training_file", "validation_file")
 
 
-def _text(uri: str, settings: Settings) -> str | None:
-    """The file's text, or None when it is too large to scan here or storage cannot give it now."""
+@dataclass(frozen=True)
+class _Scan:
+    rows: int  # non-blank lines
+    images: tuple[tuple[int, tuple[tuple[str, str], ...]], ...]  # (line number, its image (field path, url)s)
+
+
+def _scan(text: str) -> _Scan:
+    rows, images = 0, []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        rows += 1
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # the driver names malformed rows
+        if urls := tuple(image_urls(row)):
+            images.append((number, urls))
+    return _Scan(rows, tuple(images))
+
+
+def _scanned(uri: str, settings: Settings, facts: StorageFacts | None) -> _Scan | None:
+    """The file's rows and image URLs, or None when it is too large to scan here or storage cannot give it now.
+    A scan is remembered by the object's ETag: the same bytes are not read again, new bytes at the URI are."""
     try:
         fs, path = storage.filesystem(uri, settings.s3_endpoint_url, quick=True, listings_cache=False)
-        if fs.size(path) > settings.submission_scan_max_mb * MB:
+        info = fs.info(path)
+        if info["size"] > settings.submission_scan_max_mb * MB:
             return None
-        return fs.cat_file(path).decode("utf-8")
+        key = ("scan", settings.s3_endpoint_url, uri, etag) if (etag := info.get("ETag")) and facts else None
+        if key and (scan := facts.known(key)) is not None:
+            return scan
+        scan = _scan(fs.cat_file(path).decode("utf-8"))
     except Exception:  # noqa: BLE001 - missing, unreachable or not text: the file check and the driver report it
         return None
+    if key:
+        facts.remember(key, scan)
+    return scan
 
 
-def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, settings: Settings) -> dict[str, int]:
+def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, settings: Settings,
+                      facts: StorageFacts | None = None) -> dict[str, int]:
     """Raises SpecError at the first image URL refused before reading (api.chat_content.image_url_refusal): outside
     the tenant's storage, or any image when the model (`config`; None: storage could not give it) takes none.
     Returns the number of rows of each file scanned, by field (the submission limits' dataset size)."""
@@ -40,18 +72,11 @@ def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, s
     rows: dict[str, int] = {}
     for param in _DATA_FIELDS:
         uri = getattr(spec, param)
-        if uri is None or (text := _text(uri, settings)) is None:
+        if uri is None or (scan := _scanned(uri, settings, facts)) is None:
             continue
-        rows[param] = 0
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            rows[param] += 1
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # the driver names malformed rows
-            if problem := row_image_refusal(row, access, refusal):
+        rows[param] = scan.rows
+        for number, urls in scan.images:
+            if problem := _first_refusal(urls, access, refusal):
                 raise SpecError(param, f"{param} {uri} row {number}: {problem}")
     return rows
 
@@ -59,7 +84,11 @@ def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, s
 def row_image_refusal(row, access: UriAccess, model_refusal: str | None) -> str | None:
     """The first image URL of a row refused before reading (its form, the tenant's storage access, the model:
     api.chat_content.image_url_refusal), with its field path; None when there is none."""
-    for where, url in image_urls(row):
+    return _first_refusal(image_urls(row), access, model_refusal)
+
+
+def _first_refusal(urls, access: UriAccess, model_refusal: str | None) -> str | None:
+    for where, url in urls:
         if problem := image_url_refusal(url, access, model_refusal):
             return f"'{where}' {problem}"
     return None

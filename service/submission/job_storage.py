@@ -10,6 +10,7 @@ from moetune.api.errors import ErrorCode
 from moetune.api.models.base import SpecError
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.responses import ErrorInfo
+from moetune.service.submission.storage_facts import StorageFacts
 
 
 def _filesystem(uri: str, s3_endpoint_url: str | None, quick: bool = False):
@@ -60,16 +61,23 @@ def read_json(uri: str, s3_endpoint_url: str | None) -> dict | None:
 def _read_object(uri: str, s3_endpoint_url: str | None, raise_missing: bool = False) -> dict | None:
     """A small JSON object from storage; None when storage cannot give it now (FileNotFoundError when it says the
     object is not there, if asked); SpecError when it is not one."""
+    raw = _read_raw(uri, s3_endpoint_url, raise_missing)
+    return None if raw is None else _json_object(uri, raw)
+
+
+def _read_raw(uri: str, s3_endpoint_url: str | None, raise_missing: bool = False) -> bytes | None:
     try:
         fs, path = _filesystem(uri, s3_endpoint_url, quick=True)
-        with fs.open(path, "rb") as f:
-            raw = f.read(1_000_000)
+        return fs.cat_file(path)  # one GET (opening the object first would add a HEAD)
     except FileNotFoundError:
         if raise_missing:
             raise
         return None
     except Exception:  # noqa: BLE001 - callers treat any storage trouble as "not there (yet)"
         return None
+
+
+def _json_object(uri: str, raw: bytes) -> dict:
     try:
         value = json.loads(raw)
     except ValueError as e:
@@ -79,32 +87,53 @@ def _read_object(uri: str, s3_endpoint_url: str | None, raise_missing: bool = Fa
     return value
 
 
-def read_model_config(model_uri: str, s3_endpoint_url: str | None) -> dict | None:
+def read_model_config(model_uri: str, s3_endpoint_url: str | None, facts: StorageFacts | None = None) -> dict | None:
     """The config.json of the model folder at `model_uri`, or None when it cannot be read now: then the file check before queueing and
     the driver's own check report it instead. A config.json that is not a JSON object, or a model folder that
-    holds files but no config.json, is a SpecError."""
+    holds files but no config.json, is a SpecError. `facts`: a config read within its TTL is not read again."""
+    uri = storage.join(model_uri, "config.json")
+    if facts is not None and (raw := facts.known(("config", s3_endpoint_url, uri))) is not None:
+        return _json_object(uri, raw)  # parsed again: callers get a dict of their own
     try:
-        return _read_object(storage.join(model_uri, "config.json"), s3_endpoint_url, raise_missing=True)
+        raw = _read_raw(uri, s3_endpoint_url, raise_missing=True)
     except FileNotFoundError:  # storage answered: the folder is listed only then (an unreachable one costs no more)
-        if (names := model_files(model_uri, s3_endpoint_url)) and "config.json" not in names:
+        if (names := model_files(model_uri, s3_endpoint_url, facts)) and "config.json" not in names:
             raise SpecError("model", f"model: {model_uri.rstrip('/')} holds {len(names)} files but no config.json "
                                      "(expected a Hugging Face checkpoint folder)") from None
         return None
+    if raw is None:
+        return None
+    config = _json_object(uri, raw)
+    if facts is not None:
+        facts.remember(("config", s3_endpoint_url, uri), raw)
+    return config
 
 
-def model_files(model_uri: str, s3_endpoint_url: str | None) -> list[str] | None:
+def model_files(model_uri: str, s3_endpoint_url: str | None, facts: StorageFacts | None = None) -> list[str] | None:
     """Names of the files directly in the model folder at `model_uri`; None when storage cannot list it now."""
+    key = ("files", s3_endpoint_url, model_uri.rstrip("/"))
+    if facts is not None and (names := facts.known(key)) is not None:
+        return list(names)
     try:
         fs, path = _filesystem(model_uri, s3_endpoint_url, quick=True)
-        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+        names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
     except Exception:  # noqa: BLE001 - the driver lists it again
         return None
+    if facts is not None and names:  # an empty listing may be a folder still being uploaded
+        facts.remember(key, tuple(names))
+    return names
 
 
-def check_output_writable(output_uri: str, s3_endpoint_url: str | None, default: bool = False) -> None:
-    """SpecError (param output_uri) when the output location's bucket does not exist or refuses writes; storage
-    that does not answer now is left to the driver, which checks again before any worker starts. `default`: the
-    job named no output_uri (the location is the server's MOETUNE_DEFAULT_OUTPUT_URI)."""
+def check_output_writable(location: str, job_id: str, s3_endpoint_url: str | None, default: bool = False,
+                          facts: StorageFacts | None = None) -> None:
+    """SpecError (param output_uri) when the output location's bucket does not exist or refuses writes (probed
+    under the job's folder `location`/`job_id`); storage that does not answer now is left to the driver, which
+    checks again before any worker starts. `default`: the job named no output_uri (the location is the server's
+    MOETUNE_DEFAULT_OUTPUT_URI). `facts`: a location that took a probe within the TTL is not probed again."""
+    key = ("writable", s3_endpoint_url, location)
+    if facts is not None and facts.known(key):
+        return
+    output_uri = storage.join(location, job_id)
     where = f"{output_uri} (the server's default output location)" if default else output_uri
     try:
         storage.check_writable(output_uri, endpoint_url=s3_endpoint_url, quick=True)
@@ -114,3 +143,5 @@ def check_output_writable(output_uri: str, s3_endpoint_url: str | None, default:
         raise SpecError("output_uri", f"output_uri: writing to {where} was denied") from None
     except Exception:  # noqa: BLE001 - unreachable now: the driver's check decides
         return
+    if facts is not None:
+        facts.remember(key, True)

@@ -46,6 +46,21 @@ def test_a_model_folder_without_config_json_is_422(service, s3_endpoint, s3_buck
     assert reply.json()["error"]["param"] == "model" and "no config.json" in reply.json()["error"]["message"]
 
 
+def test_what_storage_confirmed_is_remembered_and_what_it_refused_is_not(service, s3_endpoint, s3_bucket):
+    """Submission remembers a model's config for seconds (a run of creates does not read it again) but never a
+    missing one: a config.json uploaded after a refusal counts at once."""
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.put_object(Bucket=s3_bucket, Key="later/tokenizer.json", Body=b"{}")
+    spec = {"model": f"s3://{s3_bucket}/later", "training_file": "s3://data/t.jsonl"}
+    reply = service.http().post(JOBS, json=spec)
+    assert reply.status_code == 422 and "no config.json" in reply.json()["error"]["message"], reply.text
+    s3.put_object(Bucket=s3_bucket, Key="later/config.json", Body=b'{"model_type": "kimi_linear"}')
+    assert service.http().post(JOBS, json=spec).status_code == 200
+    s3.delete_object(Bucket=s3_bucket, Key="later/config.json")  # within the TTL: the driver's check catches it
+    reply = service.http().post(JOBS, json=spec)
+    assert reply.status_code == 200, reply.text
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"training": {"global_batch_size": 6, "micro_batch_size": 4}}, "training.global_batch_size"),
     ({"parallelism": {"num_workers": 4, "expert_parallel_size": 3}, "training": {"global_batch_size": 8}},
