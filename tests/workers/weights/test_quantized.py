@@ -81,6 +81,59 @@ def test_logits_and_lora_gradients_match_the_dequantized_model(quantized):
         torch.testing.assert_close(quant_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _preference_pairs() -> list:
+    """Two pairs of random token ids: a prompt without loss, then answers of unequal length."""
+    from moetune.workers.methods.batch import IGNORE
+    from moetune.workers.methods.dpo import PreferencePair
+    from moetune.workers.methods.sft import Example
+
+    g = torch.Generator().manual_seed(7)
+    pairs = []
+    for i in range(2):
+        prompt = torch.randint(3, 256, (4 + i,), generator=g).tolist()
+        chosen, rejected = (torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 3 + 2 * i))
+        pairs.append(PreferencePair(*(Example(prompt + a, [IGNORE] * len(prompt) + a) for a in (chosen, rejected))))
+    return pairs
+
+
+def test_dpo_on_the_quantized_base_trains_as_on_the_dequantized_one(quantized):
+    """DPO's reference is the base with every LoRA off (workers.methods.dpo.lora_off), here LoRA on quantized
+    linears (FP8) and packed routed experts: it gives the dequantized base's log-probabilities, and the DPO loss,
+    rewards and LoRA gradients equal those on the dequantized model (LoRA B random: the policy is not the
+    reference)."""
+    from types import SimpleNamespace
+
+    from moetune.workers.methods.dpo import DpoMethod, lora_off
+    from tests.workers.methods.test_dpo import random_lora_b
+
+    fmt, path = quantized
+    runs = {}
+    for weights in ("quantized", "dequantized"):
+        streamed = stream_model(f"file://{path}", CPU, F32, cache_dir="", base_weights=weights)
+        model = _trainable(streamed.model)
+        random_lora_b(model)
+        method = DpoMethod(SimpleNamespace(pad_token_id=0), seq_len=64, beta=0.5)
+        method.prepare(model)
+        pairs = method.collate(_preference_pairs())
+        with torch.no_grad(), lora_off(model):
+            reference = method.log_probs(model, pairs)
+        loss = method.loss_sum(model, pairs)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        runs[weights] = reference, loss.detach(), method.figure_sums(), grads
+        with torch.no_grad():  # every LoRA B zero: the base itself
+            random_lora_b(model, scale=0.0)
+            torch.testing.assert_close(reference, method.log_probs(model, pairs), rtol=1e-5, atol=1e-5)
+    (reference, loss, figures, grads), (dense_reference, dense_loss, dense_figures, dense_grads) = runs.values()
+    torch.testing.assert_close(reference, dense_reference, rtol=1e-4, atol=1e-5)
+    assert abs(loss.item() / 2 - 0.6931) > 1e-3  # the policy moved away from the reference
+    torch.testing.assert_close(loss, dense_loss, rtol=1e-4, atol=1e-6)
+    assert figures == pytest.approx(dense_figures, rel=1e-4, abs=1e-6)
+    assert grads.keys() == dense_grads.keys() and any(".experts.lora_" in n for n in grads)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_fp8_deepseek_v32_attends_over_the_latent_through_its_quantized_kv_b_proj(tmp_path):
     """An FP8 DeepSeek-V3.2 (its MLA and indexer projections quantized, as released) streamed and kept quantized,
     its DSA attention on the sparse kernel over the absorbed latent, kv_b_proj (and its LoRA) read through the FP8
