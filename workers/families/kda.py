@@ -42,18 +42,22 @@ def _gated_delta_core(stock, query, key, value, g, beta, chunk_size=64, initial_
 def _short_conv(stock, hidden_states, weight, bias=None, activation=None, cu_seq_lens_q=None, **kwargs):
     """transformers' causal_conv1d_fn contract (a depthwise causal conv over [B, D, T]); with packed sequences no
     tap reaches across a boundary (transformers' fallback would mix a sequence's first tokens with the previous
-    sequence's last ones)."""
-    if cu_seq_lens_q is None:
+    sequence's last ones). Off CUDA, one multiply-add per tap: PyTorch's CPU depthwise conv1d backward took 5.2 of
+    a Gated DeltaNet layer's ~26 ms fwd+bwd at the image bench's shape (B 32, 128 channels, T 34)."""
+    if cu_seq_lens_q is None and hidden_states.device.type == "cuda":
         return stock(hidden_states, weight, bias=bias, activation=activation, **kwargs)
     length, width = hidden_states.shape[-1], weight.shape[-1]
-    starts = torch.zeros(length, dtype=torch.long, device=hidden_states.device)
-    starts[cu_seq_lens_q[1:-1].long()] = 1
-    segment = starts.cumsum(0)  # each position's sequence
-    x = hidden_states.to(weight.dtype)
-    out = torch.zeros_like(x) if bias is None else bias[:, None].expand_as(x).clone()
-    for shift in range(width):  # tap `shift` reads position t - shift, if it is in t's sequence
-        same = segment == F.pad(segment, (shift, 0), value=-1)[:length]
-        out = out + weight[:, width - 1 - shift, None] * F.pad(x, (shift, 0))[..., :length] * same
+    x = F.pad(hidden_states.to(weight.dtype), (width - 1, 0))
+    taps = weight.unsqueeze(-1)  # (D, width, 1): tap j reads position t - (width - 1 - j)
+    if cu_seq_lens_q is not None:
+        starts = torch.zeros(length, dtype=torch.long, device=hidden_states.device)
+        starts[cu_seq_lens_q[1:-1].long()] = 1
+        segment = F.pad(starts.cumsum(0), (width - 1, 0), value=-1)  # each position's sequence
+        same = torch.stack([segment[j:j + length] == segment[width - 1:] for j in range(width)])
+        taps = taps * same  # (D, width, T)
+    out = taps[:, 0] * x[..., :length] if bias is None else torch.addcmul(bias[:, None], taps[:, 0], x[..., :length])
+    for j in range(1, width):
+        out = torch.addcmul(out, taps[:, j], x[..., j:j + length])
     if activation is not None:
         out = ACT2FN[activation](out)
     return out.to(hidden_states.dtype)
