@@ -8,6 +8,11 @@ With "decode" in the request it also decodes greedily on the MXFP4 checkpoint, t
 linear LoRA the LoRA above, its expert LoRA the deltas the request names, merged into the dequantized experts), by
 full recomputation each step (the reference runs without a cache).
 
+With "vision" in the request it also builds the reference's multimodal model (MoonViT3d tower + patchmergerv2
+projector) over the same text config, writes it in the released naming (vision/, bf16) and computes, in fp32, the
+projected image features and the logits of rows whose images are given one placeholder token each (the reference
+expands them itself), on the pixels the request's vision_inputs.pt holds.
+
 With "step_repeats" in the request (bench/k3_step.py) it times its LoRA train step on the bf16 checkpoint instead.
 
 usage: python kimi_k3_reference_child.py WORKDIR   (WORKDIR/request.json in; checkpoints and reference.pt or
@@ -41,6 +46,7 @@ def _swap_fla_ops():
     from fla.ops.kda.gate import naive_kda_lowerbound_gate
     from fla.ops.kda.naive import naive_recurrent_kda
     from nemo_automodel.components.models.kimi_k3 import model as k3
+    from nemo_automodel.components.models.kimi_k3 import vision as k3vision
 
     def kda(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
             use_qk_l2norm_in_kernel=False, **_):
@@ -71,6 +77,11 @@ def _swap_fla_ops():
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
         return (y * torch.sigmoid(g.float())).to(x.dtype)
 
+    def rope_shape(org, interpolation_mode, shape):  # vision.get_rope_shape's math, without its torch.compile
+        table = F.interpolate(org.permute((2, 0, 1)).unsqueeze(0), size=shape, mode=interpolation_mode)
+        return table.squeeze(0).permute((1, 2, 0)).flatten(end_dim=1)
+
+    k3vision.get_rope_shape = rope_shape
     k3.chunk_kda = k3.fused_recurrent_kda = kda
     k3._fused_kda_gate = gate
     k3._apply_attn_res = attn_res
@@ -78,15 +89,46 @@ def _swap_fla_ops():
     FusedRMSNormGated.forward = norm_gated
 
 
-def _reference_model(text_config: dict):
+def _backend():
     from nemo_automodel.components.models.common import BackendConfig
+
+    return BackendConfig(attn="eager", linear="torch", rms_norm="torch", experts="torch", dispatcher="torch",
+                         enable_hf_state_dict_adapter=True)
+
+
+def _reference_model(text_config: dict):
     from nemo_automodel.components.models.kimi_k3.config import KimiK3TextConfig
     from nemo_automodel.components.models.kimi_k3.model import KimiK3ForCausalLM
 
-    config = KimiK3TextConfig(**text_config)
-    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch", experts="torch", dispatcher="torch",
-                            enable_hf_state_dict_adapter=True)
-    return KimiK3ForCausalLM(config, backend=backend)
+    return KimiK3ForCausalLM(KimiK3TextConfig(**text_config), backend=_backend())
+
+
+def _vision_reference(text: dict, config: dict, request: dict, workdir: str) -> dict:
+    """The multimodal reference: its checkpoint in vision/, and on vision_inputs.pt ({"input_ids" with one
+    placeholder per image, "pixel_values", "grid_thws"}) its projected features, tokens per image and logits."""
+    from nemo_automodel.components.models.kimi_k3.config import KimiK3Config
+    from nemo_automodel.components.models.kimi_k3.multimodal import KimiK3ForConditionalGeneration
+    from nemo_automodel.components.models.kimi_k3.vision import get_1d_sincos_pos_embed
+
+    vision = request["vision"]
+    placeholder = vision["placeholder_token_id"]
+    model = KimiK3ForConditionalGeneration(
+        KimiK3Config(text_config=dict(text), vision_config={**vision["vision_config"], "attn_implementation": "eager"},
+                     media_placeholder_token_id=placeholder), backend=_backend())
+    _randomise(model, request["seed"] + 7)
+    hf = {k: v.detach().clone() for k, v in model.state_dict_adapter.to_hf(model.state_dict()).items()}
+    _write(os.path.join(workdir, "vision"), {**config, "vision_config": vision["vision_config"],
+                                             "media_placeholder_token_id": placeholder}, hf)
+    model.float()
+    # its bf16 cast also rounded the tower's non-persistent sin-cos time table: rebuilt in fp32, as constructed
+    pos_emb = model.vision_tower.patch_embed.pos_emb
+    pos_emb.time_weight = torch.from_numpy(get_1d_sincos_pos_embed(pos_emb.dim, pos_emb.num_frames)).float()[:, None]
+    inputs = torch.load(os.path.join(workdir, "vision_inputs.pt"))
+    with torch.no_grad():
+        features = model._extract_image_features(inputs["pixel_values"], inputs["grid_thws"])
+        logits = model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
+                       grid_thws=inputs["grid_thws"]).logits
+    return {"features": torch.cat(features), "tokens_per_image": [len(f) for f in features], "logits": logits}
 
 
 def _randomise(model, seed: int) -> None:
@@ -282,6 +324,8 @@ def main(workdir: str) -> None:
         results[name] = _run(fresh, fresh.state_dict_adapter, tensors, request)
     if "decode" in request:
         results["decode"] = _greedy_decodes(text, packed, results["mxfp4"]["peft_weights"], request, workdir)
+    if "vision" in request:
+        results["vision"] = _vision_reference(text, config, request, workdir)
     torch.save(results, os.path.join(workdir, "reference.pt"))
 
 

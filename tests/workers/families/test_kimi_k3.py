@@ -1,7 +1,9 @@
 """Kimi K3 (moetune's own model definition) against NeMo Automodel 0.7.0's reference, on tiny checkpoints the
 reference writes in the release's naming: bf16, and with the routed experts in compressed-tensors'
 mxfp4-pack-quantized per expert. moetune's model comes from its streaming loader; both models run in fp32 for the
-comparison (the reference in a child process). The same child run decodes greedily for the serving engine's test."""
+comparison (the reference in a child process). The same child run decodes greedily for the serving engine's test
+and, on a third checkpoint with a tiny MoonViT3d tower and patchmergerv2 projector, computes image features and the
+logits of a batch with images."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from moetune.api.models.job_create import JobCreate
 from moetune.api.plans import ClusterSpec
 from moetune.workers.evaluation.alignment import check_alignment
 from moetune.workers.families import apply_kernel_swaps
-from moetune.workers.families.kimi_k3.tiny import TINY_TEXT, tiny_config
+from moetune.workers.families.kimi_k3.processor import KimiK3ImageProcessor
+from moetune.workers.families.kimi_k3.tiny import TINY_TEXT, TINY_VISION, TINY_VISION_CONFIG, tiny_config
 from moetune.workers.model import trainable_model
 from moetune.workers.experts.placement import placement_at
 from moetune.workers.planner.plan import plan
@@ -31,6 +34,10 @@ from bench.support.kimi_k3_reference import LORA_TARGETS, run_reference
 PROMPTS = ([7, 99, 180, 23, 250, 61, 5, 140, 33], [44, 201, 9, 130])
 NEW_TOKENS, EXPERT_RANK = 8, 4
 MOE_LAYERS = range(TINY_TEXT["first_k_dense_replace"], TINY_TEXT["num_hidden_layers"])
+# the vision checkpoint's image token, and its images: two pictures through the tiny processor (100x70: a 6x8 grid,
+# so the 8x8 position table is resized; 30x20: 2x4) and a two-frame clip of 2x2 patches (time embedding, pooling)
+PLACEHOLDER = TINY_TEXT["vocab_size"] - 1
+PICTURES, CLIP_GRID = ((100, 70), (30, 20)), (2, 2, 2)
 
 
 def _expert_lora() -> dict[str, dict[str, torch.Tensor]]:
@@ -56,14 +63,38 @@ def _released_expert_deltas(lora: dict, scaling: float) -> dict[str, torch.Tenso
     return deltas
 
 
+def _vision_inputs() -> dict:
+    """The images as moetune's processor gives them (plus the clip's random patches); "input_ids": one row with
+    the three images between text, one placeholder each (as the reference takes it); "expanded_ids": that row with
+    each placeholder repeated once per image token (as moetune's data path writes them) and a text-only row."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(4)
+    processor = TINY_VISION.image_processor(TINY_VISION_CONFIG)
+    pictures = [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
+                for w, h in PICTURES]
+    processed = processor(images=pictures, return_tensors="pt")
+    clip = torch.randn(int(torch.tensor(CLIP_GRID).prod()), 3, 14, 14, generator=g)
+    grid = torch.cat((processed["image_grid_thw"], torch.tensor([CLIP_GRID])))
+    tokens = (grid[:, 1] * grid[:, 2] // 4).tolist()
+    text = torch.randint(3, PLACEHOLDER, (3, 4), generator=g).tolist()
+    row = text[0] + [PLACEHOLDER] + text[1] + [PLACEHOLDER, PLACEHOLDER] + text[2]
+    expanded = [token for t in row for token in ([t] if t != PLACEHOLDER else [t] * tokens.pop(0))]
+    other = torch.randint(3, PLACEHOLDER, (len(expanded),), generator=g).tolist()
+    return {"pixel_values": torch.cat((processed["pixel_values"], clip)), "grid_thws": grid,
+            "input_ids": torch.tensor([row]), "expanded_ids": torch.tensor([expanded, other])}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("kimi-k3-reference"))
     ids = torch.randint(3, TINY_TEXT["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
     torch.save(_released_expert_deltas(_expert_lora(), 8 / EXPERT_RANK), os.path.join(workdir, "expert_deltas.pt"))
+    torch.save(_vision_inputs(), os.path.join(workdir, "vision_inputs.pt"))
     request = {"seed": 0, "input_ids": ids.tolist(), "lora_targets": LORA_TARGETS, "text_config": TINY_TEXT,
                "decode": {"prompts": [list(p) for p in PROMPTS], "new_tokens": NEW_TOKENS,
-                          "expert_deltas": "expert_deltas.pt"}}
+                          "expert_deltas": "expert_deltas.pt"},
+               "vision": {"vision_config": TINY_VISION_CONFIG, "placeholder_token_id": PLACEHOLDER}}
     return workdir, ids, run_reference(workdir, request)
 
 
@@ -102,7 +133,7 @@ def test_checkpoint_is_in_the_released_naming(reference):
     assert {f"{layer}.3.block_sparse_moe.experts.0.w1.weight_packed", f"{layer}.3.block_sparse_moe.experts.0.w1."
             "weight_scale"} <= set(packed)
     assert packed[f"{layer}.3.block_sparse_moe.experts.0.w1.weight_packed"].dtype == torch.uint8
-    assert "vision_tower" not in json.dumps(sorted(bf16))  # the tiny release is text-only (no tower built yet)
+    assert "vision_tower" not in json.dumps(sorted(bf16))  # the text reference's (the tower's is in vision/)
 
 
 def test_loaded_state_dict_is_the_checkpoint(reference):
@@ -274,3 +305,97 @@ def test_engine_greedy_decode_equals_the_reference(reference, tmp_path):
 
     assert got == [expected(*r) for r in runs]
     assert peak >= 3 and all(got) and decoded["base"] != decoded["adapter"]  # batched, and the adapter matters
+
+
+def test_vision_checkpoint_loads_whole_and_sees_images_as_the_reference(reference):
+    """The reference's multimodal checkpoint (vision_tower., mm_projector. as released) loads with no tensor unread;
+    each image's projected features, its token count and the logits of the row holding the images equal the
+    reference's (fp32); in the same batch, a text-only row's logits are those of the row alone."""
+    workdir, _, results = reference
+    expected = results["vision"]
+    streamed = _stream(f"{workdir}/vision")
+    assert streamed.plan.unexpected == []
+    released, ours = _tensors(f"{workdir}/vision"), streamed.model.state_dict()
+    vision = {k: v for k, v in released.items() if k.startswith(("vision_tower.", "mm_projector."))}
+    assert len(vision) == 12 and all(torch.equal(ours[k], v.float()) for k, v in vision.items())
+    model, inputs = streamed.model.eval(), torch.load(f"{workdir}/vision_inputs.pt")
+    with torch.no_grad():
+        features = model.get_image_features(inputs["pixel_values"], inputs["grid_thws"])
+        torch.testing.assert_close(features, expected["features"], rtol=1e-5, atol=1e-5)
+        tokens = (inputs["grid_thws"][:, 1] * inputs["grid_thws"][:, 2] // 4).tolist()
+        assert tokens == expected["tokens_per_image"] == [12, 2, 1]
+        ids = inputs["expanded_ids"]
+        logits = model(input_ids=ids, pixel_values=inputs["pixel_values"], image_grid_thw=inputs["grid_thws"]).logits
+        torch.testing.assert_close(logits[:1], expected["logits"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits[1:], model(input_ids=ids[1:]).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="15 image placeholder tokens in input_ids, but the images give 14"):
+        model(input_ids=ids[:1], pixel_values=inputs["pixel_values"][:-8], image_grid_thw=inputs["grid_thws"][:2])
+
+
+def _k25_resize_rule():
+    """transformers' Kimi K2.5 resize rule (`navit_resize`): its module imports torchvision, which this
+    environment lacks, so the function alone is compiled from the module's source."""
+    import ast
+    import math
+
+    import transformers
+
+    path = os.path.join(os.path.dirname(transformers.__file__), "models", "kimi_k25", "image_processing_kimi_k25.py")
+    tree = ast.parse(open(path).read())
+    function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "navit_resize")
+    scope = {"math": math}
+    exec(compile(ast.Module([function], type_ignores=[]), path, "exec"), scope)
+    return scope["navit_resize"]
+
+
+def test_image_token_counts_follow_the_released_processor_rule():
+    """Released sizes (512 patches a side, 16384 patches): for every image size the grid moetune's processor gives
+    (and the driver's row-length check counts) is K2.5's rule's, so an image makes as many tokens; an image that
+    is processed has that grid and 3x14x14 patches normalised to [-1, 1] (zero padding is -1)."""
+    from PIL import Image
+
+    navit_resize = _k25_resize_rule()
+    processor = KimiK3ImageProcessor()
+    for height, width in [(70, 100), (20, 30), (13, 13), (1000, 3000), (5000, 200), (7200, 9600), (2000, 2000)]:
+        _, (padded_h, padded_w) = navit_resize(height, width, 14, 2, 16384, 512)
+        assert processor.get_number_of_image_patches(height, width) == (padded_h // 14) * (padded_w // 14), \
+            (height, width)
+    out = processor(images=[Image.new("RGB", (3000, 1000), (255, 0, 0))], return_tensors="pt")
+    _, (padded_h, padded_w) = navit_resize(1000, 3000, 14, 2, 16384, 512)
+    assert out["image_grid_thw"].tolist() == [[1, padded_h // 14, padded_w // 14]]
+    assert out["pixel_values"].shape == (padded_h * padded_w // 196, 3, 14, 14)
+    assert out["pixel_values"][:, 0].max() == 1 and out["pixel_values"][:, 1].min() == -1
+
+
+def test_image_rows_train_the_vision_lora(tmp_path):
+    """Mixed image and text rows of the tiny K3 (its released checkpoint with the tiny tower, tokenizer with
+    <|media_pad|>, processor config) through the job's data path: each image part becomes its run of placeholder
+    tokens, the batch carries the pixels, and lora.vision="all" puts LoRA on every linear of the tower and the
+    projector, each getting a gradient; "projector" adapts the projector alone."""
+    from moetune.workers.families import REGISTRY
+    from moetune.workers.tiny import tiny_image_rows, write_tiny_multimodal_checkpoint
+    from moetune.workers.methods.sft import token_loss_sum
+    from bench.support.image_batches import image_method
+
+    checkpoint = write_tiny_multimodal_checkpoint(str(tmp_path / "vl"), REGISTRY["kimi_k3"].tiny_config)
+    method = image_method(checkpoint, 256)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    examples, _ = method.examples(tiny_image_rows(2, seed=3) + [chat])
+    batch = method.collate(examples)
+    placeholder = method.images.image_token_id
+    assert (batch.inputs["input_ids"] == placeholder).sum(-1).tolist()[:2] == \
+        (batch.inputs["image_grid_thw"].prod(-1) // 4).tolist() and batch.inputs["input_ids"][2].ne(placeholder).all()
+    for vision, adapted in (("all", {"wqkv", "wo", "fc0", "fc1", "0", "2"}), ("projector", {"0", "2"})):
+        spec = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
+                         lora={"rank": 4, "alpha": 8, "dropout": 0.0, "vision": vision})
+        torch.manual_seed(2)
+        streamed = _stream(checkpoint)
+        model = trainable_model(streamed.model, spec, placement_at(streamed.model.config.to_dict(), 1, 0))
+        with torch.no_grad():  # LoRA B != 0, so that A gets gradients too
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        token_loss_sum(model(**batch.inputs).logits, batch.labels).backward()
+        lora = {n: p for n, p in model.named_parameters() if "lora_" in n and ("vision_tower" in n or "mm_proj" in n)}
+        assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in lora} == adapted, vision
+        assert all(p.grad is not None and p.grad.abs().max() > 0 for p in lora.values()), vision

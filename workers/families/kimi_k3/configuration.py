@@ -123,7 +123,7 @@ class KimiK3Config(PreTrainedConfig):
     sub_configs_defaults = {"text_config": KimiK3TextConfig}
 
     text_config: dict | PreTrainedConfig | None = None
-    vision_config: dict | None = None  # MoonViT3d + patchmergerv2; kept as read (the tower is not built yet)
+    vision_config: dict | None = None  # MoonViT3d + patchmergerv2, as released (`vision_settings` reads it)
     media_placeholder_token_id: int = 163605
     ignore_index: int = -100
     pad_token_id: int | None = 0
@@ -134,6 +134,41 @@ class KimiK3Config(PreTrainedConfig):
             # the release writes Kimi-Linear's model_type for its text model: it is a K3 text model here
             self.text_config = {k: v for k, v in self.text_config.items() if k != "model_type"}
         super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        if self.vision_config is not None:
+            vision_settings(self.vision_config)
+
+
+# The release's vision_config keys and their defaults (NeMo Automodel's KimiK3VisionConfig): MoonViT3d with 27
+# layers x 1024, fused wqkv at 1536, RMSNorm, no biases, and the patchmergerv2 projector with its post-norm.
+VISION_DEFAULTS = {
+    "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
+    "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear", "vt_num_attention_heads": 12,
+    "vt_num_hidden_layers": 27, "vt_hidden_size": 1024, "vt_intermediate_size": 4096, "qkv_hidden_size": 1536,
+    "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2",
+    "mm_hidden_size": None, "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5, "norm_type": "rmsnorm",
+    "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh", "attn_bias": False, "linear_bias": False,
+    "patch_embed_proj_bias": False,
+}
+# the one variant moetune builds: any other value would load and compute something else
+_VISION_RELEASED = {"pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2",
+                    "projector_hidden_act": "gelu", "norm_type": "rmsnorm", "mlp_type": "mlp2",
+                    "activation_func": "gelu_pytorch_tanh"}
+
+
+def vision_settings(vision_config: dict) -> dict:
+    """The released vision_config with its defaults filled in; a variant moetune does not build is refused by name."""
+    settings = {**VISION_DEFAULTS, **vision_config}
+    settings["mm_hidden_size"] = settings["mm_hidden_size"] or settings["vt_hidden_size"]
+    bad = [f"vision_config.{key}={settings[key]!r} (released: {value!r})" for key, value in _VISION_RELEASED.items()
+           if settings[key] != value]
+    if settings["mm_hidden_size"] != settings["vt_hidden_size"]:
+        bad.append("vision_config.mm_hidden_size differs from vt_hidden_size")
+    if bad:
+        raise ValueError(f"Kimi K3 {', '.join(bad)}: only the released vision tower is defined")
+    return settings
 
 
 __all__ = ["KimiK3Config", "KimiK3TextConfig"]

@@ -44,7 +44,9 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: F401
 )
 
 from moetune.kernels.kda import recurrent_kda
-from moetune.workers.families.kimi_k3.configuration import KimiK3Config, KimiK3TextConfig
+from moetune.workers.families.kimi_k3.configuration import KimiK3Config, KimiK3TextConfig, vision_settings
+from moetune.workers.families.kimi_k3.vision import (KimiK3PatchMergerProjector, KimiK3VisionPositionEmbedding,
+                                                    KimiK3VisionTower)
 
 
 def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -369,8 +371,10 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, KimiK3Experts):
             module.gate_up_proj.normal_(0, std)
             module.down_proj.normal_(0, std)
-        elif isinstance(module, (KimiK3RMSNorm, KimiK3GatedRMSNorm)):
+        elif isinstance(module, (KimiK3RMSNorm, KimiK3GatedRMSNorm, nn.RMSNorm)):
             module.weight.fill_(1.0)
+        elif isinstance(module, KimiK3VisionPositionEmbedding):
+            module.weight.normal_(0, std)
 
 
 class KimiK3TextModel(KimiK3PreTrainedModel):
@@ -435,8 +439,10 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
 
 
 class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
-    """The release's top level: `language_model.` (the text model + lm_head); the vision tower (`vision_tower.`,
-    `mm_projector.`) is not built yet, so image inputs are not accepted."""
+    """The release's top level: `language_model.` (the text model + lm_head), and with a vision_config the MoonViT3d
+    tower (`vision_tower.`) and its projector (`mm_projector.`). Image rows carry one placeholder token
+    (`media_placeholder_token_id`) per image token, already expanded (workers.methods.multimodal): each takes one
+    projected image feature, in order."""
 
     config_class = KimiK3Config
     base_model_prefix = "language_model"
@@ -445,6 +451,10 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     def __init__(self, config: KimiK3Config):
         super().__init__(config)
         self.language_model = KimiK3ForCausalLM(config.text_config)
+        if config.vision_config is not None:
+            settings = vision_settings(config.vision_config)
+            self.vision_tower = KimiK3VisionTower(settings)
+            self.mm_projector = KimiK3PatchMergerProjector(settings, config.text_config.hidden_size)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -453,8 +463,28 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.language_model.lm_head
 
+    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """[image tokens, hidden]: every image's projected tokens, images in order."""
+        if not hasattr(self, "vision_tower"):
+            raise ValueError("image inputs given to a Kimi K3 checkpoint without a vision_config (text only)")
+        return self.mm_projector(self.vision_tower(pixel_values, image_grid_thw))
+
+    def _with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor):
+        embeds = self.get_input_embeddings()(input_ids)
+        features = self.get_image_features(pixel_values, image_grid_thw)
+        placeholders = input_ids == self.config.media_placeholder_token_id
+        if int(placeholders.sum()) != features.shape[0]:
+            raise ValueError(f"{int(placeholders.sum())} image placeholder tokens in input_ids, but the images give "
+                             f"{features.shape[0]} image tokens")
+        return embeds.masked_scatter(placeholders[..., None], features.to(embeds.dtype))
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                logits_to_keep: int = 0, **kwargs):
+                logits_to_keep: int = 0, pixel_values=None, image_grid_thw=None, mm_token_type_ids=None, **kwargs):
+        """`pixel_values` [patches, 3, patch, patch] and `image_grid_thw` [images, 3] with the images of the
+        batch's rows in order (`mm_token_type_ids`, which the shared image path adds, is not needed: the
+        placeholders say where images go)."""
+        if pixel_values is not None:
+            inputs_embeds, input_ids = self._with_images(input_ids, pixel_values, image_grid_thw), None
         return self.language_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
                                    **kwargs)
