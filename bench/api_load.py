@@ -1,17 +1,20 @@
 """Control-plane load: 64 concurrent clients against a real `moetune server` (uvicorn, SQLite).
 
 Measures GET throughput on a job with all 64 clients polling (baseline: /healthz on the same server, i.e. the
-HTTP stack's ceiling); create latency (p50/p99) of jobs submitted at 50/s while the 64 clients poll at 1,000 GET/s in all (open loop,
-below saturation: latency measured at saturation only measures the queue), plus, for reference, a burst where every client only creates (the
-single-writer ceiling, not in the RESULT line); and 500 concurrent creates with Idempotency-Key (every key sent
-twice at once): no key may end up with two jobs (duplicates) or none (lost).
+HTTP stack's ceiling); the create rate that saturates the server (every client creating back to back) while the 64
+clients poll at 1,000 GET/s in all (at most half the measured GET rate), then create latency (p50/p99) of jobs
+submitted at half that rate amid the same polling (open loop, below saturation: latency measured at saturation only
+measures the queue), plus, for reference, a burst where every client only creates (the single-writer ceiling, not in
+the RESULT line); and 500 concurrent creates with Idempotency-Key (every key sent twice at once): no key may end up
+with two jobs (duplicates) or none (lost).
 
     python bench/api_load.py [--clients 64] [--seconds 5]
 
 The scheduler is off: this measures the API, not Ray. A moto S3 server holds the demo's tiny checkpoint, so every
-create runs the submission checks it runs in production (config.json, tokenizer, output probe) and `/readyz`
-finds its storage. Ends with
-`RESULT get_per_s=<x> get_ratio=<GET job / GET /healthz> create_p99_ms=<y> duplicates=<n> lost=<m>`.
+create runs the submission checks it runs in production (config.json, tokenizer, output probe, data files; what
+storage confirmed is remembered for seconds, as there) and `/readyz` finds its storage. Ends with
+`RESULT get_per_s=<x> get_ratio=<GET job / GET /healthz> create_saturation_per_s=<s> create_rate_per_s=<s/2>
+create_p99_ms=<y> duplicates=<n> lost=<m>`.
 """
 
 from __future__ import annotations
@@ -35,8 +38,7 @@ from moetune.service.local.embedded import free_port, s3_env, spawn_s3_server, s
 JOBS = "/v1/fine_tuning/jobs"
 SPEC = demo_job_spec().model_dump(mode="json", exclude_none=True)
 TOKENS = {"load": "tok-load", "idem": "tok-idem"}
-POLL_RATE = 1000.0  # GETs per second from all clients while creates are timed: the GET goal, below saturation
-CREATE_RATE = 50.0  # job submissions per second while the clients poll: far above any real fine-tuning load
+POLL_RATE = 1000.0  # GETs per second from all clients while creates are timed, at most half the measured GET rate
 
 
 def start_storage(work: Path) -> tuple[subprocess.Popen, str]:
@@ -93,17 +95,11 @@ async def get_throughput(http: aiohttp.ClientSession, path: str, clients: int, s
     return done / (time.perf_counter() - start)
 
 
-async def creates_amid_polling(http: aiohttp.ClientSession, job_path: str, clients: int, seconds: float,
-                               poll_rate: float, rate: float) -> list[float]:
-    """Create latencies while `clients` poll a job at `poll_rate` GETs per second in all and jobs are submitted
-    at `rate` per second.
-
-    Open loop: each create starts on schedule whatever the others do, and its latency counts from that
-    scheduled time, so a stalled server cannot hide its queue (no coordinated omission).
-    """
+async def amid_polling(http: aiohttp.ClientSession, job_path: str, clients: int, seconds: float, poll_rate: float,
+                       creates) -> None:
+    """Runs `creates(deadline)` while `clients` poll a job at `poll_rate` GETs per second in all."""
     start = time.perf_counter()
     deadline = start + seconds
-    latencies: list[float] = []
 
     async def poll(first: float):
         at = first
@@ -113,14 +109,47 @@ async def creates_amid_polling(http: aiohttp.ClientSession, job_path: str, clien
             assert status == 200, body
             at += clients / poll_rate
 
-    async def create(at: float):
-        await asyncio.sleep(max(0.0, at - time.perf_counter()))
-        status, body = await call(http, "POST", JOBS, json=SPEC)
-        latencies.append(time.perf_counter() - at)
-        assert status == 200, body
+    await asyncio.gather(*(poll(start + i / poll_rate) for i in range(clients)), creates(start, deadline))
 
-    schedule = [start + i / rate for i in range(int(seconds * rate))]
-    await asyncio.gather(*(poll(start + i / poll_rate) for i in range(clients)), *(create(at) for at in schedule))
+
+async def create(http: aiohttp.ClientSession, latencies: list[float], since: float) -> None:
+    status, body = await call(http, "POST", JOBS, json=SPEC)
+    latencies.append(time.perf_counter() - since)
+    assert status == 200, body
+
+
+async def create_saturation(http: aiohttp.ClientSession, job_path: str, clients: int, seconds: float,
+                            poll_rate: float) -> float:
+    """Creates per second that `clients` closed loops complete amid the polling: the rate creates saturate at."""
+    latencies: list[float] = []
+
+    async def creates(start: float, deadline: float):
+        async def loop():
+            while time.perf_counter() < deadline:
+                await create(http, latencies, time.perf_counter())
+        await asyncio.gather(*(loop() for _ in range(clients)))
+
+    started = time.perf_counter()
+    await amid_polling(http, job_path, clients, seconds, poll_rate, creates)
+    return len(latencies) / (time.perf_counter() - started)
+
+
+async def creates_amid_polling(http: aiohttp.ClientSession, job_path: str, clients: int, seconds: float,
+                               poll_rate: float, rate: float) -> list[float]:
+    """Create latencies amid the polling with jobs submitted at `rate` per second.
+
+    Open loop: each create starts on schedule whatever the others do, and its latency counts from that
+    scheduled time, so a stalled server cannot hide its queue (no coordinated omission).
+    """
+    latencies: list[float] = []
+
+    async def creates(start: float, deadline: float):
+        async def at(when: float):
+            await asyncio.sleep(max(0.0, when - time.perf_counter()))
+            await create(http, latencies, when)
+        await asyncio.gather(*(at(start + i / rate) for i in range(int(seconds * rate))))
+
+    await amid_polling(http, job_path, clients, seconds, poll_rate, creates)
     return latencies
 
 
@@ -175,21 +204,25 @@ async def run(url: str, clients: int, seconds: float) -> None:
         await get_throughput(http, f"{JOBS}/{job_id}", clients, 1.0)  # warm-up: connections, caches
         healthz = await get_throughput(http, "/healthz", clients, seconds)
         get_per_s = await get_throughput(http, f"{JOBS}/{job_id}", clients, seconds)
-        latencies = await creates_amid_polling(http, f"{JOBS}/{job_id}", clients, seconds, POLL_RATE,
-                                               CREATE_RATE)
+        poll_rate = min(POLL_RATE, get_per_s / 2)  # polling alone must not saturate a slower (or busy) machine
+        saturation = await create_saturation(http, f"{JOBS}/{job_id}", clients, seconds, poll_rate)
+        rate = saturation / 2
+        latencies = await creates_amid_polling(http, f"{JOBS}/{job_id}", clients, seconds, poll_rate, rate)
         burst_per_s, burst = await create_burst(http, clients, per_client=8)
         duplicates, lost = await idempotent_creates(idem, 500)
     p50, p99 = p(latencies, 50) * 1000, p(latencies, 99) * 1000
     print(f"load average: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores; {clients} clients")
     print(f"GET /healthz (baseline): {healthz:8.0f} req/s")
     print(f"GET job:                 {get_per_s:8.0f} req/s  ({get_per_s / healthz:.2f}x of the baseline)")
-    print(f"POST job amid polling ({POLL_RATE:.0f} GET/s, {CREATE_RATE:.0f} creates/s, {len(latencies)} creates): "
-          f"p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+    print(f"POST job amid polling ({poll_rate:.0f} GET/s), {clients} clients creating back to back: saturates at "
+          f"{saturation:.1f} creates/s")
+    print(f"POST job amid polling ({poll_rate:.0f} GET/s, {rate:.1f} creates/s = half of saturation, "
+          f"{len(latencies)} creates): p50 {p50:.1f} ms, p99 {p99:.1f} ms")
     print(f"POST job only ({len(burst)} creates): {burst_per_s:.0f} creates/s, p50 {p(burst, 50) * 1000:.1f} ms, "
           f"p99 {p(burst, 99) * 1000:.1f} ms (every client waits on the single SQLite writer)")
     print(f"500 creates, 250 Idempotency-Keys x2: duplicates={duplicates} lost={lost}")
-    print(f"RESULT get_per_s={get_per_s:.0f} get_ratio={get_per_s / healthz:.2f} create_p99_ms={p99:.1f} "
-          f"duplicates={duplicates} lost={lost}")
+    print(f"RESULT get_per_s={get_per_s:.0f} get_ratio={get_per_s / healthz:.2f} create_saturation_per_s="
+          f"{saturation:.1f} create_rate_per_s={rate:.1f} create_p99_ms={p99:.1f} duplicates={duplicates} lost={lost}")
 
 
 def main() -> None:
