@@ -28,6 +28,7 @@ NIC = "eth0"  # the node's interface, as on a real node
 # timeout, 5 misses, take over a minute).
 HEALTH_CHECK_MS, HEALTH_CHECK_MISSES = 500, 4
 DETECTION_BOUND_S = 15.0  # what the tests hold detection to: measured 8.2 s for a cut link on 2 busy cores
+KILL_TIMEOUT_S = 30.0  # how long a node's killed processes may take to be gone
 
 
 class NodeExited(RuntimeError):
@@ -167,23 +168,23 @@ class NetnsCluster:
 
     def kill_node(self, node: Node) -> int:
         """SIGKILLs every process of the node's namespace (a machine that lost power); returns the kills sent. Again
-        until none is left: a process forked while the first ones were killed would outlive the node."""
-        killed = 0
-        for _ in range(20):
-            if not (pids := _pids(node)):
-                break
+        until none is left, for up to KILL_TIMEOUT_S: a process forked while the first ones were killed would
+        outlive the node, and a killed one stays (holding its ports) until it has exited, which took over 2 s
+        here under load."""
+        killed, deadline = set(), time.monotonic() + KILL_TIMEOUT_S
+        while pids := _pids(node):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{node.name}: processes outlived {KILL_TIMEOUT_S:.0f} s of SIGKILL: "
+                                   + "; ".join(_describe(pid) for pid in pids))
             for pid in pids:
                 with suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            killed += len(pids)
+            killed.update(pids)
             time.sleep(0.1)
-        else:
-            if left := _pids(node):  # a node restarted over them would find its ports taken
-                raise RuntimeError(f"{node.name}: processes {left} outlived 20 rounds of SIGKILL")
         if node.proc is not None:
             with suppress(ProcessLookupError):
                 node.proc.wait(10)
-        return killed
+        return len(killed)
 
     def cut(self, node: Node) -> None:
         """The node's link goes down; its processes live on, unreachable."""
@@ -212,8 +213,14 @@ class NetnsCluster:
         return time.monotonic() - start
 
     def stop(self) -> None:
+        """Every node's processes, then the namespaces and the bridge; a process that would not die is raised
+        once the rest is gone."""
+        unkilled = []
         for node in reversed(self.nodes):
-            self.kill_node(node)
+            try:
+                self.kill_node(node)
+            except RuntimeError as e:
+                unkilled.append(e)
         for node in self.nodes:
             with suppress(subprocess.CalledProcessError):
                 _ip("netns", "del", node.netns)
@@ -221,12 +228,26 @@ class NetnsCluster:
         with suppress(subprocess.CalledProcessError):
             _ip("link", "del", self.bridge)
         shutil.rmtree(self.root, ignore_errors=True)
+        if unkilled:
+            raise unkilled[0]
 
 
 def _pids(node: Node) -> list[int]:
     """The processes in the node's namespace (zombies hold nothing there and are not listed)."""
     listed = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout
     return [int(pid) for pid in listed.split()]
+
+
+def _describe(pid: int) -> str:
+    """A process's id, state and command line, for an error."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} state {state}: {command}"
 
 
 def _ray_bin() -> str:
