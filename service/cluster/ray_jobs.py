@@ -34,7 +34,7 @@ _SUPERVISOR_LOST = {e.value for e in (JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
 class RayJobState:
     status: str  # ray.job_submission.JobStatus value: PENDING, RUNNING, STOPPED, SUCCEEDED, FAILED
     message: str | None
-    supervisor_lost: bool = False  # FAILED because Ray lost the job's supervisor, not because the driver failed
+    supervisor_lost: bool = False  # Ray lost the job's supervisor (FAILED for it, or RUNNING without it): no driver failure
 
 
 class _TimedClient(JobSubmissionClient):
