@@ -34,7 +34,7 @@ _SUPERVISOR_LOST = {e.value for e in (JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
 class RayJobState:
     status: str  # ray.job_submission.JobStatus value: PENDING, RUNNING, STOPPED, SUCCEEDED, FAILED
     message: str | None
-    supervisor_lost: bool = False  # Ray lost the job's supervisor (FAILED for it, or RUNNING without it): no driver failure
+    supervisor_lost: bool = False  # Ray lost the job's supervisor (FAILED for it, or RUNNING without it)
 
 
 class _TimedClient(JobSubmissionClient):
