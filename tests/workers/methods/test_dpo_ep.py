@@ -4,10 +4,13 @@ method's output layer installed first): both forwards, LoRA off then on, cross t
 ranks, in one step of the job's step runner. The same DPO code in one process, on the same model with every expert
 local (EP=1, no engine) over all four pairs in one micro-batch, gives the same mean loss, every LoRA gradient
 (expert LoRA: each rank's slice) and the same rewards; and its reference log-probabilities are the base model's
-(every LoRA B zero). LoRA B starts random, so the reference is not the policy.
+(every LoRA B zero). LoRA B starts random, so the reference is not the policy. Resume: after the optimizer's step 1
+the state is saved (workers.checkpoints.save), and an engine built afresh that loads it takes steps 2 and 3 with
+exactly the losses of the engine that went on.
 
 Sabotage noted: the experts' LoRA left on in the reference (lora_off without its expert part) fails the base check;
-the step's loss scale without the data-parallel factor (1 / pairs instead of world / pairs) fails the gradients."""
+the step's loss scale without the data-parallel factor (1 / pairs instead of world / pairs) fails the gradients;
+the fresh engine not loading the state fails the resume (step 2's loss 3.21 against 2.12)."""
 
 from types import SimpleNamespace
 
@@ -62,6 +65,7 @@ def run_dpo(rank: int, world: int, family_name: str, spec_json: str, out_dir: st
 
     from deepspeed.utils import safe_get_full_grad
 
+    from moetune.workers.checkpoints.save import load_checkpoint, save_checkpoint
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.loop.collectives import Collectives
     from moetune.workers.loop.step import RankPlace, StepRunner
@@ -79,6 +83,20 @@ def run_dpo(rank: int, world: int, family_name: str, spec_json: str, out_dir: st
     loss_sum, count, _ = runner.run(1, pairs)
     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
     result = {"loss": loss_sum / count, "figures": runner.figures, "grads": grads}
+
+    # resume: the optimizer takes step 1, the state is saved, and an engine built afresh that loads it takes steps
+    # 2 and 3 with the losses of the engine that went on
+    del engine.step  # DeepSpeed's own step again: the optimizer's, at step 1's accumulation boundary
+    engine.step()
+    state = os.path.join(out_dir, "state")
+    save_checkpoint(engine, state, is_writer=rank == 0)
+    result["went_on"] = [runner.run(step, pairs)[0] for step in (2, 3)]
+    fresh, fresh_method = _model(family_name, job)
+    resumed, _ = build_engine(fresh, job, world, job.training.max_steps, bf16=False)
+    load_checkpoint(resumed, state)
+    again = StepRunner(resumed, fresh_method, job.training, RankPlace(rank, world, 0, cpu, collective_forward=True),
+                       Collectives(cpu), lambda *args, **kwargs: None, total_steps=1)
+    result["resumed"] = [again.run(step, pairs)[0] for step in (2, 3)]
 
     one = spec(ep=1, zero=job.parallelism.zero_stage, train_experts=True)  # every expert on each rank
     single, method = _model(family_name, one)  # on both ranks: the expert groups are made collectively
@@ -104,6 +122,8 @@ def test_dpo_ep2_equals_one_process(case, tmp_path):
     assert job.parallelism.expert_parallel_size == 2 and job.lora.train_experts
     launch(run_dpo, 2, family, job.model_dump_json(), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:  # resumed from the state saved after step 1: LoRA (the experts' shards too) and Adam restored
+        assert r["resumed"] == r["went_on"]  # exact
     want = ranks[0]["one_process"]
     torch.testing.assert_close(ranks[0]["lora_off"], ranks[0]["base"], rtol=1e-6, atol=1e-5)
     assert abs(want["loss"] - 0.6931) > 0.01  # the policy is not the reference
