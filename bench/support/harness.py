@@ -62,16 +62,54 @@ def launch(fn, world: int, *args) -> None:
 
 
 def expert_bytes(model) -> int:
-    """Bytes of routed-expert base weights this rank stores (its ZeRO-3 partition where partitioned)."""
+    """Bytes of routed-expert base weights this rank stores (its ZeRO-3 partition where partitioned; a quantized
+    base's packed tensors)."""
     from moetune.workers.experts.module import ExpertParallelExperts
 
     total = 0
     for module in model.modules():
-        if isinstance(module, ExpertParallelExperts):
+        if isinstance(module, ExpertParallelExperts) and module.quantized:
+            total += sum(t.nbytes for weight in module.base_weights() for t in weight.tensors().values())
+        elif isinstance(module, ExpertParallelExperts):
             for p in (p for name, p in module.named_parameters() if not name.startswith("lora_")):
                 stored = getattr(p, "ds_tensor", p)
                 total += stored.numel() * stored.element_size()
     return total
+
+
+def write_released_checkpoint(folder: str, family_name: str) -> str:
+    """The family's tiny random model (plain_model) saved in its released format (Family.as_released: Kimi K3's
+    per-expert mxfp4-pack-quantized experts, bf16 elsewhere). Returns the folder."""
+    from moetune.workers.families import REGISTRY
+
+    family = REGISTRY[family_name]
+    plain_model(family).save_pretrained(folder, max_shard_size="100KB")  # sharded: as_released rewrites the index
+    family.as_released(folder)
+    return folder
+
+
+def base_model(source: str, skew: bool = False, config=None, job: JobCreate | None = None):
+    """A family's tiny random model (`source` a family name; plain_model), or the checkpoint in the folder `source`
+    streamed as a job streams it: with `job`, this rank's experts of its placement kept in their stored format and
+    the family's kernel swaps where the job asks for them (the engine); without, every expert dequantized to fp32
+    and the stock modules (the one-process reference)."""
+    import json
+
+    from moetune.workers.experts.placement import job_placement
+    from moetune.workers.families import REGISTRY, family_for
+    from moetune.workers.weights.loader import stream_model
+
+    if source in REGISTRY:
+        return plain_model(REGISTRY[source], skew_to_first_half=skew, config=config)
+    uri, cpu = f"file://{source}", torch.device("cpu")
+    if job is None:
+        return stream_model(uri, cpu, torch.float32, cache_dir="", base_weights="dequantized").model.train()
+    with open(os.path.join(source, "config.json")) as f:
+        checkpoint_config = json.load(f)
+    model = stream_model(uri, cpu, torch.float32, job_placement(checkpoint_config, job), cache_dir="").model.train()
+    if job.training.custom_kernels:
+        family_for(checkpoint_config).apply_kernel_swaps(model)
+    return model
 
 
 def wide_config(family_name: str):
@@ -83,22 +121,28 @@ def wide_config(family_name: str):
 
 
 def make_engine(rank: int, world: int, family_name: str, job: JobCreate, skew: bool = False, config=None):
-    """The moetune engine of this rank, built exactly as a job builds it (same seeds on every rank)."""
+    """The moetune engine of this rank, built exactly as a job builds it (same seeds on every rank).
+    `family_name`: or a checkpoint folder (base_model)."""
     from moetune.workers.engine.deepspeed import build_engine
-    from moetune.workers.families import REGISTRY
     from moetune.workers.model import trainable_model
     from moetune.workers.experts.placement import job_placement
 
-    model = plain_model(REGISTRY[family_name], skew_to_first_half=skew, config=config)
+    model = base_model(family_name, skew, config, job)
     torch.manual_seed(1)
     placement = job_placement(model.config.to_dict(), job)
     engine, _ = build_engine(trainable_model(model, job, placement), job, world, job.training.max_steps, bf16=False)
     return engine
 
 
-def train_step(engine, rank: int, step: int) -> float:
+def train_step(engine, rank: int, step: int, grads: dict | None = None) -> float:
+    """`grads`: filled with every trainable parameter's full gradient of this step."""
+    from deepspeed.utils import safe_get_full_grad
+
     loss = engine(**batch(rank, step)).loss
     engine.backward(loss)
+    if grads is not None:
+        grads.update({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()
+                      if p.requires_grad})
     engine.step()
     return loss.item()
 
@@ -203,15 +247,16 @@ def run_tuner_start(rank: int, world: int, family_name: str, spec_json: str, out
 
 def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_dir: str, skew: bool = False) -> None:
     """Trains STEPS steps with a checkpoint after SAVE_AFTER, exports the adapter, then resumes a fresh engine
-    from the checkpoint and trains the remaining steps again."""
+    from the checkpoint and trains the remaining steps again. Records the first step's gradients and the expert
+    bytes too (run_engine's), so that a resume case also checks the curve."""
     from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
 
     job = JobCreate.model_validate_json(spec_json)
     ckpt, adapter = os.path.join(out_dir, "ckpt"), os.path.join(out_dir, "adapter")
     engine = make_engine(rank, world, family_name, job, skew)
-    losses = []
+    losses, grads = [], {}
     for step in range(STEPS):
-        losses.append(train_step(engine, rank, step))
+        losses.append(train_step(engine, rank, step, grads if step == 0 else None))
         if step + 1 == SAVE_AFTER:
             save_checkpoint(engine, ckpt, is_writer=rank == 0)
     save_adapter(engine, adapter, is_writer=rank == 0)
@@ -222,10 +267,11 @@ def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_
     resumed_engine = make_engine(rank, world, family_name, job, skew)
     load_checkpoint(resumed_engine, ckpt)
     resumed = [train_step(resumed_engine, rank, step) for step in range(SAVE_AFTER, STEPS)]
-    torch.save({"losses": losses, "resumed": resumed, "logits": logits}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"losses": losses, "resumed": resumed, "logits": logits, "grads": grads,
+                "expert_bytes": expert_bytes(engine.module)}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool, model_config=None):
+def _with_expert_lora(peft_model, fam, job: JobCreate, source: str, skew: bool, model_config=None):
     """The same adapter as PEFT sees it: linear LoRA plus `target_parameters` LoRA on the fused experts, with the
     expert A drawn exactly as the engine draws them (B = 0)."""
     from peft import (
@@ -257,7 +303,7 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, skew: bool, model_config=
     old = peft_model.peft_config["default"]
     config = LoraConfig(r=r, lora_alpha=old.lora_alpha, lora_dropout=0.0, target_modules=old.target_modules,
                         target_parameters=target_parameters(in_proj))
-    model = plain_model(fam, skew_to_first_half=skew, config=model_config)
+    model = base_model(source, skew, model_config)
     with _no_v4_target_conversion(model):
         reference_model = get_peft_model(model, config)
     assert not set_peft_model_state_dict(reference_model, state).unexpected_keys
@@ -281,16 +327,17 @@ def expert_grads_in_engine_layout(peft_model, fam) -> dict:
 def reference(family_name: str, job: JobCreate, world: int, skew: bool = False, micro: int = 2,
               config=None) -> dict:
     """Plain transformers + PEFT in one process: the same batches, DeepSpeed's rank-mean loss, AdamW, clipping.
-    `config`: another config of the family (the tiny one by default)."""
-    from moetune.workers.families import REGISTRY
+    `family_name`: or a checkpoint folder (base_model: dequantized); `config`: another config of the family (the
+    tiny one by default)."""
+    from moetune.workers.families import family_for
     from moetune.workers.lora.peft_lora import apply_lora
 
-    fam = REGISTRY[family_name]
-    model = plain_model(fam, skew_to_first_half=skew, config=config)
+    model = base_model(family_name, skew, config)
+    fam = family_for(model.config)
     torch.manual_seed(1)
     peft_model = apply_lora(model, job.lora)
     if job.lora.train_experts:
-        peft_model = _with_expert_lora(peft_model, fam, job, skew, config)
+        peft_model = _with_expert_lora(peft_model, fam, job, family_name, skew, config)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=job.training.learning_rate, weight_decay=0.0)
     losses, grads = [], {}

@@ -36,10 +36,18 @@ TRAIN_CASES = {
         "kimi_linear", spec(ep=2, zero=2, steps=3, train_experts=True, kernels=False), False),
 }
 
+# case id -> (family, job): the resume run on the family's tiny checkpoint in its released format
+# (harness.write_released_checkpoint; Kimi K3: per-expert mxfp4-pack-quantized experts), each rank's experts streamed
+# and kept packed, with and without expert LoRA; also its curve against the one-process reference on the same
+# checkpoint dequantized. It stands in for the family's RESUME_CASES run (one K3 resume run fewer in ep_runs).
+RELEASED_FAMILIES = ("kimi_k3",)
+RELEASED_CASES = {f"{family}-released-zero2{suffix}": (family, spec(ep=2, zero=2, steps=STEPS, train_experts=experts))
+                  for family in RELEASED_FAMILIES for experts, suffix in ((True, "-experts"), (False, ""))}
+
 # case id -> (family, job): checkpoint after step SAVE_AFTER, resume, and the exported adapter (expert LoRA on)
 RESUME_CASES = {
     **{f"{family}-zero2": (family, spec(ep=2, zero=2, steps=STEPS, train_experts=True, lr=3e-2))
-       for family in FAMILIES},
+       for family in FAMILIES if family not in RELEASED_FAMILIES},
     **{f"{family}-zero3": (family, spec(ep=2, zero=3, steps=STEPS, train_experts=True, lr=3e-2))
        for family in ("kimi_linear", "qwen3_moe")},
     "qwen3_moe-zero1": ("qwen3_moe", spec(ep=2, zero=1, steps=STEPS, train_experts=True, lr=3e-2)),

@@ -3,8 +3,15 @@ import torch
 
 from moetune.workers.families import REGISTRY
 from moetune.workers.tiny import write_tiny_multimodal_checkpoint
-from tests.workers.experts.cases import IMAGE_CASES, RESUME_CASES, SAVED_CASES, TRAIN_CASES, TUNER_START_CASES
-from bench.support.harness import launch, run_cases
+from tests.workers.experts.cases import (
+    IMAGE_CASES,
+    RELEASED_CASES,
+    RESUME_CASES,
+    SAVED_CASES,
+    TRAIN_CASES,
+    TUNER_START_CASES,
+)
+from bench.support.harness import launch, run_cases, write_released_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +23,9 @@ def ep_runs(tmp_path_factory):
     cases += [(case, "resume", fam, job.model_dump_json(), False) for case, (fam, job) in RESUME_CASES.items()]
     for runner, more in (("saved", SAVED_CASES), ("tuner_start", TUNER_START_CASES)):
         cases += [(case, runner, fam, job.model_dump_json(), False) for case, (fam, job) in more.items()]
+    for case, (fam, job) in RELEASED_CASES.items():  # their "family" is the checkpoint's folder, the case's "base"
+        cases.append((case, "resume", write_released_checkpoint(str(out / case / "base"), fam), job.model_dump_json(),
+                      False))
     for case, (fam, job) in IMAGE_CASES.items():  # their runner takes the checkpoint folder for the family
         model_dir = write_tiny_multimodal_checkpoint(str(out / f"{case}-model"), REGISTRY[fam].tiny_config)
         cases.append((case, "image", model_dir, job.model_dump_json(), False))

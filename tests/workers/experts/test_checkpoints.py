@@ -1,4 +1,5 @@
-"""Per-rank checkpoints with exact resume, and the exported adapter on the plain transformers model, per family."""
+"""Per-rank checkpoints with exact resume, and the exported adapter on the plain transformers model, per family
+(and on a released quantized checkpoint, dequantized, with and without expert LoRA)."""
 
 import os
 
@@ -6,28 +7,34 @@ import pytest
 import torch
 
 from bench.support.tiny_models import batch, plain_model
-from tests.workers.experts.cases import RESUME_CASES
-from bench.support.harness import SAVE_AFTER
+from tests.workers.experts.cases import RELEASED_CASES, RESUME_CASES
+from bench.support.harness import SAVE_AFTER, base_model
 
 
-@pytest.mark.parametrize("case", list(RESUME_CASES))
+@pytest.mark.parametrize("case", list(RESUME_CASES) + list(RELEASED_CASES))
 def test_resume_is_exact_and_adapter_loads_into_peft(ep_runs, case):
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import load_file
 
     from moetune.workers.families import REGISTRY
 
-    fam = REGISTRY[RESUME_CASES[case][0]]
+    family, job = {**RESUME_CASES, **RELEASED_CASES}[case]
+    fam = REGISTRY[family]
     out, ranks = ep_runs(case)
     for r in ranks:
         assert r["resumed"] == r["losses"][SAVE_AFTER:]  # bit-exact
-    assert sorted(os.listdir(out / "ckpt" / "expert_lora")) == ["ep-0-of-2.safetensors", "ep-1-of-2.safetensors"]
+    expert_lora = job.lora.train_experts
+    if expert_lora:
+        assert sorted(os.listdir(out / "ckpt" / "expert_lora")) == ["ep-0-of-2.safetensors", "ep-1-of-2.safetensors"]
+    else:  # only DeepSpeed's state: the frozen experts are the base's
+        assert not (out / "ckpt" / "expert_lora").exists()
 
-    model = PeftModel.from_pretrained(plain_model(fam), str(out / "adapter")).eval()
+    plain = base_model(str(out / "base")) if case in RELEASED_CASES else plain_model(fam)
+    model = PeftModel.from_pretrained(plain, str(out / "adapter")).eval()
     # every adapter tensor has its place in the plain model, and every LoRA tensor there is in the file
     assert load_file(str(out / "adapter" / "adapter_model.safetensors")).keys() == \
         get_peft_model_state_dict(model).keys()
-    assert any(".experts.base_layer.lora_B" in n for n, _ in model.named_parameters())
+    assert any(".experts.base_layer.lora_B" in n for n, _ in model.named_parameters()) == expert_lora
     if fam.shared_experts:  # PEFT kept the shared experts' LoRA where the engine trained it
         assert any(f".{fam.shared_experts}." in n and "lora_B" in n for n, _ in model.named_parameters())
     with torch.no_grad():
