@@ -74,6 +74,22 @@ class _OneRank:
     all_max = all_min = all_sum
 
 
+def random_pairs(seed: int, count: int = 2) -> list:
+    """Deterministic pairs of random token ids (no tokenizer): a prompt without loss, then answers of unequal
+    length."""
+    from moetune.workers.methods.batch import IGNORE
+    from moetune.workers.methods.dpo import PreferencePair
+    from moetune.workers.methods.sft import Example
+
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for i in range(count):
+        prompt = torch.randint(3, 256, (4 + i,), generator=g).tolist()
+        chosen, rejected = (torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 3 + 2 * i))
+        pairs.append(PreferencePair(*(Example(prompt + a, [IGNORE] * len(prompt) + a) for a in (chosen, rejected))))
+    return pairs
+
+
 def random_lora_b(model, scale: float = 0.1) -> None:
     """Every LoRA B drawn from its name, so that the policy differs from the reference; an expert-parallel
     module's B (lora_*_b, this rank's experts) is its slice of the one drawn for all the experts."""

@@ -26,18 +26,9 @@ PAD = SimpleNamespace(pad_token_id=0)  # the collate's padding id (the pairs are
 
 
 def _pairs(rank: int) -> list:
-    """Deterministic pairs of random token ids: a prompt (no loss), then answers of unequal length."""
-    from moetune.workers.methods.batch import IGNORE
-    from moetune.workers.methods.dpo import PreferencePair
-    from moetune.workers.methods.sft import Example
+    from tests.workers.methods.test_dpo import random_pairs
 
-    g = torch.Generator().manual_seed(100 + rank)
-    pairs = []
-    for i in range(PAIRS_PER_RANK):
-        prompt = torch.randint(3, 256, (4 + i,), generator=g).tolist()
-        chosen, rejected = (torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 3 + 2 * i))
-        pairs.append(PreferencePair(*(Example(prompt + a, [IGNORE] * len(prompt) + a) for a in (chosen, rejected))))
-    return pairs
+    return random_pairs(100 + rank, PAIRS_PER_RANK)
 
 
 def _model(family_name: str, job: JobCreate):

@@ -81,21 +81,6 @@ def test_logits_and_lora_gradients_match_the_dequantized_model(quantized):
         torch.testing.assert_close(quant_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _preference_pairs() -> list:
-    """Two pairs of random token ids: a prompt without loss, then answers of unequal length."""
-    from moetune.workers.methods.batch import IGNORE
-    from moetune.workers.methods.dpo import PreferencePair
-    from moetune.workers.methods.sft import Example
-
-    g = torch.Generator().manual_seed(7)
-    pairs = []
-    for i in range(2):
-        prompt = torch.randint(3, 256, (4 + i,), generator=g).tolist()
-        chosen, rejected = (torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 3 + 2 * i))
-        pairs.append(PreferencePair(*(Example(prompt + a, [IGNORE] * len(prompt) + a) for a in (chosen, rejected))))
-    return pairs
-
-
 def test_dpo_on_the_quantized_base_trains_as_on_the_dequantized_one(quantized):
     """DPO's reference is the base with every LoRA off (workers.methods.dpo.lora_off), here LoRA on quantized
     linears (FP8) and packed routed experts: it gives the dequantized base's log-probabilities, and the DPO loss,
@@ -104,7 +89,7 @@ def test_dpo_on_the_quantized_base_trains_as_on_the_dequantized_one(quantized):
     from types import SimpleNamespace
 
     from moetune.workers.methods.dpo import DpoMethod, lora_off
-    from tests.workers.methods.test_dpo import random_lora_b
+    from tests.workers.methods.test_dpo import random_lora_b, random_pairs
 
     fmt, path = quantized
     runs = {}
@@ -114,7 +99,7 @@ def test_dpo_on_the_quantized_base_trains_as_on_the_dequantized_one(quantized):
         random_lora_b(model)
         method = DpoMethod(SimpleNamespace(pad_token_id=0), seq_len=64, beta=0.5)
         method.prepare(model)
-        pairs = method.collate(_preference_pairs())
+        pairs = method.collate(random_pairs(7))
         with torch.no_grad(), lora_off(model):
             reference = method.log_probs(model, pairs)
         loss = method.loss_sum(model, pairs)
