@@ -12,8 +12,8 @@ Every call returns at once with a CallFuture; the session runs its calls one at 
 so a loop may queue a forward_backward and an optim_step and wait for the last alone.
 
 When the worker group fails (a worker or its driver lost), or on restart(), the control plane starts a new one that
-loads the newest save_state; the calls the old group had not finished raise CallFailed with `restarted` true and `restored_step`
-(the step the session is back at), so the loop can go on from there.
+loads the newest save_state; the calls the old group had not finished raise CallFailed with `restarted` true and
+`restored_step` (the step the session is back at), so the loop can go on from there.
 """
 
 from __future__ import annotations

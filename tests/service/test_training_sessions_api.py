@@ -170,12 +170,12 @@ def test_two_creates_at_once_cannot_both_take_the_last_place(start_service, monk
         assert "its quota max_running_jobs=1" in refused.json()["error"]["message"]
         taken, refused = create_twice("tenant-b")
         assert (taken.status_code, refused.status_code) == (200, 429), refused.text
-        assert ("wait for a running slot (0 jobs running and 2 training sessions open, max_running_jobs=2)"
-                in refused.json()["error"]["message"])
+        full = "a running slot (0 jobs running and 2 training sessions open, max_running_jobs=2)"
+        assert f"wait for {full}" in refused.json()["error"]["message"]
         job = service.store.create_job(JobRow(id="ftjob-behind-sessions", tenant="tenant-b", status="queued",
                                               spec={}, seed=1, output_uri="s3://b/o"), [])
         service.app.state.scheduler.submit_queued()  # one pass (the tests' control planes do not schedule alone)
-        assert service.store.get_job(job.id).queue_reason == "waiting for a running slot (0 jobs running and 2 training sessions open, max_running_jobs=2)"
+        assert service.store.get_job(job.id).queue_reason == f"waiting for {full}"
     finally:
         ray.close()
 
