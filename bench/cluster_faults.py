@@ -29,7 +29,8 @@ from ray.job_submission import JobStatus
 
 from bench.support.cluster_job import (HEAD_STEPS, JOB_TIMEOUT_S, checkpoint_before_requeue, cluster_stack, ended,
                                        gcs_redis_available, history, messages, repeated_losses_match, run_spec,
-                                       submit, through_head_loss, through_node_faults, wait_for)
+                                       submit, through_head_loss, through_node_faults, wait_for,
+                                       waits_after_requeue)
 from bench.support.netns_cluster import DETECTION_BOUND_S, netns_permitted
 from bench.support.receiver import ReportReceiver
 
@@ -84,6 +85,7 @@ def main() -> int:
               f"{head['down_noticed_s']:.1f}s after the kill; worker nodes kept: {head['workers_kept']}; job "
               f"{job.status}, started {len(started)} times, resumed from steps {head_resumes} "
               f"{head['resumed_s']}s after the kill; the steps run again gave the same losses: {head_same}")
+        print(f"between the requeue and the next start: {waits_after_requeue(events)}")
         resumed_s = f"{head['resumed_s']:.0f}" if head["resumed_s"] is not None else "none"
         print(f"RESULT nodes={len(stack.cluster.nodes)} node_loss_recovered={same and len(resumes) >= 1} "
               f"head_loss_recovered={head_ok} head_loss_workers_kept={head['workers_kept']} "

@@ -244,16 +244,28 @@ def through_head_loss(stack: ClusterStack, work: str) -> dict:
             "resumed_s": resumed[-1].created_at - killed_at if resumed else None}
 
 
+def _requeued_at(events: list) -> int:
+    return next(i for i, e in enumerate(events) if e.message.startswith("Job requeued"))
+
+
 def checkpoint_before_requeue(events: list) -> int:
     """The newest checkpoint the job had saved when it was requeued (its workers may train on for a while
     after the head went: they live on the worker nodes and report to the control plane directly)."""
-    requeue = next(i for i, e in enumerate(events) if e.message.startswith("Job requeued"))
+    requeue = _requeued_at(events)
     return max((e.data["step"] for e in events[:requeue] if e.message.startswith("Checkpoint saved")), default=0)
 
 
 def repeated_losses_match(events: list, tolerance: float) -> bool:
     """Every step the resumed attempt ran again (it started after the requeue) gave the loss it gave before."""
-    requeue = next(i for i, e in enumerate(events) if e.message.startswith("Job requeued"))
+    requeue = _requeued_at(events)
     before = {e.data["step"]: e.data["train_loss"] for e in events[:requeue] if e.type == "metrics"}
     again = [(e.data["step"], e.data["train_loss"]) for e in events[requeue:] if e.type == "metrics"]
     return all(abs(loss - before[step]) <= tolerance for step, loss in again if step in before)
+
+
+def waits_after_requeue(events: list) -> list[str]:
+    """The messages the requeued job got before it started again: what it waited for (Ray's resource report
+    lags the nodes rejoining a restarted head)."""
+    requeue = _requeued_at(events)
+    start = next((i for i in range(requeue, len(events)) if events[i].message == "Job started"), len(events))
+    return [e.message for e in events[requeue + 1:start] if e.type == "message"]
