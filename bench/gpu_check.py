@@ -248,6 +248,26 @@ def _check_kda(s: Setting, dtype, impl: str = "moetune", op: str = "kda") -> flo
     return max(_rmse(a, b) for a, b in pairs)
 
 
+def _check_kda_decode(s: Setting, dtype) -> float:
+    """Generation's KDA step as kernels.kda.recurrent_kda runs it on CUDA (fla's fused_recurrent_kda where fla is
+    here): rows of one token on fp32 states, q, k (unnormalised) and v in `dtype`, gates and β in fp32 (Kimi K3's
+    decode); against the PyTorch step on the same values in fp32, outputs and final states."""
+    import torch
+
+    from moetune.kernels.kda import l2norm, recurrent_kda_kernel, recurrent_kda_torch
+
+    rows, h, d = (3, 1, 16) if s.dry else (64, 96, 128)
+    q, k, v, g, beta = _leaves(s.device, torch.float32, *[(rows, 1, h, d)] * 4, (rows, 1, h), grad=False)
+    g, beta = -g.abs() * 0.5, beta.sigmoid()
+    state = _leaves(s.device, torch.float32, (rows, h, d, d), grad=False)[0]
+    low = [x.to(dtype) for x in (q, k, v)]
+    ours = recurrent_kda_kernel(s.device)(*low, g, beta, initial_state=state, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)
+    q32, k32, v32 = (x.float() for x in low)
+    ref = recurrent_kda_torch(l2norm(q32), l2norm(k32), v32, g, beta, initial_state=state, output_final_state=True)
+    return max(_rmse(a, b) for a, b in zip(ours, ref))
+
+
 def _check_sparse(s: Setting, dtype) -> float:
     """Over a shared latent as the MLA families run it (one kv head; values = its first columns; a RoPE tail)."""
     from moetune.kernels.sparse_attention import select_topk, sparse_attention
@@ -305,6 +325,7 @@ def stage_correctness(s: Setting) -> dict:
         if _installed("fla") and s.device.type == "cuda":
             checks[f"kda_fla_{name}"] = lambda d=dtype: _check_kda(s, d, "fla")
             checks[f"gated_delta_fla_{name}"] = lambda d=dtype: _check_kda(s, d, "fla", "gated_delta")
+            checks[f"kda_decode_fla_{name}"] = lambda d=dtype: _check_kda_decode(s, d)
     if s.dry:
         checks = {name: check for name, check in checks.items() if name in DRY_CHECKS}
     errors, failed = {}, []
