@@ -46,21 +46,36 @@ def _short_conv(stock, hidden_states, weight, bias=None, activation=None, cu_seq
     a Gated DeltaNet layer's ~26 ms fwd+bwd at the image bench's shape (B 32, 128 channels, T 34)."""
     if cu_seq_lens_q is None and hidden_states.device.type == "cuda":
         return stock(hidden_states, weight, bias=bias, activation=activation, **kwargs)
-    length, width = hidden_states.shape[-1], weight.shape[-1]
-    x = F.pad(hidden_states.to(weight.dtype), (width - 1, 0))
-    taps = weight.unsqueeze(-1)  # (D, width, 1): tap j reads position t - (width - 1 - j)
-    if cu_seq_lens_q is not None:
-        starts = torch.zeros(length, dtype=torch.long, device=hidden_states.device)
-        starts[cu_seq_lens_q[1:-1].long()] = 1
-        segment = F.pad(starts.cumsum(0), (width - 1, 0), value=-1)  # each position's sequence
-        same = torch.stack([segment[j:j + length] == segment[width - 1:] for j in range(width)])
-        taps = taps * same  # (D, width, T)
-    out = taps[:, 0] * x[..., :length] if bias is None else torch.addcmul(bias[:, None], taps[:, 0], x[..., :length])
-    for j in range(1, width):
-        out = torch.addcmul(out, taps[:, j], x[..., j:j + length])
+    width = weight.shape[-1]
+    x = hidden_states.to(weight.dtype)
+    if cu_seq_lens_q is None:
+        x, at = F.pad(x, (width - 1, 0)), None
+    else:
+        x, at = _spaced(x, cu_seq_lens_q, width - 1)
+    length = x.shape[-1] - (width - 1)
+    out = weight[:, :1] * x[..., :length] if bias is None else torch.addcmul(bias[:, None], weight[:, :1],
+                                                                              x[..., :length])
+    for j in range(1, width):  # tap j reads position t - (width - 1 - j)
+        out = torch.addcmul(out, weight[:, j:j + 1], x[..., j:j + length])
+    if at is not None:
+        out = out.index_select(-1, at)
     if activation is not None:
         out = ACT2FN[activation](out)
     return out.to(hidden_states.dtype)
+
+
+def _spaced(x, cu_seq_lens, gap: int):
+    """x [B, D, T] of packed sequences -> (the sequences each behind `gap` zeros, [B, D, T + gap · sequences];
+    where each token's output lands in the conv over it). The conv then saves for backward what it saves for one
+    unpacked row, the planner's measure (with frozen taps: the indices only); masking the taps per position instead
+    saved a [D, width, T] tensor, 4x the bytes of x."""
+    length = x.shape[-1]
+    starts = torch.zeros(length, dtype=torch.long, device=x.device)
+    starts[cu_seq_lens[1:-1].long()] = 1
+    at = torch.arange(length, device=x.device) + gap * starts.cumsum(0)
+    spaced = x.new_zeros(*x.shape[:-1], length + gap * (cu_seq_lens.numel() - 1))
+    spaced[..., at + gap] = x  # saves the index only (index_copy would save x as well)
+    return spaced, at
 
 
 # The layers' transformers functions (module-level in their modeling modules, looked up at call time) and ours
