@@ -88,7 +88,9 @@ def reference(tiny_vl, method, job, ranks) -> tuple[float, dict]:
     return loss.item(), {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
 
 
-def assert_grads(got: dict, want: dict):
+def assert_grads(got: dict, want: dict, atol_per_max: float = 0.0):
+    """Every LoRA gradient equal to the reference's: rtol 1e-4, atol 1e-6 or `atol_per_max` of the tensor's largest
+    entry where a family's fp32 round-off is larger (see tests/workers/experts/test_image_exactness_ep.py)."""
     assert got.keys() == want.keys() and any("vision" not in n for n in want)
     for name, expected in want.items():
         if expected is None:  # glm5_next's indexer LoRA: its top-k selection passes no gradient, on either side
@@ -96,4 +98,5 @@ def assert_grads(got: dict, want: dict):
             assert ".indexer." in name and (got[name] is None or not got[name].any()), name
             continue
         assert expected.abs().max() > 0 or "lora_A" in name, name  # B starts at 0: only B has a first gradient
-        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+        atol = max(1e-6, atol_per_max * expected.abs().max().item())
+        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=atol, msg=name)
