@@ -51,6 +51,7 @@ ACTIVE_STATUSES = tuple(s for s in JobStatus if not s.terminal)
 # Jobs whose Ray submission holds one of the max_running_jobs slots (and its GPUs).
 SLOT_STATUSES = (JobStatus.running, JobStatus.pausing)
 SCHEDULER_LEASE = "scheduler"  # the leases row whose holder schedules (service/cluster/leader.py)
+_FENCED_IDLE_LIMIT_MS = 2000  # see Store._fenced
 SLOTS_LOCK = "slots"  # the leases row locked while a slot is given (Store.slots_locked; migration 0008)
 # Autoincrementing 64-bit keys; SQLite only autoincrements a column declared INTEGER.
 SequenceKey = BigInteger().with_variant(Integer(), "sqlite")
@@ -415,9 +416,15 @@ class Store:
 
     def _fenced(self, s: Session, fence: int | None) -> bool:
         """Whether `fence` is still the scheduler lease's epoch. The row is share-locked until the caller's
-        transaction ends, so a takeover (which updates it) waits for the fenced write to commit or roll back."""
+        transaction ends, so a takeover (which updates it) waits for the fenced write to commit or roll back.
+
+        A leader paused inside that transaction (SIGSTOP, a frozen VM) would keep the lock, and the takeover
+        waiting, until it resumes: PostgreSQL ends such a transaction once it idles _FENCED_IDLE_LIMIT_MS between
+        statements (its statements go back to back otherwise), and the woken leader's write fails instead."""
         if fence is None:
             return True
+        if self.engine.dialect.name == "postgresql":
+            s.execute(text(f"SET LOCAL idle_in_transaction_session_timeout = {_FENCED_IDLE_LIMIT_MS}"))
         epoch = s.scalar(select(LeaseRow.epoch).where(LeaseRow.name == SCHEDULER_LEASE).with_for_update(read=True))
         return epoch == fence
 

@@ -9,6 +9,7 @@ read back first).
 
 from __future__ import annotations
 
+import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -19,6 +20,7 @@ from moetune.service.api_exception import APIException
 APP_NAME = "moetune-serve"
 APP_BUILDER = "moetune.workers.serve.app:build_app"
 _APPS_PATH = "/api/serve/applications/"
+_READ_ATTEMPTS = 3
 
 
 def openai_base_url(serve_url: str) -> str:
@@ -31,11 +33,18 @@ def _unavailable(message: str) -> APIException:
 
 
 def current_app(ray_address: str) -> dict | None:
-    """The deployed config and status of moetune's Serve app ({"args", "status"}), None if none is deployed."""
-    try:
-        answer = httpx.get(ray_address.rstrip("/") + _APPS_PATH, timeout=30)
-    except httpx.HTTPError as exc:
-        raise _unavailable(f"The Ray dashboard at {ray_address} did not answer: {exc}") from exc
+    """The deployed config and status of moetune's Serve app ({"args", "status"}), None if none is deployed.
+
+    The read is retried when a connection was made but dropped: a busy dashboard sometimes closes one without
+    answering (seen on a loaded 2-core machine: `moetune demo` failed on one such GET right after its job)."""
+    for attempt in range(1, _READ_ATTEMPTS + 1):
+        try:
+            answer = httpx.get(ray_address.rstrip("/") + _APPS_PATH, timeout=30)
+            break
+        except httpx.HTTPError as exc:
+            if attempt == _READ_ATTEMPTS or isinstance(exc, httpx.ConnectError):
+                raise _unavailable(f"The Ray dashboard at {ray_address} did not answer: {exc}") from exc
+            time.sleep(attempt)
     if answer.status_code != 200:
         raise _unavailable(f"Ray Serve answered {answer.status_code}: {answer.text[:500]}")
     app = (answer.json().get("applications") or {}).get(APP_NAME)

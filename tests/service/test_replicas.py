@@ -171,6 +171,32 @@ def test_a_deposed_leaders_writes_are_fenced_out(postgres_url):
     new_store.close()
 
 
+def test_a_leader_paused_inside_a_fenced_write_does_not_hold_the_takeover(postgres_url):
+    """SIGSTOP can land between a fenced write's share lock and its commit (the full suite's paused-leader case hit
+    it on a loaded machine): the standby takes the lease once the database ends that idle transaction, and the
+    paused leader's write, when it wakes, changes nothing."""
+    from sqlalchemy import update
+    from sqlalchemy.exc import DBAPIError
+
+    old_store, new_store = Store(postgres_url), Store(postgres_url)
+    old_store.migrate()
+    old = LeaderLease(old_store, duration_s=0.3, renew_s=0.1)
+    old.renew()
+    job_id = _queued_job(old_store)
+    new = LeaderLease(new_store, duration_s=30, renew_s=10)
+    with pytest.raises(DBAPIError, match="idle-in-transaction timeout"), old_store._write() as s:
+        assert old_store._fenced(s, old.epoch())  # the share lock is taken; then the leader stops
+        time.sleep(0.4)  # past its lease
+        renewing = threading.Thread(target=new.renew)  # waits on the lock until the paused transaction ends
+        renewing.start()
+        renewing.join(10)
+        assert not renewing.is_alive() and new.epoch() is not None, "the takeover waited for the paused leader"
+        s.execute(update(JobRow).where(JobRow.id == job_id).values(status="running"))  # the woken leader's write
+    assert old_store.get_job(job_id, "t").status == "queued"
+    old_store.close()
+    new_store.close()
+
+
 def _queued_job(store: Store) -> str:
     job = store.create_job(JobRow(id="ftjob-fenced", tenant="t", status="queued", priority=0, spec={}, seed=1,
                                   output_uri="s3://o/x", result_files=[], progress={}), ["Job queued"])
