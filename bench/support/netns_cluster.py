@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import httpx
 
-from moetune.service.local.embedded import QUIET_LOG_MONITOR
-
 GCS_PORT, DASHBOARD_PORT = 6379, 8265  # each node has its own ports: Ray's defaults collide with nothing
 NIC = "eth0"  # the node's interface, as on a real node
 # The GCS marks a node dead after this many missed health checks, one every HEALTH_CHECK_MS, each given as long
@@ -131,8 +129,7 @@ class NetnsCluster:
                "RAY_AUTH_MODE": "disabled",
                "RAY_health_check_period_ms": str(HEALTH_CHECK_MS),
                "RAY_health_check_timeout_ms": str(HEALTH_CHECK_MS),
-               "RAY_health_check_failure_threshold": str(HEALTH_CHECK_MISSES),
-               **QUIET_LOG_MONITOR}  # the nodes share this machine's cores
+               "RAY_health_check_failure_threshold": str(HEALTH_CHECK_MISSES)}
         if head and self.gcs_redis:
             env["RAY_REDIS_ADDRESS"] = self.gcs_redis
         with open(node.start_log, "ab") as log:

@@ -108,13 +108,12 @@ def local_s3_server(port: int | None = None, host: str = "127.0.0.1"):
 RAY_PORTS = ("gcs", "dashboard", "agent", "client")
 # A head on one machine has no nodes to lose to preemption and its drivers carry their own runtime environments:
 # Ray Train's preemption watcher (an actor per run) and the idle workers prestarted for a driver, whose environment
-# never matches a job's, each cost a Python process per job (~2.5 s of CPU apiece) and do nothing here.
-# Each node's log monitor globs its log folder for new files ten times a second until it holds 1,000 (every worker
-# and actor leaves two): where nodes share one machine's cores, every 2 s instead, which only delays the first lines
-# of a new worker's log (an idle head: 4.05 -> 3.38 CPU-s a minute; the suite's heads spent ~50 CPU-s each in it).
-QUIET_LOG_MONITOR = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "2"}
+# never matches a job's, each cost a Python process per job (~2.5 s of CPU apiece) and do nothing here. The log
+# monitor globs the session's log folder for new files ten times a second until it holds 1,000 (every worker and
+# actor leaves two): every 2 s instead, which only delays the first lines of a new worker's log (an idle head:
+# 4.05 -> 3.38 CPU-s a minute; the suite's heads spent ~50 CPU-s each in it before).
 _ONE_MACHINE = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_first_driver": "0",
-                **QUIET_LOG_MONITOR}
+                "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "2"}
 
 
 @dataclass
