@@ -27,7 +27,8 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/moetune demo
 
 # Two workers: the suite keeps both cores busy (4,370 CPU-s in 2,289 s on three workers, 1.9 cores), so a third
-# worker overlapped no waiting; it added a Ray head (~4 CPU-s a minute) and contention (tests/conftest.py).
+# worker overlapped no waiting; it added a Ray head (~4 CPU-s a minute) and contention. Two: 3,804 CPU-s in 2,069 s
+# (a reinstall included), none of the load failures (tests/conftest.py).
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): hundreds of processes
 # (Ray workers, children) import the same moetune modules, and each would compile them again (~0.5 s apiece).
 test: $(STAMP)

@@ -80,8 +80,9 @@ def receiver():
 
 # `make test` runs the suite on two pytest-xdist workers (--dist loadgroup): while one waits (on a Ray job, a child
 # process, a server) the other computes, and the jobs' own processes fill the cores (a full run on three workers kept
-# 1.9 of 2 cores busy, and its third Ray head cost ~4 CPU-s a minute). Each worker is a pytest session of its own: one S3 server and, if it runs a job, one Ray head each. A module's tests run on one worker
-# (their module fixtures are built once), and so do all tests sharing one of the expensive session fixtures below.
+# 1.9 of 2 cores busy, and its third Ray head cost ~4 CPU-s a minute). Each worker is a pytest session of its own:
+# one S3 server and, if it runs a job, one Ray head each. A module's tests run on one worker (their module fixtures
+# are built once), and so do all tests sharing one of the expensive session fixtures below.
 # The groups that run real jobs or share such a fixture are handed out first, the longest of them (measured in a
 # full run) first of all, so that no long group starts last (LPT). `make test` passes --no-loadscope-reorder: xdist
 # would otherwise hand out the groups with the most tests first, and the one-test job modules last.
