@@ -8,10 +8,13 @@ STAMP := $(VENV)/.moetune-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py bench/gpu_check_requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	# The GPU check's list pins the whole closure of what the suite imports (transformers' own requirements too):
+	# as constraints here, a new release of a package nobody pins (httpx2, regex, ...) cannot change what the suite
+	# runs, nor leave the GPU host a version the suite never ran (tests/kernels/test_gpu_check_dry_run.py).
+	$(BIN)/python -m pip install -q -c bench/gpu_check_requirements.txt -e '.[test]'
 	# fla-core's wheel (the [cuda] extra's pin), downloaded, never installed (transformers dispatches to fla whenever
 	# it is importable): tests/kernels/test_kda_fla.py imports it in a child process to build its launches for sm_90.
 	$(BIN)/python -m pip download -q --no-deps -d $(VENV)/wheels fla-core==0.6.0

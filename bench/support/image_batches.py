@@ -73,24 +73,37 @@ def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir:
     torch.save({"loss": loss.item(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def reference(tiny_vl, method, job, ranks) -> tuple[float, dict]:
-    """Stock transformers + PEFT, same LoRA draw: the rank-mean of the loss sums and its LoRA gradients."""
+def reference(tiny_vl, method, job, ranks, dtype: torch.dtype = torch.float32) -> tuple[float, dict]:
+    """Stock transformers + PEFT, same LoRA draw (made in fp32, then the model in `dtype`): the rank-mean of the
+    loss sums and its LoRA gradients."""
     from moetune.workers.lora.peft_lora import apply_lora
     from moetune.workers.methods.sft import token_loss_sum
 
     model = image_model(tiny_vl)
     torch.manual_seed(1)
-    peft_model = apply_lora(model, job.lora)
+    peft_model = apply_lora(model, job.lora).to(dtype)
     pad_id = method.tokenizer.pad_token_id
-    loss = sum(token_loss_sum(peft_model(**with_padding_mask(b.inputs, pad_id)).logits, b.labels)
+
+    def inputs(batch) -> dict:
+        return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in with_padding_mask(batch.inputs, pad_id).items()}
+
+    loss = sum(token_loss_sum(peft_model(**inputs(b)).logits, b.labels)
                for b in (image_batch(method, r) for r in ranks)) / len(ranks)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
 
 
+def round_off(approx: dict, exact: dict) -> float:
+    """The largest gap between two gradient sets as a share of the exact tensor's largest entry."""
+    return max(((approx[n].double() - g).abs().max() / g.abs().max()).item()
+               for n, g in exact.items() if g is not None and g.abs().max() > 0)
+
+
 def assert_grads(got: dict, want: dict, atol_per_max: float = 0.0):
     """Every LoRA gradient equal to the reference's: rtol 1e-4, atol 1e-6 or `atol_per_max` of the tensor's largest
-    entry where a family's fp32 round-off is larger (see tests/workers/experts/test_image_exactness_ep.py)."""
+    entry where a family's fp32 round-off is larger (see tests/workers/experts/test_image_exactness_ep.py). A
+    float64 reference is compared in fp32."""
     assert got.keys() == want.keys() and any("vision" not in n for n in want)
     for name, expected in want.items():
         if expected is None:  # glm5_next's indexer LoRA: its top-k selection passes no gradient, on either side
@@ -99,4 +112,4 @@ def assert_grads(got: dict, want: dict, atol_per_max: float = 0.0):
             continue
         assert expected.abs().max() > 0 or "lora_A" in name, name  # B starts at 0: only B has a first gradient
         atol = max(1e-6, atol_per_max * expected.abs().max().item())
-        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=atol, msg=name)
+        torch.testing.assert_close(got[name], expected.to(got[name].dtype), rtol=1e-4, atol=atol, msg=name)

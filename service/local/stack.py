@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -27,7 +28,8 @@ from pathlib import Path
 
 from moetune.api import storage
 from moetune.service.local import processes
-from moetune.service.local.embedded import free_port, s3_env, spawn_ray_head, spawn_s3_server, wait_http
+from moetune.service.local.embedded import (RAY_PORTS, free_port, s3_env, spawn_ray_head, spawn_s3_server,
+                                            wait_http)
 
 STATE_DIR = Path(".moetune")
 TENANT = "local"
@@ -102,17 +104,35 @@ def _port(url: str) -> int | None:
     return int(url.rsplit(":", 1)[1]) if url else None
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no obstacle
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _kept_port() -> int:
+    """A free port between Ray's worker ports (10002-19999) and the kernel's ephemeral range. A port from bind(0)
+    is one that the next bind(0) or outgoing connection of any process (a job's gloo or metrics sockets) may take
+    the moment its server dies: a SIGKILLed control plane came back on another port in a loaded full run."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
+    for _ in range(100):
+        port = random.randrange(20000, max(ephemeral, 20001))
+        if _bindable(port):
+            return port
+    return free_port()
+
+
 def _port_like(port: int | None) -> int:
     """The last run's port when it is free (the URL a user exported stays right), else a new one."""
-    if port:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no obstacle
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                pass
-    return free_port()
+    return port if port and _bindable(port) else _kept_port()
 
 
 def _healthy(stack: Stack, role: str) -> bool:
@@ -146,11 +166,11 @@ def up(state_dir: Path = STATE_DIR, ray_address: str | None = None, num_cpus: in
     with _locked(state_dir):
         saved = _saved(state_dir)
         base_models = base_models or saved.get("base_models") or {}
-        stack = _stack(saved) if saved else Stack(url=f"http://127.0.0.1:{free_port()}",
+        stack = _stack(saved) if saved else Stack(url=f"http://127.0.0.1:{_kept_port()}",
                                                   token=f"local-{secrets.token_hex(8)}", s3_endpoint="",
                                                   ray_address="")
         # a port of its own, not the Serve default 8001 another stack or program may hold
-        stack.serve_url = stack.serve_url or f"http://127.0.0.1:{free_port()}"
+        stack.serve_url = stack.serve_url or f"http://127.0.0.1:{_kept_port()}"
         if ray_address is None and stack.pids and not stack.ray_ports:
             ray_address = stack.ray_address  # keep the cluster a running stack was given
         for name in tenants:
@@ -191,7 +211,7 @@ def _start(role: str, stack: Stack, state_dir: Path, base_models: dict[str, str]
         if not stack.ray_temp_dir or not os.path.isdir(stack.ray_temp_dir):
             stack.ray_temp_dir = tempfile.mkdtemp(prefix="moetune-ray-")  # short: Ray's socket paths are limited
         stack.ray_num_cpus = num_cpus or stack.ray_num_cpus or max(4, os.cpu_count() or 1)
-        ports = {name: _port_like(port) for name, port in stack.ray_ports.items()}
+        ports = {name: _port_like(stack.ray_ports.get(name)) for name in RAY_PORTS}
         proc, head = spawn_ray_head(stack.ray_num_cpus, {**s3_env(stack.s3_endpoint),
                                                          **processes.tag(stack.stack_id, role)},
                                     stack.ray_temp_dir, ports)

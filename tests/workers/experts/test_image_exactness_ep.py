@@ -4,15 +4,17 @@ PEFT on both ranks' batches, for qwen3_5_moe and for glm5_next (KDA and sparse a
 swapped in too)."""
 
 import pytest
+import torch
 
-from bench.support.image_batches import assert_grads, image_method, reference
+from bench.support.image_batches import assert_grads, image_method, reference, round_off
 from tests.workers.experts.cases import IMAGE_CASES
 
-# Gradient atol as a share of the tensor's largest entry, where the default 1e-6 is below the fp32 round-off. Kimi
-# K3's tiny model (initializer_range 0.1: LoRA B gradients up to ~7): the stock fp32 reference itself is up to
-# 2.35e-5 of max|grad| away from the same model in float64 (31 of its 46 nonzero gradients fail the default check
-# against float64), moetune's EP=2 gradients up to 2.3e-5 (8.4e-6 from the fp32 reference); the losses are equal.
-FP32_GRAD_NOISE = {"kimi_k3": 2e-5}
+# Families whose fp32 round-off is above the default atol (1e-6): Kimi K3's tiny model (initializer_range 0.1: LoRA
+# B gradients up to ~7). Its stock fp32 reference is up to 2.1e-5 of max|grad| from the same model in float64, and
+# moetune's EP=2 gradients up to 2.3e-5: the two round-offs add up to 2.7e-5 between them on one machine, and
+# differ from machine to machine (a fixed 2e-5 between them passed on one and failed on another). So moetune's
+# gradients are checked against float64, within twice the stock reference's own round-off there.
+CHECKED_IN_FLOAT64 = {"kimi_k3"}
 
 
 @pytest.mark.parametrize("case", list(IMAGE_CASES))
@@ -24,5 +26,10 @@ def test_ep2_first_loss_and_lora_gradients_match_transformers_peft(ep_runs, case
     method = image_method(model_dir)
     want_loss, want_grads = reference(model_dir, method, job, ranks=[0, 1])
     assert sum(r["loss"] for r in ranks) / 2 == pytest.approx(want_loss, rel=1e-6)
+    atol_per_max = 0.0
+    if family in CHECKED_IN_FLOAT64:
+        exact_loss, exact = reference(model_dir, method, job, ranks=[0, 1], dtype=torch.float64)
+        assert want_loss == pytest.approx(exact_loss, rel=1e-6)
+        atol_per_max, want_grads = 2 * round_off(want_grads, exact), exact
     for r in ranks:
-        assert_grads(r["grads"], want_grads, FP32_GRAD_NOISE.get(family, 0.0))
+        assert_grads(r["grads"], want_grads, atol_per_max)
