@@ -86,8 +86,8 @@ def receiver():
 # The groups that run real jobs or share such a fixture are handed out first, the longest of them (measured in a
 # full run) first of all, so that no long group starts last (LPT). `make test` passes --no-loadscope-reorder: xdist
 # would otherwise hand out the groups with the most tests first, and the one-test job modules last.
-_BUILT_ONCE = ("ep_runs", "control_plane", "postgres_server", "checkpoints", "adapters")
-_LONGEST = ("tests/cluster/test_node_faults.py", "ep_runs", "tests/service/test_local_stack.py",
+_BUILT_ONCE = ("netns_stack", "ep_runs", "control_plane", "postgres_server", "checkpoints", "adapters")
+_LONGEST = ("netns_stack", "ep_runs", "tests/service/test_local_stack.py",
             "tests/workers/checkpoints/test_resume_job.py", "control_plane", "tests/e2e/test_demo.py",
             "tests/e2e/test_console.py", "tests/kernels/test_compile_sm90.py", "tests/workers/loop/test_tuner_job.py",
             "tests/service/test_fuzz.py", "tests/kernels/test_gpu_check_dry_run.py",

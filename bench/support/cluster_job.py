@@ -248,13 +248,6 @@ def _requeued_at(events: list) -> int:
     return next(i for i, e in enumerate(events) if e.message.startswith("Job requeued"))
 
 
-def checkpoint_before_requeue(events: list) -> int:
-    """The newest checkpoint the job had saved when it was requeued (its workers may train on for a while
-    after the head went: they live on the worker nodes and report to the control plane directly)."""
-    requeue = _requeued_at(events)
-    return max((e.data["step"] for e in events[:requeue] if e.message.startswith("Checkpoint saved")), default=0)
-
-
 def repeated_losses_match(events: list, tolerance: float) -> bool:
     """Every step the resumed attempt ran again (it started after the requeue) gave the loss it gave before."""
     requeue = _requeued_at(events)
