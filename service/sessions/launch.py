@@ -27,9 +27,10 @@ def submission_id(session_id: str, attempt: int) -> str:
 def start_group(store: Store, ray: RayJobs, settings: Settings, session: SessionRow,
                 restore: str | None = None) -> None:
     """Submits the Ray job of the session's current group with a fresh token (the previous group's stops working);
-    `restore`: the saved state it loads before it takes calls."""
+    `restore`: the saved state it loads before it takes calls. The token is stored once Ray has the job, so a
+    session starting with a token is one whose group Ray was given (group_gone may ask after it); the group's first
+    report, `ready`, comes after its model has loaded."""
     token = new_job_token()
-    records.set_session(store, session.id, ("starting",), token_hash=hash_token(token))
     run = SessionRunSpec(session_id=session.id, attempt=session.attempt, spec=SessionCreate.model_validate(
         session.spec), seed=session.seed, output_uri=session.output_uri, restore=restore)
     env = {name: os.environ[name] for name in settings.worker_env_passthrough if name in os.environ}
@@ -37,6 +38,7 @@ def start_group(store: Store, ray: RayJobs, settings: Settings, session: Session
     if settings.s3_endpoint_url:
         env[ENV_S3_ENDPOINT_URL] = settings.s3_endpoint_url
     ray.submit(submission_id(session.id, session.attempt), ENTRYPOINT, env)
+    records.set_session(store, session.id, ("starting",), token_hash=hash_token(token))
     log.info("session %s: worker group %d submitted", session.id, session.attempt)
 
 
@@ -45,7 +47,11 @@ def stop_group(ray: RayJobs, session: SessionRow) -> None:
 
 
 def group_gone(ray: RayJobs, session: SessionRow) -> str | None:
-    """Why the open session's group is gone without a word (Ray's status and message), or None while it runs."""
+    """Why the open session's group is gone without a word (Ray's status and message), or None while it runs or
+    is still being submitted (no token yet: Ray may not know it for a moment, and its submitter fails the session
+    when Ray does not take it)."""
+    if session.token_hash is None:
+        return None
     state = ray.state(submission_id(session.id, session.attempt))
     if state is None:
         return "Ray no longer knows the session's worker group"

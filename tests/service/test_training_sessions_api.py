@@ -213,9 +213,22 @@ def test_a_failed_group_is_replaced_from_the_newest_state_and_the_sdk_says_so(st
         running = session.forward_backward([{"tokens": [1, 2, 3]}])
         queued = session.optim_step()
         _run_next(group)  # taken, never finished: the group dies under it
-        failed = group.post("/ended", json={"reason": "failed", "error": {
-            "code": "session_failed", "message": "WorkerGroupError: a worker died"}})
-        assert failed.status_code == 200
+        ray.submit_delay_s = 2.0  # a slow head: the user looks while the new group's submission is in flight
+
+        def look_in_flight():
+            """A look (which asks Ray after the group) once the recovery began, before Ray knew the new group: not
+            a lost group (it failed the session in a loaded run, polled by the SDK's wait_ready)."""
+            in_flight = f"moetune-{session.id}-1" not in ray.entrypoints
+            info = session.retrieve()
+            return in_flight and info.restarts == 1 and info
+
+        with ThreadPoolExecutor(1) as pool:
+            failed = pool.submit(group.post, "/ended", json={"reason": "failed", "error": {
+                "code": "session_failed", "message": "WorkerGroupError: a worker died"}})
+            info = wait_for(look_in_flight, 10, "a look at the session while its new group is submitted")
+            assert (info.status, info.recoveries) == ("starting", 1)
+            assert failed.result().status_code == 200
+        ray.submit_delay_s = 0.0
 
         info = session.retrieve()
         assert (info.status, info.restarts, info.recoveries) == ("starting", 1, 1)
