@@ -15,7 +15,6 @@ import uuid
 
 import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 
 from moetune.api import storage
 from moetune.api.layout import report_html_uri, report_json_uri, result_from_summary, summary_uri
@@ -25,6 +24,7 @@ from moetune.api.models.responses import EventLevel
 from moetune.workers.checkpoints.run_state import complete_checkpoints, paused_step
 from moetune.workers.entry.checks import validate
 from moetune.workers.entry.failures import RAY_TRAIN_START_TIMEOUT, ReportWorkerFailures, root_cause
+from moetune.workers.loop.trainer import TrainerWithoutRayData
 from moetune.workers.loop.worker import train_loop_per_worker
 from moetune.workers.lora.coverage import Coverage
 from moetune.workers.reporting.adaptation_report import write_report
@@ -55,7 +55,7 @@ def build_trainer(run: JobRunSpec, attempt: str, reporter: Reporter, settings: W
     # environment), then fails the run: controller_failure_limit=0, where Ray Train's default (-1) would retry,
     # and so wait, forever
     os.environ[RAY_TRAIN_START_TIMEOUT] = str(settings.placement_timeout_s)
-    return TorchTrainer(
+    return TrainerWithoutRayData(
         train_loop_per_worker,
         train_loop_config={
             "run": run,  # as parsed from MOETUNE_RUN_SPEC, the spec's one serialisation (Ray ships the object)

@@ -14,11 +14,11 @@ import tempfile
 
 import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models.responses import ErrorInfo
 from moetune.api.models.training_sessions import SessionRunSpec
+from moetune.workers.loop.trainer import TrainerWithoutRayData
 from moetune.workers.sessions.control import SessionLink
 from moetune.workers.sessions.worker import session_loop_per_worker
 from moetune.workers.settings import WorkerSettings, worker_env
@@ -29,7 +29,7 @@ log = logging.getLogger("moetune.session")
 def run_session(session: SessionRunSpec) -> bool:
     par = session.spec.parallelism
     resources = par.worker_resources()
-    trainer = TorchTrainer(
+    trainer = TrainerWithoutRayData(
         session_loop_per_worker,
         train_loop_config={"session": session, "threads": int(resources["CPU"]), "worker_env": worker_env(),
                            "attempt": str(session.attempt)},

@@ -138,6 +138,10 @@ def test_zero3_job_resumes_exactly(assets, ray_head, receiver, tiny_checkpoint, 
     again = receiver.metrics()
     assert [m["step"] for m in again] == [3, 4]
     assert [m["train_loss"] for m in again] == pytest.approx([m["train_loss"] for m in metrics[2:]], abs=1e-5)
+    # Neither run started Ray Data's actor (workers.loop.trainer): the state API lists dead actors too
+    from ray.util.state import list_actors
+
+    assert not list_actors(address=ray_head.dashboard_url, filters=[("class_name", "=", "DatasetManager")])
 
 
 @pytest.mark.ray_job
