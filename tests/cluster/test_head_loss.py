@@ -25,7 +25,7 @@ def test_a_killed_head_is_named_on_readyz_and_the_job_resumes_once_from_its_last
     resumes = [e.data["step"] for e in events if e.message.startswith("Resumed from checkpoint")]
     # at most one checkpoint interval lost: from a checkpoint no older than the newest at the kill (the old attempt's
     # workers, on the worker nodes, may save more before their nodes go: a complete one counts)
-    assert len(resumes) == 1 and resumes[0] >= head["newest_checkpoint"] > 0
+    assert len(resumes) == 1 and resumes[0] >= head["newest_checkpoint"]
     assert repeated_losses_match(events, 1e-5)
     assert [r["step"] for r in history(netns_stack, job.output_uri)] == list(range(1, HEAD_STEPS + 1))
     print(f"head loss named on /readyz after {head['down_noticed_s']:.1f}s; worker nodes kept: "
