@@ -27,10 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from ray.job_submission import JobStatus
 
-from bench.support.cluster_job import (HEAD_STEPS, JOB_TIMEOUT_S, cluster_stack,
-                                       ended, gcs_redis_available, history, messages, repeated_losses_match, run_spec,
-                                       submit, through_head_loss, through_node_faults, wait_for,
-                                       waits_after_requeue)
+from bench.support.cluster_job import (HEAD_STEPS, JOB_TIMEOUT_S, cluster_stack, ended, gcs_redis_available,
+                                       history, messages, repeated_losses_match, run_spec, submit, through_head_loss,
+                                       through_node_faults, wait_for, waits_after_requeue)
 from bench.support.netns_cluster import DETECTION_BOUND_S, netns_permitted
 from bench.support.receiver import ReportReceiver
 
