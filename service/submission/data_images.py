@@ -3,6 +3,9 @@ tenant's storage access, and images only for a model that takes them (a 422 nami
 
 Files over MOETUNE_SUBMISSION_SCAN_MAX_MB, and files storage cannot give now, are left to the driver, which checks
 every row, reads every image object and decodes every image before any worker starts (workers/data/images.py).
+A file that passed is remembered for a few seconds with what else storage confirmed (storage_facts): a run of
+creates naming it reads it once, new bytes within those seconds are the driver's to check, and a refused file is
+read again on the next request.
 """
 
 from __future__ import annotations
@@ -44,23 +47,15 @@ def _scan(text: str) -> _Scan:
     return _Scan(rows, tuple(images))
 
 
-def _scanned(uri: str, settings: Settings, facts: StorageFacts | None) -> _Scan | None:
-    """The file's rows and image URLs, or None when it is too large to scan here or storage cannot give it now.
-    A scan is remembered by the object's ETag: the same bytes are not read again, new bytes at the URI are."""
+def _scanned(uri: str, settings: Settings) -> _Scan | None:
+    """The file's rows and image URLs, or None when it is too large to scan here or storage cannot give it now."""
     try:
         fs, path = storage.filesystem(uri, settings.s3_endpoint_url, quick=True, listings_cache=False)
-        info = fs.info(path)
-        if info["size"] > settings.submission_scan_max_mb * MB:
+        if fs.info(path)["size"] > settings.submission_scan_max_mb * MB:
             return None
-        key = ("scan", settings.s3_endpoint_url, uri, etag) if (etag := info.get("ETag")) and facts else None
-        if key and (scan := facts.known(key)) is not None:
-            return scan
-        scan = _scan(fs.cat_file(path).decode("utf-8"))
+        return _scan(fs.cat_file(path).decode("utf-8"))
     except Exception:  # noqa: BLE001 - missing, unreachable or not text: the file check and the driver report it
         return None
-    if key:
-        facts.remember(key, scan)
-    return scan
 
 
 def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, settings: Settings,
@@ -72,12 +67,15 @@ def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, s
     rows: dict[str, int] = {}
     for param in _DATA_FIELDS:
         uri = getattr(spec, param)
-        if uri is None or (scan := _scanned(uri, settings, facts)) is None:
+        key = ("scan", settings.s3_endpoint_url, uri)
+        if uri is None or (scan := (facts and facts.known(key)) or _scanned(uri, settings)) is None:
             continue
-        rows[param] = scan.rows
         for number, urls in scan.images:
             if problem := _first_refusal(urls, access, refusal):
                 raise SpecError(param, f"{param} {uri} row {number}: {problem}")
+        rows[param] = scan.rows
+        if facts is not None:  # a file that passed, as every fact storage confirmed; a refused one is read again
+            facts.remember(key, scan)
     return rows
 
 

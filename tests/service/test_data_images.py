@@ -76,6 +76,8 @@ def test_image_rows_for_a_model_without_image_input_are_422(submit, buckets):
         f"training_file s3://{a}/train.jsonl row 2: '{URL}' is an image, but moetune trains 'kimi_linear' models on "
         "text only (no image input for this family)"))
     assert submit([TEXT_PARTS]).status_code == 200  # text-only parts train on every family
+    # a file that passed is not read again for seconds (a run of creates): new bytes within them are the driver's
+    assert submit([TEXT_PARTS, image_row(data_url(image_bytes()))]).status_code == 200
 
 
 def test_the_driver_gets_the_tenants_access_and_refuses_what_submission_did_not_scan(start_service, buckets,
