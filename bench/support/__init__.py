@@ -8,5 +8,10 @@ bench/ imports tests):
 - adapters: a tiny checkpoint and adapters in moetune's export layout;
 - proxy: a loopback HTTP proxy that injects storage faults;
 - receiver: a receiver of worker reports;
-- netns_cluster, cluster_job: a multi-node Ray cluster in network namespaces, and its tiny job through node faults.
+- netns_cluster, cluster_job: a multi-node Ray cluster in network namespaces, and its tiny job through node faults;
+- postgres: a real PostgreSQL server on loopback and fresh databases on it;
+- ray_jobs_api: a loopback stand-in for the Ray Jobs API that records every submission attempt;
+- replicas: `moetune server` processes, alone or as replicas on one database, and the leader takeover;
+- webhook_receiver: a webhook receiver that verifies deliveries with the openai SDK and refuses the first tries;
+- waiting: polling for something a real process does.
 """

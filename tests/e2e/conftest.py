@@ -5,9 +5,10 @@ from __future__ import annotations
 import boto3
 import pytest
 
+from bench.support.replicas import spawn_control_plane
 from moetune.api.client import Client
 from moetune.service.local.embedded import free_port, stop_process
-from tests.support.control_plane import ASSETS_BUCKET, TOKENS, control_plane_env, spawn_control_plane
+from tests.support.control_plane import ASSETS_BUCKET, TOKENS, control_plane_env
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,12 @@ import time
 import httpx
 import pytest
 
+from bench.support.replicas import spawn_control_plane
 from moetune.service.cli.serve import wait_until_running
 from moetune.service.cluster import serve_deploy
 from moetune.service.local.embedded import free_port, stop_process
 from tests.support.console_browser import NARROW, console_session
-from tests.support.control_plane import TOKENS, control_plane_env, spawn_control_plane
+from tests.support.control_plane import TOKENS, control_plane_env
 
 pytestmark = pytest.mark.ray_job
 BASE = "tiny-kimi-linear"

@@ -18,9 +18,10 @@ import httpx
 import pytest
 from ray.job_submission import JobSubmissionClient
 
+from bench.support.replicas import spawn_control_plane
 from moetune.api.client import Client
 from moetune.service.local.embedded import free_port, stop_process
-from tests.support.control_plane import TOKENS, control_plane_env, spawn_control_plane
+from tests.support.control_plane import TOKENS, control_plane_env
 
 pytestmark = pytest.mark.ray_job
 DRIVER = Path(__file__).with_name("restart_driver.py")

@@ -16,13 +16,13 @@ import openai
 import psutil
 import pytest
 
+from bench.support.waiting import wait_for
 from moetune.api.client import APIError, Client
 from moetune.api.environment import ENV_RUN_SPEC
 from moetune.api.training import CallFailed, Training
 from moetune.service.cluster.serve_deploy import APP_NAME
 from examples.rl_grpo import grpo
 from tests.support.control_plane import TOKENS
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.ray_job
 

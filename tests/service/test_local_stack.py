@@ -22,12 +22,12 @@ import pytest
 from click.testing import CliRunner
 from ray.job_submission import JobSubmissionClient
 
+from bench.support.waiting import wait_for
 from moetune.api.client import Client
 from moetune.service.cli import main as cli
 from moetune.service.local import processes
 from moetune.service.local import stack as local_stack
 from moetune.service.local.embedded import s3_env
-from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_ID = "ftjob-..."  # how the README's lines stand for the id `moetune submit` printed

@@ -1,111 +1,30 @@
 """Two control-plane replicas (`moetune server` processes) on one real PostgreSQL: exactly one schedules, the other
-takes over a killed or paused leader, and no job is lost or submitted twice. Ray is tests.support.ray_jobs_api's
+takes over a killed or paused leader, and no job is lost or submitted twice. Ray is bench.support.ray_jobs_api's
 recording stand-in for the Jobs API, so that every submission attempt is counted (and no Ray job starts)."""
 
 from __future__ import annotations
 
-import itertools
-import os
 import signal
 import threading
 import time
 
-import httpx
 import pytest
 
+from bench.support.replicas import LEASE_S, RENEW_S, all_running, replica_set, takeover
+from bench.support.waiting import wait_for
 from moetune.api.models.responses import JobStatus
 from moetune.service.cluster.leader import LeaderLease
 from moetune.service.cluster.scheduler import submission_id
-from moetune.service.local.embedded import free_port, s3_env, stop_process
 from moetune.service.store import SCHEDULER_LEASE, JobRow, Store
-from tests.support.control_plane import API_TOKENS, OUTPUT_BUCKET, TOKENS, spawn_control_plane
-from tests.support.ray_jobs_api import RayJobsAPI
-from tests.support.waiting import wait_for
-
-JOBS = "/v1/fine_tuning/jobs"
-LEASE_S, RENEW_S = 3.0, 0.5
-HEADERS = {"Authorization": f"Bearer {TOKENS['tenant-a']}"}
-
-
-class Replica:
-    def __init__(self, env: dict[str, str], log_path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = spawn_control_plane({**env, "MOETUNE_CALLBACK_URL": self.url}, self.port, log_path)
-        self.http = httpx.Client(base_url=self.url, headers=HEADERS, timeout=10)
-
-    def leads(self) -> bool:
-        return "moetune_scheduler_leader 1.0" in self.http.get("/metrics").text
-
-    def create_job(self, inputs: dict) -> str:
-        response = self.http.post(JOBS, json=inputs)
-        assert response.status_code == 200, response.text
-        return response.json()["id"]
-
-    def signal(self, sig: signal.Signals) -> None:
-        os.killpg(self.proc.pid, sig)
+from tests.support.control_plane import API_TOKENS, OUTPUT_BUCKET, TOKENS
 
 
 @pytest.fixture
 def replicas(postgres_url, s3_endpoint, output_bucket, tmp_path):
     """Starts replicas sharing one database and one (slow: 0.2 s a submission) Ray Jobs API; stops them all."""
-    ray_api = RayJobsAPI(submit_delay_s=0.2)
-    env = {**os.environ, **s3_env(s3_endpoint), "MOETUNE_DATABASE_URL": postgres_url,
-           "MOETUNE_API_TOKENS": API_TOKENS, "MOETUNE_RAY_ADDRESS": ray_api.url,
-           "MOETUNE_DEFAULT_OUTPUT_URI": f"s3://{OUTPUT_BUCKET}/runs", "MOETUNE_MAX_RUNNING_JOBS": "100",
-           "MOETUNE_SCHEDULER_INTERVAL_S": "0.2", "MOETUNE_SCHEDULER_LEASE_S": str(LEASE_S),
-           "MOETUNE_SCHEDULER_LEASE_RENEW_S": str(RENEW_S)}
-    started: list[Replica] = []
-
-    def start() -> Replica:
-        started.append(Replica(env, tmp_path / f"replica-{len(started)}.log"))
-        return started[-1]
-
-    yield start, ray_api
-    for replica in started:
-        replica.signal(signal.SIGCONT)  # a paused one could not stop
-        stop_process(replica.proc)
-    ray_api.close()
-
-
-def _hammer(replica: Replica, inputs: dict, answers: list, created: list, stop: threading.Event) -> None:
-    """API calls to `replica` until `stop`: lists, reads and a create every fourth call."""
-    for n in itertools.count():
-        if stop.is_set():
-            return
-        if n % 4 == 3:
-            response = replica.http.post(JOBS, json=inputs)
-            if response.status_code == 200:
-                created.append(response.json()["id"])
-        else:
-            response = replica.http.get(JOBS, params={"limit": 5})
-        answers.append((response.status_code, response.headers.get("Retry-After")))
-        time.sleep(0.05)
-
-
-def _all_running(replica: Replica, job_ids: list[str]) -> bool:
-    page = replica.http.get(JOBS, params={"limit": 100}).json()["data"]
-    return {j["id"]: j["status"] for j in page if j["id"] in job_ids} == {job_id: "running" for job_id in job_ids}
-
-
-def _takeover(ray_api: RayJobsAPI, old: Replica, sig: signal.Signals, new: Replica, jobs: list[str], inputs: dict,
-              answers: list) -> float:
-    """Sends `sig` to the leader `old` once it submitted one of `jobs` (mid-queue) while a client keeps calling
-    `new`; the seconds until `new` leads."""
-    wait_for(lambda: any(ray_api.submitters(submission_id(j, 1)) for j in jobs), 30, "the leader to start on the "
-             "queue", interval=0.05)
-    stop = threading.Event()
-    hammer = threading.Thread(target=_hammer, args=(new, inputs, answers, jobs, stop))
-    hammer.start()
-    old.signal(sig)
-    signalled_at = time.monotonic()
-    try:
-        wait_for(new.leads, 15, "the standby to take the lease", interval=0.1)
-        return time.monotonic() - signalled_at
-    finally:
-        time.sleep(0.3)  # calls to the new leader, too
-        stop.set()
-        hammer.join()
+    with replica_set(postgres_url, s3_endpoint, f"s3://{OUTPUT_BUCKET}/runs", API_TOKENS, TOKENS["tenant-a"],
+                     tmp_path) as started:
+        yield started
 
 
 def test_a_paused_then_a_killed_leader_is_replaced_and_no_job_is_lost_or_submitted_twice(replicas, inputs):
@@ -118,16 +37,16 @@ def test_a_paused_then_a_killed_leader_is_replaced_and_no_job_is_lost_or_submitt
 
     # Pause the leader mid-queue: the standby takes over; the paused one wakes up to find its lease gone.
     first = [b.create_job(inputs) for _ in range(6)]  # through the standby: both serve the API
-    paused_takeover_s = _takeover(ray_api, a, signal.SIGSTOP, b, first, inputs, answers)
+    paused_takeover_s = takeover(ray_api, a, signal.SIGSTOP, b, first, inputs, answers)
     a.signal(signal.SIGCONT)
     wait_for(lambda: not a.leads(), 5, "the paused leader to find its lease gone", interval=0.1)
-    wait_for(lambda: _all_running(b, first), 30, "every job to run")
+    wait_for(lambda: all_running(b, first), 30, "every job to run")
 
     # Kill the new leader mid-queue: the woken one takes over.
     second = [a.create_job(inputs) for _ in range(6)]
-    takeover_s = _takeover(ray_api, b, signal.SIGKILL, a, second, inputs, answers)
+    takeover_s = takeover(ray_api, b, signal.SIGKILL, a, second, inputs, answers)
     jobs = first + second
-    wait_for(lambda: _all_running(a, jobs), 30, "every job to run")
+    wait_for(lambda: all_running(a, jobs), 30, "every job to run")
 
     submissions = {j: ray_api.submitters(submission_id(j, 1)) for j in jobs}
     lost = [j for j, by in submissions.items() if not by]
@@ -171,7 +90,7 @@ def test_a_deposed_leaders_writes_are_fenced_out(postgres_url):
     new_store.close()
 
 
-def test_a_leader_paused_inside_a_fenced_write_does_not_hold_the_takeover(postgres_url):
+def test_a_leader_paused_inside_a_fenced_write_does_not_hold_thetakeover(postgres_url):
     """SIGSTOP can land between a fenced write's share lock and its commit (the full suite's paused-leader case hit
     it on a loaded machine): the standby takes the lease once the database ends that idle transaction, and the
     paused leader's write, when it wakes, changes nothing."""

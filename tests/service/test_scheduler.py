@@ -5,13 +5,13 @@ import time
 
 import pytest
 
+from bench.support.ray_jobs_api import RayJobsAPI
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
 from moetune.api.models.job_run import JobRunSpec
 from moetune.service.cluster.scheduler import Scheduler, short_cause
 from moetune.service.local.embedded import free_port
 from moetune.service.quotas import TenantQuota, TenantUsage, wait_reason
 from moetune.service.store import JobRow
-from tests.support.ray_jobs_api import RayJobsAPI
 
 JOBS = "/v1/fine_tuning/jobs"
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from bench.support.ray_jobs_api import RayJobsAPI
+from bench.support.waiting import wait_for
 from moetune.api.environment import ENV_JOB_TOKEN, ENV_RUN_SPEC
 from moetune.api.models.training_sessions import SESSION_INTERNAL, SessionRunSpec
 from moetune.api.training import CallFailed, Training
@@ -22,8 +24,6 @@ from moetune.service.quotas import usage_by_tenant, wait_reason
 from moetune.service.sessions import records
 from moetune.service.store import JobRow
 from tests.support.control_plane import TOKENS
-from tests.support.ray_jobs_api import RayJobsAPI
-from tests.support.waiting import wait_for
 
 SESSIONS = "/v1/training_sessions"
 SPEC = {"model": "s3://b/m", "lora": {"rank": 4}, "parallelism": {"num_workers": 2}}

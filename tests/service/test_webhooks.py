@@ -1,93 +1,32 @@
-"""Webhooks: a real HTTP receiver on loopback checks every delivery with the official `openai` SDK's verification
-(client.webhooks.unwrap with the endpoint's secret) and fails the first tries of each event; the outbox survives a
-control-plane restart between enqueue and delivery."""
+"""Webhooks: a real HTTP receiver on loopback (bench.support.webhook_receiver) checks every delivery with the official
+`openai` SDK's verification (client.webhooks.unwrap with the endpoint's secret) and fails the first tries of each
+event; the outbox survives a control-plane restart between enqueue and delivery."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from click.testing import CliRunner
-from openai import InvalidWebhookSignatureError, OpenAI
 from pydantic import ValidationError
 from sqlalchemy import select, update
 
+from bench.support.webhook_receiver import Receiver, Route, receiving
 from moetune.api.client import APIError
 from moetune.service.cli import main as cli
-from moetune.service.local.embedded import free_port
 from moetune.service.settings import Settings
 from moetune.service.webhooks.delivery import retry_delay
 from moetune.service.webhooks.rows import DeliveryRow
 from tests.support.control_plane import run_service, settings_for
 
 FAST_RETRIES = {"webhook_retry_base_s": 0.02, "webhook_retry_max_s": 0.1, "webhook_poll_interval_s": 0.02}
-_OPENAI = OpenAI(api_key="unused", base_url="http://127.0.0.1:9")  # only its webhook verification is used
-
-
-@dataclass
-class _Route:
-    """What one receiver path does: refuses the first `fail_first` tries of each event id with a 503."""
-
-    fail_first: int = 0
-    secret: str = ""
-    tries: Counter = field(default_factory=Counter)
-    accepted: dict = field(default_factory=dict)  # event id -> the verified events it accepted
-    forged: int = 0
-
-
-class Receiver:
-    def __init__(self):
-        self.routes: dict[str, _Route] = {}
-        self.changed = threading.Condition()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["content-length"]))
-                self.send_response(receiver.answer(self.path, body, dict(self.headers.items())))
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-
-    def answer(self, path: str, body: bytes, headers: dict) -> int:
-        route = self.routes[path]
-        with self.changed:
-            try:
-                event = _OPENAI.webhooks.unwrap(body, headers, secret=route.secret)
-            except InvalidWebhookSignatureError:
-                route.forged += 1
-                return 400
-            route.tries[event.id] += 1
-            self.changed.notify_all()
-            if route.tries[event.id] <= route.fail_first:
-                return 503
-            route.accepted.setdefault(event.id, []).append(json.loads(body))
-            return 200
-
-    def wait(self, done: Callable[[], bool], timeout: float = 30) -> None:
-        with self.changed:
-            assert self.changed.wait_for(done, timeout), {p: (r.tries, dict(r.accepted)) for p, r in self.routes.items()}
 
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
-    receiver = Receiver()
-    thread = threading.Thread(target=receiver.server.serve_forever, daemon=True)
-    thread.start()
-    yield receiver
-    receiver.server.shutdown()
-    receiver.server.server_close()
+    with receiving() as receiver:
+        yield receiver
 
 
 def _until(done: Callable[[], bool], timeout: float = 30) -> None:
@@ -105,7 +44,7 @@ def _deliveries(service, endpoint_id: str) -> list[DeliveryRow]:
 
 def _endpoint(service, receiver: Receiver, path: str, tenant: str = "tenant-a", fail_first: int = 0, **fields):
     endpoint = service.sdk(tenant).webhooks.create(receiver.url + path, **fields)
-    receiver.routes[path] = _Route(fail_first=fail_first, secret=endpoint.signing_secret)
+    receiver.routes[path] = Route(fail_first=fail_first, secret=endpoint.signing_secret)
     return endpoint
 
 

@@ -1,13 +1,12 @@
 """The control plane for tests: in a background thread of the test process (`run_service`, a RunningService with
 helpers to drive its jobs), or as a `moetune server` process wired to the session's Ray head and S3 server
-(`control_plane_env`, `spawn_control_plane`). Both accept the same two tenants' tokens (TOKENS)."""
+(`control_plane_env`, for bench.support.replicas.spawn_control_plane). Both accept the same two tenants' tokens
+(TOKENS)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from moetune.api.models.job_run import REPORT_PATH
 from moetune.api.models.responses import JobStatus
 from moetune.service.app import create_app
 from moetune.service.auth import hash_token, new_job_token
-from moetune.service.local.embedded import control_plane_in_thread, free_port, s3_env, wait_http
+from moetune.service.local.embedded import control_plane_in_thread, free_port, s3_env
 from moetune.service.settings import Settings
 from moetune.service.store import Store
 
@@ -110,12 +109,3 @@ def control_plane_env(s3_endpoint: str, ray_head, work: Path, port: int) -> dict
         "MOETUNE_SCHEDULER_LEASE_RENEW_S": "1",
     }
 
-
-def spawn_control_plane(env: dict[str, str], port: int, log_path: Path) -> subprocess.Popen:
-    """A `moetune server` process (own process group), ready to serve; its output is appended to `log_path`."""
-    moetune = Path(sys.executable).with_name("moetune")
-    with open(log_path, "a") as log:
-        proc = subprocess.Popen([str(moetune), "server", "--port", str(port)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    wait_http(f"http://127.0.0.1:{port}/readyz", 60, proc, str(log_path))
-    return proc

@@ -1,4 +1,4 @@
-"""Waiting in a test for something a real process does."""
+"""Waiting, in a test or a benchmark, for something a real process does."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """A loopback stand-in for the Ray Jobs REST API (the calls ray.job_submission.JobSubmissionClient makes) that
-records every submission attempt: the replica tests count submissions per job without starting Ray jobs.
+records every submission attempt: the replica tests (tests/service/test_replicas.py) and bench/cluster_faults.py count
+submissions per job without starting Ray jobs.
 
 Like Ray it refuses a submission id it already has; its jobs stay RUNNING (a stop is only recorded) unless a test
 ends one (`end`: a driver that died); it has no /api/cluster_status (the scheduler then leaves placement to Ray)
