@@ -416,8 +416,9 @@ def _job_step(s: Setting, family: str, zero: int, kernels: bool, steps: int) -> 
     dtype = torch.bfloat16 if s.device.type == "cuda" else torch.float32
     model = model.to(s.device, dtype)
     torch.manual_seed(1)
-    placement = job_placement(config.to_dict(), spec)
-    engine, _ = build_engine(trainable_model(model, spec, placement), spec, 1, steps, bf16=dtype == torch.bfloat16)
+    placement = job_placement(config.to_dict(), spec.parallelism, spec.lora)
+    model = trainable_model(model, spec.lora, spec.training, placement)
+    engine, _ = build_engine(model, spec.training, spec.parallelism, 1, steps, bf16=dtype == torch.bfloat16)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, vocab_size, (2, 64 if not s.dry else 16), generator=gen).to(s.device)
     losses = []

@@ -57,10 +57,11 @@ def _engine(model_dir: str, world: int, moetune: bool, args, method):
     if moetune:
         apply_kernel_swaps(model)
     torch.manual_seed(1)
-    model = trainable_model(model, job, job_placement(model.config.to_dict(), job))
+    placement = job_placement(model.config.to_dict(), job.parallelism, job.lora)
+    model = trainable_model(model, job.lora, job.training, placement)
     if moetune:
         method.prepare(model)  # the loss through the output layer: no [tokens, vocab] logits
-    engine, _ = build_engine(model, job, world, job.training.max_steps, bf16=False)
+    engine, _ = build_engine(model, job.training, job.parallelism, world, job.training.max_steps, bf16=False)
     return engine
 
 

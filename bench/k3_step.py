@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.workers.experts.placement import placement_at
 from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.families.kimi_k3.tiny import TINY_TEXT
@@ -47,10 +48,9 @@ def moetune_step(checkpoint: str, ids: torch.Tensor) -> tuple[float, int]:
     streamed = stream_model(f"file://{checkpoint}", torch.device("cpu"), torch.bfloat16, cache_dir="",
                             base_weights="quantized")
     apply_kernel_swaps(streamed.model)
-    spec = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
-                     lora={"rank": RANK, "alpha": 2 * RANK, "dropout": 0.0, "target_modules": LORA_TARGETS})
+    lora = LoraSpec(rank=RANK, alpha=2 * RANK, dropout=0.0, target_modules=LORA_TARGETS)
     torch.manual_seed(1)
-    model = trainable_model(streamed.model, spec, placement_at(streamed.model.config.to_dict(), 1, 0))
+    model = trainable_model(streamed.model, lora, TrainingSpec(), placement_at(streamed.model.config.to_dict(), 1, 0))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     seconds = []
     for _ in range(1 + REPEATS):

@@ -46,7 +46,8 @@ def _child(impl: str, seq: int) -> None:
     moetune = impl == "moetune"
     if moetune:
         apply_kernel_swaps(model)
-    model = trainable_model(model, spec(ep=1, zero=2, checkpointing=moetune), None)
+    job = spec(ep=1, zero=2, checkpointing=moetune)
+    model = trainable_model(model, job.lora, job.training, None)
     ids = torch.randint(0, WIDE["vocab_size"], (seq,), generator=torch.Generator().manual_seed(0)).tolist()
     batch = collate([Example(ids, ids)], pad_id=0)
     method = SupervisedMethod(tokenizer=None, seq_len=seq)

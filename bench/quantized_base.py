@@ -68,14 +68,15 @@ def _rank(rank: int, world: int, uris: dict, args, out_dir: str) -> None:
     results = {}
     for fmt, uri in uris.items():
         config = json.loads(storage.read_text(f"{uri}/config.json"))
-        placement = job_placement(config, job)
+        placement = job_placement(config, job.parallelism, job.lora)
         streamed = stream_model(uri, torch.device("cpu"), torch.bfloat16, placement, cache_dir="")
         model = streamed.model
         persistent = model.state_dict(keep_vars=True)
         resident = streamed.quantized_bytes + sum(p.nbytes for p in model.parameters()) + sum(
             b.nbytes for n, b in model.named_buffers() if n in persistent)
         torch.manual_seed(1)
-        engine, _ = build_engine(trainable_model(model, job, placement), job, world, 100, bf16=False)
+        model = trainable_model(model, job.lora, job.training, placement)
+        engine, _ = build_engine(model, job.training, job.parallelism, world, 100, bf16=False)
         times = []
         for step in range(args.warmup + args.steps):
             started = time.perf_counter()

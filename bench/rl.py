@@ -58,7 +58,7 @@ def _step_seconds(checkpoint: str, method_spec: dict | None, rows: list[dict], s
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     apply_kernel_swaps(model)
     torch.manual_seed(1)
-    model = trainable_model(model, job, None).train()
+    model = trainable_model(model, job.lora, job.training, None).train()
     method = method_for(job.method, job.training, AutoTokenizer.from_pretrained(checkpoint))
     examples, _ = method.examples(rows)
     method.prepare(model)

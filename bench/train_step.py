@@ -109,8 +109,9 @@ def _engine(world: int, moetune: bool, args):
     if moetune:
         apply_kernel_swaps(model)
     torch.manual_seed(1)
-    placement = job_placement(model.config.to_dict(), job)
-    engine, _ = build_engine(trainable_model(model, job, placement), job, world, job.training.max_steps, bf16=False)
+    placement = job_placement(model.config.to_dict(), job.parallelism, job.lora)
+    model = trainable_model(model, job.lora, job.training, placement)
+    engine, _ = build_engine(model, job.training, job.parallelism, world, job.training.max_steps, bf16=False)
     return engine, fam
 
 

@@ -82,7 +82,7 @@ def build_model(mode: Mode, config: dict, spec: JobCreate | None = None, *, devi
     `train` needs torch.distributed up (the expert process groups) and every rank to have drawn the same random
     state (LoRA init)."""
     family = family_for(config)
-    placement = job_placement(config, spec) if mode == TRAIN else placement_at(config, 1, 0)
+    placement = job_placement(config, spec.parallelism, spec.lora) if mode == TRAIN else placement_at(config, 1, 0)
     dtype = dtype or load_dtype(device)
     streamed = None
     if mode == META:
@@ -115,11 +115,11 @@ def meta_model(config: dict, dtype):
         return auto_model_class(config).from_config(hf_config(config), dtype=dtype)
 
 
-def trainable_model(model, spec: JobCreate, placement: ExpertPlacement | None):
+def trainable_model(model, lora: LoraSpec, training: TrainingSpec, placement: ExpertPlacement | None):
     """`train`'s steps after the kernel swaps, on a model whose weights are in (tests and benchmarks build a plain
-    transformers model and swap its kernels themselves). `training.activation_checkpointing` "auto" is resolved to
-    true or false before this is called."""
-    return _adapted(TRAIN, model, family_for(model.config), spec.lora, spec.training, placement)
+    transformers model and swap its kernels themselves); `lora` and `training`: the job's sections.
+    `training.activation_checkpointing` "auto" is resolved to true or false before this is called."""
+    return _adapted(TRAIN, model, family_for(model.config), lora, training, placement)
 
 
 def _adapted(mode: Mode, model, family: Family, lora: LoraSpec | None, training: TrainingSpec | None,

@@ -106,7 +106,8 @@ def base_model(source: str, skew: bool = False, config=None, job: JobCreate | No
         return stream_model(uri, cpu, torch.float32, cache_dir="", base_weights="dequantized").model.train()
     with open(os.path.join(source, "config.json")) as f:
         checkpoint_config = json.load(f)
-    model = stream_model(uri, cpu, torch.float32, job_placement(checkpoint_config, job), cache_dir="").model.train()
+    placement = job_placement(checkpoint_config, job.parallelism, job.lora)
+    model = stream_model(uri, cpu, torch.float32, placement, cache_dir="").model.train()
     if job.training.custom_kernels:
         family_for(checkpoint_config).apply_kernel_swaps(model)
     return model
@@ -129,8 +130,9 @@ def make_engine(rank: int, world: int, family_name: str, job: JobCreate, skew: b
 
     model = base_model(family_name, skew, config, job)
     torch.manual_seed(1)
-    placement = job_placement(model.config.to_dict(), job)
-    engine, _ = build_engine(trainable_model(model, job, placement), job, world, job.training.max_steps, bf16=False)
+    placement = job_placement(model.config.to_dict(), job.parallelism, job.lora)
+    model = trainable_model(model, job.lora, job.training, placement)
+    engine, _ = build_engine(model, job.training, job.parallelism, world, job.training.max_steps, bf16=False)
     return engine
 
 

@@ -62,10 +62,11 @@ def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir:
     method, model = image_method(model_dir), image_model(model_dir)
     apply_kernel_swaps(model)
     torch.manual_seed(1)
-    model = trainable_model(model, job, job_placement(model.config.to_dict(), job))
+    placement = job_placement(model.config.to_dict(), job.parallelism, job.lora)
+    model = trainable_model(model, job.lora, job.training, placement)
     method.prepare(model)
     assert any(type(m).__name__ == "ExpertParallelExperts" for m in model.modules())  # this rank's half
-    engine, _ = build_engine(model, job, world, 1, bf16=False)
+    engine, _ = build_engine(model, job.training, job.parallelism, world, 1, bf16=False)
     loss = method.loss_sum(engine, image_batch(method, rank))
     engine.backward(loss)
     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}

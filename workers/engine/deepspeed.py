@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from moetune.api.models.job_create import JobCreate
 from moetune.api.models.parallelism import ParallelismSpec
 from moetune.api.models.training import TrainingSpec
 from moetune.workers.engine.schedule import lr_scheduler
@@ -52,19 +51,20 @@ def _param_groups(model) -> list[dict]:
     return [g for g in split_params_into_different_moe_groups_for_optimizer(group) if g["params"]]
 
 
-def build_engine(model, spec: JobCreate, world_size: int, total_steps: int, bf16: bool):
-    """Returns (engine, lr_scheduler); DeepSpeed steps the scheduler at every optimizer step."""
+def build_engine(model, training: TrainingSpec, parallelism: ParallelismSpec, world_size: int, total_steps: int,
+                 bf16: bool):
+    """Returns (engine, lr_scheduler) for the job's `training` and `parallelism` sections; DeepSpeed steps the
+    scheduler at every optimizer step."""
     import deepspeed
     import torch
 
-    t = spec.training
-    optimizer = torch.optim.AdamW(_param_groups(model), lr=t.learning_rate, weight_decay=0.0)
-    scheduler = lr_scheduler(optimizer, total_steps, t.warmup_ratio, t.lr_scheduler)
+    optimizer = torch.optim.AdamW(_param_groups(model), lr=training.learning_rate, weight_decay=0.0)
+    scheduler = lr_scheduler(optimizer, total_steps, training.warmup_ratio, training.lr_scheduler)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         lr_scheduler=scheduler,
-        config=deepspeed_config(spec.training, spec.parallelism, world_size, bf16),
+        config=deepspeed_config(training, parallelism, world_size, bf16),
     )
     return engine, scheduler
 

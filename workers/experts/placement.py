@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from moetune.api.errors import ErrorCode
 from moetune.api.families import known_facts
-from moetune.api.models.job_create import JobCreate
 from moetune.api.models.lora import LoraSpec
+from moetune.api.models.parallelism import ParallelismSpec
 from moetune.workers.engine.experts import expert_group_name, expert_groups
 from moetune.workers.errors import JobError
 
@@ -81,9 +81,10 @@ def needs_expert_module(placement: ExpertPlacement | None, lora: LoraSpec | None
     return placement is not None and (placement.sharded or (lora is not None and lora.train_experts))
 
 
-def job_placement(config: dict, spec: JobCreate) -> ExpertPlacement | None:
-    """This rank's placement for a job on the model of `config` (torch.distributed up); DeepSpeed's expert process
-    groups are made only where the experts leave transformers' module."""
-    size = spec.parallelism.expert_parallel_size
+def job_placement(config: dict, parallelism: ParallelismSpec, lora: LoraSpec | None) -> ExpertPlacement | None:
+    """This rank's placement for a job (its `parallelism` and `lora` sections) on the model of `config`
+    (torch.distributed up); DeepSpeed's expert process groups are made only where the experts leave transformers'
+    module."""
+    size = parallelism.expert_parallel_size
     single = placement_at(config, size, 0)
-    return expert_placement(config, size) if needs_expert_module(single, spec.lora) else single
+    return expert_placement(config, size) if needs_expert_module(single, lora) else single

@@ -266,7 +266,7 @@ class _Worker:
         t = self.t
         steps = total_steps(len(self.train_set), t.global_batch_size, t.max_steps, t.n_epochs)
         self.method.prepare(self.model)
-        self.engine, scheduler = build_engine(self.model, self.spec, self.world, steps,
+        self.engine, scheduler = build_engine(self.model, t, self.spec.parallelism, self.world, steps,
                                               bf16=self.device.type == "cuda")
         place = RankPlace(self.rank, self.world, self.run.seed, self.device,
                           collective_forward=self.spec.parallelism.collective_forward)

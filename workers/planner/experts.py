@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.workers.experts.module import expert_parallel
 from moetune.workers.experts.placement import ExpertPlacement
 from moetune.workers.families.spec import Family, in_proj_name
@@ -39,10 +40,11 @@ def _sample(experts: nn.Module, count: int, dtype) -> nn.Module:
     return small
 
 
-def _as_job_runs_it(small: nn.Module, family: Family, spec: JobCreate, expert_module: bool) -> nn.Module:
+def _as_job_runs_it(small: nn.Module, family: Family, lora: LoraSpec, training: TrainingSpec,
+                    expert_module: bool) -> nn.Module:
     if not expert_module:
         return small
-    return expert_parallel(small, family, ExpertPlacement(small.num_experts), spec.lora, spec.training.custom_kernels)
+    return expert_parallel(small, family, ExpertPlacement(small.num_experts), lora, training.custom_kernels)
 
 
 @dataclass(frozen=True)
@@ -66,14 +68,16 @@ def _saved(module: nn.Module, experts: int, slots: int, width: int, dtype) -> in
     return counter.total
 
 
-def expert_bytes(experts: nn.Module, family: Family, spec: JobCreate, expert_module: bool, dtype) -> ExpertBytes:
-    """What the job's experts module saves. `expert_module`: the job replaces the family's experts by the
-    expert-parallel module (EP > 1, expert LoRA or a quantized base)."""
+def expert_bytes(experts: nn.Module, family: Family, lora: LoraSpec, training: TrainingSpec, expert_module: bool,
+                 dtype) -> ExpertBytes:
+    """What the job's experts module saves, given its `lora` and `training` sections. `expert_module`: the job
+    replaces the family's experts by the expert-parallel module (EP > 1, expert LoRA or a quantized base)."""
     width, saved, modules = input_width(experts), {}, {}
     for count, slots in _SAMPLES:
         if count not in modules:
             with torch.random.fork_rng(devices=[]):  # expert LoRA init draws from the global RNG: leave it be
-                modules[count] = _as_job_runs_it(_sample(experts, count, dtype), family, spec, expert_module).train()
+                modules[count] = _as_job_runs_it(_sample(experts, count, dtype), family, lora, training,
+                                                 expert_module).train()
         saved[count, slots] = _saved(modules[count], count, slots, width, dtype)
     (e0, n0), (_, n1), (e1, _) = _SAMPLES
     per_slot = (saved[e0, n1] - saved[e0, n0]) / (n1 - n0)

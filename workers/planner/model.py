@@ -93,7 +93,7 @@ def model_facts(config: dict, spec: JobCreate, dtype: torch.dtype = torch.bfloat
     routed = found.kinds[ROUTED_EXPERTS].trainable if ROUTED_EXPERTS in found.kinds else 0
     kept_quantized = quantization is not None and spec.training.base_weights != "dequantized"
     at_ep1 = runs_expert_module(built.placement, spec.lora, kept_quantized)
-    saved = ({flag: expert_bytes(experts, family, spec, flag, dtype) for flag in {at_ep1, True}}
+    saved = ({flag: expert_bytes(experts, family, spec.lora, spec.training, flag, dtype) for flag in {at_ep1, True}}
              if experts is not None else {})
     text = built.model.config.get_text_config()
     method = method_for(spec.method, spec.training, tokenizer=None)

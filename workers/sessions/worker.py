@@ -81,7 +81,7 @@ class SessionWorker(_Worker):
 
     def start(self) -> None:
         self.load()
-        self.engine, _ = build_engine(self.model, self.spec, self.world, total_steps=1,
+        self.engine, _ = build_engine(self.model, self.spec.training, self.spec.parallelism, self.world, total_steps=1,
                                       bf16=self.device.type == "cuda")
         self.engine.train()
         self.lockstep = self.spec.parallelism.collective_forward

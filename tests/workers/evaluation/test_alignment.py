@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import moetune.workers.families.kda as kda_module
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.kernels.kda import chunk_kda
 from moetune.api.environment import ENV_PERTURB_OP
 from moetune.workers.evaluation.alignment import FIRST_LOSS, check_alignment, verdict
@@ -22,8 +23,7 @@ def failed_ops(rows: list[dict]) -> list[str]:
     return [row["op"] for row in rows if not row["ok"]]
 
 
-SPEC = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
-                 lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True})
+LORA = LoraSpec(rank=4, alpha=8, dropout=0.0, train_experts=True)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def swapped():
     model = plain_model(REGISTRY["glm5_next"])
     assert all(apply_kernel_swaps(model).values())
     torch.manual_seed(1)
-    model = trainable_model(model, SPEC, placement_at(model.config.to_dict(), 1, 0)).eval()
+    model = trainable_model(model, LORA, TrainingSpec(), placement_at(model.config.to_dict(), 1, 0)).eval()
     inputs = batch(0, 0, seq=40, vocab=272)
     return model, lambda: model(**inputs).loss
 

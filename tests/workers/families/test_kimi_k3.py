@@ -18,6 +18,8 @@ from safetensors import safe_open
 
 from moetune.api.families import check_model_spec
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.api.plans import ClusterSpec
 from moetune.workers.evaluation.alignment import check_alignment
 from moetune.workers.families import apply_kernel_swaps
@@ -197,13 +199,13 @@ def test_mxfp4_experts_stay_packed_and_train_as_the_dequantized_base(reference):
         "down_proj_q_blocks": (8, 32, 1, 16), "down_proj_q_scales": (8, 32, 1)}
     bf16_bytes = 3 * 8 * (64 * 32 + 32 * 32) * 2  # 3 MoE layers of 8 experts
     assert kept.quantized_bytes == bf16_bytes * (1 / 4 + 1 / 64)
-    spec = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
-                     lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True})
+    lora = LoraSpec(rank=4, alpha=8, dropout=0.0, train_experts=True)
     runs = []
     for streamed in (kept, _stream(f"{workdir}/mxfp4")):
         apply_kernel_swaps(streamed.model)
         torch.manual_seed(1)
-        model = trainable_model(streamed.model, spec, placement_at(streamed.model.config.to_dict(), 1, 0))
+        placement = placement_at(streamed.model.config.to_dict(), 1, 0)
+        model = trainable_model(streamed.model, lora, TrainingSpec(), placement)
         with torch.no_grad():  # LoRA B != 0, so that the experts' LoRA A gets gradients too
             for name, p in model.named_parameters():
                 if "lora_" in name and ("lora_B" in name or "_b" in name.rsplit(".", 1)[-1]):
@@ -386,11 +388,11 @@ def test_image_rows_train_the_vision_lora(tmp_path):
     assert (batch.inputs["input_ids"] == placeholder).sum(-1).tolist()[:2] == \
         (batch.inputs["image_grid_thw"].prod(-1) // 4).tolist() and batch.inputs["input_ids"][2].ne(placeholder).all()
     for vision, adapted in (("all", {"wqkv", "wo", "fc0", "fc1", "0", "2"}), ("projector", {"0", "2"})):
-        spec = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
-                         lora={"rank": 4, "alpha": 8, "dropout": 0.0, "vision": vision})
+        lora_spec = LoraSpec(rank=4, alpha=8, dropout=0.0, vision=vision)
         torch.manual_seed(2)
         streamed = _stream(checkpoint)
-        model = trainable_model(streamed.model, spec, placement_at(streamed.model.config.to_dict(), 1, 0))
+        placement = placement_at(streamed.model.config.to_dict(), 1, 0)
+        model = trainable_model(streamed.model, lora_spec, TrainingSpec(), placement)
         with torch.no_grad():  # LoRA B != 0, so that A gets gradients too
             for name, p in model.named_parameters():
                 if "lora_B" in name:

@@ -31,7 +31,8 @@ def test_packed_micro_batch_trains_as_the_padded_one(name):
     torch.manual_seed(1)
     model = plain_model(REGISTRY[name])
     assert apply_kernel_swaps(model)["apply_segment_attention"] >= 1
-    model = trainable_model(model, spec(ep=1, zero=2), None)
+    job = spec(ep=1, zero=2)
+    model = trainable_model(model, job.lora, job.training, None)
     padded_model = copy.deepcopy(model)
     method = SupervisedMethod(tokenizer=None, seq_len=64)
     method.prepare(model)

@@ -17,6 +17,8 @@ import torch
 from moetune.api import storage
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.job_run import JobRunSpec
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.api.environment import ENV_INJECT_FAULTS
 from moetune.workers.data.rows import load_rows
 from moetune.workers.families import apply_kernel_swaps
@@ -49,10 +51,9 @@ def _activation_bytes(checkpoint: str, training_file: str, sizes: tuple[int, ...
     independently of the job."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = JobCreate(model="file:///unused", training_file=training_file, lora=LORA, training=TRAINING)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     apply_kernel_swaps(model)
-    model = trainable_model(model, spec, None).train()
+    model = trainable_model(model, LoraSpec(**LORA), TrainingSpec(**TRAINING), None).train()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     examples, _ = tokenize_rows(tokenizer, load_rows(training_file, "training_file"), SEQ_LEN)
     method = SupervisedMethod(tokenizer, SEQ_LEN)

@@ -122,7 +122,7 @@ def _moetune(checkpoint, rows):
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     apply_kernel_swaps(model)
     torch.manual_seed(1)
-    model = trainable_model(model, job, None).train()
+    model = trainable_model(model, job.lora, job.training, None).train()
     random_lora_b(model)
     method = method_for(job.method, job.training, tokenizer)
     assert isinstance(method, DpoMethod) and method.beta == BETA

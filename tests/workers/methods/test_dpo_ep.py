@@ -42,7 +42,8 @@ def _model(family_name: str, job: JobCreate):
 
     model = plain_model(REGISTRY[family_name])
     torch.manual_seed(1)
-    model = trainable_model(model, job, job_placement(model.config.to_dict(), job))
+    placement = job_placement(model.config.to_dict(), job.parallelism, job.lora)
+    model = trainable_model(model, job.lora, job.training, placement)
     random_lora_b(model)
     method = DpoMethod(PAD, seq_len=64, beta=BETA)
     method.prepare(model)
@@ -66,7 +67,7 @@ def run_dpo(rank: int, world: int, family_name: str, spec_json: str, out_dir: st
     job = JobCreate.model_validate_json(spec_json)
     cpu = torch.device("cpu")
     model, method = _model(family_name, job)
-    engine, _ = build_engine(model, job, world, job.training.max_steps, bf16=False)
+    engine, _ = build_engine(model, job.training, job.parallelism, world, job.training.max_steps, bf16=False)
     engine.step = lambda: None  # the optimizer is not under test: the gradients stay
     runner = StepRunner(engine, method, job.training, RankPlace(rank, world, 0, cpu, collective_forward=True),
                         Collectives(cpu), lambda *args, **kwargs: None, total_steps=1)
@@ -83,7 +84,7 @@ def run_dpo(rank: int, world: int, family_name: str, spec_json: str, out_dir: st
     save_checkpoint(engine, state, is_writer=rank == 0)
     result["went_on"] = [runner.run(step, pairs)[0] for step in (2, 3)]
     fresh, fresh_method = _model(family_name, job)
-    resumed, _ = build_engine(fresh, job, world, job.training.max_steps, bf16=False)
+    resumed, _ = build_engine(fresh, job.training, job.parallelism, world, job.training.max_steps, bf16=False)
     load_checkpoint(resumed, state)
     again = StepRunner(resumed, fresh_method, job.training, RankPlace(rank, world, 0, cpu, collective_forward=True),
                        Collectives(cpu), lambda *args, **kwargs: None, total_steps=1)

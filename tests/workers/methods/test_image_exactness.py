@@ -33,7 +33,8 @@ def _moetune_model(tiny_vl, job):
     swapped = apply_kernel_swaps(model)
     assert all(swapped.values()), swapped
     torch.manual_seed(1)
-    return trainable_model(model, job, job_placement(model.config.to_dict(), job))
+    placement = job_placement(model.config.to_dict(), job.parallelism, job.lora)
+    return trainable_model(model, job.lora, job.training, placement)
 
 
 def test_moetune_model_gives_stock_logits_on_images(tiny_vl, method):

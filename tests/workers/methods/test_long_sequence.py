@@ -28,7 +28,8 @@ MLA = {
 
 def _step_allocations(model, pack: bool, lengths: tuple[int, ...]) -> int:
     """The largest tensor a training step over sequences of `lengths` allocates."""
-    model = trainable_model(model, spec(ep=1, zero=2), None)
+    job = spec(ep=1, zero=2)
+    model = trainable_model(model, job.lora, job.training, None)
     method = SupervisedMethod(tokenizer=None, seq_len=T)
     method.prepare(model)
     assert method.pack == pack

@@ -30,7 +30,8 @@ def _grads(model) -> dict:
                                                    ("qwen3_5_moe", False), ("nemotron_h", False)])
 def test_loss_head_equals_the_plain_loss_and_gradients(family, checkpointing):
     torch.manual_seed(1)
-    model = trainable_model(plain_model(REGISTRY[family]), spec(ep=1, zero=2, checkpointing=checkpointing), None)
+    job = spec(ep=1, zero=2, checkpointing=checkpointing)
+    model = trainable_model(plain_model(REGISTRY[family]), job.lora, job.training, None)
     assert not model.config.get_text_config().use_cache  # training builds no KV cache
     plain = copy.deepcopy(model)
     b = _batch()

@@ -38,7 +38,8 @@ def test_a_right_padded_micro_batch_trains_as_the_masked_one(name):
     family = REGISTRY[name]
     model = plain_model(family)
     family.apply_kernel_swaps(model)
-    model = trainable_model(model, spec(ep=1, zero=2), None)
+    job = spec(ep=1, zero=2)
+    model = trainable_model(model, job.lora, job.training, None)
     batch = collate(_examples(), pad_id=0)
     assert "attention_mask" not in batch.inputs and batch.inputs["input_ids"].shape == (3, max(LENGTHS))
     mask = (batch.inputs["input_ids"] != 0).long()  # the real tokens (ids from 3 up), wherever collate put them

@@ -36,7 +36,7 @@ def _worker_model(name: str, spec: JobCreate, ep: int):
     """The model a rank trains, built as the workers build it (kernel swaps, LoRA, its share of the experts)."""
     model = plain_model(REGISTRY[name])
     REGISTRY[name].apply_kernel_swaps(model)
-    return trainable_model(model, spec, placement_at(model.config.to_dict(), ep, 0)).train()
+    return trainable_model(model, spec.lora, spec.training, placement_at(model.config.to_dict(), ep, 0)).train()
 
 
 def _facts(name: str, spec: JobCreate):

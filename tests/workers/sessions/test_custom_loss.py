@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from moetune.api.custom_loss import surrogate_weights
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.api.models.training_sessions import Datum
 from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.model import trainable_model
@@ -34,12 +35,10 @@ def user_loss(data, logprobs):
 def model(tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
-    job = JobCreate(model="file:///unused", training_file="file:///unused",
-                    lora={"rank": 4, "alpha": 8, "dropout": 0.0})
     base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     apply_kernel_swaps(base)
     torch.manual_seed(1)
-    model = trainable_model(base, job, None).train()
+    model = trainable_model(base, LoraSpec(rank=4, alpha=8, dropout=0.0), TrainingSpec(), None).train()
     random_lora_b(model)  # LoRA B nonzero: every LoRA A gets a gradient too
     return model
 

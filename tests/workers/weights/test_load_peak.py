@@ -61,10 +61,10 @@ def _load_rank(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     job = spec(ep=EP, zero=3, train_experts=True)
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
-    placement = job_placement(config, job)
+    placement = job_placement(config, job.parallelism, job.lora)
     import peft  # noqa: F401 (imported, like DeepSpeed's modules by a first engine, before the baseline)
 
-    build_engine(torch.nn.Linear(4, 4), job, world, total_steps=1, bf16=False)
+    build_engine(torch.nn.Linear(4, 4), job.training, job.parallelism, world, total_steps=1, bf16=False)
     # tensors of 1 MiB and more in pages of their own, which freeing gives back: otherwise glibc raises its mmap
     # threshold as they are freed and keeps later ones in its heap, and the resident set no longer falls with the
     # bytes allocated (what the CUDA allocator's peak counts on a GPU)
@@ -75,8 +75,8 @@ def _load_rank(rank: int, world: int, model_dir: str, out_dir: str) -> None:
         streamed = stream_model(f"file://{model_dir}", torch.device("cpu"), torch.float32, placement, cache_dir="",
                                 partition=load_partitioner(job.training, job.parallelism, torch.device("cpu")), chunk_bytes=2**20,
                                 max_inflight_bytes=2 * 2**20)
-        model = trainable_model(streamed.model, job, placement)
-        engine, _ = build_engine(model, job, world, total_steps=1, bf16=False)
+        model = trainable_model(streamed.model, job.lora, job.training, placement)
+        engine, _ = build_engine(model, job.training, job.parallelism, world, total_steps=1, bf16=False)
     held = sum(getattr(p, "ds_tensor", p).nbytes for p in engine.module.parameters())
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"peak": peak.peak - before, "held_after": held}, f)

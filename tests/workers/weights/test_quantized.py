@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moetune.api.models.job_create import JobCreate
 from moetune.api.families import FAMILIES
+from moetune.api.models.lora import LoraSpec
+from moetune.api.models.training import TrainingSpec
 from moetune.workers.families import REGISTRY
 from moetune.workers.model import trainable_model
 from moetune.workers.experts.placement import placement_at
@@ -24,8 +25,7 @@ from bench.support.quantized import FAMILY_OF, dequantized_reference, quantize_c
 
 CPU, F32 = torch.device("cpu"), torch.float32
 FORMAT_NAMES = {"fp8": "fp8-block", "int4": "int4-pack-quantized", "mxfp4": "mxfp4"}
-SPEC = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
-                 lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True})
+LORA = LoraSpec(rank=4, alpha=8, dropout=0.0, train_experts=True)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def quantized(request, dense_dirs, tmp_path_factory) -> tuple[str, str]:
 
 def _trainable(model):
     torch.manual_seed(1)
-    return trainable_model(model, SPEC, placement_at(model.config.to_dict(), 1, 0))
+    return trainable_model(model, LORA, TrainingSpec(), placement_at(model.config.to_dict(), 1, 0))
 
 
 def _forward_backward(model) -> tuple[torch.Tensor, dict]:
