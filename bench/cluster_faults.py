@@ -189,13 +189,13 @@ def _cluster_faults(work: str) -> dict:
         print(f"reference succeeded: {reference_ok}; faulted run resumed from steps {resumes}; node loss noticed "
               f"in {outcome['kill_noticed_s']:.1f}s, cut-off node in {outcome['cut_noticed_s']:.1f}s "
               f"(bound {DETECTION_BOUND_S:.0f}s); same losses as the reference: {same}")
+        resumed_s = f"{head['resumed_s']:.0f}" if head["resumed_s"] is not None else "none"
         print(f"head loss ({'GCS in Redis' if fault_tolerant else 'no GCS fault tolerance'}) with step-"
               f"{head['newest_checkpoint']} the newest checkpoint: /readyz named Ray "
               f"{head['down_noticed_s']:.1f}s after the kill; worker nodes kept: {head['workers_kept']}; job "
               f"{job.status}, started {len(started)} times, resumed from steps {head_resumes} "
-              f"{head['resumed_s']}s after the kill; the steps run again gave the same losses: {head_same}")
+              f"{resumed_s}s after the kill; the steps run again gave the same losses: {head_same}")
         print(f"between the requeue and the next start: {waits_after_requeue(events)}")
-        resumed_s = f"{head['resumed_s']:.0f}" if head["resumed_s"] is not None else "none"
         return {"nodes": len(stack.cluster.nodes), "node_loss_recovered": same and len(resumes) >= 1,
                 "head_loss_recovered": head_ok, "head_loss_workers_kept": head["workers_kept"],
                 "head_loss_resume_s": resumed_s, "partition_recovered": same and len(resumes) == 2,
