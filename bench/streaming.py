@@ -160,14 +160,14 @@ def cpu_seconds() -> float:
 
 
 def floor_cpu_per_gib() -> dict:
-    """CPU seconds per GiB of work a loader must do and raw GETs do not: sha256 of the bytes (the manifest's
-    checksums) and first touch of fresh memory for the parameters (page faults, zeroing). The least of 3 tries:
-    memory the machine has not handed out before can cost several times more."""
-    import hashlib
-
+    """CPU seconds per GiB of work a loader must do and raw GETs do not: the manifest's checksum of the bytes and
+    first touch of fresh memory for the parameters (page faults, zeroing). The least of 3 tries: memory the
+    machine has not handed out before can cost several times more."""
     import torch
 
-    size, touch, sha = 256 * MiB, [], []
+    from moetune.workers.weights.manifest import checksum
+
+    size, touch, digest = 256 * MiB, [], []
     for _ in range(3):
         cpu = cpu_seconds()
         fresh = torch.empty(size, dtype=torch.uint8).numpy()  # as the loader allocates (numpy asks for huge pages)
@@ -175,10 +175,10 @@ def floor_cpu_per_gib() -> dict:
         touch.append(cpu_seconds() - cpu)
         cpu = cpu_seconds()
         for a in range(0, size, MiB):
-            hashlib.sha256(fresh[a:a + MiB]).digest()
-        sha.append(cpu_seconds() - cpu)
+            checksum(fresh[a:a + MiB])
+        digest.append(cpu_seconds() - cpu)
         del fresh
-    return {"sha256": min(sha) * GiB / size, "first_touch": min(touch) * GiB / size}
+    return {"checksum": min(digest) * GiB / size, "first_touch": min(touch) * GiB / size}
 
 
 def measure_throughput(uri: str, rounds: int) -> dict:
@@ -336,8 +336,8 @@ def main() -> None:
             ("moetune stream_model", f"{ours_gbs:.3f} GB/s",
              (f"range reads alone {tp['bytes'] / tp['fetch'] / 1e9:.3f} GB/s; {tp['verified_pieces']} pieces verified; "
              f"client CPU {tp['moetune_cpu'] / gib:.2f} s/GiB")),
-            ("  of which at least", f"{tp['sha256'] + tp['first_touch']:.2f} s/GiB",
-             f"sha256 {tp['sha256']:.2f} + first touch of the parameters' memory {tp['first_touch']:.2f}"),
+            ("  of which at least", f"{tp['checksum'] + tp['first_touch']:.2f} s/GiB",
+             f"checksum {tp['checksum']:.2f} + first touch of the parameters' memory {tp['first_touch']:.2f}"),
             ("throughput_ratio", f"{throughput_ratio:.3f}", "goal >= 0.9")]
     for r in ranks:
         rows += [(f"rank {r['rank']}/{args.ep} bytes", f"{r['relayed'] / MiB:.1f} / {r['bytes_needed'] / MiB:.1f} MiB",

@@ -13,7 +13,6 @@ and tensor.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -218,9 +217,9 @@ class RangeFetcher:
         import numpy as np
 
         p = sink.piece
-        if p.sha256 is not None:
-            reads = 1  # each piece is hashed once per read: hashing is the loader's largest CPU cost
-            while hashlib.sha256(sink.bytes_view()).hexdigest() != p.sha256:
+        if p.checksum is not None:
+            reads = 1  # each piece is hashed once per read
+            while not p.checksum.matches(sink.bytes_view()):
                 if reads == self.attempts:
                     raise WeightsError(f"shard {p.shard}: tensor {p.tensor} does not match its manifest checksum "
                                        "(corrupted in storage or in transit)")

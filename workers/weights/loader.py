@@ -344,7 +344,8 @@ def stream_model(uri: str, device, dtype, placement: ExpertPlacement | None = No
     model.to(device)  # the buffers; parameters are there already
     model.eval()  # as from_pretrained returns it
     quantization = ckpt.quantization
-    return StreamedModel(model, plan, stats, ckpt.manifest is not None, time.perf_counter() - started,
+    verified = ckpt.manifest is not None and stats.verified_pieces == len(plan.pieces)
+    return StreamedModel(model, plan, stats, verified, time.perf_counter() - started,
                          quantization.format if quantization else None, 0 if dense else quantized_bytes)
 
 
@@ -407,7 +408,11 @@ def load_summary(streamed: StreamedModel, ep_size: int) -> tuple[str, dict]:
     if streamed.plan.unexpected:
         message += (f"; {len(streamed.plan.unexpected)} checkpoint tensors the model has no place for, ignored: "
                     f"{tensor_list(streamed.plan.unexpected)}")
-    if not streamed.verified:
+    if not streamed.verified and not s.verified_pieces:
         message += ("; integrity unverified: the checkpoint has no moetune-manifest.json (push it with "
                     "`moetune models push`)")
+    elif not streamed.verified:
+        message += (f"; integrity unverified for {len(streamed.plan.pieces) - s.verified_pieces} of "
+                    f"{len(streamed.plan.pieces)} pieces: its moetune-manifest.json has no checksum for them (push "
+                    "it again with `moetune models push`)")
     return message, data

@@ -25,6 +25,7 @@ from moetune.workers.weights.formats import (
     split,
     storage_name,
 )
+from moetune.workers.weights.manifest import Checksum, expert_checksums, tensor_checksum
 from moetune.workers.weights.mapping import NameMapper
 
 
@@ -43,7 +44,7 @@ class Piece:
     index: int | None  # local expert index along the parameter's dim 0
     dim: int | None  # concatenation dim of the (expert) slice
     offset: int  # start along `dim`
-    sha256: str | None  # from the manifest; None when the checkpoint has none
+    checksum: Checksum | None  # from the manifest; None when the checkpoint has none
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +103,7 @@ def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shap
                 stage = f"{info.name}{STAGED}"
                 staged[stage] = (info.shape, info.dtype)
                 conversions.setdefault(conv.layer, (conv, []))[1].append((info.name, stage))
-                raw.append((shard, info, stage, target, None, digest.get("sha256"), info.shape))
+                raw.append((shard, info, stage, target, None, tensor_checksum(digest), info.shape))
                 continue
             if part is not None:
                 if part.part is None:
@@ -112,14 +113,14 @@ def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shap
                 param = storage_name(param, part.part)
             if target.expert is not None:  # a per-expert tensor merged into a fused parameter
                 if share is None:
-                    raw.append((shard, info, param, target, target.expert, digest.get("sha256"), info.shape))
+                    raw.append((shard, info, param, target, target.expert, tensor_checksum(digest), info.shape))
                 elif share.first <= target.expert < share.first + share.count:
-                    raw.append((shard, info, param, target, target.expert - share.first, digest.get("sha256"),
+                    raw.append((shard, info, param, target, target.expert - share.first, tensor_checksum(digest),
                                 info.shape))
             elif share is not None and share.count < share.num_experts and info.shape[:1] == (share.num_experts,):
                 raw.extend(_expert_slices(shard, info, param, target, share, digest))
             else:
-                raw.append((shard, info, param, target, None, digest.get("sha256"), info.shape))
+                raw.append((shard, info, param, target, None, tensor_checksum(digest), info.shape))
     _refuse_quantized_leftovers(unexpected, quantization)
     pieces = _place(raw)
     storage = _storage(pieces, shapes, quantized, quantization)
@@ -179,7 +180,7 @@ def _by_param(pieces: list[Piece]) -> dict[str, list[Piece]]:
 def _expert_slices(shard, info: TensorInfo, param, target, share: ExpertPlacement, digest):
     """This rank's rows of a fused [E, ...] checkpoint tensor: one contiguous range per local expert."""
     row = info.nbytes // share.num_experts
-    slice_digests = digest.get("expert_sha256") or [None] * share.num_experts
+    slice_digests = expert_checksums(digest, share.num_experts)
     for local in range(share.count):
         e = share.first + local
         part = TensorInfo(f"{info.name}[expert {e}]", info.dtype, info.shape[1:], info.start + e * row,
@@ -196,9 +197,9 @@ def _place(raw) -> list[Piece]:
     pieces = []
     for (param, index, dim), items in groups.items():
         offset = 0
-        for shard, info, _, target, _, sha, shape in sorted(items, key=lambda it: it[3].part):
+        for shard, info, _, target, _, checksum, shape in sorted(items, key=lambda it: it[3].part):
             pieces.append(Piece(shard, info.name, info.start, info.end, info.dtype, tuple(shape), param, index,
-                                dim, offset, sha))
+                                dim, offset, checksum))
             offset += shape[dim] if dim is not None else 0
     return pieces
 

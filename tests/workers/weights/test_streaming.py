@@ -148,6 +148,55 @@ def test_faults_are_retried_or_name_the_shard_and_tensor(tiny_dir, s3_bucket, pr
     proxy.inject(None)
 
 
+def test_a_format_1_manifest_with_sha256_per_tensor_still_verifies(s3_bucket, tmp_path):
+    """Checkpoints pushed before the XXH3-128 checksums (format 1: sha256 per tensor and per expert slice) load
+    verified, also per expert slice as an EP rank (gpt_oss's checkpoint keeps its experts fused), and a wrong
+    digest there still fails the load."""
+    import hashlib
+
+    from safetensors.torch import load
+
+    from moetune.api import storage
+    from moetune.workers.families import REGISTRY
+    from bench.support.tiny_models import plain_model
+
+    plain_model(REGISTRY["gpt_oss"]).save_pretrained(str(tmp_path))
+    uri = f"s3://{s3_bucket}/gpt-oss-format-1"
+    _push(str(tmp_path), uri, shard_size="10MB")
+    manifest = json.loads(storage.read_bytes(f"{uri}/moetune-manifest.json"))
+    tensors = {name: tensor for shard in set(manifest["files"]) if shard.endswith(".safetensors")
+               for name, tensor in load(storage.read_bytes(f"{uri}/{shard}")).items()}
+
+    def sha256(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+    old = {name: {"sha256": sha256(tensors[name])} | (
+        {"expert_sha256": [sha256(row) for row in tensors[name]]} if "expert_xxh3_128" in entry else {})
+        for name, entry in manifest["tensors"].items()}
+    fused = next(name for name, entry in old.items() if "expert_sha256" in entry)
+
+    def write(tensor_entries: dict) -> None:
+        storage.write_bytes(f"{uri}/moetune-manifest.json", json.dumps(
+            {**manifest, "format": "moetune-manifest/1", "tensors": tensor_entries}).encode())
+
+    write(old)
+    rank_1 = placement_at(json.loads(storage.read_bytes(f"{uri}/config.json")), 2, 1)
+    for placement in (None, rank_1):
+        out = stream_model(uri, CPU, F32, placement, cache_dir="")
+        assert out.verified and out.stats.verified_pieces == len(out.plan.pieces)
+    assert any(p.tensor == f"{fused}[expert {rank_1.first}]" for p in out.plan.pieces)
+    # pushed before fused expert biases [E, out] had a checksum per expert: a rank's slices of them are unverified
+    bias = next(name for name, entry in old.items() if "expert_sha256" in entry and tensors[name].dim() == 2)
+    write({**old, bias: {"sha256": old[bias]["sha256"]}})
+    out = stream_model(uri, CPU, F32, rank_1, cache_dir="")
+    assert not out.verified and len(out.plan.pieces) - out.stats.verified_pieces == rank_1.count
+    assert f"integrity unverified for {rank_1.count} of {len(out.plan.pieces)} pieces" in load_summary(out, 2)[0]
+    old[fused]["expert_sha256"][rank_1.first] = hashlib.sha256(b"other bytes").hexdigest()
+    write(old)
+    with pytest.raises(WeightsError, match=rf"tensor {fused}\[expert {rank_1.first}\] does not match its manifest"):
+        stream_model(uri, CPU, F32, rank_1, cache_dir="", attempts=1)
+
+
 def test_missing_tensor_and_shape_mismatch_list_the_names(tiny_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
