@@ -38,7 +38,8 @@ class Checksum:
 
 def is_fused_experts(name: str, shape) -> bool:
     """Fused routed-expert tensors: `<...>.experts.<name>` of shape [E, ...], contiguous per expert along dim 0:
-    weights [E, out, in] and biases [E, out] (gpt_oss), which an EP rank also reads by the expert."""
+    weights [E, out, in] and, where a family has them, biases [E, out], which an EP rank also reads by the
+    expert."""
     parts = name.split(".")
     return len(shape) >= 2 and len(parts) >= 2 and parts[-2] == "experts"
 
