@@ -170,7 +170,7 @@ def floor_cpu_per_gib() -> dict:
     size, touch, digest = 256 * MiB, [], []
     for _ in range(3):
         cpu = cpu_seconds()
-        fresh = torch.empty(size, dtype=torch.uint8).numpy()  # as the loader allocates (PyTorch's allocator: 4 KiB pages)
+        fresh = torch.empty(size, dtype=torch.uint8).numpy()  # as the loader allocates: 4 KiB pages
         fresh[::4096] = 1
         touch.append(cpu_seconds() - cpu)
         cpu = cpu_seconds()
