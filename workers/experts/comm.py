@@ -9,7 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moetune.workers.experts.local_exchange import LocalExchange
+
 _BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
+_LOCAL_EXCHANGES: dict = {}  # process group -> LocalExchange, or None where torch.distributed's is used
 
 
 def comm_device_type(group=None) -> str:
@@ -30,7 +33,21 @@ def check_on_comm_device(tensors, group=None, what: str = "collective") -> None:
 
 def all_to_all_single(out: torch.Tensor, x: torch.Tensor, out_splits=None, in_splits=None, group=None) -> None:
     check_on_comm_device((out, x), group, "all_to_all_single")
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    local = _local_exchange(group)
+    if local is None:
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    else:
+        local.all_to_all_single(out, x, out_splits, in_splits)
+
+
+def _local_exchange(group) -> LocalExchange | None:
+    """The group's same-host exchange for gloo groups (made by the group's first all-to-all, which every rank of it
+    calls at the same point), None for other backends."""
+    key = group or dist.group.WORLD
+    if key not in _LOCAL_EXCHANGES:
+        gloo = str(dist.get_backend(group)).lower() == "gloo"
+        _LOCAL_EXCHANGES[key] = LocalExchange.connect(group) if gloo else None
+    return _LOCAL_EXCHANGES[key]
 
 
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
