@@ -1,8 +1,8 @@
 """Concurrent range reads straight into their destination tensors, with a bound on bytes in flight.
 
 Merged ranges are cut into chunks; at most `max_inflight_bytes // chunk_bytes` chunks are read at once. From
-S3, a chunk's response is handed to the pieces it overlaps (and appended to its cache file) in 1 MiB blocks as
-it arrives (memory in flight: a block per chunk; an interrupted response resumes where it stopped); from other
+S3, a chunk's response is read straight into the pieces it overlaps as it arrives, 4 MiB at a time (then appended
+to its cache file from there; no block buffer; an interrupted response resumes where it stopped); from other
 filesystems the whole chunk is read, copied into the pieces and dropped. A piece whose dtype matches and whose
 destination is contiguous on the CPU receives bytes in place; others go through a staging buffer of that
 one piece (dtype conversion, devices). A piece with a manifest checksum is verified once its last byte has
@@ -20,33 +20,46 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from moetune.workers.weights.errors import WeightsError, tensor_list
+from moetune.workers.weights.pages import populate_for_write
 from moetune.workers.weights.plan import Piece, merge_ranges
 
 MiB = 1024 * 1024
-STREAM_BLOCK = MiB  # bytes handed to the pieces at a time: small enough to stay in the CPU cache
+# bytes read into the pieces per hop between a fetch thread and fsspec's event loop (a thread switch both ways);
+# also how often a response's progress is counted, verified and cached
+STREAM_BLOCK = 4 * MiB
 
 
-def _s3_blocks(fs, path: str, start: int, end: int, block: int):
-    """Bytes [start, end) of an s3fs object as blocks of about `block` bytes, read from the open response."""
+def _s3_response(fs, path: str, start: int, end: int):
+    """The open body of an s3fs GET of bytes [start, end)."""
     from fsspec.asyn import sync
 
     bucket, key, version = fs.split_path(path)
     response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
                     **({"VersionId": version} if version else {}))
-    body = response["Body"]
-    try:
-        while data := sync(fs.loop, _read_block, body, block):
-            yield data
-    finally:
-        body.close()
+    return response["Body"]
 
 
-async def _read_block(body, size: int) -> bytes:
-    parts, have = [], 0
-    while have < size and (part := await body.read(size - have)):
-        parts.append(part)
-        have += len(part)
-    return b"".join(parts)
+async def _read_into(body, views: list[memoryview]) -> int:
+    """Fills `views` in order from the response body, each straight from the client's receive buffer (no
+    block-sized copy in between); returns the bytes read (fewer where the response ended early)."""
+    total = 0
+    for view in views:
+        filled = 0
+        while filled < len(view) and (n := await body.readinto(view[filled:])):
+            filled += n
+        total += filled
+        if filled < len(view):
+            break
+    return total
+
+
+def _write_prefix(out, views: list[memoryview], size: int) -> None:
+    """The first `size` bytes of `views`, in order, to the file `out`."""
+    for view in views:
+        out.write(view[:size])
+        size -= min(size, len(view))
+        if not size:
+            return
 
 
 def torch_dtype(name: str):
@@ -89,6 +102,7 @@ class _Sink:
         import torch
 
         self.piece, self.dest, self.missing = piece, dest, piece.nbytes
+        self.populated = False  # its pages faulted in (direct sinks, before their first bytes)
         self.reread = False  # its bytes failed the checksum once: whatever cached them is suspect
         direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == torch_dtype(piece.dtype)
         self.direct = direct
@@ -156,13 +170,23 @@ class RangeFetcher:
 
         def attempt(out) -> str | None:
             nonlocal pos
+            from fsspec.asyn import sync
+
             self.stats.add(requests=1)
-            for block in _s3_blocks(self.fs, src.path, pos, end, STREAM_BLOCK):
-                self._deliver(sinks, shard, pos, block)
-                if out:
-                    out.write(block)
-                pos += len(block)
-                self.stats.add(bytes_from_storage=len(block))
+            body = _s3_response(self.fs, src.path, pos, end)
+            try:
+                while pos < end:
+                    views = self._views(sinks, pos, min(pos + STREAM_BLOCK, end))
+                    got = sync(self.fs.loop, _read_into, body, views)
+                    if out:
+                        _write_prefix(out, views, got)
+                    self._arrived(sinks, pos, pos + got)
+                    pos += got
+                    self.stats.add(bytes_from_storage=got)
+                    if got < sum(len(v) for v in views):
+                        break
+            finally:
+                body.close()
             return None if pos == end else f"truncated read: {pos - start} of {end - start} bytes"
 
         caching = self.cache.writing_range(src.path, src.etag, start, end) if self.cache and src.etag \
@@ -200,13 +224,41 @@ class RangeFetcher:
     def _deliver(self, sinks: list[_Sink], shard: str, start: int, data: bytes) -> None:
         import numpy as np
 
-        end = start + len(data)
+        offset = 0
+        for view in self._views(sinks, start, start + len(data)):
+            view[:] = np.frombuffer(data, np.uint8, len(view), offset)
+            offset += len(view)
+        self._arrived(sinks, start, start + len(data))
+
+    @staticmethod
+    def _views(sinks: list[_Sink], start: int, end: int) -> list[memoryview]:
+        """Writable views covering bytes [start, end) of the shard in order: the pieces' own memory (a direct
+        piece's pages faulted in before its first bytes, workers.weights.pages), and scratch for the gaps between
+        pieces that merged ranges read."""
+        views, pos = [], start
+        for sink in sinks:
+            p = sink.piece
+            lo, hi = max(pos, p.start), min(end, p.end)
+            if lo >= hi:
+                continue
+            if lo > pos:
+                views.append(memoryview(bytearray(lo - pos)))
+            if sink.direct and not sink.populated:
+                populate_for_write(sink.buffer.data_ptr(), sink.buffer.numel())
+                sink.populated = True
+            views.append(memoryview(sink.bytes_view())[lo - p.start:hi - p.start])
+            pos = hi
+        if pos < end:
+            views.append(memoryview(bytearray(end - pos)))
+        return views
+
+    def _arrived(self, sinks: list[_Sink], start: int, end: int) -> None:
+        """Bytes [start, end) are in the pieces: pieces now whole are verified and finished."""
         for sink in sinks:
             p = sink.piece
             lo, hi = max(start, p.start), min(end, p.end)
             if lo >= hi:
                 continue
-            sink.bytes_view()[lo - p.start:hi - p.start] = np.frombuffer(data, np.uint8, hi - lo, lo - start)
             with self.stats.lock:
                 sink.missing -= hi - lo
                 done = sink.missing == 0
