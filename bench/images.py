@@ -12,8 +12,10 @@ qwen3_5_moe's swap is its Gated DeltaNet core on kernels.kda (16-token chunks at
 the ~34-token rows, 32 per rank, and its packed core takes ~14 ms fwd+bwd a layer), so the core is not all of the
 step; before the swap the ratio was EP and the loss head alone (0.96-1.18; 0.98 on 2026-12-02), 0.85 with it on the
 same busy 2-core machine (load 4-5: runs there differ by 1.7x, see the load averages printed); 1.06 -> 1.11 with
-the contiguous chunk scan (2026-12-03, load 3-4, moetune step 238 -> 236 ms: the EP step is not core-bound). glm5_next adds its KDA
-and sparse-attention swaps (2.3x). The first losses must agree: same model, LoRA draw and rows.
+the contiguous chunk scan (2026-12-03, load 3-4, moetune step 238 -> 236 ms: the EP step is not core-bound);
+1.41-1.46 on a quiet machine with the same-host exchange (workers.experts.local_exchange: the 20 all-to-alls of a
+step took 28-33 ms through gloo, 6-10 ms waiting included over Unix sockets). glm5_next adds its KDA and
+sparse-attention swaps (2.3x). The first losses must agree: same model, LoRA draw and rows.
 Last line: `RESULT image_step_speedup=<moetune tok/s over baseline> image_tokens_per_s=<moetune's>`.
 
     python bench/images.py [--family qwen3_5_moe|glm5_next] [--steps 6] [--micro 32] [--profile 25]
