@@ -220,6 +220,7 @@ def child(mode: str, uri: str, rank: int, ep: int) -> None:
     import torch
 
     from moetune.workers.experts.placement import placement_at
+    from moetune.workers.reporting.system import peak_rss_bytes
     from moetune.workers.weights.loader import (
         empty_model,
         open_checkpoint,
@@ -236,15 +237,8 @@ def child(mode: str, uri: str, rank: int, ep: int) -> None:
         out = stream_model(uri, torch.device("cpu"), torch.bfloat16, placement_at(ckpt.config, ep, rank), cache_dir="")
         result = {"bytes_needed": out.stats.bytes_needed, "bytes_from_storage": out.stats.bytes_from_storage,
                   "seconds": out.seconds}
-    result["maxrss"] = peak_rss()
+    result["maxrss"] = peak_rss_bytes()
     print(json.dumps(result), flush=True)
-
-
-def peak_rss() -> int:
-    """Peak RSS of this process image in bytes (VmHWM). Not ru_maxrss: Linux carries that over fork and exec, so
-    a child started by a big parent would report the parent's peak."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def spawn(mode: str, uri: str, rank: int, ep: int, endpoint: str) -> subprocess.Popen:

@@ -4,19 +4,18 @@ budget, and each MoE layer's expert-load imbalance (max / mean load)."""
 
 from __future__ import annotations
 
-import resource
 from collections.abc import Callable
 
 import torch
 
-from moetune.workers.reporting.system import memory_bytes
+from moetune.workers.reporting.system import memory_bytes, peak_rss_bytes
 
 
 def peak_memory_bytes(device) -> int:
     """Peak GPU memory held by tensors on CUDA; the process's peak resident memory elsewhere."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return peak_rss_bytes()
 
 
 def memory_budget_bytes(device, memory_budget_mb: float | None) -> int:

@@ -13,6 +13,18 @@ _CGROUP_LIMITS = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
 
 
+def peak_rss_bytes() -> int:
+    """The peak resident memory of this process image (VmHWM). Not ru_maxrss: Linux carries that over fork and exec,
+    so a process started by a big one (a pytest worker, a raylet) would report its parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):  # no procfs: the kernel's own figure (KiB on Linux-likes)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def memory_bytes() -> tuple[int, int]:
     """(limit, used) of the memory this node's workers may use: the container's cgroup limit and usage when
     one is set below the machine's RAM (a Kubernetes pod), else the machine's total and used RAM."""

@@ -58,9 +58,10 @@ def test_models_inspect_reports_the_seed_model_in_under_2_gib(tmp_path):
     parameters = _write_sparse_checkpoint(config, str(tmp_path))
     assert parameters == 2_783_166_526_912
     # The CLI in a fresh process, reporting its own peak RSS after the command.
-    code = ("import resource, sys\nfrom moetune.service.cli.main import main\n"
+    code = ("import sys\nfrom moetune.service.cli.main import main\n"
+            "from moetune.workers.reporting.system import peak_rss_bytes\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)")
+            "print(peak_rss_bytes(), file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", code, "models", "inspect", f"file://{tmp_path}", "--ep", "64",
                           "--lora", "q_proj,v_proj,gate_proj", "--json"], capture_output=True, text=True, timeout=300,
                          check=True)
