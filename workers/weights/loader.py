@@ -14,6 +14,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from moetune.api import storage
@@ -36,6 +37,7 @@ from moetune.workers.weights.quantized import install, quantized_shape
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 WEIGHT_FILES = (INDEX_FILE, ".safetensors", manifest_file.MANIFEST_FILE)
+_HEADER_READERS = 16  # shard headers read at once (the fetcher reads weights with as many threads)
 
 
 def is_weight_file(name: str) -> bool:
@@ -105,8 +107,8 @@ def open_checkpoint(uri: str, cache: RangeCache | None = None, progress=None) ->
         raise WeightsError(f"{uri}: no {INDEX_FILE} and no {SINGLE_FILE}")
     has_manifest = fs.exists(f"{root}/{manifest_file.MANIFEST_FILE}")
     manifest = manifest_file.parse(fs.cat_file(f"{root}/{manifest_file.MANIFEST_FILE}"), uri) if has_manifest else None
-    sources, sizes, tensors = {}, {}, {}
-    for shard in shards:
+
+    def source_of(shard: str) -> tuple[Source, int]:
         path = f"{root}/{shard}"
         try:
             info = fs.info(path)
@@ -116,13 +118,23 @@ def open_checkpoint(uri: str, cache: RangeCache | None = None, progress=None) ->
             raise WeightsError(f"{uri}: shard {shard} is {info['size']} bytes, the manifest says "
                                f"{manifest['files'][shard]['size']}")
         etag = info.get("ETag") or info.get("etag") or f"{info.get('mtime')}-{info['size']}"
-        sources[shard], sizes[shard] = Source(path, str(etag).strip('"')), info["size"]
-        if cache and sources[shard].etag:
-            cache.hold(path, sources[shard].etag)
-    for shard, source in sources.items():  # once every shard is held: no header write evicts a later shard
-        tensors[shard] = read_header(fs, source.path, shard, sizes[shard], cache, source.etag)
-        if progress:
-            progress(shard)
+        return Source(path, str(etag).strip('"')), info["size"]
+
+    # one request a shard, then two: concurrent (a release has up to hundreds of shards, each a round trip away)
+    with ThreadPoolExecutor(max(1, min(_HEADER_READERS, len(shards))), thread_name_prefix="moetune-headers") as pool:
+        sources, sizes = {}, {}
+        for shard, (source, size) in zip(shards, pool.map(source_of, shards)):
+            sources[shard], sizes[shard] = source, size
+            if cache and source.etag:
+                cache.hold(source.path, source.etag)
+        # once every shard is held: no header write evicts a later shard
+        headers = pool.map(lambda shard: read_header(fs, sources[shard].path, shard, sizes[shard], cache,
+                                                     sources[shard].etag), shards)
+        tensors = {}
+        for shard, header in zip(shards, headers):
+            tensors[shard] = header
+            if progress:
+                progress(shard)
     return Checkpoint(uri, fs, config, sources, tensors, manifest)
 
 
