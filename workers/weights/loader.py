@@ -37,7 +37,7 @@ from moetune.workers.weights.quantized import install, quantized_shape
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 WEIGHT_FILES = (INDEX_FILE, ".safetensors", manifest_file.MANIFEST_FILE)
-_HEADER_READERS = 16  # shard headers read at once (the fetcher reads weights with as many threads)
+_METADATA_READERS = 16  # checkpoint metadata requests at once (the fetcher reads weights with as many threads)
 
 
 def is_weight_file(name: str) -> bool:
@@ -81,61 +81,71 @@ class StreamedModel:
     quantized_bytes: int = 0  # frozen weights this rank holds still quantized
 
 
-def _read_json(fs, path: str, what: str) -> dict:
+def _read_optional(fs, path: str) -> bytes | None:
     try:
-        return json.loads(fs.cat_file(path))
+        return fs.cat_file(path)
     except FileNotFoundError:
-        raise WeightsError(f"{what} not found") from None
+        return None
+
+
+def _json(raw: bytes | None, what: str) -> dict:
+    if raw is None:
+        raise WeightsError(f"{what} not found")
+    try:
+        return json.loads(raw)
     except ValueError as e:
         raise WeightsError(f"{what}: not JSON ({e})") from None
 
 
 def open_checkpoint(uri: str, cache: RangeCache | None = None, progress=None) -> Checkpoint:
-    """config.json, the shard list and every shard's header (two small range reads each, cached by ETag)."""
+    """config.json, the shard list and every shard's header (two small range reads each, cached by ETag).
+    Requests that do not depend on each other go at once: the small files, then the shards' sizes, then their
+    headers (a release has up to hundreds of shards, each a round trip away)."""
     fs, root = storage.filesystem(uri)
     root = root.rstrip("/")
-    config = _read_json(fs, f"{root}/config.json", f"{uri}: config.json")
-    try:
-        facts_of(config)  # moetune's own answer to an unsupported model_type or a malformed field, not transformers'
-    except SpecError as e:
-        raise WeightsError(f"{uri}: {e.message.removeprefix('model: ')}") from None
-    if fs.exists(f"{root}/{INDEX_FILE}"):
-        shards = sorted(set(_read_json(fs, f"{root}/{INDEX_FILE}", f"{uri}: {INDEX_FILE}")["weight_map"].values()))
-    elif fs.exists(f"{root}/{SINGLE_FILE}"):
-        shards = [SINGLE_FILE]
-    else:
-        raise WeightsError(f"{uri}: no {INDEX_FILE} and no {SINGLE_FILE}")
-    has_manifest = fs.exists(f"{root}/{manifest_file.MANIFEST_FILE}")
-    manifest = manifest_file.parse(fs.cat_file(f"{root}/{manifest_file.MANIFEST_FILE}"), uri) if has_manifest else None
-
-    def source_of(shard: str) -> tuple[Source, int]:
-        path = f"{root}/{shard}"
+    with ThreadPoolExecutor(_METADATA_READERS, thread_name_prefix="moetune-headers") as pool:
+        config_raw, index_raw, manifest_raw = pool.map(lambda name: _read_optional(fs, f"{root}/{name}"),
+                                                       ("config.json", INDEX_FILE, manifest_file.MANIFEST_FILE))
+        config = _json(config_raw, f"{uri}: config.json")
         try:
-            info = fs.info(path)
-        except FileNotFoundError:
-            raise WeightsError(f"{uri}: shard {shard} is listed in the index but missing") from None
-        if manifest and manifest["files"].get(shard, {}).get("size") not in (None, info["size"]):
-            raise WeightsError(f"{uri}: shard {shard} is {info['size']} bytes, the manifest says "
-                               f"{manifest['files'][shard]['size']}")
-        etag = info.get("ETag") or info.get("etag") or f"{info.get('mtime')}-{info['size']}"
-        return Source(path, str(etag).strip('"')), info["size"]
-
-    # one request a shard, then two: concurrent (a release has up to hundreds of shards, each a round trip away)
-    with ThreadPoolExecutor(max(1, min(_HEADER_READERS, len(shards))), thread_name_prefix="moetune-headers") as pool:
+            facts_of(config)  # moetune's own answer to an unsupported model_type or a malformed field
+        except SpecError as e:
+            raise WeightsError(f"{uri}: {e.message.removeprefix('model: ')}") from None
+        if index_raw is not None:
+            shards = sorted(set(_json(index_raw, f"{uri}: {INDEX_FILE}")["weight_map"].values()))
+        elif fs.exists(f"{root}/{SINGLE_FILE}"):
+            shards = [SINGLE_FILE]
+        else:
+            raise WeightsError(f"{uri}: no {INDEX_FILE} and no {SINGLE_FILE}")
+        manifest = manifest_file.parse(manifest_raw, uri) if manifest_raw is not None else None
         sources, sizes = {}, {}
-        for shard, (source, size) in zip(shards, pool.map(source_of, shards)):
+        for shard, (source, size) in zip(shards, pool.map(lambda s: _shard_source(fs, uri, root, s, manifest),
+                                                          shards)):
             sources[shard], sizes[shard] = source, size
             if cache and source.etag:
                 cache.hold(source.path, source.etag)
         # once every shard is held: no header write evicts a later shard
-        headers = pool.map(lambda shard: read_header(fs, sources[shard].path, shard, sizes[shard], cache,
-                                                     sources[shard].etag), shards)
+        headers = pool.map(lambda s: read_header(fs, sources[s].path, s, sizes[s], cache, sources[s].etag), shards)
         tensors = {}
         for shard, header in zip(shards, headers):
             tensors[shard] = header
             if progress:
                 progress(shard)
     return Checkpoint(uri, fs, config, sources, tensors, manifest)
+
+
+def _shard_source(fs, uri: str, root: str, shard: str, manifest: dict | None) -> tuple[Source, int]:
+    """(the shard's Source, its size), checked against the manifest."""
+    path = f"{root}/{shard}"
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        raise WeightsError(f"{uri}: shard {shard} is listed in the index but missing") from None
+    if manifest and manifest["files"].get(shard, {}).get("size") not in (None, info["size"]):
+        raise WeightsError(f"{uri}: shard {shard} is {info['size']} bytes, the manifest says "
+                           f"{manifest['files'][shard]['size']}")
+    etag = info.get("ETag") or info.get("etag") or f"{info.get('mtime')}-{info['size']}"
+    return Source(path, str(etag).strip('"')), info["size"]
 
 
 def empty_model(config: dict, dtype):
