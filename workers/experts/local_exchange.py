@@ -131,7 +131,9 @@ class LocalExchange:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    if not t.is_contiguous():  # a reshaped copy would take the received bytes instead of `t`
+        raise ValueError("expert all-to-all: tensors must be contiguous")
+    return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
