@@ -3,6 +3,7 @@ empty splits, payloads larger than a socket buffer, several dtypes), falls back 
 network namespace, and fails with a message, not a hang, when a rank stops. Three real processes on loopback."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -79,4 +80,8 @@ def test_a_rank_in_another_namespace_keeps_the_group_on_gloo(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_stopped_rank_is_an_error_not_a_hang(tmp_path):
     launch(_a_rank_stops, WORLD, str(tmp_path))
-    assert _results(tmp_path, (0, 1)) == ["expert all-to-all: EP rank 2 closed its connection (it stopped)"] * 2
+    messages = _results(tmp_path, (0, 1))
+    # the first rank to notice names rank 2; the other may see that rank stop first (it exits after its error)
+    assert all(re.fullmatch(r"expert all-to-all: EP rank [0-2] closed its connection \(it stopped\)", m)
+               for m in messages), messages
+    assert any("EP rank 2 closed" in m for m in messages), messages
