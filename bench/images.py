@@ -8,13 +8,15 @@ image processor, image tokens repeated per merged patch):
 - moetune: the same model and LoRA with the family's kernel swaps, EP=2 (each rank half of the routed experts, on
   kernels.moe's grouped GEMMs) and the loss through the output layer (SupervisedImageMethod), ZeRO-2.
 The vision tower runs (frozen) in both. Tokens are every token of the rows, image tokens included. On CPU,
-qwen3_5_moe's swap is its Gated DeltaNet core on kernels.kda (16-token chunks at its 16-wide heads; moetune packs
-the ~34-token rows, 32 per rank, and its packed core takes ~14 ms fwd+bwd a layer), so the core is not all of the
-step; before the swap the ratio was EP and the loss head alone (0.96-1.18; 0.98 on 2026-12-02), 0.85 with it on the
-same busy 2-core machine (load 4-5: runs there differ by 1.7x, see the load averages printed); 1.06 -> 1.11 with
-the contiguous chunk scan (2026-12-03, load 3-4, moetune step 238 -> 236 ms: the EP step is not core-bound);
-1.41-1.46 on a quiet machine with the same-host exchange (workers.experts.local_exchange: the 20 all-to-alls of a
-step took 28-33 ms through gloo, 6-10 ms waiting included over Unix sockets). glm5_next adds its KDA and
+qwen3_5_moe's swap is its Gated DeltaNet core on kernels.kda
+(16-token chunks at its 16-wide heads, over the rows padded to the micro-batch's longest, ~37 tokens, 32 a rank:
+image rows are not packed; the core takes ~9 ms fwd+bwd a layer of the layer's ~16), so the core is not all of
+the step; before the swap the ratio was EP and the loss head alone (0.96-1.18; 0.98 on 2026-12-02), 0.85 with it
+on the same busy 2-core machine (load 4-5: runs there differ by 1.7x, see the load averages printed); 1.06 -> 1.11
+with the contiguous chunk scan (2026-12-03, load 3-4, moetune step 238 -> 236 ms: the EP step is not core-bound);
+1.32-1.51 (median 1.41, seven runs) on a quiet machine with the same-host exchange
+(workers.experts.local_exchange: the 20 all-to-alls of a step took 28-33 ms through gloo, 6-13 ms over Unix
+sockets, mostly rank 0 waiting for rank 1, whose experts get 28 % more rows). glm5_next adds its KDA and
 sparse-attention swaps (2.3x). The first losses must agree: same model, LoRA draw and rows.
 Last line: `RESULT image_step_speedup=<moetune tok/s over baseline> image_tokens_per_s=<moetune's>`.
 
