@@ -176,14 +176,15 @@ class RangeFetcher:
             body = _s3_response(self.fs, src.path, pos, end)
             try:
                 while pos < end:
-                    views = self._views(sinks, pos, min(pos + STREAM_BLOCK, end))
+                    block = min(STREAM_BLOCK, end - pos)
+                    views = self._views(sinks, pos, pos + block)
                     got = sync(self.fs.loop, _read_into, body, views)
                     if out:
                         _write_prefix(out, views, got)
                     self._arrived(sinks, pos, pos + got)
                     pos += got
                     self.stats.add(bytes_from_storage=got)
-                    if got < sum(len(v) for v in views):
+                    if got < block:  # the response ended early: resumed from `pos` by the next attempt
                         break
             finally:
                 body.close()
