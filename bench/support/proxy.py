@@ -15,9 +15,10 @@ class FaultProxy:
         self.upstream, target = upstream, urlparse(upstream)
         self.bytes_relayed = 0
         self.ranged_gets = 0
+        self.requests = 0  # of any kind
         self.fault: str | None = None  # "500" | "cut" | "truncate" | "flip"
         self.fault_count = 0  # how many ranged GETs still get the fault (-1: all)
-        self.fault_min_bytes = 0  # only ranged GETs at least this long get faults (e.g. weights, not headers)
+        self.faults_from_byte = 0  # only ranged GETs starting at this byte or later get faults (weights, not headers)
         self.outage_after: str | None = None  # a PUT or POST whose path holds this starts an outage
         self.outage = threading.Event()  # set while every request is cut
         self.lock = threading.Lock()
@@ -27,6 +28,8 @@ class FaultProxy:
             protocol_version = "HTTP/1.1"
 
             def _relay(self):
+                with proxy.lock:
+                    proxy.requests += 1
                 if proxy._unreachable(self.command, self.path):
                     self.close_connection = True
                     self.connection.shutdown(2)
@@ -39,7 +42,7 @@ class FaultProxy:
                 response = conn.getresponse()
                 data = response.read()
                 ranged = self.command == "GET" and "Range" in self.headers
-                fault = proxy._take_fault() if ranged and len(data) >= proxy.fault_min_bytes else None
+                fault = proxy._take_fault(int(self.headers["Range"].split("=")[1].split("-")[0])) if ranged else None
                 if fault == "500":
                     self._send(500, {"Content-Type": "application/xml"}, b"<Error><Code>InternalError</Code></Error>")
                     return
@@ -85,10 +88,10 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def _take_fault(self) -> str | None:
+    def _take_fault(self, start: int) -> str | None:
         with self.lock:
             self.ranged_gets += 1
-            if self.fault is None or self.fault_count == 0:
+            if self.fault is None or self.fault_count == 0 or start < self.faults_from_byte:
                 return None
             if self.fault_count > 0:
                 self.fault_count -= 1
@@ -117,7 +120,7 @@ class FaultProxy:
 
     def reset_counts(self) -> None:
         with self.lock:
-            self.bytes_relayed = self.ranged_gets = 0
+            self.bytes_relayed = self.ranged_gets = self.requests = 0
 
     def close(self) -> None:
         self.server.shutdown()

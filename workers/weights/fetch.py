@@ -1,8 +1,8 @@
 """Concurrent range reads straight into their destination tensors, with a bound on bytes in flight.
 
 Merged ranges are cut into chunks; at most `max_inflight_bytes // chunk_bytes` chunks are read at once. From
-S3, a chunk's response is read straight into the pieces it overlaps as it arrives, 4 MiB at a time (then appended
-to its cache file from there; no block buffer; an interrupted response resumes where it stopped); from other
+S3, a chunk's response is read straight into the pieces it overlaps as it arrives (then appended to its cache
+file from there; no chunk buffer; an interrupted response resumes where it stopped); from other
 filesystems the whole chunk is read, copied into the pieces and dropped. A piece whose dtype matches and whose
 destination is contiguous on the CPU receives bytes in place; others go through a staging buffer of that
 one piece (dtype conversion, devices). A piece with a manifest checksum is verified once its last byte has
@@ -22,35 +22,9 @@ from dataclasses import dataclass, field
 from moetune.workers.weights.errors import WeightsError, tensor_list
 from moetune.workers.weights.pages import populate_for_write
 from moetune.workers.weights.plan import Piece, merge_ranges
+from moetune.workers.weights.s3 import get_into, is_s3
 
 MiB = 1024 * 1024
-# bytes read into the pieces per hop between a fetch thread and fsspec's event loop (a thread switch both ways);
-# also how often a response's progress is counted, verified and cached
-STREAM_BLOCK = 4 * MiB
-
-
-def _s3_response(fs, path: str, start: int, end: int):
-    """The open body of an s3fs GET of bytes [start, end)."""
-    from fsspec.asyn import sync
-
-    bucket, key, version = fs.split_path(path)
-    response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
-                    **({"VersionId": version} if version else {}))
-    return response["Body"]
-
-
-async def _read_into(body, views: list[memoryview]) -> int:
-    """Fills `views` in order from the response body, each straight from the client's receive buffer (no
-    block-sized copy in between); returns the bytes read (fewer where the response ended early)."""
-    total = 0
-    for view in views:
-        filled = 0
-        while filled < len(view) and (n := await body.readinto(view[filled:])):
-            filled += n
-        total += filled
-        if filled < len(view):
-            break
-    return total
 
 
 def _write_prefix(out, views: list[memoryview], size: int) -> None:
@@ -158,9 +132,9 @@ class RangeFetcher:
                            f"failed after {self.attempts} attempts: {problem}")
 
     def _stream_into(self, shard: str, start: int, end: int, sinks: list[_Sink]) -> None:
-        """Bytes [start, end) from S3 into `sinks` block by block as the response arrives (no range-sized
-        buffer, no copy of the whole range); an interrupted or truncated response is resumed at the first
-        byte not yet delivered, so every byte is delivered once."""
+        """Bytes [start, end) from S3 into `sinks` as the response arrives (no range-sized buffer, no copy of
+        the whole range); an interrupted or truncated response is resumed at the first byte not yet delivered,
+        so every byte is delivered once."""
         src, pos = self.sources[shard], start
         cached = self.cache.get_range(src.path, src.etag, start, end) if self.cache and src.etag else None
         if cached is not None:
@@ -170,24 +144,16 @@ class RangeFetcher:
 
         def attempt(out) -> str | None:
             nonlocal pos
-            from fsspec.asyn import sync
-
             self.stats.add(requests=1)
-            body = _s3_response(self.fs, src.path, pos, end)
+            views, got = self._views(sinks, pos, end), [0]
             try:
-                while pos < end:
-                    block = min(STREAM_BLOCK, end - pos)
-                    views = self._views(sinks, pos, pos + block)
-                    got = sync(self.fs.loop, _read_into, body, views)
-                    if out:
-                        _write_prefix(out, views, got)
-                    self._arrived(sinks, pos, pos + got)
-                    pos += got
-                    self.stats.add(bytes_from_storage=got)
-                    if got < block:  # the response ended early: resumed from `pos` by the next attempt
-                        break
-            finally:
-                body.close()
+                get_into(self.fs, src.path, pos, end, views, got)
+            finally:  # what arrived before a break stays delivered: the next attempt resumes after it
+                if out:
+                    _write_prefix(out, views, got[0])
+                self._arrived(sinks, pos, pos + got[0])
+                pos += got[0]
+                self.stats.add(bytes_from_storage=got[0])
             return None if pos == end else f"truncated read: {pos - start} of {end - start} bytes"
 
         caching = self.cache.writing_range(src.path, src.etag, start, end) if self.cache and src.etag \
@@ -294,7 +260,7 @@ class RangeFetcher:
             by_shard.setdefault(p.shard, []).append(_Sink(p, p.destination(params[p.param])))
         starts = {shard: [s.piece.start for s in sinks] for shard, sinks in by_shard.items()}
         self.stats.bytes_needed = sum(p.nbytes for p in pieces)
-        streaming = hasattr(self.fs, "_call_s3")  # S3: responses are read as they arrive
+        streaming = is_s3(self.fs)  # S3: responses are read as they arrive
 
         def run(shard: str, a: int, b: int) -> None:
             sinks = by_shard[shard]

@@ -1,5 +1,6 @@
 """safetensors shard headers: an 8-byte little-endian length, then JSON (dtype, shape, data_offsets relative
-to the end of the header). Two small range reads per shard; cached by object ETag."""
+to the end of the header). Read with the shard's first HEADER_PROBE bytes, and a second read only for a header
+longer than that; cached by object ETag."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from moetune.workers.weights.errors import WeightsError, tensor_list
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+# a shard's first bytes read at once, header length and header together: one round trip instead of two for
+# headers up to this size (~2,000 tensors; Kimi-K2-sized releases hold about that many per shard)
+HEADER_PROBE = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -50,17 +54,22 @@ def parse_header(shard: str, raw: bytes, data_start: int, file_size: int | None)
     return tensors
 
 
-def read_header(fs, path: str, shard: str, file_size: int | None, cache=None, etag: str | None = None):
-    """(tensors, header bytes) of the shard at `path`; the raw header comes from `cache` when it has this ETag."""
+def read_header(fs, path: str, shard: str, file_size: int | None, cache=None, etag: str | None = None,
+                head: bytes | None = None):
+    """(tensors, header bytes) of the shard at `path`; the raw header comes from `cache` when it has this ETag.
+    `head`: the shard's first bytes when already read (up to HEADER_PROBE of them)."""
     raw = cache.get_header(path, etag) if cache and etag else None
     if raw is None:
-        prefix = fs.cat_file(path, start=0, end=8)
-        if len(prefix) != 8:
+        if head is None:
+            head = fs.cat_file(path, start=0, end=HEADER_PROBE)
+        if len(head) < 8:
             raise WeightsError(f"shard {shard}: shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
+        (length,) = struct.unpack("<Q", head[:8])
         if length > MAX_HEADER_BYTES:
             raise WeightsError(f"shard {shard}: header length {length} is not a safetensors header")
-        raw = fs.cat_file(path, start=8, end=8 + length)
+        raw = head[8:8 + length]
+        if len(raw) < length and len(head) == HEADER_PROBE:  # a longer header than the probe: the rest of it
+            raw += fs.cat_file(path, start=HEADER_PROBE, end=8 + length)
         if len(raw) != length:
             raise WeightsError(f"shard {shard}: header truncated ({len(raw)} of {length} bytes)")
         if cache and etag:

@@ -30,10 +30,11 @@ from moetune.workers.weights.cache import RangeCache
 from moetune.workers.weights.errors import WeightsError, tensor_list
 from moetune.workers.weights.fetch import FetchStats, RangeFetcher, Source, torch_dtype
 from moetune.workers.weights.formats import build, parse_storage_name
-from moetune.workers.weights.header import TensorInfo, read_header
+from moetune.workers.weights.header import HEADER_PROBE, TensorInfo, read_header
 from moetune.workers.weights.mapping import NameMapper
 from moetune.workers.weights.plan import Plan, plan_rank
 from moetune.workers.weights.quantized import install, quantized_shape
+from moetune.workers.weights.s3 import is_s3, object_head, read_object
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 WEIGHT_FILES = (INDEX_FILE, ".safetensors", manifest_file.MANIFEST_FILE)
@@ -83,7 +84,7 @@ class StreamedModel:
 
 def _read_optional(fs, path: str) -> bytes | None:
     try:
-        return fs.cat_file(path)
+        return read_object(fs, path) if is_s3(fs) else fs.cat_file(path)
     except FileNotFoundError:
         return None
 
@@ -98,9 +99,10 @@ def _json(raw: bytes | None, what: str) -> dict:
 
 
 def open_checkpoint(uri: str, cache: RangeCache | None = None, progress=None) -> Checkpoint:
-    """config.json, the shard list and every shard's header (two small range reads each, cached by ETag).
-    Requests that do not depend on each other go at once: the small files, then the shards' sizes, then their
-    headers (a release has up to hundreds of shards, each a round trip away)."""
+    """config.json, the shard list and every shard's header (cached by ETag). Requests that do not depend on
+    each other go at once: the small files, then per shard its ETag and size (with a cache: a cached header
+    needs no more), then its header (its first bytes). From S3 without a cache, one request per shard tells its
+    ETag, size and header: a release has up to hundreds of shards, each a round trip away."""
     fs, root = storage.filesystem(uri)
     root = root.rstrip("/")
     with ThreadPoolExecutor(_METADATA_READERS, thread_name_prefix="moetune-headers") as pool:
@@ -118,14 +120,15 @@ def open_checkpoint(uri: str, cache: RangeCache | None = None, progress=None) ->
         else:
             raise WeightsError(f"{uri}: no {INDEX_FILE} and no {SINGLE_FILE}")
         manifest = manifest_file.parse(manifest_raw, uri) if manifest_raw is not None else None
-        sources, sizes = {}, {}
-        for shard, (source, size) in zip(shards, pool.map(lambda s: _shard_source(fs, uri, root, s, manifest),
-                                                          shards)):
-            sources[shard], sizes[shard] = source, size
+        sources, sizes, heads = {}, {}, {}
+        for shard, (source, size, head) in zip(shards, pool.map(
+                lambda s: _shard_source(fs, uri, root, s, manifest, probe=cache is None), shards)):
+            sources[shard], sizes[shard], heads[shard] = source, size, head
             if cache and source.etag:
                 cache.hold(source.path, source.etag)
         # once every shard is held: no header write evicts a later shard
-        headers = pool.map(lambda s: read_header(fs, sources[s].path, s, sizes[s], cache, sources[s].etag), shards)
+        headers = pool.map(lambda s: read_header(fs, sources[s].path, s, sizes[s], cache, sources[s].etag,
+                                                 heads[s]), shards)
         tensors = {}
         for shard, header in zip(shards, headers):
             tensors[shard] = header
@@ -134,18 +137,23 @@ def open_checkpoint(uri: str, cache: RangeCache | None = None, progress=None) ->
     return Checkpoint(uri, fs, config, sources, tensors, manifest)
 
 
-def _shard_source(fs, uri: str, root: str, shard: str, manifest: dict | None) -> tuple[Source, int]:
-    """(the shard's Source, its size), checked against the manifest."""
-    path = f"{root}/{shard}"
+def _shard_source(fs, uri: str, root: str, shard: str, manifest: dict | None,
+                  probe: bool) -> tuple[Source, int, bytes | None]:
+    """(the shard's Source, its size, its first bytes or None), checked against the manifest. `probe`: read its
+    first bytes in the same request where the storage can (S3)."""
+    path, head = f"{root}/{shard}", None
     try:
-        info = fs.info(path)
+        if probe and is_s3(fs):
+            etag, size, head = object_head(fs, path, HEADER_PROBE)
+        else:
+            info = fs.info(path)
+            etag, size = info.get("ETag") or info.get("etag") or f"{info.get('mtime')}-{info['size']}", info["size"]
     except FileNotFoundError:
         raise WeightsError(f"{uri}: shard {shard} is listed in the index but missing") from None
-    if manifest and manifest["files"].get(shard, {}).get("size") not in (None, info["size"]):
-        raise WeightsError(f"{uri}: shard {shard} is {info['size']} bytes, the manifest says "
+    if manifest and manifest["files"].get(shard, {}).get("size") not in (None, size):
+        raise WeightsError(f"{uri}: shard {shard} is {size} bytes, the manifest says "
                            f"{manifest['files'][shard]['size']}")
-    etag = info.get("ETag") or info.get("etag") or f"{info.get('mtime')}-{info['size']}"
-    return Source(path, str(etag).strip('"')), info["size"]
+    return Source(path, str(etag).strip('"')), size, head
 
 
 def empty_model(config: dict, dtype):

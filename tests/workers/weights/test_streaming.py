@@ -17,6 +17,7 @@ from bench.support.proxy import FaultProxy
 
 from moetune.workers.weights.cache import RangeCache
 from moetune.workers.weights.errors import WeightsError
+from moetune.workers.weights.header import HEADER_PROBE
 from moetune.workers.experts.module import ExpertParallelExperts
 from moetune.workers.experts.placement import placement_at
 from moetune.workers.settings import WorkerSettings
@@ -95,14 +96,16 @@ def test_push_inspect_and_stream_each_rank_only_its_bytes(tiny_dir, s3_bucket, p
     expert_bytes = sum(4 * torch.Size(shape).numel() for k, shape in sizes.items() if ".experts." in k)
     tensor_bytes = sum(4 * torch.Size(shape).numel() for shape in sizes.values())
     config = json.loads((pushed / "config.json").read_text())
+    heads = sum(min(HEADER_PROBE, shard.stat().st_size) for shard in pushed.glob("*.safetensors"))
     for rank in range(2):
         proxy.reset_counts()
         placement = placement_at(config, 2, rank)
         part = stream_model(uri, CPU, F32, placement, cache_dir="")
         assert part.stats.bytes_needed == tensor_bytes - expert_bytes // 2 == report["bytes_per_rank"][rank]
         assert part.stats.bytes_from_storage <= 1.05 * part.stats.bytes_needed
-        # What crossed the wire: the planned ranges, plus shard headers and the small JSON files.
-        assert 0 < proxy.bytes_relayed - part.stats.bytes_from_storage < 64 * 1024
+        # What crossed the wire: the planned ranges, plus each shard's first bytes (its header) and the small
+        # JSON files.
+        assert 0 < proxy.bytes_relayed - part.stats.bytes_from_storage < heads + 64 * 1024
         for name, tensor in part.model.state_dict().items():
             if tensor.shape != reference[name].shape:  # expert tensors: this rank's 4 of 8 experts only
                 assert tensor.shape[0] == 4 and torch.equal(tensor, reference[name][4 * rank:4 * rank + 4])
@@ -122,10 +125,32 @@ def test_push_inspect_and_stream_each_rank_only_its_bytes(tiny_dir, s3_bucket, p
     assert proxy.ranged_gets == 0
 
 
+def test_checkpoint_metadata_takes_one_request_per_file(tiny_dir, s3_bucket, proxy, monkeypatch):
+    """From S3 without a cache, each small JSON file is one GET (no HEAD first), and one request tells a shard's
+    ETag (the same as a HEAD's), size and header (a ranged GET of its first bytes); a header longer than that
+    first read takes one more, and reads the same."""
+    from moetune.workers.weights import header, loader
+
+    uri = f"s3://{s3_bucket}/tiny"
+    _push(tiny_dir, uri)
+    proxy.reset_counts()
+    ckpt = loader.open_checkpoint(uri)
+    shards = len(ckpt.tensors)
+    assert shards > 1 and proxy.ranged_gets == shards and proxy.requests == 3 + shards  # config, index, manifest
+    for source in ckpt.sources.values():
+        assert source.etag == ckpt.fs.info(source.path)["ETag"].strip('"')
+    monkeypatch.setattr(header, "HEADER_PROBE", 64)
+    monkeypatch.setattr(loader, "HEADER_PROBE", 64)
+    proxy.reset_counts()
+    again = loader.open_checkpoint(uri)
+    assert proxy.ranged_gets == 2 * shards and proxy.requests == 3 + 2 * shards
+    assert again.tensors == ckpt.tensors and again.sources == ckpt.sources
+
+
 def test_faults_are_retried_or_name_the_shard_and_tensor(tiny_dir, s3_bucket, proxy, tmp_path):
     uri = f"s3://{s3_bucket}/tiny"
     _push(tiny_dir, uri, shard_size="2MB")  # one shard: every range read is a weight read
-    proxy.fault_min_bytes = 64 * 1024  # the weight reads (one 1.2 MB range), not the shard header reads
+    proxy.faults_from_byte = 1  # the weight reads (one 1.2 MB range), not the read of the shard's header
     fast = {"cache_dir": "", "backoff_s": 0.01}
     for fault in ("500", "cut", "truncate", "flip"):
         proxy.inject(fault, count=2)

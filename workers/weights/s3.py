@@ -1,0 +1,75 @@
+"""The S3 requests the loader makes itself rather than through fsspec's file API, each one request and one hop
+from the calling thread to fsspec's event loop (a thread switch both ways): a small object whole (s3fs asks for
+its size first), a ranged GET read straight into memory views, and a shard's first bytes together with its ETag
+and size."""
+
+from __future__ import annotations
+
+
+def is_s3(fs) -> bool:
+    return hasattr(fs, "_call_s3")
+
+
+async def _get(fs, path: str, start: int, end: int):
+    bucket, key, version = fs.split_path(path)
+    return await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                             **({"VersionId": version} if version else {}))
+
+
+async def _read(fs, path: str) -> bytes:
+    bucket, key, version = fs.split_path(path)
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **({"VersionId": version} if version else {}))
+    try:
+        return await response["Body"].read()
+    finally:
+        response["Body"].close()
+
+
+def read_object(fs, path: str) -> bytes:
+    """The whole object at `path` in one GET (FileNotFoundError when there is none)."""
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, _read, fs, path)
+
+
+async def _get_into(fs, path: str, start: int, end: int, views: list[memoryview], progress: list[int]) -> None:
+    response = await _get(fs, path, start, end)
+    body = response["Body"]
+    try:
+        for view in views:
+            filled = 0
+            while filled < len(view) and (n := await body.readinto(view[filled:])):
+                filled += n
+                progress[0] += n
+            if filled < len(view):
+                return
+    finally:
+        body.close()
+
+
+def get_into(fs, path: str, start: int, end: int, views: list[memoryview], progress: list[int]) -> None:
+    """Bytes [start, end) of `path` read into `views` (in order, covering them) from the client's receive buffer:
+    no block-sized copy in between, and one hop per request (four hops per 16 MiB instead of one cost 3-5 % of the
+    throughput on a 2-core VM). `progress[0]` counts the bytes delivered, also when the response ends early or
+    breaks off."""
+    from fsspec.asyn import sync
+
+    sync(fs.loop, _get_into, fs, path, start, end, views, progress)
+
+
+async def _head(fs, path: str, nbytes: int):
+    response = await _get(fs, path, 0, nbytes)
+    try:
+        data = await response["Body"].read()
+    finally:
+        response["Body"].close()
+    total = response.get("ContentRange", "").rpartition("/")[2]
+    return response["ETag"], int(total) if total.isdigit() else response["ContentLength"], data
+
+
+def object_head(fs, path: str, nbytes: int) -> tuple[str, int, bytes]:
+    """(ETag, size, the first `nbytes` bytes or the whole object if smaller) of `path`, in one request: what a
+    HEAD and a ranged GET would tell, one round trip sooner."""
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, _head, fs, path, nbytes)
