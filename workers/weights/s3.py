@@ -10,15 +10,16 @@ def is_s3(fs) -> bool:
     return hasattr(fs, "_call_s3")
 
 
-async def _get(fs, path: str, start: int, end: int):
+async def _get(fs, path: str, start: int | None = None, end: int | None = None):
+    """The response to a GET of `path` (bytes [start, end) when given)."""
     bucket, key, version = fs.split_path(path)
-    return await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+    return await fs._call_s3("get_object", Bucket=bucket, Key=key,
+                             **({"Range": f"bytes={start}-{end - 1}"} if start is not None else {}),
                              **({"VersionId": version} if version else {}))
 
 
 async def _read(fs, path: str) -> bytes:
-    bucket, key, version = fs.split_path(path)
-    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **({"VersionId": version} if version else {}))
+    response = await _get(fs, path)
     try:
         return await response["Body"].read()
     finally:
