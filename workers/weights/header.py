@@ -61,7 +61,10 @@ def read_header(fs, path: str, shard: str, file_size: int | None, cache=None, et
     raw = cache.get_header(path, etag) if cache and etag else None
     if raw is None:
         if head is None:
-            head = fs.cat_file(path, start=0, end=HEADER_PROBE)
+            try:
+                head = fs.cat_file(path, start=0, end=HEADER_PROBE)
+            except OSError as e:  # e.g. an empty object: no range of it can be read
+                raise WeightsError(f"shard {shard}: cannot be read ({e})") from None
         if len(head) < 8:
             raise WeightsError(f"shard {shard}: shorter than a safetensors header")
         (length,) = struct.unpack("<Q", head[:8])

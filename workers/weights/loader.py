@@ -150,6 +150,8 @@ def _shard_source(fs, uri: str, root: str, shard: str, manifest: dict | None,
             etag, size = info.get("ETag") or info.get("etag") or f"{info.get('mtime')}-{info['size']}", info["size"]
     except FileNotFoundError:
         raise WeightsError(f"{uri}: shard {shard} is listed in the index but missing") from None
+    except OSError as e:  # e.g. an empty object: no range of it can be read
+        raise WeightsError(f"{uri}: shard {shard} cannot be read ({e})") from None
     if manifest and manifest["files"].get(shard, {}).get("size") not in (None, size):
         raise WeightsError(f"{uri}: shard {shard} is {size} bytes, the manifest says "
                            f"{manifest['files'][shard]['size']}")

@@ -147,6 +147,19 @@ def test_checkpoint_metadata_takes_one_request_per_file(tiny_dir, s3_bucket, pro
     assert again.tensors == ckpt.tensors and again.sources == ckpt.sources
 
 
+def test_an_unreadable_shard_is_named(tiny_dir, s3_bucket, proxy):
+    """An empty shard object (no range of it can be read) is an error naming it, not a storage client's."""
+    from moetune.api import storage
+    from moetune.workers.weights.loader import open_checkpoint
+
+    uri = f"s3://{s3_bucket}/tiny"
+    _push(tiny_dir, uri)
+    shard = sorted(set(json.loads(storage.read_text(f"{uri}/model.safetensors.index.json"))["weight_map"].values()))[0]
+    storage.write_bytes(f"{uri}/{shard}", b"")
+    with pytest.raises(WeightsError, match=f"shard {shard} cannot be read"):
+        open_checkpoint(uri)
+
+
 def test_faults_are_retried_or_name_the_shard_and_tensor(tiny_dir, s3_bucket, proxy, tmp_path):
     uri = f"s3://{s3_bucket}/tiny"
     _push(tiny_dir, uri, shard_size="2MB")  # one shard: every range read is a weight read
