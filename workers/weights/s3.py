@@ -18,10 +18,11 @@ async def _get(fs, path: str, start: int | None = None, end: int | None = None):
                              **({"VersionId": version} if version else {}))
 
 
-async def _read(fs, path: str) -> bytes:
-    response = await _get(fs, path)
+async def _read(fs, path: str, start: int | None = None, end: int | None = None):
+    """(the response, its whole body) of a GET of `path` (bytes [start, end) when given)."""
+    response = await _get(fs, path, start, end)
     try:
-        return await response["Body"].read()
+        return response, await response["Body"].read()
     finally:
         response["Body"].close()
 
@@ -30,7 +31,7 @@ def read_object(fs, path: str) -> bytes:
     """The whole object at `path` in one GET (FileNotFoundError when there is none)."""
     from fsspec.asyn import sync
 
-    return sync(fs.loop, _read, fs, path)
+    return sync(fs.loop, _read, fs, path)[1]
 
 
 def range_body(fs, path: str, start: int, end: int):
@@ -61,11 +62,7 @@ def read_into(fs, body, views: list[memoryview]) -> int:
 
 
 async def _head(fs, path: str, nbytes: int):
-    response = await _get(fs, path, 0, nbytes)
-    try:
-        data = await response["Body"].read()
-    finally:
-        response["Body"].close()
+    response, data = await _read(fs, path, 0, nbytes)
     total = response.get("ContentRange", "").rpartition("/")[2]
     return response["ETag"], int(total) if total.isdigit() else response["ContentLength"], data
 
