@@ -43,38 +43,42 @@ def _short_conv(stock, hidden_states, weight, bias=None, activation=None, cu_seq
     """transformers' causal_conv1d_fn contract (a depthwise causal conv over [B, D, T]); with packed sequences no
     tap reaches across a boundary (transformers' fallback would mix a sequence's first tokens with the previous
     sequence's last ones). Off CUDA, one multiply-add per tap: PyTorch's CPU depthwise conv1d backward took 5.2 of
-    a Gated DeltaNet layer's ~26 ms fwd+bwd at the image bench's shape (B 32, 128 channels, T 34)."""
+    a Gated DeltaNet layer's ~26 ms fwd+bwd at the image bench's shape (B 32, 128 channels, T 34).
+
+    The taps run over [B, T, D], the layout the callers' [B, D, T] is a transposed view of, and the result goes back
+    as the same kind of view: the multiply-adds and the activation (and their backward) then stream along
+    contiguous channels. Over [B, D, T] they took 2.6 against 1.6 ms fwd+bwd with the SiLU at that shape."""
     if cu_seq_lens_q is None and hidden_states.device.type == "cuda":
         return stock(hidden_states, weight, bias=bias, activation=activation, **kwargs)
     width = weight.shape[-1]
-    x = hidden_states.to(weight.dtype)
+    x = hidden_states.transpose(1, 2).to(weight.dtype)
     if cu_seq_lens_q is None:
-        x, at = F.pad(x, (width - 1, 0)), None
+        x, at = F.pad(x, (0, 0, width - 1, 0)), None
     else:
         x, at = _spaced(x, cu_seq_lens_q, width - 1)
-    length = x.shape[-1] - (width - 1)
-    out = weight[:, :1] * x[..., :length] if bias is None else torch.addcmul(bias[:, None], weight[:, :1],
-                                                                              x[..., :length])
+    length = x.shape[1] - (width - 1)
+    taps = weight.t()  # [width, D]
+    out = taps[0] * x[:, :length] if bias is None else torch.addcmul(bias, taps[0], x[:, :length])
     for j in range(1, width):  # tap j reads position t - (width - 1 - j)
-        out = torch.addcmul(out, weight[:, j:j + 1], x[..., j:j + length])
+        out = torch.addcmul(out, taps[j], x[:, j:j + length])
     if at is not None:
-        out = out.index_select(-1, at)
+        out = out.index_select(1, at)
     if activation is not None:
         out = ACT2FN[activation](out)
-    return out.to(hidden_states.dtype)
+    return out.to(hidden_states.dtype).transpose(1, 2)
 
 
 def _spaced(x, cu_seq_lens, gap: int):
-    """x [B, D, T] of packed sequences -> (the sequences each behind `gap` zeros, [B, D, T + gap · sequences];
+    """x [B, T, D] of packed sequences -> (the sequences each behind `gap` zeros, [B, T + gap · sequences, D];
     where each token's output lands in the conv over it). The conv then saves for backward what it saves for one
     unpacked row, the planner's measure (with frozen taps: the indices only); masking the taps per position instead
     saved a [D, width, T] tensor, 4x the bytes of x."""
-    length = x.shape[-1]
+    length = x.shape[1]
     starts = torch.zeros(length, dtype=torch.long, device=x.device)
     starts[cu_seq_lens[1:-1].long()] = 1
     at = torch.arange(length, device=x.device) + gap * starts.cumsum(0)
-    spaced = x.new_zeros(*x.shape[:-1], length + gap * (cu_seq_lens.numel() - 1))
-    spaced[..., at + gap] = x  # saves the index only (index_copy would save x as well)
+    spaced = x.new_zeros(x.shape[0], length + gap * (cu_seq_lens.numel() - 1), *x.shape[2:])
+    spaced[:, at + gap] = x  # saves the index only (index_copy would save x as well)
     return spaced, at
 
 
