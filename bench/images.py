@@ -1,32 +1,34 @@
 """Image rows: LoRA train-step throughput of moetune vs transformers + PEFT on a tiny multimodal model.
 
-Both run in the same two gloo processes (one thread each), one after the other, on the same micro-batches of the
-solid-colour image rows (workers.tiny.tiny_image_rows: one 32- or 64-pixel image a row, through the checkpoint's own
-image processor, image tokens repeated per merged patch):
+Both run in the same two gloo processes (one thread each), built side by side and stepped in turns on the same
+micro-batches (each round's first alternates; the median step of each is compared, so a machine that slows down
+mid-run slows both), of the solid-colour image rows (workers.tiny.tiny_image_rows: one 32- or 64-pixel image a
+row, through the checkpoint's own image processor, image tokens repeated per merged patch):
 - baseline: stock transformers *ForConditionalGeneration (eager experts loop), PEFT LoRA on every text linear,
   cross-entropy over its [tokens, vocab] logits, DeepSpeed ZeRO-2 without expert parallelism;
-- moetune: the same model and LoRA with the family's kernel swaps, EP=2 (each rank half of the routed experts, on
-  kernels.moe's grouped GEMMs) and the loss through the output layer (SupervisedImageMethod), ZeRO-2.
-The vision tower runs (frozen) in both. Tokens are every token of the rows, image tokens included. On CPU,
-qwen3_5_moe's swap is its Gated DeltaNet core on kernels.kda
-(16-token chunks at its 16-wide heads, over the rows padded to the micro-batch's longest, ~37 tokens, 32 a rank:
-image rows are not packed; the core takes ~9 ms fwd+bwd a layer of the layer's ~16), so the core is not all of
-the step; before the swap the ratio was EP and the loss head alone (0.96-1.18; 0.98 on 2026-12-02), 0.85 with it
-on the same busy 2-core machine (load 4-5: runs there differ by 1.7x, see the load averages printed); 1.06 -> 1.11
-with the contiguous chunk scan (2026-12-03, load 3-4, moetune step 238 -> 236 ms: the EP step is not core-bound);
-1.32-1.51 (median 1.41, seven runs) on a quiet machine with the same-host exchange
-(workers.experts.local_exchange: the 20 all-to-alls of a step took 28-33 ms through gloo, 6-13 ms over Unix
-sockets, mostly rank 0 waiting for rank 1, whose experts get 28 % more rows). glm5_next adds its KDA and
-sparse-attention swaps (2.3x). The first losses must agree: same model, LoRA draw and rows.
+- moetune: the same model and LoRA with the family's kernel swaps, LoRA linears fused (workers.lora.fused_linear),
+  EP=2 (each rank half of the routed experts, on kernels.moe's grouped GEMMs) and the loss through the output layer
+  (SupervisedImageMethod), ZeRO-2.
+The vision tower runs (frozen) in both. Tokens are every token of the rows, image tokens included; the rows are
+padded to the micro-batch's longest (~37 tokens, 32 a rank), not packed. qwen3_5_moe's swaps on CPU: its Gated
+DeltaNet core on kernels.kda (16-token chunks at its 16-wide heads) with the short conv over [B, T, D], and its
+multimodal RoPE positions for the whole batch at once (workers.families.qwen3_5_moe.mrope). A Gated DeltaNet layer
+takes ~14 ms fwd+bwd, ~8 of them in the core; transformers' takes ~35.
+History on this 2-core VM: 0.85-1.18 before the core swap; 1.32-1.51 (median 1.41) with the same-host EP exchange
+(workers.experts.local_exchange); 1.26-1.47 (median 1.39) on 2026-12-04 with the runs one after the other. Then on
+2026-12-05: the short conv over [B, T, D] (a layer 15.9 -> 14.0 ms), fused LoRA linears (-2.5 % a step in
+alternating A/B runs), batched RoPE positions (3.3 ms of each forward); see the README for the runs.
+glm5_next adds its KDA and sparse-attention swaps. The first losses must agree: same model, LoRA draw and rows.
 Last line: `RESULT image_step_speedup=<moetune tok/s over baseline> image_tokens_per_s=<moetune's>`.
 
-    python bench/images.py [--family qwen3_5_moe|glm5_next] [--steps 6] [--micro 32] [--profile 25]
+    python bench/images.py [--family qwen3_5_moe|glm5_next] [--steps 12] [--micro 32] [--profile 25]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -39,6 +41,8 @@ import torch.distributed as dist
 from bench.support.image_batches import image_method, image_model
 from bench.support.op_profile import print_top_ops
 from bench.support.harness import launch, spec
+
+RUNS = ("baseline", "moetune")
 
 
 def _batches(method, rank: int, args) -> list:
@@ -79,35 +83,40 @@ def _loss(engine, method, batch, moetune: bool):
     return total / batch.tokens
 
 
-def _measure(rank: int, world: int, model_dir: str, moetune: bool, args, method, batches) -> dict:
-    engine = _engine(model_dir, world, moetune, args, method)
-    profiler = torch.profiler.profile() if args.profile and moetune and rank == 0 else None
-    wall, losses = 0.0, []
-    for step, batch in enumerate(batches):
-        if step == args.warmup and profiler is not None:
-            profiler.start()
-        dist.barrier()
-        start = time.perf_counter()
-        loss = _loss(engine, method, batch, moetune)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        if step >= args.warmup:
-            wall += time.perf_counter() - start
-    if profiler is not None:
-        profiler.stop()
-        print_top_ops(profiler, args.profile, args.steps, "rank 0 moetune")
-    tokens = sum(b.tokens for b in batches[args.warmup:])
-    return {"step_s": wall / args.steps, "tokens": tokens / args.steps, "first_loss": losses[0]}
+def _step(engine, method, batch, moetune: bool) -> tuple[float, float]:
+    """One training step after both ranks meet: (seconds, loss)."""
+    dist.barrier()
+    start = time.perf_counter()
+    loss = _loss(engine, method, batch, moetune)
+    engine.backward(loss)
+    engine.step()
+    return time.perf_counter() - start, loss.item()
 
 
 def _worker(rank: int, world: int, model_dir: str, args, out_file: str) -> None:
-    method = image_method(model_dir)
-    batches = _batches(method, rank, args)
-    results = {name: _measure(rank, world, model_dir, name == "moetune", args, method, batches)
-               for name in ("baseline", "moetune")}
+    """Both engines built side by side, then stepped in turns on the same batch (each round's first alternates): a
+    machine that slows down or speeds up mid-run slows both alike."""
+    methods = {name: image_method(model_dir) for name in RUNS}  # the method binds to the model it prepares
+    batches = _batches(methods["moetune"], rank, args)
+    engines = {name: _engine(model_dir, world, name == "moetune", args, methods[name]) for name in RUNS}
+    seconds, first_loss = {name: [] for name in RUNS}, {}
+    for i, batch in enumerate(batches):
+        for name in RUNS if i % 2 == 0 else RUNS[::-1]:
+            took, loss = _step(engines[name], methods[name], batch, name == "moetune")
+            first_loss.setdefault(name, loss)
+            if i >= args.warmup:
+                seconds[name].append(took)
+    if args.profile and rank == 0:  # extra moetune steps, untimed: the profiler inflates them
+        with torch.profiler.profile() as profiler:
+            for batch in batches[args.warmup:]:
+                _step(engines["moetune"], methods["moetune"], batch, True)
+        print_top_ops(profiler, args.profile, args.steps, "rank 0 moetune")
+    elif args.profile:
+        for batch in batches[args.warmup:]:
+            _step(engines["moetune"], methods["moetune"], batch, True)
+    tokens = sum(b.tokens for b in batches[args.warmup:]) / args.steps
     gathered = [None] * world
-    dist.all_gather_object(gathered, results)
+    dist.all_gather_object(gathered, {"seconds": seconds, "tokens": tokens, "first_loss": first_loss})
     if rank == 0:
         torch.save(gathered, out_file)
 
@@ -118,11 +127,11 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="qwen3_5_moe", choices=("qwen3_5_moe", "glm5_next"))
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro", type=int, default=32, help="image rows per worker and step")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="profile the timed moetune steps on rank 0 and print the top N ops (inflates its times)")
+                        help="profile as many more moetune steps on rank 0 and print the top N ops")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     world = 2
@@ -134,16 +143,19 @@ def main() -> None:
         ranks = torch.load(out_file)
 
     print(f"{args.family} tiny multimodal model, {world} workers (gloo, 1 thread each), {args.micro} image rows per "
-          f"worker and step, {args.steps} timed steps after {args.warmup} warm-up; 1-min load average "
+          f"worker and step, {args.steps} timed steps each after {args.warmup} warm-up, in turns (median step); "
+          f"1-min load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs")
-    print(f"{'':10s} {'tok/s':>9s} {'step ms':>9s} {'tokens/step':>12s} {'first loss':>11s}")
+    print(f"{'':10s} {'tok/s':>9s} {'step ms':>9s} {'min-max ms':>13s} {'tokens/step':>12s} {'first loss':>11s}")
     tok_s = {}
-    for name in ("baseline", "moetune"):
-        tokens = sum(r[name]["tokens"] for r in ranks)
-        slowest = max(r[name]["step_s"] for r in ranks)  # a step ends when both ranks are done
-        tok_s[name] = tokens / slowest
-        loss = sum(r[name]["first_loss"] for r in ranks) / world
-        print(f"{name:10s} {tok_s[name]:9.0f} {slowest * 1e3:9.1f} {tokens:12.0f} {loss:11.4f}")
+    tokens = sum(r["tokens"] for r in ranks)
+    for name in RUNS:
+        steps = [max(per_rank) for per_rank in zip(*(r["seconds"][name] for r in ranks))]  # both ranks done
+        median = statistics.median(steps)
+        tok_s[name] = tokens / median
+        loss = sum(r["first_loss"][name] for r in ranks) / world
+        print(f"{name:10s} {tok_s[name]:9.0f} {median * 1e3:9.1f} {min(steps) * 1e3:6.0f}-{max(steps) * 1e3:<6.0f} "
+              f"{tokens:12.0f} {loss:11.4f}")
     print(f"RESULT image_step_speedup={tok_s['moetune'] / tok_s['baseline']:.2f} "
           f"image_tokens_per_s={tok_s['moetune']:.0f}")
 

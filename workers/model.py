@@ -25,6 +25,7 @@ from moetune.workers.experts.module import parallelize, quantized_experts
 from moetune.workers.experts.placement import ExpertPlacement, job_placement, needs_expert_module, placement_at
 from moetune.workers.families import auto_model_class, family_for, hf_config
 from moetune.workers.families.spec import Family
+from moetune.workers.lora.fused_linear import fuse_lora_linears
 from moetune.workers.lora.peft_lora import apply_lora
 from moetune.workers.recompute import enable_activation_checkpointing
 from moetune.workers.weights.loader import StreamedModel, stream_model
@@ -124,12 +125,14 @@ def trainable_model(model, lora: LoraSpec, training: TrainingSpec, placement: Ex
 
 def _adapted(mode: Mode, model, family: Family, lora: LoraSpec | None, training: TrainingSpec | None,
              placement: ExpertPlacement | None):
-    """LoRA (serving has none: its adapters are applied per row), then expert parallelism (stand-ins on the meta
-    device), then what training alone needs: LoRA in the compute dtype, activation checkpointing. `lora` and
-    `training`: the job's sections (None when serving)."""
+    """LoRA (serving has none: its adapters are applied per row; fused with `training.custom_kernels`), then expert
+    parallelism (stand-ins on the meta device), then what training alone needs: LoRA in the compute dtype,
+    activation checkpointing. `lora` and `training`: the job's sections (None when serving)."""
     dtype = model.dtype  # the compute dtype: that of the dense weights (a quantized base keeps some: embeddings)
     if lora is not None:
         model = apply_lora(_no_kv_cache(model), lora)
+        if training is None or training.custom_kernels:
+            fuse_lora_linears(model)
     if mode == META:
         install_stand_ins(model, family)
         return model.train()

@@ -38,12 +38,12 @@ class FusedLoraLinear(Linear):
         adapter = self.active_adapters[0]
         if adapter not in self.lora_A or adapter in self.lora_variant:
             return None
-        a, b = self.lora_A[adapter], self.lora_B[adapter]
-        base = self.get_base_layer()
-        # a ZeRO-3 partitioned B (DeepSpeed tags it ds_id) is whole only inside its own module's forward
-        if b.bias is not None or hasattr(b.weight, "ds_id") or not isinstance(base, torch.nn.Linear):
+        b = self.lora_B[adapter]
+        # a ZeRO-3 partitioned B (DeepSpeed tags it ds_id) is whole only inside its own module's forward; an
+        # nn.Linear base (dense, or kernels.moe's QuantizedLinear) answers in its input's dtype
+        if b.bias is not None or hasattr(b.weight, "ds_id") or not isinstance(self.get_base_layer(), torch.nn.Linear):
             return None
-        return adapter if x.dtype == base.weight.dtype == a.weight.dtype == b.weight.dtype else None
+        return adapter if x.dtype == self.lora_A[adapter].weight.dtype == b.weight.dtype else None
 
 
 def fuse_lora_linears(model) -> int:

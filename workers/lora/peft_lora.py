@@ -12,7 +12,6 @@ from moetune.api.models.lora import LoraSpec
 from moetune.workers.errors import JobError
 from moetune.workers.families import auto_model_class, family_for, hf_config, known_family
 from moetune.workers.lora.coverage import Coverage, coverage, in_vision_lora, modules, peft_targets
-from moetune.workers.lora.fused_linear import fuse_lora_linears
 
 
 def _linear_names(model) -> list[str]:
@@ -96,8 +95,7 @@ def _no_v4_target_conversion(model):
 
 
 def apply_lora(model, spec: LoraSpec):
-    """Wraps `model` in a PeftModel, its LoRA linears fused (workers.lora.fused_linear); only the LoRA weights are
-    trainable afterwards."""
+    """Wraps `model` in a PeftModel; only the LoRA weights are trainable afterwards."""
     from peft import LoraConfig, TaskType, get_peft_model
 
     if isinstance(spec.target_modules, list):
@@ -112,9 +110,7 @@ def apply_lora(model, spec: LoraSpec):
         bias="none",
     )
     with _no_v4_target_conversion(model):
-        model = get_peft_model(model, config)
-    fuse_lora_linears(model)
-    return model
+        return get_peft_model(model, config)
 
 
 def lora_spec_of(peft_config, train_experts: bool) -> LoraSpec:
