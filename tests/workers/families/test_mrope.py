@@ -62,3 +62,5 @@ def test_the_swap_takes_the_walk_where_it_does_not_apply(model):
     short = grids.clone()
     short[0, 1] += MERGE  # the first image's run is shorter than its grid says
     assert mrope_positions(types, short, MERGE) is None
+    assert mrope_positions(types, grids[:-1], MERGE) is None  # an image run without a grid
+    assert mrope_positions(types, torch.cat([grids, grids[:1]]), MERGE) is None  # a grid without an image

@@ -20,7 +20,8 @@ import torch
 
 def mrope_positions(token_types: torch.Tensor, image_grid_thw: torch.Tensor, merge: int):
     """(position ids [3, B, T], deltas [B, 1]: the row's largest position + 1 − T) for text (0) and image (1)
-    tokens; None where a run's length differs from its grid's token count (transformers' walk then decides)."""
+    tokens; None where the image runs and the grids disagree, in number or in a run's length (transformers' walk
+    then decides)."""
     rows, length = token_types.shape
     kinds = token_types.flatten()
     index = torch.arange(kinds.numel(), device=kinds.device)
@@ -30,13 +31,15 @@ def mrope_positions(token_types: torch.Tensor, image_grid_thw: torch.Tensor, mer
     run = new_run.cumsum(0) - 1  # each token's run, numbered over the batch
     offset = index - torch.cummax(torch.where(new_run, index, 0), 0).values  # each token's place in its run
     image = kinds == 1
-    grid = image_grid_thw[((new_run & image).cumsum(0) - 1).clamp(min=0)]  # each token's image grid
+    image_runs = (new_run & image).cumsum(0)
+    grid = image_grid_thw[(image_runs - 1).clamp(0, len(image_grid_thw) - 1)]  # each token's image grid
     height, width = grid[:, 1] // merge, grid[:, 2] // merge
     run_length = torch.zeros_like(index).index_add_(0, run, torch.ones_like(index))
     run_image_advance = torch.zeros_like(index).index_put_((run,), torch.maximum(height, width))
     run_image = torch.zeros_like(new_run).index_put_((run,), image)
     counts = grid[:, 0] * height * width
-    if bool((run_image & (torch.zeros_like(index).index_put_((run,), counts) != run_length)).any()):
+    short = run_image & (torch.zeros_like(index).index_put_((run,), counts) != run_length)
+    if bool(short.any() | (image_runs[-1] != len(image_grid_thw))):
         return None
     advance = torch.where(run_image, run_image_advance, run_length)
     before = advance.cumsum(0) - advance  # every earlier run's advance, over the whole batch
