@@ -27,6 +27,7 @@ Last line: `RESULT image_step_speedup=<moetune tok/s over baseline> image_tokens
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -106,14 +107,13 @@ def _worker(rank: int, world: int, model_dir: str, args, out_file: str) -> None:
             first_loss.setdefault(name, loss)
             if i >= args.warmup:
                 seconds[name].append(took)
-    if args.profile and rank == 0:  # extra moetune steps, untimed: the profiler inflates them
-        with torch.profiler.profile() as profiler:
+    if args.profile:  # as many more moetune steps, untimed: rank 0's profiler inflates them
+        profiler = torch.profiler.profile() if rank == 0 else contextlib.nullcontext()
+        with profiler:
             for batch in batches[args.warmup:]:
                 _step(engines["moetune"], methods["moetune"], batch, True)
-        print_top_ops(profiler, args.profile, args.steps, "rank 0 moetune")
-    elif args.profile:
-        for batch in batches[args.warmup:]:
-            _step(engines["moetune"], methods["moetune"], batch, True)
+        if rank == 0:
+            print_top_ops(profiler, args.profile, args.steps, "rank 0 moetune")
     tokens = sum(b.tokens for b in batches[args.warmup:]) / args.steps
     gathered = [None] * world
     dist.all_gather_object(gathered, {"seconds": seconds, "tokens": tokens, "first_loss": first_loss})
