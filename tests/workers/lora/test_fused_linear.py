@@ -96,3 +96,16 @@ def test_only_peft_linears_turn():
     turned = fuse_lora_linears(model)
     assert turned == 1 and fuse_lora_linears(model) == 0  # already fused ones are not PEFT's Linear exactly
     assert isinstance(model.base_model.model.proj, Linear)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_job_fuses_its_lora_linears_with_custom_kernels_only(kernels):
+    from moetune.workers.families import REGISTRY
+    from moetune.workers.model import trainable_model
+    from bench.support.harness import spec
+    from bench.support.tiny_models import plain_model
+
+    job = spec(ep=1, zero=2, kernels=kernels)
+    model = trainable_model(plain_model(REGISTRY["qwen3_moe"]), job.lora, job.training, None)
+    kinds = {type(m) for m in model.modules() if isinstance(m, Linear)}
+    assert kinds == ({FusedLoraLinear} if kernels else {Linear})
