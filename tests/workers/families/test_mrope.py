@@ -8,7 +8,7 @@ from moetune.workers.families import REGISTRY
 from moetune.workers.families.qwen3_5_moe.mrope import batch_rope_index, mrope_positions
 from bench.support.tiny_models import plain_model
 
-MERGE = 2  # the tiny config's spatial_merge_size
+MERGE = REGISTRY["qwen3_5_moe"].tiny_config().vision_config.spatial_merge_size
 
 
 @pytest.fixture(scope="module")
