@@ -144,8 +144,7 @@ def main() -> None:
 
     print(f"{args.family} tiny multimodal model, {world} workers (gloo, 1 thread each), {args.micro} image rows per "
           f"worker and step, {args.steps} timed steps each after {args.warmup} warm-up, in turns (median step); "
-          f"1-min load average "
-          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs")
+          f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs")
     print(f"{'':10s} {'tok/s':>9s} {'step ms':>9s} {'min-max ms':>13s} {'tokens/step':>12s} {'first loss':>11s}")
     tok_s = {}
     tokens = sum(r["tokens"] for r in ranks)
