@@ -2,9 +2,9 @@
 alpha=s), where PEFT runs B's GEMM, then a multiply by s and an add over the whole [tokens, out] output, and the
 backward of each. The same tensors are saved for the backward (x, x Aᵀ, and the weights).
 
-Measured on the image bench (qwen3_5_moe, 32 image rows a rank, ~31 LoRA linears a rank, two alternating engines
-in the same processes over 40 rounds): 115.4 -> 112.3 and 111.3 -> 108.9 ms a step. Also fusing the LoRA A of
-linears that read the same input (a Gated DeltaNet's four input projections, q/k/v, gate/up) added nothing more.
+Measured on bench/images.py (32 image rows a rank, ~31 LoRA linears a rank, two alternating engines in the same
+processes over 40 rounds): 115.4 -> 112.3 and 111.3 -> 108.9 ms a step. Also fusing the LoRA A of
+linears that read the same input (four input projections, q/k/v, gate/up) added nothing more.
 
 Whatever the fused path does not cover (several or disabled adapters, merged weights, variants such as DoRA,
 PEFT's per-row `adapter_names`, a LoRA bias, mixed dtypes, factors ZeRO-3 partitions outside their module's
