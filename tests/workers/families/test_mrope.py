@@ -64,3 +64,6 @@ def test_the_swap_takes_the_walk_where_it_does_not_apply(model):
     assert mrope_positions(types, short, MERGE) is None
     assert mrope_positions(types, grids[:-1], MERGE) is None  # an image run without a grid
     assert mrope_positions(types, torch.cat([grids, grids[:1]]), MERGE) is None  # a grid without an image
+    video = types.clone()
+    video[0, 0] = 2
+    assert mrope_positions(video, grids, MERGE) is None

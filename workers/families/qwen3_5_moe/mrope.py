@@ -20,8 +20,8 @@ import torch
 
 def mrope_positions(token_types: torch.Tensor, image_grid_thw: torch.Tensor, merge: int):
     """(position ids [3, B, T], deltas [B, 1]: the row's largest position + 1 − T) for text (0) and image (1)
-    tokens; None where the image runs and the grids disagree, in number or in a run's length (transformers' walk
-    then decides)."""
+    tokens; None where the image runs and the grids disagree, in number or in a run's length, or where a token is
+    of another type (video): transformers' walk then decides."""
     rows, length = token_types.shape
     kinds = token_types.flatten()
     index = torch.arange(kinds.numel(), device=kinds.device)
@@ -39,7 +39,7 @@ def mrope_positions(token_types: torch.Tensor, image_grid_thw: torch.Tensor, mer
     run_image = torch.zeros_like(new_run).index_put_((run,), image)
     counts = grid[:, 0] * height * width
     short = run_image & (torch.zeros_like(index).index_put_((run,), counts) != run_length)
-    if bool(short.any() | (image_runs[-1] != len(image_grid_thw))):
+    if bool(short.any() | (image_runs[-1] != len(image_grid_thw)) | (kinds > 1).any()):
         return None
     advance = torch.where(run_image, run_image_advance, run_length)
     before = advance.cumsum(0) - advance  # every earlier run's advance, over the whole batch
@@ -61,7 +61,7 @@ def _batched_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=None,
     plain = (video_grid_thw is None and image_grid_thw is not None and image_grid_thw.numel() > 0
              and (attention_mask is None or bool(attention_mask.all())))
     found = mrope_positions(mm_token_type_ids, image_grid_thw, self.config.vision_config.spatial_merge_size) \
-        if plain and not bool((mm_token_type_ids > 1).any()) else None
+        if plain else None
     if found is None:
         return type(self).get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
                                          video_grid_thw=video_grid_thw, attention_mask=attention_mask, **kwargs)
