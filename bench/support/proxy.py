@@ -1,5 +1,6 @@
-"""A small HTTP proxy in front of the real S3 server: counts the body bytes it relays, injects faults into ranged
-GETs (HTTP 500, cut connection, truncated body, flipped byte) and can make storage unreachable: from the first write
+"""A small HTTP proxy in front of the real S3 server: counts the body bytes it relays and the ranged GETs signed in
+their URL (presigned), injects faults into ranged GETs (HTTP 500 or 403, cut connection, truncated body, flipped
+byte) and can make storage unreachable: from the first write
 to a chosen key prefix on, every request's connection is cut until restore()."""
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ class FaultProxy:
         self.upstream, target = upstream, urlparse(upstream)
         self.bytes_relayed = 0
         self.ranged_gets = 0
+        self.presigned_gets = 0  # ranged GETs signed in their query string
         self.requests = 0  # of any kind
-        self.fault: str | None = None  # "500" | "cut" | "truncate" | "flip"
+        self.fault: str | None = None  # "500" | "403" | "cut" | "truncate" | "flip"
         self.fault_count = 0  # how many ranged GETs still get the fault (-1: all)
         self.faults_from_byte = 0  # only ranged GETs starting at this byte or later get faults (weights, not headers)
         self.outage_after: str | None = None  # a PUT or POST whose path holds this starts an outage
@@ -42,9 +44,11 @@ class FaultProxy:
                 response = conn.getresponse()
                 data = response.read()
                 ranged = self.command == "GET" and "Range" in self.headers
-                fault = proxy._take_fault(int(self.headers["Range"].split("=")[1].split("-")[0])) if ranged else None
-                if fault == "500":
-                    self._send(500, {"Content-Type": "application/xml"}, b"<Error><Code>InternalError</Code></Error>")
+                fault = proxy._take_fault(int(self.headers["Range"].split("=")[1].split("-")[0]),
+                                          "X-Amz-Signature=" in self.path) if ranged else None
+                if fault in ("500", "403"):
+                    code = b"InternalError" if fault == "500" else b"AccessDenied"
+                    self._send(int(fault), {"Content-Type": "application/xml"}, b"<Error><Code>%s</Code></Error>" % code)
                     return
                 if fault == "cut":
                     self.close_connection = True
@@ -88,9 +92,10 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def _take_fault(self, start: int) -> str | None:
+    def _take_fault(self, start: int, presigned: bool) -> str | None:
         with self.lock:
             self.ranged_gets += 1
+            self.presigned_gets += presigned
             if self.fault is None or self.fault_count == 0 or start < self.faults_from_byte:
                 return None
             if self.fault_count > 0:
@@ -120,7 +125,7 @@ class FaultProxy:
 
     def reset_counts(self) -> None:
         with self.lock:
-            self.bytes_relayed = self.ranged_gets = self.requests = 0
+            self.bytes_relayed = self.ranged_gets = self.presigned_gets = self.requests = 0
 
     def close(self) -> None:
         self.server.shutdown()

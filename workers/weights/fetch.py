@@ -2,7 +2,8 @@
 
 Merged ranges are cut into chunks; at most `max_inflight_bytes // chunk_bytes` chunks are read at once. From
 S3, a chunk's response is read straight into the pieces it overlaps as it arrives, 4 MiB at a time (then appended
-to its cache file from there; no block buffer; an interrupted response resumes where it stopped); from other
+to its cache file from there; no block buffer; an interrupted response resumes where it stopped), on the
+fetcher's own connections (workers.weights.direct) or, where those cannot serve, through fsspec's client; from other
 filesystems the whole chunk is read, copied into the pieces and dropped. A piece whose dtype matches and whose
 destination is contiguous on the CPU receives bytes in place; others go through a staging buffer of that
 one piece (dtype conversion, devices). A piece with a manifest checksum is verified once its last byte has
@@ -13,21 +14,25 @@ and tensor.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+from moetune.workers.weights.direct import DirectRefused, direct_ranges
 from moetune.workers.weights.errors import WeightsError, tensor_list
 from moetune.workers.weights.pages import populate_for_write
 from moetune.workers.weights.plan import Piece, merge_ranges
-from moetune.workers.weights.s3 import is_s3, range_body, read_into
+from moetune.workers.weights.s3 import LoopBody, is_s3
 
+log = logging.getLogger(__name__)
 MiB = 1024 * 1024
-# bytes read into the pieces per hop between a fetch thread and fsspec's event loop (a thread switch both ways);
-# also how often a response's progress is counted, verified and cached (the pieces a block finished are verified
-# while the next block is read; one hop per 16 MiB chunk measured the same, within the bench's noise)
+# bytes read into the pieces per call (through fsspec's client: a hop between a fetch thread and its event loop,
+# a thread switch both ways); also how often a response's progress is counted, verified and cached (the pieces a
+# block finished are verified while the next block is read; one hop per 16 MiB chunk measured the same, within the
+# bench's noise)
 STREAM_BLOCK = 4 * MiB
 
 
@@ -55,6 +60,7 @@ class FetchStats:
     bytes_needed: int = 0
     bytes_not_cached: int = 0  # the local cache had no room for them
     requests: int = 0
+    direct_requests: int = 0  # of them, sent on the fetcher's own connections (workers.weights.direct)
     retries: int = 0
     verified_pieces: int = 0
     seconds: float = 0.0
@@ -108,6 +114,22 @@ class RangeFetcher:
         self.workers = max(1, max_inflight_bytes // chunk_bytes)
         self.attempts, self.backoff_s = attempts, backoff_s
         self.stats = FetchStats()
+        self.direct = direct_ranges(fs)  # None: every ranged GET goes through fsspec's client
+        self.refused = False  # storage refused a direct GET: the rest go through fsspec's client
+
+    def _open(self, path: str, start: int, end: int):
+        """The open body of a ranged GET: on the fetcher's own connections while storage takes those."""
+        if self.direct is not None and not self.refused:
+            try:
+                body = self.direct.open(path, start, end)
+                self.stats.add(direct_requests=1)
+                return body
+            except DirectRefused as e:
+                with self.stats.lock:
+                    first, self.refused = not self.refused, True
+                if first:
+                    log.warning("ranged GETs go through fsspec's client from now on: %s", e)
+        return LoopBody(self.fs, path, start, end)
 
     # -------------------------------------------------------------- reading
 
@@ -148,12 +170,12 @@ class RangeFetcher:
         def attempt(out) -> str | None:
             nonlocal pos
             self.stats.add(requests=1)
-            body = range_body(self.fs, src.path, pos, end)
+            body = self._open(src.path, pos, end)
             try:
                 while pos < end:
                     block = min(STREAM_BLOCK, end - pos)
                     views = self._views(sinks, pos, pos + block)
-                    got = read_into(self.fs, body, views)
+                    got = body.read_into(views)
                     if out:
                         _write_prefix(out, views, got)
                     self._arrived(sinks, pos, pos + got)
@@ -285,12 +307,16 @@ class RangeFetcher:
         chunks = [(shard, a, min(a + self.chunk_bytes, end))
                   for shard, start, end in merge_ranges(pieces, self.merge_gap)
                   for a in range(start, end, self.chunk_bytes)]
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="moetune-fetch") as pool:
-            futures = [pool.submit(run, *chunk) for chunk in chunks]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in pending:
-                f.cancel()
-            for f in done:
-                f.result()
+        try:
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="moetune-fetch") as pool:
+                futures = [pool.submit(run, *chunk) for chunk in chunks]
+                done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+                for f in pending:
+                    f.cancel()
+                for f in done:
+                    f.result()
+        finally:
+            if self.direct is not None:
+                self.direct.close()
         self.stats.seconds = time.perf_counter() - started
         return self.stats

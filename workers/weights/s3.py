@@ -34,13 +34,6 @@ def read_object(fs, path: str) -> bytes:
     return sync(fs.loop, _read, fs, path)[1]
 
 
-def range_body(fs, path: str, start: int, end: int):
-    """The open body of a GET of bytes [start, end) of `path`."""
-    from fsspec.asyn import sync
-
-    return sync(fs.loop, _get, fs, path, start, end)["Body"]
-
-
 async def _read_into(body, views: list[memoryview]) -> int:
     total = 0
     for view in views:
@@ -53,12 +46,22 @@ async def _read_into(body, views: list[memoryview]) -> int:
     return total
 
 
-def read_into(fs, body, views: list[memoryview]) -> int:
-    """Fills `views` in order from the response `body`, each straight from the client's receive buffer (no
-    block-sized copy in between); returns the bytes read (fewer where the response ended early)."""
-    from fsspec.asyn import sync
+class LoopBody:
+    """The open body of a ranged GET through fsspec's client (workers.weights.direct reads without it)."""
 
-    return sync(fs.loop, _read_into, body, views)
+    def __init__(self, fs, path: str, start: int, end: int):
+        from fsspec.asyn import sync
+
+        self.fs, self.sync = fs, sync
+        self.body = sync(fs.loop, _get, fs, path, start, end)["Body"]
+
+    def read_into(self, views: list[memoryview]) -> int:
+        """Fills `views` in order, each straight from the client's receive buffer (no block-sized copy in
+        between); returns the bytes read (fewer where the response ended early)."""
+        return self.sync(self.fs.loop, _read_into, self.body, views)
+
+    def close(self) -> None:
+        self.body.close()
 
 
 async def _head(fs, path: str, nbytes: int):

@@ -186,6 +186,45 @@ def test_faults_are_retried_or_name_the_shard_and_tensor(tiny_dir, s3_bucket, pr
     proxy.inject(None)
 
 
+def test_weights_come_on_the_fetchers_own_connections_until_storage_refuses_them(tiny_dir, s3_bucket, proxy,
+                                                                                caplog):
+    """Ranged GETs of the weights are presigned and read on the fetcher's own connections; a 403 to one of them
+    (a server that takes no presigned URLs) sends the rest of the load through fsspec's client, losing nothing."""
+    uri = f"s3://{s3_bucket}/tiny"
+    _push(tiny_dir, uri)
+    proxy.faults_from_byte = 1  # the weight reads, not the shards' headers
+    proxy.reset_counts()
+    out = stream_model(uri, CPU, F32, cache_dir="")
+    weights = out.stats.requests
+    assert weights > 1 and out.stats.direct_requests == weights and proxy.presigned_gets == weights
+    proxy.inject("403", count=1)
+    proxy.reset_counts()
+    with caplog.at_level("WARNING", logger="moetune.workers.weights.fetch"):
+        again = stream_model(uri, CPU, F32, cache_dir="")
+    assert again.stats.verified_pieces == len(again.plan.pieces) and again.stats.requests == weights
+    assert again.stats.direct_requests < weights and proxy.presigned_gets == again.stats.direct_requests + 1
+    assert "through fsspec's client from now on" in caplog.text and "HTTP 403 AccessDenied" in caplog.text
+
+
+def test_a_proxy_in_the_environment_keeps_ranged_gets_on_fsspecs_client(tiny_dir, s3_bucket, s3_endpoint, proxy,
+                                                                         monkeypatch):
+    """botocore sends requests through HTTP_PROXY; so must the weights' ranged GETs (here the counting proxy,
+    the endpoint being the server itself)."""
+    from s3fs import S3FileSystem
+
+    uri = f"s3://{s3_bucket}/tiny"
+    _push(tiny_dir, uri)
+    monkeypatch.setenv(ENV_S3_ENDPOINT_URL, s3_endpoint)
+    for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    S3FileSystem.clear_instance_cache()  # botocore reads the proxies when it creates a client
+    proxy.reset_counts()
+    out = stream_model(uri, CPU, F32, cache_dir="")
+    assert out.stats.verified_pieces == len(out.plan.pieces) and out.stats.direct_requests == 0
+    assert proxy.ranged_gets >= out.stats.requests > 0 and proxy.presigned_gets == 0
+
+
 def test_a_format_1_manifest_with_sha256_per_tensor_still_verifies(s3_bucket, tmp_path):
     """Checkpoints pushed before the XXH3-128 checksums (format 1: sha256 per tensor and per expert slice) load
     verified, also per expert slice as an EP rank (gpt_oss's checkpoint keeps its experts fused), and a wrong
