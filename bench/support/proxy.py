@@ -1,18 +1,19 @@
 """A small HTTP proxy in front of the real S3 server: counts the body bytes it relays and the ranged GETs signed in
 their URL (presigned), injects faults into ranged GETs (HTTP 500 or 403, cut connection, truncated body, flipped
-byte) and can make storage unreachable: from the first write
-to a chosen key prefix on, every request's connection is cut until restore()."""
+byte), can serve HTTPS, and can make storage unreachable: from the first write to a chosen key prefix on, every
+request's connection is cut until restore()."""
 
 from __future__ import annotations
 
 import http.client
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
 
 class FaultProxy:
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, tls: ssl.SSLContext | None = None):
         self.upstream, target = upstream, urlparse(upstream)
         self.bytes_relayed = 0
         self.ranged_gets = 0
@@ -89,7 +90,9 @@ class FaultProxy:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        if tls is not None:  # HTTPS to its clients (the upstream stays plain HTTP)
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def _take_fault(self, start: int, presigned: bool) -> str | None:

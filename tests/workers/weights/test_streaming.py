@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import ssl
 
 import pytest
 import torch
@@ -223,6 +224,55 @@ def test_a_proxy_in_the_environment_keeps_ranged_gets_on_fsspecs_client(tiny_dir
     out = stream_model(uri, CPU, F32, cache_dir="")
     assert out.stats.verified_pieces == len(out.plan.pieces) and out.stats.direct_requests == 0
     assert proxy.ranged_gets >= out.stats.requests > 0 and proxy.presigned_gets == 0
+
+
+def _self_signed_tls(folder) -> tuple[ssl.SSLContext, str]:
+    """(a server TLS context, the path of its certificate): a self-signed one for 127.0.0.1."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = str(folder / "cert.pem"), str(folder / "key.pem")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_path, key_path)
+    return context, cert_path
+
+
+def test_weights_stream_over_https_checked_against_aws_ca_bundle(tiny_dir, s3_bucket, s3_endpoint, tmp_path,
+                                                                monkeypatch):
+    """An HTTPS endpoint (a self-signed certificate, trusted through AWS_CA_BUNDLE as botocore reads it): the
+    direct ranged GETs check the certificate the same way and carry the weights."""
+    uri = f"s3://{s3_bucket}/tiny"
+    _push(tiny_dir, uri)
+    server_tls, cert = _self_signed_tls(tmp_path)
+    https = FaultProxy(s3_endpoint, tls=server_tls)
+    try:
+        monkeypatch.setenv(ENV_S3_ENDPOINT_URL, https.url)
+        monkeypatch.setenv("AWS_CA_BUNDLE", cert)
+        out = stream_model(uri, CPU, F32, cache_dir="", attempts=1)
+        assert out.stats.verified_pieces == len(out.plan.pieces)
+        assert out.stats.direct_requests == out.stats.requests == https.presigned_gets > 0
+    finally:
+        https.close()
 
 
 def test_a_format_1_manifest_with_sha256_per_tensor_still_verifies(s3_bucket, tmp_path):
