@@ -10,11 +10,13 @@ never holds its whole share of the frozen weights either.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from moetune.api import storage
@@ -354,6 +356,27 @@ def stream_model(uri: str, device, dtype, placement: ExpertPlacement | None = No
     (then each is dequantized once, into a dense parameter of `dtype`). `partition` (ZeRO-3, a
     workers.engine.zero3_load.Zero3Partitioner): each dense parameter becomes this rank's ZeRO-3 partition of it
     as soon as it is loaded (see _stream_partitioned)."""
+    with _heap_frozen():
+        return _stream_model(uri, device, dtype, placement, cache_dir, cache_max_bytes, base_weights, partition,
+                             **fetch_options)
+
+
+@contextmanager
+def _heap_frozen():
+    """Objects made before the load are left out of the garbage collector's passes until it ends. A full pass
+    over a worker's heap (~500k objects once torch and transformers are imported) holds the GIL ~0.25 s on a
+    2-core VM, stalling every fetch thread; the load's own objects (the skeleton, its parameters) are new and
+    long-lived, so no pass over the old ones is due because of them. Cyclic garbage made during the load is
+    still collected."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _stream_model(uri: str, device, dtype, placement, cache_dir, cache_max_bytes, base_weights, partition,
+                  **fetch_options) -> StreamedModel:
     started = time.perf_counter()
     cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir else None
     ckpt = open_checkpoint(uri, cache)

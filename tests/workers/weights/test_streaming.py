@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -185,6 +186,7 @@ def test_faults_are_retried_or_name_the_shard_and_tensor(tiny_dir, s3_bucket, pr
     with pytest.raises(WeightsError, match=r"model-00001-of-00001.safetensors: tensor \S+ does not match its manifest"):
         stream_model(uri, CPU, F32, attempts=2, **fast)
     proxy.inject(None)
+    assert gc.get_freeze_count() == 0  # a failed load too leaves the heap to the garbage collector again
 
 
 def test_weights_come_on_the_fetchers_own_connections_until_storage_refuses_them(tiny_dir, s3_bucket, proxy,
