@@ -1,12 +1,12 @@
 """Ranged GETs of S3 objects on plain HTTP(S) connections, each response body read by the socket straight into
 its destination memory.
 
-Through fsspec, every received piece of a body becomes a Python bytes object on the event loop's thread before it
-is copied out; at the loader's 16 streams that costs about as much client CPU as the S3 server's own work, and on
-a node streaming at NIC speed the client's cores become the limit. Here each fetch thread sends a presigned GET
-(signed by botocore with the filesystem's options: same credentials, endpoint, addressing) on its own kept-alive
-connection and `readinto` fills the parameters' memory with `recv_into`, the GIL released (bench/streaming.py:
-client CPU 0.77 against 1.33 s per GiB on a 2-core VM).
+Through fsspec, every received piece of every body becomes a Python bytes object on the one event-loop thread of
+the process before it is copied out: 0.60-0.64 CPU-s per GiB of that thread on a 2-core VM, a ceiling of about
+1.5 GB/s per process whatever the NIC. Here each fetch thread sends a presigned GET (signed by botocore with the
+filesystem's options: same credentials, endpoint, addressing) on a kept-alive connection and `readinto` fills the
+parameters' memory with `recv_into`, the GIL released: the loop thread's share drops to 0.05 (presigning), the
+loader's client CPU from 1.22-1.32 to 0.98-1.03 s per GiB (bench/streaming.py's checkpoint, both in one process).
 
 Used only where it talks to the same server the same way as the filesystem would: no proxy configured for the
 endpoint (environment or `config_kwargs`), no extra request parameters (`s3_additional_kwargs`, requester pays),
