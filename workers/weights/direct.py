@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import http.client
-import os
 import re
 import ssl
 import threading
@@ -77,6 +76,7 @@ class DirectRanges:
 
         self.fs, self.sync = fs, sync
         sync(fs.loop, fs.set_session)  # its botocore session, whose loaded service models the twin reuses (~5 ms)
+        self.ca_bundle = fs.session.get_config_variable("ca_bundle")  # AWS_CA_BUNDLE or the config file's, as botocore
         # a twin of the filesystem told to sign with SigV4: left to choose, botocore presigns S3 URLs with SigV2,
         # which AWS regions opened since 2014 and buckets created since 2020 refuse
         twin = type(fs)(**{**fs.storage_options, "config_kwargs": {**fs.config_kwargs, "signature_version": "s3v4"}},
@@ -94,7 +94,7 @@ class DirectRanges:
         verify = self.fs.client_kwargs.get("verify")
         if verify is False:
             return ssl._create_unverified_context()  # noqa: S323 - what the filesystem was told to do
-        return ssl.create_default_context(cafile=verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE"))
+        return ssl.create_default_context(cafile=verify if isinstance(verify, str) else self.ca_bundle)
 
     def _url(self, path: str) -> str:
         bucket, key, version = self.fs.split_path(path)
