@@ -34,7 +34,8 @@ _ERROR_BYTES = 64 * 1024  # read of an error response's body, for its code and m
 
 
 class DirectRefused(Exception):
-    """The storage answered in a way only botocore's own client follows (a redirect, a bad request)."""
+    """Only botocore's own client can make this request: storage redirected or refused the presigned GET, or
+    the environment sends it through a proxy."""
 
 
 def _error_code(body: bytes) -> str:
