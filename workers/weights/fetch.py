@@ -61,6 +61,7 @@ class FetchStats:
     bytes_not_cached: int = 0  # the local cache had no room for them
     requests: int = 0
     direct_requests: int = 0  # of them, sent on the fetcher's own connections (workers.weights.direct)
+    refused: str = ""  # why the rest went through fsspec's client (a direct GET refused, a proxy), if they did
     retries: int = 0
     verified_pieces: int = 0
     seconds: float = 0.0
@@ -115,18 +116,18 @@ class RangeFetcher:
         self.attempts, self.backoff_s = attempts, backoff_s
         self.stats = FetchStats()
         self.direct = direct_ranges(fs)  # None: every ranged GET goes through fsspec's client
-        self.refused = False  # storage refused a direct GET: the rest go through fsspec's client
 
     def _open(self, path: str, start: int, end: int):
         """The open body of a ranged GET: on the fetcher's own connections while storage takes those."""
-        if self.direct is not None and not self.refused:
+        if self.direct is not None and not self.stats.refused:
             try:
                 body = self.direct.open(path, start, end)
                 self.stats.add(direct_requests=1)
                 return body
             except DirectRefused as e:
                 with self.stats.lock:
-                    first, self.refused = not self.refused, True
+                    first = not self.stats.refused
+                    self.stats.refused = self.stats.refused or str(e)
                 if first:
                     log.warning("ranged GETs go through fsspec's client from now on: %s", e)
         return LoopBody(self.fs, path, start, end)

@@ -446,7 +446,7 @@ def load_summary(streamed: StreamedModel, ep_size: int) -> tuple[str, dict]:
     data = {"load_seconds": round(streamed.seconds, 3), "bytes_needed": s.bytes_needed,
             "bytes_from_storage": s.bytes_from_storage, "bytes_from_cache": s.bytes_from_cache,
             "throughput_mib_s": round(read / 2**20 / max(streamed.seconds, 1e-9), 1), "requests": s.requests,
-            "retries": s.retries, "bytes_not_cached": s.bytes_not_cached,
+            "direct_requests": s.direct_requests, "retries": s.retries, "bytes_not_cached": s.bytes_not_cached,
             "integrity": "verified" if streamed.verified else "unverified",
             "expert_parallel_size": ep_size, "quantization": streamed.quantization,
             "quantized_bytes": streamed.quantized_bytes, "unexpected_tensors": streamed.plan.unexpected,
@@ -460,6 +460,8 @@ def load_summary(streamed: StreamedModel, ep_size: int) -> tuple[str, dict]:
         kept = (f"{streamed.quantized_bytes / 2**20:.2f} MiB kept quantized" if streamed.quantized_bytes
                 else "dequantized at load (training.base_weights)")
         message += f"; {streamed.quantization} base: {kept}"
+    if s.refused:
+        message += f"; ranged GETs through fsspec's client (slower), not the loader's own connections: {s.refused}"
     if streamed.plan.unexpected:
         message += (f"; {len(streamed.plan.unexpected)} checkpoint tensors the model has no place for, ignored: "
                     f"{tensor_list(streamed.plan.unexpected)}")

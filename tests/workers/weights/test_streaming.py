@@ -207,6 +207,10 @@ def test_weights_come_on_the_fetchers_own_connections_until_storage_refuses_them
     assert again.stats.verified_pieces == len(again.plan.pieces) and again.stats.requests == weights
     assert again.stats.direct_requests < weights and proxy.presigned_gets == again.stats.direct_requests + 1
     assert "through fsspec's client from now on" in caplog.text and "HTTP 403 AccessDenied" in caplog.text
+    message, data = load_summary(again, ep_size=1)  # the job's event says why the load took the slower client
+    assert "not the loader's own connections" in message and "HTTP 403 AccessDenied" in message
+    assert data["direct_requests"] == again.stats.direct_requests
+    assert "refused" not in load_summary(out, ep_size=1)[0]
 
 
 def test_a_proxy_in_the_environment_keeps_ranged_gets_on_fsspecs_client(tiny_dir, s3_bucket, s3_endpoint, proxy,
@@ -226,6 +230,7 @@ def test_a_proxy_in_the_environment_keeps_ranged_gets_on_fsspecs_client(tiny_dir
     out = stream_model(uri, CPU, F32, cache_dir="")
     assert out.stats.verified_pieces == len(out.plan.pieces) and out.stats.direct_requests == 0
     assert proxy.ranged_gets >= out.stats.requests > 0 and proxy.presigned_gets == 0
+    assert "is reached through a proxy" in load_summary(out, ep_size=1)[0]
 
 
 def _self_signed_tls(folder) -> tuple[ssl.SSLContext, str]:
