@@ -67,7 +67,7 @@ class _SituGlu(torch.autograd.Function):
     def forward(ctx, gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
         ctx.save_for_backward(gate_up)
         ctx.beta, ctx.linear_beta = beta, linear_beta
-        return _SituGlu.apply(gate_up, beta, linear_beta)
+        return _situ_glu_fp32(gate_up, beta, linear_beta).to(gate_up.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
