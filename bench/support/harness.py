@@ -298,7 +298,7 @@ def _with_expert_lora(peft_model, fam, job: JobCreate, source: str, skew: bool, 
         if transposed:  # stored [E, in, out] (gpt-oss)
             hidden, two_i = two_i, hidden
         intermediate = experts.down_proj.shape[1 if transposed else 2]
-        a_gate_up, a_down = init_expert_lora_a(range(e), r, hidden, intermediate, first.dtype)
+        a_gate_up, a_down = init_expert_lora_a(range(e), r, hidden, intermediate, first.dtype, first.device)
         factors = {"lora_gate_up_a": a_gate_up, "lora_down_a": a_down,
                    "lora_gate_up_b": torch.zeros(e, two_i, r), "lora_down_b": torch.zeros(e, hidden, r)}
         state.update(peft_expert_state(f"base_model.model.{name}.{fam.experts}", factors))

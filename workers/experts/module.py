@@ -30,19 +30,46 @@ from moetune.workers.experts.placement import ExpertPlacement
 from moetune.workers.families.spec import Family, in_proj_name
 
 
-def init_expert_lora_a(experts: range, rank: int, hidden: int, intermediate: int, dtype):
+def init_expert_lora_a(experts: range, rank: int, hidden: int, intermediate: int, dtype, device):
     """LoRA A of `experts` (global indices) of one block, gate_up then down, like PEFT's kaiming_uniform(a=√5):
     U(-1/√fan_in, 1/√fan_in). The block draws one seed from the global RNG (the same on every rank); expert e draws
     from its own generator seeded from it, so a rank draws only its own experts, and an expert's A is the same
-    whatever the EP size."""
-    block_seed = int(torch.randint(0, 2**62, ()))
+    whatever the EP size. Drawn on the host (the seeded generators are CPU ones: the same numbers on any device),
+    then put on `device`, where the weights are."""
+    block_seed = int(torch.randint(0, 2**62, (), device="cpu"))
 
     def uniform(fan_in, which):
         bound = 1.0 / math.sqrt(fan_in)
-        return torch.stack([torch.empty(rank, fan_in, dtype=dtype).uniform_(
+        return torch.stack([torch.empty(rank, fan_in, dtype=dtype, device="cpu").uniform_(
             -bound, bound, generator=torch.Generator().manual_seed(block_seed + 2 * e + which)) for e in experts])
 
-    return uniform(hidden, 0), uniform(intermediate, 1)
+    return uniform(hidden, 0).to(device), uniform(intermediate, 1).to(device)
+
+
+def weights_device(weight) -> torch.device:
+    """Where a frozen base weight lives: a QuantizedWeights' tensors, a ZeRO-3 partition's own tensor (its
+    Parameter's data is an empty placeholder), or the Parameter itself."""
+    if hasattr(weight, "tensors"):
+        return next(iter(weight.tensors().values())).device
+    return getattr(weight, "ds_tensor", weight).device
+
+
+class _WeightedCombine(torch.autograd.Function):
+    """out[t] = Σ_slots weights[slot] · rows[slot] over the slots of token t, accumulated in fp32 (a bf16 index_add
+    rounds at every add, in an order that differs run to run), saving `rows` in their own dtype: autograd's
+    `rows.float() * weights` would keep an fp32 [T·k, hidden] copy alive until the backward."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, token_of, tokens: int):
+        ctx.save_for_backward(rows, weights, token_of)
+        out = torch.zeros((tokens, rows.shape[-1]), dtype=torch.float32, device=rows.device)
+        return out.index_add_(0, token_of, rows.float() * weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weights, token_of = ctx.saved_tensors
+        per_slot = grad[token_of]  # [T·k, hidden] fp32
+        return ((per_slot * weights).to(rows.dtype), (per_slot * rows.float()).sum(-1, keepdim=True), None, None)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -126,8 +153,11 @@ class ExpertParallelExperts(nn.Module):
             self._init_lora(ep.local)
         for param in self.parameters():
             tag_expert_param(param, ep.group_name, ep.replica_group)
-        # Routed-token counts per global expert from this rank's last forward (for load metrics).
-        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+        # Routed-token counts per global expert from this rank's last forward (for load metrics). On the weights'
+        # device: under ZeRO-3 the loader has partitioned the frozen weights already, so DeepSpeed takes the model
+        # as zero-initialised and never moves it (a host buffer would stay on the host).
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long,
+                                                              device=self.device), persistent=False)
         self.comm = AllToAllStats()  # this layer's token exchanges (read by workers.metrics)
 
     def _init_lora(self, local: slice) -> None:
@@ -138,17 +168,24 @@ class ExpertParallelExperts(nn.Module):
         # a quantized base has no dtype of its own: fp32, until the model joins its compute dtype (workers.model)
         dtype = torch.float32 if self.quantized else gate_up.dtype
         a_gate_up, a_down = init_expert_lora_a(range(local.start, local.stop), r, hidden, full_shape(down)[2],
-                                                 dtype)
+                                                 dtype, self.device)
         self.lora_gate_up_a = nn.Parameter(a_gate_up)
         self.lora_down_a = nn.Parameter(a_down)
-        self.lora_gate_up_b = nn.Parameter(torch.zeros(self.num_local_experts, two_i, r, dtype=dtype))
-        self.lora_down_b = nn.Parameter(torch.zeros(self.num_local_experts, hidden, r, dtype=dtype))
+        self.lora_gate_up_b = nn.Parameter(torch.zeros(self.num_local_experts, two_i, r, dtype=dtype,
+                                                       device=self.device))
+        self.lora_down_b = nn.Parameter(torch.zeros(self.num_local_experts, hidden, r, dtype=dtype,
+                                                    device=self.device))
 
     def base_weights(self) -> tuple:
         """(gate_up or up, down): frozen dense parameters, or QuantizedWeights (a quantized base)."""
         if self.quantized:
             return held(self, self.in_proj), held(self, "down_proj")
         return getattr(self, self.in_proj), self.down_proj
+
+    @property
+    def device(self) -> torch.device:
+        """Where the frozen experts live, and so everything this module makes."""
+        return weights_device(self.base_weights()[0])
 
     @property
     def has_lora(self) -> bool:
@@ -176,10 +213,8 @@ class ExpertParallelExperts(nn.Module):
                                     self.lora_factors(), biases)
         else:
             returned = self._exchanged_compute(hidden_states[token_of], counts, biases)
-        # combined in fp32: a bf16 index_add rounds at every add, in an order that differs run to run
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).float()
-        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-        return out.index_add_(0, token_of, returned.float() * weights).to(hidden_states.dtype)
+        return _WeightedCombine.apply(returned, weights, token_of, hidden_states.shape[0]).to(hidden_states.dtype)
 
     def _exchanged_compute(self, rows, counts, biases):
         """The local experts' outputs for `rows` (this rank's token copies sorted by global expert), computed on the

@@ -94,8 +94,9 @@ def _gather(slab, ep):
     if ep.size == 1:
         return [slab]
     first = dist.get_global_rank(ep.group, 0)
+    slab = slab.contiguous()  # a permuted slab's empty_like would keep its strides: NCCL writes raw, dense bytes
     parts = [torch.empty_like(slab) for _ in range(ep.size)] if dist.get_rank() == first else None
-    comm.gather(slab.contiguous(), parts, dst=first, group=ep.group)
+    comm.gather(slab, parts, dst=first, group=ep.group)
     return parts
 
 

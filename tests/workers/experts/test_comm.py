@@ -1,14 +1,18 @@
-"""experts.comm: the collectives refuse a tensor that is not on the process group's device (NCCL takes CUDA
-tensors only, gloo CPU ones), and every collective the workers run goes through it. The gloo EP suite (this folder)
-runs the expert all-to-all, the expert-LoRA gathers and the loop's reductions through the same wrappers."""
+"""experts.comm: the collectives hold gloo to NCCL's rules: they refuse a tensor that is not on the process group's
+device (NCCL takes CUDA tensors only, gloo CPU ones) or not contiguous (NCCL writes raw dense bytes), and ranks that
+run different collectives, or the same one on tensors that do not match, fail on every rank instead of hanging.
+Every collective the workers run goes through it. The gloo EP suite (this folder) runs the expert all-to-all, the
+expert-LoRA gathers and the loop's reductions through the same wrappers."""
 
 import ast
+import os
 import pathlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from bench.support.harness import launch
 from moetune.workers.experts import comm
 
 WORKERS = pathlib.Path(__file__).parents[3] / "workers"
@@ -45,3 +49,52 @@ def test_every_collective_of_the_workers_goes_through_parallel_comm():
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"):
                 direct.append(f"{path.relative_to(WORKERS)}:{node.lineno} dist.{node.func.attr}")
     assert not direct, direct
+
+
+def _outcome(call) -> str:
+    try:
+        call()
+        return "ran"
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _disagreements(rank: int, world: int, out_dir: str) -> None:
+    """Each case is one call per rank, every rank at the same point; an outcome per case and rank."""
+    permuted = torch.arange(24.0).reshape(2, 3, 4).permute(1, 2, 0)  # dense, not contiguous (an expert-LoRA slab)
+    cases = {
+        "strided_receive": lambda: comm.gather(permuted.contiguous(), [torch.empty_like(permuted) for _ in range(2)]
+                                               if rank == 0 else None, dst=0),
+        "strided_send": lambda: comm.gather(permuted, [torch.empty(3, 4, 2) for _ in range(2)] if rank == 0 else None,
+                                            dst=0),
+        "other_collective": lambda: comm.all_reduce(torch.ones(3)) if rank == 0 else comm.barrier(),
+        "other_shape": lambda: comm.all_reduce(torch.ones(3 + rank)),
+        "other_dtype": lambda: comm.all_reduce(torch.ones(3, dtype=torch.float32 if rank else torch.float64)),
+        # rank 0 sends rank 1 two rows, rank 1 expects one from it
+        "splits": lambda: comm.all_to_all_single(torch.empty(2 if rank == 0 else 2, 4), torch.ones(3 if rank == 0
+                                                 else 2, 4), out_splits=[1, 1] if rank == 0 else [1, 1],
+                                                 in_splits=[1, 2] if rank == 0 else [1, 1]),
+        "agreeing": lambda: comm.all_reduce(torch.ones(3)),
+    }
+    torch.save({name: _outcome(call) for name, call in cases.items()}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.timeout(120)
+def test_gloo_fails_where_nccl_would(tmp_path):
+    launch(_disagreements, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # a receive buffer with a permuted slab's strides (what NCCL fills as if dense) is refused on the receiving rank
+    # and the sending rank learns it from the same check instead of waiting in the gather
+    assert ranks[0]["strided_receive"].startswith("RuntimeError: gather: a non-contiguous tensor"), ranks[0]
+    assert ranks[1]["strided_receive"].startswith("CollectiveMismatch: ranks of a 2-rank group ran a rank's tensors "
+                                                  "break NCCL's rules"), ranks[1]
+    assert "rank 0: gather: a non-contiguous tensor of shape (3, 4, 2)" in ranks[1]["strided_receive"]
+    assert all(r["strided_send"].startswith("RuntimeError: gather: a non-contiguous tensor") for r in ranks)
+    for case, says in (("other_collective", "rank 0: all_reduce(float32[3] sum); rank 1: barrier()"),
+                       ("other_shape", "rank 0: all_reduce(float32[3] sum); rank 1: all_reduce(float32[4] sum)"),
+                       ("other_dtype", "rank 0: all_reduce(float64[3]"),
+                       ("splits", "splits that do not pair up")):
+        for r in ranks:  # every rank raises (none is left waiting in the collective), naming what each ran
+            assert r[case].startswith("CollectiveMismatch: ranks of a 2-rank group ran"), (case, r[case])
+            assert says in r[case], (case, r[case])
+    assert [r["agreeing"] for r in ranks] == ["ran", "ran"]
