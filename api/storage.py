@@ -75,6 +75,30 @@ def write_bytes(uri: str, data: bytes, *, endpoint_url: Endpoint = FROM_ENV) -> 
     fs.pipe_file(path, data)
 
 
+class StagedWrite:
+    """One object written in pieces as they arrive: nothing is visible at `uri` until commit(), and discard()
+    leaves nothing there. On S3 it is a multipart upload of `part_bytes` parts, so memory stays near one part
+    whatever the object's size (s3fs's default part is 50 MiB)."""
+
+    def __init__(self, uri: str, *, endpoint_url: Endpoint = FROM_ENV, part_bytes: int = 8 * 2**20):
+        fs, path = filesystem(uri, endpoint_url)
+        self._file = fs.open(path, "wb", block_size=part_bytes, autocommit=False)
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+
+    def commit(self) -> None:
+        self._file.close()
+        self._file.commit()
+
+    def discard(self) -> None:
+        """Aborts the write (S3: the multipart upload and its parts); a storage error here propagates."""
+        try:
+            self._file.close()  # fsspec discards only a closed file (S3 uploads the buffered tail, then aborts)
+        finally:
+            self._file.discard()
+
+
 def check_writable(uri: str, *, endpoint_url: Endpoint = FROM_ENV, quick: bool = False) -> None:
     """Writes and deletes one empty probe object under `uri`: FileNotFoundError when its bucket does not exist,
     PermissionError when writing there is denied (other storage errors propagate as they are)."""

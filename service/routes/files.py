@@ -2,28 +2,35 @@
 `evaluation.file`), list, retrieve, delete
 and download. The bytes go to the operator's bucket, one folder per tenant (Settings.files_uri); every row is
 checked on upload by the rules the driver applies (api/data_rows.py, and the image URLs against the tenant's
-storage access), so a bad file is refused with its row number before any job names it. A job then names the
+storage access), so a bad file is refused with its row number before any job names it. An upload streams: its
+rows are checked and written to storage (a multipart upload) as they arrive, in constant memory, and the first bad
+row refuses it before the rest is read, leaving nothing stored. A job then names the
 file by its id (`training_file: "file-..."`, `evaluation.file`), which create_job resolves to the stored URI."""
 
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import get_args
 
-from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from moetune.api import storage
-from moetune.api.data_rows import RowError, evaluation_row_problem, parse_rows, row_problem
+from moetune.api.data_rows import RowError, evaluation_row_problem, row_problem
 from moetune.api.errors import ErrorCode
 from moetune.api.images import MB
 from moetune.api.models.base import FILE_ID_PREFIX
 from moetune.api.models.responses import FileDeleted, FileObject, FilePurpose, ListPage
 from moetune.service.errors import APIException, invalid_request, documented_errors
 from moetune.service.routes.deps import StoreDep, Tenant
+from moetune.service.routes.multipart_stream import MAX_FIELD_BYTES, Field, FileData, FileEnd, FileStart, multipart_items
 from moetune.service.settings import Settings
 from moetune.service.store import FileRow, Store
 from moetune.service.submission.data_images import row_image_refusal
+from moetune.service.submission.streamed_rows import NotUtf8, StreamedRows
 from moetune.service.submission.uri_policy import tenant_access
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=documented_errors(
@@ -34,6 +41,12 @@ router = APIRouter(prefix="/v1/files", tags=["files"], responses=documented_erro
         (422, "Not a valid fine-tuning file; `error.message` names the row"),
         (503, "The storage of uploaded files is not reachable"),
     ))
+
+PIECE_BYTES = 2**20  # file bytes checked and written per hand-off to a worker thread
+UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"purpose": {"type": "string", "enum": list(get_args(FilePurpose))},
+                   "file": {"type": "string", "format": "binary"}}}}}}}
 
 
 def files_root(settings: Settings) -> str:
@@ -57,51 +70,145 @@ def _view(row: FileRow) -> FileObject:
                       purpose=row.purpose, rows=row.rows)
 
 
-def _checked_rows(data: bytes, filename: str, purpose: FilePurpose, tenant: str, settings: Settings) -> int:
-    """How many rows the file holds; a 422 naming the first bad row by the rules of its purpose (no model known
-    yet: images are allowed; no metrics known yet: a regex reference is checked at submission)."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise invalid_request(f"file: {filename} is not UTF-8 text", "file") from None
+def _row_check(purpose: FilePurpose | None, tenant: str, settings: Settings) -> StreamedRows:
+    """The rules of `purpose` (no model known yet: images are allowed; no metrics known yet: a regex reference is
+    checked at submission); None (the file came before its purpose): only that it is UTF-8 JSONL."""
+    if purpose is None:
+        return StreamedRows(lambda row: None)
     access = tenant_access(tenant, settings)
-    try:
-        rows = parse_rows(text, lambda row: row_image_refusal(row, access, None),
-                          evaluation_row_problem if purpose == "evaluation" else row_problem)
-    except RowError as e:
-        raise invalid_request(f"file: {filename} row {e.number}: {e.problem}", "file") from None
-    if not rows:
-        raise invalid_request(f"file: {filename} holds no rows", "file")
-    return len(rows)
+    return StreamedRows(evaluation_row_problem if purpose == "evaluation" else row_problem,
+                        lambda row: row_image_refusal(row, access, None))
 
 
-def _write(uri: str, data: bytes, settings: Settings) -> None:
-    try:
+class _StoredUpload:
+    """One uploaded file on its way to storage, checked as it goes: a bad row stops it before the rest is read,
+    and a refused or broken upload leaves nothing stored. Its methods block: call them from a worker thread."""
+
+    def __init__(self, uri: str, filename: str, purpose: FilePurpose | None, tenant: str, settings: Settings):
+        self.uri, self.filename, self.bytes = uri, filename, 0
+        self._purpose, self._tenant, self._settings = purpose, tenant, settings
+        self._rows = _row_check(purpose, tenant, settings)
+        self._committed = False
         try:
-            storage.write_bytes(uri, data, endpoint_url=settings.s3_endpoint_url)
-        except FileNotFoundError:  # the operator's bucket does not exist yet
-            storage.make_bucket(uri, endpoint_url=settings.s3_endpoint_url)
-            storage.write_bytes(uri, data, endpoint_url=settings.s3_endpoint_url)
-    except OSError as e:
-        raise _storage_down(e) from None
+            storage.make_bucket(uri, endpoint_url=settings.s3_endpoint_url)  # the operator's bucket may not exist yet
+            self._write = storage.StagedWrite(uri, endpoint_url=settings.s3_endpoint_url)
+        except OSError as e:
+            raise _storage_down(e) from None
+
+    def add(self, data: bytes) -> None:
+        self.bytes += len(data)
+        if self.bytes > self._settings.max_upload_mb * MB:
+            raise APIException(413, ErrorCode.invalid_request,
+                               f"file: larger than this server's limit of {self._settings.max_upload_mb:g} MB", "file")
+        with self._refusing_bad_rows():
+            self._rows.feed(data)
+        try:
+            self._write.write(data)
+        except OSError as e:
+            raise _storage_down(e) from None
+
+    def finish(self, purpose: FilePurpose) -> int:
+        """Stores the file; its number of rows."""
+        with self._refusing_bad_rows():
+            rows = self._rows.finish()
+        if not rows:
+            raise invalid_request(f"file: {self.filename} holds no rows", "file")
+        try:
+            self._write.commit()
+        except OSError as e:
+            raise _storage_down(e) from None
+        self._committed = True
+        if self._purpose is None:  # the purpose came after the file: its rules read the stored copy
+            rows = self._check_stored(_row_check(purpose, self._tenant, self._settings))
+        return rows
+
+    def discard(self) -> None:
+        if self._committed:  # refused after the commit: _check_stored removed it
+            return
+        try:
+            self._write.discard()
+        except OSError:
+            pass  # storage went away: an aborted multipart upload it did not hear of expires by the bucket's rules
+
+    def _check_stored(self, rows: StreamedRows) -> int:
+        fs, path = storage.filesystem(self.uri, self._settings.s3_endpoint_url)
+        try:
+            with self._refusing_bad_rows(), fs.open(path, "rb") as stored:
+                while data := stored.read(PIECE_BYTES):
+                    rows.feed(data)
+                return rows.finish()
+        except APIException:
+            fs.rm_file(path)
+            raise
+        except OSError as e:
+            raise _storage_down(e) from None
+
+    @contextmanager
+    def _refusing_bad_rows(self) -> Iterator[None]:
+        try:
+            yield
+        except NotUtf8 as e:
+            raise invalid_request(f"file: {self.filename} row {e.line} is not UTF-8 text", "file") from None
+        except RowError as e:
+            raise invalid_request(f"file: {self.filename} row {e.number}: {e.problem}", "file") from None
 
 
-@router.post("", response_model=FileObject)
-def upload_file(request: Request, tenant: Tenant, store: StoreDep, file: Annotated[UploadFile, File()],
-                purpose: Annotated[FilePurpose, Form()]) -> FileObject:
-    settings: Settings = request.app.state.settings
-    limit = int(settings.max_upload_mb * MB)
-    data = file.file.read(limit + 1)
-    if len(data) > limit:
+def _purpose(value: str) -> FilePurpose:
+    if value not in get_args(FilePurpose):
+        raise invalid_request(f"purpose: must be one of {', '.join(get_args(FilePurpose))}, not {value!r}", "purpose")
+    return value
+
+
+def _refuse_declared_size(request: Request, settings: Settings) -> None:
+    """A body declared far larger than the limit is refused before any of it is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > settings.max_upload_mb * MB + MAX_FIELD_BYTES:
         raise APIException(413, ErrorCode.invalid_request,
                            f"file: larger than this server's limit of {settings.max_upload_mb:g} MB", "file")
-    filename = file.filename or "upload.jsonl"
-    rows = _checked_rows(data, filename, purpose, tenant, settings)
+
+
+@router.post("", response_model=FileObject, openapi_extra=UPLOAD_BODY)
+async def upload_file(request: Request, tenant: Tenant, store: StoreDep) -> FileObject:
+    """A multipart body with `purpose` and `file` (purpose first lets every row be checked as it arrives; after
+    the file, the stored copy is read back once to check its rows)."""
+    settings: Settings = request.app.state.settings
+    _refuse_declared_size(request, settings)
     file_id = f"{FILE_ID_PREFIX}{secrets.token_hex(12)}"
     uri = storage.join(files_root(settings), tenant, f"{file_id}.jsonl")
-    _write(uri, data, settings)
-    return _view(store.add_file(FileRow(id=file_id, tenant=tenant, filename=filename, purpose=purpose,
-                                        bytes=len(data), rows=rows, uri=uri)))
+    purpose: FilePurpose | None = None
+    upload: _StoredUpload | None = None
+    receiving, stored_rows = False, None
+    pending = bytearray()  # file bytes not yet handed to the worker thread
+    try:
+        async for item in multipart_items(request):
+            if isinstance(item, Field) and item.name == "purpose":
+                purpose = _purpose(item.value)
+            elif isinstance(item, FileStart) and item.name == "file":
+                if upload is not None:
+                    raise invalid_request("file: one file per upload", "file")
+                upload = await run_in_threadpool(_StoredUpload, uri, item.filename or "upload.jsonl", purpose,
+                                                 tenant, settings)
+                receiving = True
+            elif isinstance(item, FileData) and receiving:
+                pending += item.data
+                if len(pending) >= PIECE_BYTES:
+                    await run_in_threadpool(upload.add, bytes(pending))
+                    pending.clear()
+            elif isinstance(item, FileEnd) and receiving:
+                await run_in_threadpool(upload.add, bytes(pending))
+                pending.clear()
+                receiving = False
+        if upload is None or receiving:
+            raise invalid_request("file: required (a JSONL file part named 'file')", "file")
+        if purpose is None:
+            raise invalid_request(f"purpose: required (one of {', '.join(get_args(FilePurpose))})", "purpose")
+        stored_rows = await run_in_threadpool(upload.finish, purpose)
+    finally:
+        if upload is not None and stored_rows is None:
+            await run_in_threadpool(upload.discard)
+    row = FileRow(id=file_id, tenant=tenant, filename=upload.filename, purpose=purpose, bytes=upload.bytes,
+                  rows=stored_rows, uri=uri)
+    return _view(await run_in_threadpool(store.add_file, row))
 
 
 def own_file(store: Store, tenant: str, file_id: str, param: str | None = None) -> FileRow:

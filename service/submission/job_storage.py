@@ -100,6 +100,9 @@ def read_model_config(model_uri: str, s3_endpoint_url: str | None, facts: Storag
         if (names := model_files(model_uri, s3_endpoint_url, facts)) and "config.json" not in names:
             raise SpecError("model", f"model: {model_uri.rstrip('/')} holds {len(names)} files but no config.json "
                                      "(expected a Hugging Face checkpoint folder)") from None
+        if not names and _bucket_answers(model_uri, s3_endpoint_url):
+            raise SpecError("model", f"model: {model_uri.rstrip('/')} does not exist (expected a Hugging Face "
+                                     "checkpoint folder with a config.json)") from None
         return None
     if raw is None:
         return None
@@ -107,6 +110,19 @@ def read_model_config(model_uri: str, s3_endpoint_url: str | None, facts: Storag
     if facts is not None:
         facts.remember(("config", s3_endpoint_url, uri), raw)
     return config
+
+
+def _bucket_answers(uri: str, s3_endpoint_url: str | None) -> bool:
+    """Whether the bucket of an s3:// URI exists (other schemes have none to lack). A missing bucket, or one storage
+    does not answer for now, leaves a missing model to the file check before queueing, as before: it fails the
+    job with file_not_found before any worker starts."""
+    if not uri.startswith("s3://"):
+        return True
+    try:
+        fs, path = _filesystem(uri, s3_endpoint_url, quick=True)
+        return fs.exists(path.split("/", 1)[0])
+    except Exception:  # noqa: BLE001 - no answer now: the check before queueing asks again
+        return False
 
 
 def model_files(model_uri: str, s3_endpoint_url: str | None, facts: StorageFacts | None = None) -> list[str] | None:
