@@ -136,6 +136,21 @@ class CheckpointRow(Base):
     metrics: Mapped[dict] = mapped_column(JSON)
 
 
+class ReportStreamRow(Base):
+    """The newest report accepted from one worker-side outbox of a job (workers/reporting/outbox.py: each numbers its
+    reports 1, 2, ... and sends them in order until acknowledged): a report numbered at or below it is a redelivery
+    whose acknowledgement was lost, acknowledged again but not stored twice."""
+
+    __tablename__ = "report_streams"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    stream: Mapped[str] = mapped_column(String(64), primary_key=True)
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+
+
+ReportKey = tuple[str, int]  # a worker report's idempotency key within its job: (outbox stream, sequence number)
+
+
 class FileRow(Base):
     """An uploaded data file (POST /v1/files); its bytes live at `uri` in the operator's bucket."""
 
@@ -160,6 +175,22 @@ def _database_now(dialect: str) -> ColumnElement:
 
 
 _JOB_FOR_TENANT = select(JobRow.__table__).where(JobRow.id == bindparam("id"), JobRow.tenant == bindparam("tenant"))
+
+
+def _first_delivery(s: Session, job_id: str, key: ReportKey | None) -> bool:
+    """Records report `key` as accepted in the caller's transaction; False when it was accepted before. The caller
+    holds the job row's lock, so two deliveries of one key at once cannot both see it new."""
+    if key is None:  # a report without a key (an older worker) is taken as it comes
+        return True
+    stream, seq = key
+    row = s.get(ReportStreamRow, (job_id, stream))
+    if row is None:
+        s.add(ReportStreamRow(job_id=job_id, stream=stream, last_seq=seq))
+        return True
+    if seq <= row.last_seq:
+        return False
+    row.last_seq = seq
+    return True
 
 
 class IdempotencyKeyTaken(Exception):
@@ -439,9 +470,11 @@ class Store:
         data: dict | None = None,
         change_job: Callable[[JobRow], None] | None = None,
         unless_status: Iterable[JobStatus] = (),
+        report_key: ReportKey | None = None,
     ) -> bool:
         """Append an event; `change_job` may modify the job row in the same transaction. False (nothing
-        recorded) when the job's status is one of `unless_status`.
+        recorded) when the job's status is one of `unless_status`; True, nothing recorded, when `report_key` was
+        delivered before.
 
         (`change_job` must assign JSON fields anew: in-place changes to a dict are not detected.)
         """
@@ -451,6 +484,8 @@ class Store:
             job = s.scalar(select(JobRow).where(JobRow.id == job_id).with_for_update())
             if job.status in {str(status) for status in unless_status}:
                 return False
+            if not _first_delivery(s, job_id, report_key):
+                return True
             if change_job is not None:
                 change_job(job)
             s.add(EventRow(job_id=job_id, created_at=time.time(), level=level, type=type, message=message, data=data))
@@ -472,14 +507,22 @@ class Store:
     # ------------------------------------------------------------ checkpoints
 
     def add_checkpoint(self, job_id: str, step_number: int, uri: str, metrics: dict,
-                       retired_steps: Iterable[int] = ()) -> None:
-        """Lists a new checkpoint and, in the same transaction, stops listing the ones it retires."""
+                       retired_steps: Iterable[int] = (), event: tuple[str, dict] | None = None,
+                       report_key: ReportKey | None = None) -> None:
+        """Lists a new checkpoint and, in the same transaction, stops listing the ones it retires and records
+        `event` (message, data); nothing when `report_key` was delivered before."""
         with self._write() as s:
+            s.execute(select(JobRow.id).where(JobRow.id == job_id).with_for_update())  # see add_event
+            if not _first_delivery(s, job_id, report_key):
+                return
             if retired_steps:
                 s.execute(delete(CheckpointRow).where(CheckpointRow.job_id == job_id,
                                                       CheckpointRow.step_number.in_(list(retired_steps))))
             now = time.time()
             s.add(CheckpointRow(job_id=job_id, created_at=now, step_number=step_number, uri=uri, metrics=metrics))
+            if event is not None:
+                s.add(EventRow(job_id=job_id, created_at=now, level="info", type="message", message=event[0],
+                               data=event[1]))
             enqueue_job_event(s, job_id, "checkpoint.created", now, step_number=step_number)
 
     def list_checkpoints(self, job_id: str, limit: int,
@@ -489,6 +532,21 @@ class Store:
         if after_seq is not None:
             query = query.where(CheckpointRow.seq < after_seq)
         return self._page(query.order_by(CheckpointRow.seq.desc()), limit)
+
+    # ------------------------------------------------------------ report keys
+
+    def delivered_before(self, job_id: str, key: ReportKey) -> bool:
+        """Whether the job's report `key` (or a later one of its stream) was accepted before."""
+        with self._sessions() as s:
+            last = s.scalar(select(ReportStreamRow.last_seq).where(ReportStreamRow.job_id == job_id,
+                                                                   ReportStreamRow.stream == key[0]))
+        return last is not None and key[1] <= last
+
+    def note_delivered(self, job_id: str, key: ReportKey) -> None:
+        """Records report `key` as accepted, for a report whose effect is stored by other means (a result)."""
+        with self._write() as s:
+            s.execute(select(JobRow.id).where(JobRow.id == job_id).with_for_update())  # see add_event
+            _first_delivery(s, job_id, key)
 
     # ------------------------------------------------------------ files
 

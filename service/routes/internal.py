@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Depends, Header, Request
 from pydantic import ValidationError
 
 from moetune.api.errors import ErrorCode
@@ -17,7 +17,7 @@ from moetune.service.auth import bearer_token, job_token_matches, unauthorized
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.lifecycle import finish_job
 from moetune.service.routes.deps import StoreDep
-from moetune.service.store import JobRow
+from moetune.service.store import JobRow, ReportKey
 from moetune.service.submission.job_storage import read_json
 
 router = APIRouter(tags=["internal"], include_in_schema=False)
@@ -78,6 +78,18 @@ def _refuse_after_end(job: JobRow, report) -> APIException:
                         "no longer recorded", "report")
 
 
+def _report_key(header: str | None) -> ReportKey | None:
+    """A worker report's Idempotency-Key, `<outbox stream>:<sequence number>` (workers/reporting/outbox.py), unique
+    within its job; None without one."""
+    if header is None:
+        return None
+    stream, _, seq = header.rpartition(":")
+    if not stream or len(stream) > 64 or not seq.isdigit():
+        raise invalid_request("Idempotency-Key must be <stream>:<sequence number> (a stream of at most 64 "
+                              "characters)", "Idempotency-Key")
+    return stream, int(seq)
+
+
 def _check_complete(job: JobRow, report: CheckpointReport, s3_endpoint_url: str | None) -> None:
     """Only a complete checkpoint of this job is listed: its own step directory, manifest present."""
     expected = checkpoint_uri(job.output_uri, report.step_number)
@@ -91,24 +103,31 @@ def _check_complete(job: JobRow, report: CheckpointReport, s3_endpoint_url: str 
 
 @router.post(REPORT_PATH)
 def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated[WorkerReport, Body()],
-                store: StoreDep, request: Request) -> ReportAck:
-    """Accepts a report; the reply says "pause" while the user's pause waits for the workers."""
-    report = body.report
+                store: StoreDep, request: Request,
+                idempotency_key: Annotated[str | None, Header(max_length=100)] = None) -> ReportAck:
+    """Accepts a report, each Idempotency-Key once (a redelivery is acknowledged, not stored again); the reply says
+    "pause" while the user's pause waits for the workers."""
+    report, key = body.report, _report_key(idempotency_key)
     if JobStatus(job.status).terminal:
         raise _refuse_after_end(job, report)
     if isinstance(report, EventReport):
         updater = _progress_updater(report.data) if report.type == "metrics" and report.data else None
         # unless_status: the job may end between the check above and this transaction
         if not store.add_event(job.id, report.message, report.level, report.type, report.data, change_job=updater,
-                               unless_status=_ENDED):
+                               unless_status=_ENDED, report_key=key):
             raise _refuse_after_end(job, report)
     elif isinstance(report, CheckpointReport):
         _check_complete(job, report, request.app.state.settings.s3_endpoint_url)
-        store.add_checkpoint(job.id, report.step_number, report.uri, report.metrics.model_dump(),
-                             report.retired_steps)
         retired = "".join(f"; retired {step_dir(s)}" for s in report.retired_steps)
-        store.add_event(job.id, f"Checkpoint saved at step {report.step_number}: {report.uri}{retired}",
-                        data={"step": report.step_number, "uri": report.uri, "retired_steps": report.retired_steps})
-    elif not request.app.state.scheduler.requeue_if_head_lost(job, report):
-        finish_job(store, job, report)
+        store.add_checkpoint(job.id, report.step_number, report.uri, report.metrics.model_dump(),
+                             report.retired_steps, report_key=key,
+                             event=(f"Checkpoint saved at step {report.step_number}: {report.uri}{retired}",
+                                    {"step": report.step_number, "uri": report.uri,
+                                     "retired_steps": report.retired_steps}))
+    elif key is None or not store.delivered_before(job.id, key):
+        # A result changes the job's status only from an active one, so a redelivery racing this check is harmless.
+        if not request.app.state.scheduler.requeue_if_head_lost(job, report):
+            finish_job(store, job, report)
+        if key is not None:
+            store.note_delivered(job.id, key)
     return ReportAck(control="pause" if store.get_job(job.id).status == JobStatus.pausing else None)

@@ -1,11 +1,19 @@
 """Reports from the Ray job back to the control plane (events, metrics, checkpoints, the result).
 
-Reporting must never take training down: failures are retried with backoff, then logged.
+Every report goes through an on-disk outbox (workers/reporting/outbox.py) and a sender thread posts them in order,
+each under its Idempotency-Key, retrying with backoff until the control plane acknowledges it, however long it is
+away: the control plane stores each once. Reporting never takes training down and, while the control plane is away,
+never holds it up: a report waits for its acknowledgement only while the reports before it got theirs. The result,
+a process's last word, waits (up to `flush_timeout_s`) until everything before it and itself are delivered.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -21,42 +29,134 @@ from moetune.api.models.job_run import (
     WorkerReport,
 )
 from moetune.api.models.responses import CheckpointMetrics, ErrorInfo, EventLevel
+from moetune.workers.reporting.outbox import Outbox
 
 log = logging.getLogger("moetune.reporter")
+MAX_PENDING = 10_000  # unsent reports an outbox keeps: hours of steps' metrics
+
+
+def outbox_dir(job_id: str) -> str:
+    """The job's outboxes on this node (not under the job's node directory: loading the model clears that)."""
+    return os.path.join(tempfile.gettempdir(), "moetune-outbox", job_id)
 
 
 class Reporter:
-    def __init__(self, job_id: str, callback_url: str | None, token: str | None, attempts: int = 5,
-                 backoff_s: float = 0.5):
-        """`callback_url` None: no control plane to report to (reports are only logged)."""
+    def __init__(self, job_id: str, callback_url: str | None, token: str | None, backoff_s: float = 0.5,
+                 max_backoff_s: float = 30.0, ack_wait_s: float = 10.0, flush_timeout_s: float = 900.0,
+                 max_pending: int = MAX_PENDING, directory: str | None = None):
+        """`callback_url` None: no control plane to report to (reports are only logged). A report waits up to
+        `ack_wait_s` for its acknowledgement while the control plane answers; the result up to `flush_timeout_s`
+        for everything to be delivered."""
         self.url = callback_url.rstrip("/") + REPORT_PATH.format(job_id=job_id) if callback_url else None
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.attempts, self.backoff_s = attempts, backoff_s
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.ack_wait_s, self.flush_timeout_s = ack_wait_s, flush_timeout_s
         self.control: str | None = None  # the control plane's request in its last answer ("pause"), see ReportAck
+        self.outbox = (Outbox(directory or outbox_dir(job_id), max_pending) if self.url else None)
+        self._changed = threading.Condition()
+        self._failing = False  # the last post failed: the sender is backing off
+        self._closed = False
+        self._refused: set[int] = set()  # reports the control plane refused for good
+        if self.outbox is not None:
+            threading.Thread(target=self._send_loop, name="moetune-reporter", daemon=True).start()
+            atexit.register(self.close)
 
     def send(self, report) -> bool:
-        """Posts one report; True when the control plane accepted it (its answer is kept in `control`)."""
-        body = WorkerReport(report=report).model_dump(mode="json")
-        if self.url is None:
-            log.info("report (no callback URL): %s", body["report"])
+        """Queues one report; True when the control plane has accepted it by the time this returns (its answer is
+        kept in `control`)."""
+        body = WorkerReport(report=report).model_dump(mode="json")["report"]
+        if self.outbox is None or self._closed:
+            log.info("report (no callback URL, or the reporter closed): %s", body)
             return False
-        for attempt in range(self.attempts):
-            try:
-                response = httpx.post(self.url, json=body, headers=self.headers, timeout=10)
-                if response.status_code < 500:
-                    if response.is_success:
-                        self.control = _ack(response).control
-                        return True
-                    # A 4xx will not get better by retrying (bad token, job gone).
-                    log.warning("report rejected with HTTP %s: %s", response.status_code, response.text[:200])
-                    return False
-                problem = f"HTTP {response.status_code}"
-            except httpx.HTTPError as e:
-                problem = f"{type(e).__name__}: {e}"
-            if attempt + 1 < self.attempts:
-                time.sleep(self.backoff_s * 2**attempt)
-        log.warning("report dropped after %d attempts (%s): %s", self.attempts, problem, body["report"])
-        return False
+        with self._changed:
+            seq = self.outbox.append(body)
+            self._changed.notify_all()
+        if seq is None:
+            log.warning("outbox full (%d unsent reports): dropped %s", self.outbox.pending(), body)
+            return False
+        wait = self.flush_timeout_s if isinstance(report, ResultReport) else self.ack_wait_s
+        return self._wait_for(seq, wait, while_answering=not isinstance(report, ResultReport))
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Waits until every queued report is delivered (or refused); False when some are still unsent."""
+        if self.outbox is None:
+            return True
+        return self._wait_for(self.outbox.last_seq, self.flush_timeout_s if timeout_s is None else timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Flushes, then stops the sender; what is still unsent stays in the outbox's file (and is logged)."""
+        if self.outbox is None or self._closed:
+            return True
+        delivered = self.flush(timeout_s)
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        if not delivered:
+            log.error("%d reports not delivered (kept in %s)", self.outbox.pending(), self.outbox.path)
+        self.outbox.close()
+        return delivered
+
+    def _wait_for(self, seq: int, timeout_s: float, while_answering: bool = False) -> bool:
+        """Whether report `seq` is acknowledged within `timeout_s`; `while_answering`: give up at once while the
+        control plane does not answer (training goes on; the sender keeps trying)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self.outbox.acked < seq and not (while_answering and self._failing):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._changed.wait(left)
+            return self.outbox.acked >= seq and seq not in self._refused
+
+    # ------------------------------------------------------------ the sender thread
+
+    def _send_loop(self) -> None:
+        backoff = self.backoff_s
+        while True:
+            with self._changed:
+                while not self._closed and self.outbox.pending() == 0:
+                    self._changed.wait()
+                if self._closed:
+                    return
+            record = self.outbox.head()
+            outcome = self._post(record.seq, record.report)
+            with self._changed:
+                self._failing = outcome is None
+                if outcome is not None:
+                    self.outbox.acknowledge(record.seq)
+                    if not outcome:
+                        self._refused.add(record.seq)
+                self._changed.notify_all()
+            if outcome is None:
+                time.sleep(backoff)  # the control plane is away: retried for as long as this process runs
+                backoff = min(backoff * 2, self.max_backoff_s)
+            else:
+                backoff = self.backoff_s
+
+    def _post(self, seq: int, report: dict) -> bool | None:
+        """True: accepted; False: refused for good (a 4xx will not get better by retrying: bad token, job gone);
+        None: not answered, to be retried."""
+        headers = {**self.headers, "Idempotency-Key": f"{self.outbox.stream}:{seq}"}
+        try:
+            response = httpx.post(self.url, json={"report": report}, headers=headers, timeout=10)
+        except httpx.HTTPError as e:
+            self._log_unreachable(f"{type(e).__name__}: {e}")
+            return None
+        if response.status_code >= 500:
+            self._log_unreachable(f"HTTP {response.status_code}")
+            return None
+        if not response.is_success:
+            log.warning("report rejected with HTTP %s: %s", response.status_code, response.text[:200])
+            return False
+        if self._failing:
+            log.info("the control plane answers again; sending %d queued reports", self.outbox.pending())
+        self.control = _ack(response).control
+        return True
+
+    def _log_unreachable(self, problem: str) -> None:
+        if not self._failing:  # once per outage, not once per retry
+            log.warning("the control plane does not take reports (%s); %d queued, retrying with backoff",
+                        problem, self.outbox.pending())
 
     def event(self, message: str, level: EventLevel = EventLevel.info, type: str = "message",
               data: dict[str, Any] | None = None):

@@ -3,8 +3,8 @@ from moetune.service.local.embedded import free_port
 from moetune.workers.reporting.reporter import Reporter
 
 
-def test_posts_reports_with_the_job_token(receiver):
-    r = Reporter("ftjob-1", callback_url=receiver.url, token="secret")
+def test_posts_reports_with_the_job_token(receiver, tmp_path):
+    r = Reporter("ftjob-1", callback_url=receiver.url, token="secret", directory=tmp_path)
     assert r.event("Loading model")
     assert r.metrics(3, train_loss=1.5, total_steps=10)
     assert r.checkpoint(3, "s3://b/out/checkpoints/step-3", train_loss=1.5)
@@ -15,18 +15,23 @@ def test_posts_reports_with_the_job_token(receiver):
     assert kinds == ["event", "event", "checkpoint", "result", "result"]
     assert receiver.metrics() == [{"step": 3, "train_loss": 1.5, "total_steps": 10}]
     assert receiver.of_kind("result")[1].error.param == "training_file"
+    assert r.close() and not list(tmp_path.iterdir())  # all delivered: no outbox file left
 
 
-def test_retries_server_errors(receiver):
+def test_retries_server_errors(receiver, tmp_path):
     receiver.fail_first = 2
-    assert Reporter("j", callback_url=receiver.url, token="t", backoff_s=0.01).event("hi")
+    r = Reporter("j", callback_url=receiver.url, token="t", backoff_s=0.01, directory=tmp_path)
+    r.event("hi")  # not waited for once the control plane failed to answer: training goes on
+    assert r.flush(10)
     assert len(receiver.requests) == 3 and len(receiver.reports) == 1
 
 
-def test_never_raises_when_the_control_plane_is_down():
+def test_never_raises_or_blocks_when_the_control_plane_is_down(tmp_path):
     port = free_port()  # nothing listens there once the probe socket is closed
-    r = Reporter("j", callback_url=f"http://127.0.0.1:{port}", token="t", attempts=2, backoff_s=0.01)
+    r = Reporter("j", callback_url=f"http://127.0.0.1:{port}", token="t", backoff_s=0.01, directory=tmp_path)
     assert r.event("hi") is False
+    assert r.event("again") is False and r.outbox.pending() == 2
+    assert not r.close(timeout_s=0)
 
 
 def test_without_callback_url_only_logs():
