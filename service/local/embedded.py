@@ -7,6 +7,8 @@ helper owns the processes it starts (own process group) and stops only those.
 from __future__ import annotations
 
 import os
+import random
+import re
 import shutil
 import signal
 import socket
@@ -14,58 +16,156 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 
 LOCAL_S3_KEY = "moetune-local"  # credentials of the embedded S3 server (any value works there)
 
 
-def free_port() -> int:
+# Ray's head takes 10001 (its client server) and hands its workers 10002-19999: ports we choose start above them.
+_FIRST_PORT = 20000
+_LINUX_EPHEMERAL_START = 32768
+_T = TypeVar("_T")
+
+
+class PortTaken(RuntimeError):
+    """A server could not listen on the port it was given: something took it between the choice and the bind."""
+
+
+def ephemeral_start(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range: every outgoing connection and bind(0) takes one from it."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _LINUX_EPHEMERAL_START
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no obstacle
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(first_ephemeral: int | None = None) -> int:
+    """A free port between Ray's worker ports and the kernel's ephemeral range, for a server to be started on.
+
+    A port from bind(0) is handed over after the probe socket closes: until the server binds it (seconds later for
+    `ray start`), any outgoing connection on the machine may take it. Outside the ephemeral range only a program
+    that chooses its port the same way can; spawning callers retry with a fresh port on PortTaken. On a machine
+    whose ephemeral range leaves no room below it, bind(0) it is, and the retry covers the race."""
+    top = first_ephemeral or ephemeral_start()
+    for _ in range(100 if top > _FIRST_PORT else 0):
+        port = random.randrange(_FIRST_PORT, top)
+        if port_is_free(port):
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log_path: str | None = None) -> None:
-    """Polls `url` until it answers; fails early (with the log's tail) if `proc` exits first."""
+def retry_port_taken(start: Callable[[bool], _T], attempts: int = 3) -> _T:
+    """`start(fresh)`: fresh is False on the first try (the caller's ports) and True after a PortTaken, when it must
+    choose new ones."""
+    fresh = False
+    for _ in range(attempts - 1):
+        try:
+            return start(fresh)
+        except PortTaken:
+            fresh = True
+    return start(fresh)
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log_path: str | None = None,
+              log_from: int = 0) -> None:
+    """Polls `url` until it answers; fails early (with its log's tail from byte `log_from` on) if `proc` exits
+    first: PortTaken when that log says its address was in use."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode} before {url} answered"
-                               + _log_tail(log_path))
+            tail = _log_tail(log_path, log_from)
+            raise (PortTaken if _PORT_TAKEN.search(tail) else RuntimeError)(
+                f"{proc.args[0]} exited with code {proc.returncode} before {url} answered" + _ended_with(tail))
         try:
             if httpx.get(url, timeout=2).status_code < 500:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s" + _log_tail(log_path))
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s" + _ended_with(_log_tail(log_path, log_from)))
 
 
-def _log_tail(log_path: str | None, lines: int = 20) -> str:
+def _ended_with(tail: str) -> str:
+    return f"; its output ended with:\n{tail}" if tail else ""
+
+
+# how uvicorn, werkzeug and `ray start` (its dashboard, GCS or client server) say a port was taken
+_PORT_TAKEN = re.compile(r"address already in use|failed to find a valid port|already occupied", re.IGNORECASE)
+
+
+def _log_tail(log_path: str | None, start: int = 0, lines: int = 20) -> str:
     if not log_path or not os.path.exists(log_path):
         return ""
     with open(log_path, errors="replace") as f:
-        return "; its output ended with:\n" + "".join(f.readlines()[-lines:])
+        f.seek(start)
+        return "".join(f.readlines()[-lines:])
 
 
-def _spawn(args: list[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Starts a helper server in its own process group (so stop_process ends all of it), output to a log."""
+def _log_size(log_path: str) -> int:
+    """Where the output of a process about to append to `log_path` will begin."""
+    return os.path.getsize(log_path) if os.path.exists(log_path) else 0
+
+
+def spawn_serving(args: list[str], log_path: str, env: dict[str, str] | None, url: str, timeout: float,
+                  grace: float = 15.0) -> subprocess.Popen:
+    """Starts a helper server in its own process group (so stop_process ends all of it), output appended to a log;
+    returns once `url` answers, or stops it and raises (PortTaken when its port was taken)."""
+    log_from = _log_size(log_path)
     with open(log_path, "ab") as log:
-        return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(url, timeout, proc, log_path, log_from)
+    except BaseException:
+        stop_process(proc, grace)
+        raise
+    return proc
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    """SIGTERM the process group `proc` leads, SIGKILL what is left of it after `grace` seconds: its members too,
+    also when the leader is gone already (a `ray start` that failed leaves the GCS it started)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while _group_lives(proc) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    proc.poll()
+
+
+def _group_lives(leader: subprocess.Popen) -> bool:
+    """A process of the group, zombies aside (an orphan's may wait for a reaper that never comes), still runs."""
+    if leader.poll() is None:
+        return True
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                state, _, group = f.read().rsplit(") ", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):  # not a process, or gone
+            continue
+        if int(group) == leader.pid and state != "Z":
+            return True
+    return False
 
 
 def s3_env(endpoint_url: str) -> dict[str, str]:
@@ -83,21 +183,20 @@ def spawn_s3_server(port: int, log_path: str, data_dir: str | None = None,
     """The S3 server (s3_server.py) on `host`:`port` (own process group), serving when this returns; its objects
     in memory, or durable in `data_dir`."""
     args = [sys.executable, "-m", "moetune.service.local.s3_server", "--port", str(port), "--host", host]
-    proc = _spawn(args + (["--data-dir", data_dir] if data_dir else []), log_path, env=env)
-    try:
-        wait_http(f"http://{host}:{port}/", 60, proc, log_path)
-    except BaseException:
-        stop_process(proc)
-        raise
-    return proc
+    return spawn_serving(args + (["--data-dir", data_dir] if data_dir else []), log_path, env,
+                         f"http://{host}:{port}/", 60)
 
 
 @contextmanager
 def local_s3_server(port: int | None = None, host: str = "127.0.0.1"):
     """An in-memory S3 server over HTTP on `host` (loopback unless told); yields its endpoint URL."""
-    port = port or free_port()
     log_dir = tempfile.mkdtemp(prefix="moetune-s3-")
-    proc = spawn_s3_server(port, os.path.join(log_dir, "server.log"), host=host)
+
+    def start(fresh: bool) -> tuple[subprocess.Popen, int]:
+        chosen = port if port and not fresh else free_port()
+        return spawn_s3_server(chosen, os.path.join(log_dir, "server.log"), host=host), chosen
+
+    proc, port = retry_port_taken(start)
     try:
         yield f"http://{host}:{port}"
     finally:
@@ -105,7 +204,7 @@ def local_s3_server(port: int | None = None, host: str = "127.0.0.1"):
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-RAY_PORTS = ("gcs", "dashboard", "agent", "client")
+RAY_PORTS = ("gcs", "dashboard", "client")  # those `ray start` is handed
 # A head on one machine has no nodes to lose to preemption and its drivers carry their own runtime environments:
 # Ray Train's preemption watcher (an actor per run) and the idle workers prestarted for a driver, whose environment
 # never matches a job's, each cost a Python process per job (~2.5 s of CPU apiece) and do nothing here. The log
@@ -130,35 +229,39 @@ def spawn_ray_head(num_cpus: int, env: dict[str, str] | None, temp_dir: str,
 
     `num_cpus` is logical: tiny CPU jobs may oversubscribe the machine's cores. The processes
     inherit `env` (e.g. the S3 endpoint), so Ray jobs and their workers see it too. `ports` (by RAY_PORTS name):
-    those to listen on, free ones for the rest.
+    those to listen on, free ones for the rest, and fresh ones for all when one was taken before Ray bound it.
+    Ray's other ports are never handed over: its agents and raylet bind port 0 themselves, and its workers take
+    ports from 10002-19999, below every port free_port chooses.
     """
-    ports = {name: (ports or {}).get(name) or free_port() for name in RAY_PORTS}
-    gcs_port, dash_port, agent_port, client_port = (ports[name] for name in RAY_PORTS)
-    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
-    log_path = os.path.join(temp_dir, "ray-start.log")
-    args = [
-        ray_bin, "start", "--head", "--block",
-        f"--port={gcs_port}", f"--num-cpus={num_cpus}",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-        # Fixed defaults (agent 52365, client 10001) would collide with any other Ray on this machine;
-        # a head whose agent cannot bind accepts no job ("No available agent to submit job").
-        f"--dashboard-agent-listen-port={agent_port}", f"--ray-client-server-port={client_port}",
-        f"--temp-dir={temp_dir}", "--disable-usage-stats",
-    ]
     # Jobs run `python -m moetune.workers.entry.driver`: put this interpreter's bin first so they find our packages.
     path = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
     # Ray 2.60's `ray start` turns token auth on whenever ~/.ray/auth_token exists (any earlier local ray.init
     # leaves one), while its clients stay in the default mode, "disabled", and are refused: the mode is set here
     # unless the caller chose one, so a leftover file changes nothing.
-    env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **_ONE_MACHINE, **(env or {})}
-    proc = _spawn(args, log_path, env={**os.environ, "PATH": path, **env})
-    dashboard_url = f"http://127.0.0.1:{dash_port}"
-    try:
-        wait_http(f"{dashboard_url}/api/version", 90, proc, log_path)
-    except BaseException:
-        stop_process(proc, grace=5)
-        raise
-    return proc, RayHead(gcs_address=f"127.0.0.1:{gcs_port}", dashboard_url=dashboard_url, ports=ports)
+    env = {**os.environ, "PATH": path, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **_ONE_MACHINE,
+           **(env or {})}
+
+    def start(fresh: bool) -> tuple[subprocess.Popen, RayHead]:
+        chosen = {name: (not fresh and (ports or {}).get(name)) or free_port() for name in RAY_PORTS}
+        dashboard_url = f"http://127.0.0.1:{chosen['dashboard']}"
+        proc = spawn_serving(_ray_start_args(num_cpus, temp_dir, chosen), os.path.join(temp_dir, "ray-start.log"),
+                             env, f"{dashboard_url}/api/version", 90, grace=5)
+        return proc, RayHead(gcs_address=f"127.0.0.1:{chosen['gcs']}", dashboard_url=dashboard_url, ports=chosen)
+
+    return retry_port_taken(start)
+
+
+def _ray_start_args(num_cpus: int, temp_dir: str, ports: dict[str, int]) -> list[str]:
+    return [
+        shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray", "start", "--head", "--block",
+        f"--port={ports['gcs']}", f"--num-cpus={num_cpus}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
+        # Fixed defaults (agent 52365, client 10001) would collide with any other Ray on this machine; a head
+        # whose agent cannot bind still answers but accepts no job ("No available agent to submit job"), so the
+        # agent binds a port of its own choosing (0) and reports it to the head: nothing to race for.
+        "--dashboard-agent-listen-port=0", f"--ray-client-server-port={ports['client']}",
+        f"--temp-dir={temp_dir}", "--disable-usage-stats",
+    ]
 
 
 @contextmanager

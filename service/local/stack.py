@@ -15,11 +15,8 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import random
 import secrets
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -28,8 +25,8 @@ from pathlib import Path
 
 from moetune.api import storage
 from moetune.service.local import processes
-from moetune.service.local.embedded import (RAY_PORTS, free_port, s3_env, spawn_ray_head, spawn_s3_server,
-                                            wait_http)
+from moetune.service.local.embedded import (free_port, port_is_free, retry_port_taken, s3_env, spawn_ray_head,
+                                            spawn_s3_server, spawn_serving, wait_http)
 
 STATE_DIR = Path(".moetune")
 TENANT = "local"
@@ -104,35 +101,10 @@ def _port(url: str) -> int | None:
     return int(url.rsplit(":", 1)[1]) if url else None
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no obstacle
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def _kept_port() -> int:
-    """A free port between Ray's worker ports (10002-19999) and the kernel's ephemeral range. A port from bind(0)
-    is one that the next bind(0) or outgoing connection of any process (a job's gloo or metrics sockets) may take
-    the moment its server dies: a SIGKILLed control plane came back on another port in a loaded full run."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral = 32768  # Linux's default
-    for _ in range(100):
-        port = random.randrange(20000, max(ephemeral, 20001))
-        if _bindable(port):
-            return port
-    return free_port()
-
-
-def _port_like(port: int | None) -> int:
-    """The last run's port when it is free (the URL a user exported stays right), else a new one."""
-    return port if port and _bindable(port) else _kept_port()
+def _port_like(port: int | None, fresh: bool = False) -> int:
+    """The last run's port when it is free (the URL a user exported stays right), else (or when `fresh`: it was
+    taken before the server bound it) a new one."""
+    return port if port and not fresh and port_is_free(port) else free_port()
 
 
 def _healthy(stack: Stack, role: str) -> bool:
@@ -166,11 +138,11 @@ def up(state_dir: Path = STATE_DIR, ray_address: str | None = None, num_cpus: in
     with _locked(state_dir):
         saved = _saved(state_dir)
         base_models = base_models or saved.get("base_models") or {}
-        stack = _stack(saved) if saved else Stack(url=f"http://127.0.0.1:{_kept_port()}",
+        stack = _stack(saved) if saved else Stack(url=f"http://127.0.0.1:{free_port()}",
                                                   token=f"local-{secrets.token_hex(8)}", s3_endpoint="",
                                                   ray_address="")
         # a port of its own, not the Serve default 8001 another stack or program may hold
-        stack.serve_url = stack.serve_url or f"http://127.0.0.1:{_kept_port()}"
+        stack.serve_url = stack.serve_url or f"http://127.0.0.1:{free_port()}"
         if ray_address is None and stack.pids and not stack.ray_ports:
             ray_address = stack.ray_address  # keep the cluster a running stack was given
         for name in tenants:
@@ -198,20 +170,24 @@ def up(state_dir: Path = STATE_DIR, ray_address: str | None = None, num_cpus: in
 
 
 def _start(role: str, stack: Stack, state_dir: Path, base_models: dict[str, str], num_cpus: int | None) -> None:
+    """Starts the component on its last ports where they are free, on fresh ones where they were taken."""
     log_path = str(state_dir / "logs" / f"{role}.log")
     env = {**os.environ, **processes.tag(stack.stack_id, role)}
     if role == "s3":
-        port = _port_like(_port(stack.s3_endpoint))
-        stack.s3_endpoint = f"http://127.0.0.1:{port}"
+        def start_s3(fresh: bool) -> None:
+            port = _port_like(_port(stack.s3_endpoint), fresh)
+            stack.pids["s3"] = spawn_s3_server(port, log_path, str(state_dir / "objects"), env).pid
+            stack.s3_endpoint = f"http://127.0.0.1:{port}"
+
+        retry_port_taken(start_s3)
         os.environ.update(s3_env(stack.s3_endpoint))  # this process's own S3 calls (buckets)
-        stack.pids["s3"] = spawn_s3_server(port, log_path, str(state_dir / "objects"), env).pid
         _import_snapshot(stack.s3_endpoint, state_dir / "s3")
         storage.make_bucket(f"s3://{OUTPUT_BUCKET}", endpoint_url=stack.s3_endpoint)
     elif role == "ray":
         if not stack.ray_temp_dir or not os.path.isdir(stack.ray_temp_dir):
             stack.ray_temp_dir = tempfile.mkdtemp(prefix="moetune-ray-")  # short: Ray's socket paths are limited
         stack.ray_num_cpus = num_cpus or stack.ray_num_cpus or max(4, os.cpu_count() or 1)
-        ports = {name: _port_like(stack.ray_ports.get(name)) for name in RAY_PORTS}
+        ports = {name: port for name, port in stack.ray_ports.items() if port_is_free(port)}
         proc, head = spawn_ray_head(stack.ray_num_cpus, {**s3_env(stack.s3_endpoint),
                                                          **processes.tag(stack.stack_id, role)},
                                     stack.ray_temp_dir, ports)
@@ -219,9 +195,12 @@ def _start(role: str, stack: Stack, state_dir: Path, base_models: dict[str, str]
         # a new head runs no Serve proxy yet: keep the port unless something else took it (the server restarts then)
         stack.serve_url = f"http://127.0.0.1:{_port_like(_port(stack.serve_url))}"
     else:
-        stack.url = f"http://127.0.0.1:{_port_like(_port(stack.url))}"
-        stack.server_config = _server_config(stack, base_models)
-        stack.pids["server"] = _spawn_server(stack, state_dir, base_models, env, log_path)
+        def start_server(fresh: bool) -> None:
+            stack.url = f"http://127.0.0.1:{_port_like(_port(stack.url), fresh)}"
+            stack.server_config = _server_config(stack, base_models)
+            stack.pids["server"] = _spawn_server(stack, state_dir, base_models, env, log_path)
+
+        retry_port_taken(start_server)
 
 
 def _import_snapshot(s3_endpoint: str, snapshot_dir: Path) -> None:
@@ -252,13 +231,10 @@ def _server_env(stack: Stack, state_dir: Path, base_models: dict[str, str], env:
 
 def _spawn_server(stack: Stack, state_dir: Path, base_models: dict[str, str], env: dict[str, str],
                   log_path: str) -> int:
-    moetune = Path(sys.executable).with_name("moetune")
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([str(moetune), "server", "--port", stack.url.rsplit(":", 1)[1],
-                                 "--log-level", "warning"], env=_server_env(stack, state_dir, base_models, env),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_http(f"{stack.url}/healthz", 60, proc, log_path)
-    return proc.pid
+    args = [str(Path(sys.executable).with_name("moetune")), "server", "--port", stack.url.rsplit(":", 1)[1],
+            "--log-level", "warning"]
+    return spawn_serving(args, log_path, _server_env(stack, state_dir, base_models, env), f"{stack.url}/healthz",
+                         60).pid
 
 
 def down(state_dir: Path = STATE_DIR) -> bool:

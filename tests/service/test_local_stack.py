@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from ray.job_submission import JobSubmissionClient
 from bench.support.waiting import wait_for
 from moetune.api.client import Client
 from moetune.service.cli import main as cli
-from moetune.service.local import processes
+from moetune.service.local import embedded, processes
 from moetune.service.local import stack as local_stack
 from moetune.service.local.embedded import s3_env
 
@@ -305,3 +306,25 @@ def test_readyz_names_storage_when_it_lacks_the_newest_uploaded_files(service):
     finally:
         s3.put_object(Bucket=bucket, Key=key, Body=kept)
     assert httpx.get(f"{service.url}/readyz").status_code == 200
+
+
+def test_ports_are_chosen_below_the_ephemeral_range_and_above_rays_worker_ports(tmp_path):
+    """A port from the kernel's ephemeral range may be taken by any outgoing connection before the server binds it
+    (`ray start`'s dashboard lost one so in `make demo`): none is ever chosen, whatever the range."""
+    first_ephemeral = embedded.ephemeral_start()
+    assert all(20000 <= embedded.free_port() < first_ephemeral for _ in range(200))
+    (tmp_path / "range").write_text("21000\t60999\n")  # a machine whose range starts low
+    assert embedded.ephemeral_start(str(tmp_path / "range")) == 21000
+    assert all(20000 <= embedded.free_port(21000) < 21000 for _ in range(50))
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_starts_on_a_fresh_one(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", embedded.free_port()))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(embedded.PortTaken):  # the server's own words say so: no waiting for a timeout
+            embedded.retry_port_taken(lambda fresh: embedded.spawn_s3_server(port, str(tmp_path / "s3.log")), attempts=1)
+        with embedded.local_s3_server(port) as endpoint:
+            assert endpoint != f"http://127.0.0.1:{port}"
+            assert httpx.get(f"{endpoint}/").status_code == 200
