@@ -14,7 +14,6 @@ import httpx
 import yaml
 from pydantic import ValidationError
 from rich.console import Console
-from rich.measure import Measurement
 from rich.table import Column, Table
 
 from moetune.api.client import APIError, Client
@@ -22,16 +21,18 @@ from moetune.api import storage
 from moetune.api.model_names import derive_base_name
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.responses import JobStatus
-from moetune.api.plans import parse_cluster
+from moetune.api.plans import ClusterSpec, parse_cluster
 from moetune.service.cli import serve as serve_commands, up as up_commands
 from moetune.service.cli.data import data
 from moetune.service.cli.models import models
+from moetune.service.cli.output import print_whole
 from moetune.service.cli.plan_view import plan_summary, plan_table
 from moetune.service.cli.progress import follow
 from moetune.service.cli.report_view import compare_table
 from moetune.service.cli.sessions import sessions
+from moetune.service.cli.spec_errors import explain
 from moetune.service.cli.webhooks import webhooks
-from moetune.service.local.stack import read_stack
+from moetune.service.local import stack as local_stack
 
 console = Console()
 
@@ -58,7 +59,10 @@ class _FriendlyErrors(click.Group):
             where = f" ({e.param})" if e.param else ""
             raise click.ClickException(f"{e.status_code} {e.code}{where}: {e.message}") from None
         except (OSError, httpx.TransportError) as e:  # connection refused, DNS, timeouts
-            raise click.ClickException(f"cannot reach the control plane at {_server_of(e, ctx)}: {e}") from None
+            server, stack = _server_of(e, ctx), (ctx.obj or {}).get("stack")
+            if stack is not None and server == stack.url:  # the URL came from ./.moetune: the stack is down
+                raise click.ClickException(local_stack.down_message()) from None
+            raise click.ClickException(f"cannot reach the control plane at {server}: {e}") from None
 
 
 def _server_of(error: Exception, ctx) -> str:
@@ -71,19 +75,20 @@ def _server_of(error: Exception, ctx) -> str:
 
 
 @click.group(cls=_FriendlyErrors)
+@click.version_option(package_name="moetune", prog_name="moetune")
 @click.option("--url", envvar="MOETUNE_URL", default=None,
               help="Control plane base URL [default: the `moetune up` stack of this directory, else "
-                   "http://127.0.0.1:8000].")
+                   f"{local_stack.DEFAULT_URL}].")
 @click.option("--token", envvar="MOETUNE_TOKEN", default=None,
-              help="API bearer token [default: that stack's, else dev-token].")
+              help=f"API bearer token [default: that stack's, else {local_stack.DEFAULT_TOKEN}].")
 @click.pass_context
 def main(ctx: click.Context, url: str | None, token: str | None) -> None:
     """moetune: LoRA fine-tuning of very large Mixture-of-Experts models on Ray + DeepSpeed."""
-    stack = read_stack() if url is None or token is None else None
-    ctx.obj = {"url": url or (stack.url if stack else "http://127.0.0.1:8000"),
-               "token": token or (stack.token if stack else "dev-token")}
-    for name, value in (stack.env() if stack else {}).items():  # deploy's Ray address, download's S3 credentials
-        os.environ.setdefault(name, value)
+    url, token, stack = local_stack.connection(url, token)
+    ctx.obj = {"url": url, "token": token, "stack": stack}
+    if stack is not None and local_stack.running(stack):  # deploy's Ray address, chat's Serve app, S3 credentials
+        for name, value in stack.env().items():
+            os.environ.setdefault(name, value)
 
 
 @main.command()
@@ -108,15 +113,21 @@ def server(host: str, port: int, log_level: str) -> None:
 @click.pass_context
 def submit(ctx: click.Context, spec_file: Path, follow: bool, idempotency_key: str | None, timeout: float) -> None:
     """Submit the job described by SPEC_FILE (YAML or JSON with the fields of POST /v1/fine_tuning/jobs)."""
-    try:
-        spec = JobCreate.model_validate(yaml.safe_load(spec_file.read_text()) or {})
-    except (yaml.YAMLError, ValidationError) as e:
-        raise click.ClickException(f"{spec_file}: {e}") from None
+    spec = _read_spec(spec_file)
     client = _client(ctx)
     job = client.jobs.create(spec, idempotency_key=idempotency_key)
     console.print(f"submitted [bold]{job.id}[/] ({job.status})")
     if follow:
         _follow(client, job.id, timeout)
+
+
+def _read_spec(spec_file: Path) -> JobCreate:
+    try:
+        return JobCreate.model_validate(yaml.safe_load(spec_file.read_text()) or {})
+    except yaml.YAMLError as e:
+        raise click.ClickException(f"{spec_file}: {e}") from None
+    except ValidationError as e:
+        raise click.ClickException(explain(str(spec_file), e, JobCreate)) from None
 
 
 def _follow(client: Client, job_id: str, timeout: float) -> None:
@@ -137,6 +148,7 @@ def jobs() -> None:
 @click.option("--after", default=None, help="Cursor: list jobs older than this job id.")
 @click.pass_context
 def jobs_list(ctx: click.Context, limit: int, after: str | None) -> None:
+    """The newest jobs: id, status, step, training loss, when created, base model."""
     page = _client(ctx.parent).jobs.list(after=after, limit=limit)
     rows = [(job.id, job.status, f"{job.progress.step}/{job.progress.total_steps or '?'}",
              f"{job.progress.train_loss:.3f}" if job.progress.train_loss is not None else "-",
@@ -160,6 +172,7 @@ def jobs_list(ctx: click.Context, limit: int, after: str | None) -> None:
 @click.argument("job_id")
 @click.pass_context
 def jobs_get(ctx: click.Context, job_id: str) -> None:
+    """The job as JSON (GET /v1/fine_tuning/jobs/{id}): status, progress, error, tuned model's name."""
     click.echo(json.dumps(_client(ctx.parent).jobs.retrieve(job_id).model_dump(mode="json"), indent=2))
 
 
@@ -189,16 +202,14 @@ def jobs_report(ctx: click.Context, job_id: str, output_dir: Path | None, open_p
 def jobs_compare(ctx: click.Context, job_a: str, job_b: str) -> None:
     """Two jobs' adaptation reports side by side: loss at the steps both ran, evaluation, throughput, memory."""
     client = _client(ctx.parent)
-    table = compare_table(client.jobs.report(job_a), client.jobs.report(job_b))
-    # as wide as the table needs, whatever the terminal's width: a job id is never cut
-    needed = Measurement.get(console, console.options.update(max_width=1000), table).maximum
-    Console(width=max(needed, console.width)).print(table)
+    print_whole(console, compare_table(client.jobs.report(job_a), client.jobs.report(job_b)))
 
 
 @jobs.command("cancel")
 @click.argument("job_id")
 @click.pass_context
 def jobs_cancel(ctx: click.Context, job_id: str) -> None:
+    """Stop a job that has not finished (status cancelled; the scheduler stops its Ray job)."""
     _print_status(_client(ctx.parent).jobs.cancel(job_id))
 
 
@@ -228,6 +239,7 @@ def _print_status(job) -> None:
 @click.option("--timeout", default=86400.0, show_default=True)
 @click.pass_context
 def jobs_events(ctx: click.Context, job_id: str, follow: bool, timeout: float) -> None:
+    """The job's event log, oldest first: phases, metrics, warnings, errors."""
     client = _client(ctx.parent)
     if follow:
         _follow(client, job_id, timeout)
@@ -247,11 +259,13 @@ def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
     from moetune.workers.errors import JobError
     from moetune.workers.planner.plan import plan as plan_job
 
+    spec = _read_spec(spec_file)
     try:
-        spec = JobCreate.model_validate(yaml.safe_load(spec_file.read_text()) or {})
         cluster = parse_cluster(cluster_text)
-    except (yaml.YAMLError, ValidationError) as e:
-        raise click.ClickException(f"{spec_file if isinstance(e, yaml.YAMLError) else '--cluster'}: {e}") from None
+    except ValidationError as e:
+        raise click.ClickException(explain("--cluster", e, ClusterSpec)) from None
+    except ValueError as e:
+        raise click.ClickException(f"--cluster: {e}") from None
     try:
         config = json.loads(storage.read_text(storage.join(spec.model, "config.json")))
         result = plan_job(config, spec, cluster)

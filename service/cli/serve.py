@@ -15,7 +15,15 @@ from moetune.api.client import Client
 from moetune.service.cluster import serve_deploy
 
 console = Console()
+# without a `moetune up` stack in this directory (whose own addresses the CLI hands to these commands at run time)
 _SERVE_URL = "http://127.0.0.1:8001"
+_RAY_ADDRESS = "http://127.0.0.1:8265"
+_FROM_STACK = "[default: the `moetune up` stack's of this directory, else {}]"
+
+
+def _ray_address_option(help: str):
+    return click.option("--ray-address", envvar="MOETUNE_RAY_ADDRESS", default=None,
+                        help=f"{help} {_FROM_STACK.format(_RAY_ADDRESS)}")
 
 
 def _client(ctx: click.Context) -> Client:
@@ -42,26 +50,29 @@ def _require_running(ray_address: str, timeout: float) -> str:
 
 
 def print_openai_snippet(base_url: str, model: str) -> None:
+    # soft_wrap: lines longer than the terminal are left to it to fold, so that copying gives the line back whole
     console.print(f"[bold]OpenAI base URL[/] {base_url}\n"
                   f"  client = openai.OpenAI(base_url={base_url!r}, api_key=<your moetune token>)\n"
-                  f"  client.chat.completions.create(model={model!r}, messages=[...])")
+                  f"  client.chat.completions.create(model={model!r}, messages=[...])", soft_wrap=True,
+                  highlight=False)
 
 
 @click.command()
 @click.argument("models", nargs=-1)
-@click.option("--ray-address", envvar="MOETUNE_RAY_ADDRESS", default="http://127.0.0.1:8265", show_default=True,
-              help="The Ray dashboard (Jobs and Serve REST API).")
-@click.option("--serve-url", envvar="MOETUNE_SERVE_URL", default=_SERVE_URL, show_default=True,
-              help="Where clients reach the Serve HTTP proxy (it listens on this port).")
+@_ray_address_option("The Ray dashboard (Jobs and Serve REST API).")
+@click.option("--serve-url", envvar="MOETUNE_SERVE_URL", default=None,
+              help="Where clients reach the Serve HTTP proxy (it listens on this port). "
+                   + _FROM_STACK.format(_SERVE_URL))
 @click.option("--control-plane", "control_plane", default=None,
               help="The control plane as the Serve replicas reach it (default: --url).")
 @click.option("--s3-endpoint-url", envvar="MOETUNE_S3_ENDPOINT_URL", default=None)
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the replicas.")
 @click.pass_context
-def serve(ctx: click.Context, models: tuple[str, ...], ray_address: str, serve_url: str, control_plane: str | None,
-          s3_endpoint_url: str | None, timeout: float) -> None:
+def serve(ctx: click.Context, models: tuple[str, ...], ray_address: str | None, serve_url: str | None,
+          control_plane: str | None, s3_endpoint_url: str | None, timeout: float) -> None:
     """Runs the OpenAI-compatible Serve app on the Ray cluster for the bases of MODELS (names of bases or tuned
     models; none: every registered base) and prints its base URL."""
+    ray_address, serve_url = ray_address or _RAY_ADDRESS, serve_url or _SERVE_URL
     client = _client(ctx)
     names = models or tuple(m.id for m in client.models.list().data if not m.id.startswith("ft:"))
     if not names:
@@ -79,14 +90,14 @@ def serve(ctx: click.Context, models: tuple[str, ...], ray_address: str, serve_u
 @click.command("deploy")
 @click.argument("job_id")
 @click.option("--wait/--no-wait", default=True, help="Wait until the replicas answer.")
-@click.option("--ray-address", envvar="MOETUNE_RAY_ADDRESS", default="http://127.0.0.1:8265", show_default=True)
+@_ray_address_option("The Ray dashboard, asked whether the replicas run.")
 @click.pass_context
-def deploy(ctx: click.Context, job_id: str, wait: bool, ray_address: str) -> None:
+def deploy(ctx: click.Context, job_id: str, wait: bool, ray_address: str | None) -> None:
     """Serves a succeeded job's model through the control plane (POST .../jobs/{id}/deploy)."""
     deployment = _client(ctx).jobs.deploy(job_id)
-    console.print(f"{deployment.model}: {deployment.status}")
+    console.print(f"{deployment.model}: {deployment.status}", soft_wrap=True, highlight=False)
     if wait and deployment.status != "RUNNING":
-        console.print(f"Serve app: {_require_running(ray_address, 600)}")
+        console.print(f"Serve app: {_require_running(ray_address or _RAY_ADDRESS, 600)}")
     print_openai_snippet(deployment.base_url, deployment.model)
 
 
@@ -111,15 +122,22 @@ def download(ctx: click.Context, model: str, local_dir: Path, s3_endpoint_url: s
 
 @click.command()
 @click.argument("model")
-@click.option("--base-url", envvar="MOETUNE_SERVE_URL", default=_SERVE_URL, show_default=True,
-              help="The Serve app (its /v1 is added).")
+@click.option("--base-url", envvar="MOETUNE_SERVE_URL", default=None,
+              help="The Serve app (its /v1 is added). " + _FROM_STACK.format(_SERVE_URL))
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1))
-@click.option("--temperature", default=0.7, show_default=True, type=click.FloatRange(0, 2))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 2),
+              help="0 answers greedily (the same answer every time), as the console's playground does.")
 @click.pass_context
-def chat(ctx: click.Context, model: str, base_url: str, max_tokens: int, temperature: float) -> None:
-    """Talks to MODEL interactively, answers streamed token by token (empty line or Ctrl-D ends)."""
+def chat(ctx: click.Context, model: str, base_url: str | None, max_tokens: int, temperature: float) -> None:
+    """Talks to MODEL interactively, answers streamed token by token (empty line or Ctrl-D ends).
+
+    What to expect: the demo's tiny model (random weights, then 30 steps of tuning) knows no language: it answers
+    with fragments of its training rows at best, and at a higher temperature with noise, control bytes included.
+    A real base tuned on real data answers as that base does.
+    """
     import openai
 
+    base_url = base_url or _SERVE_URL
     client = openai.OpenAI(base_url=serve_deploy.openai_base_url(base_url.removesuffix("/v1")),
                            api_key=ctx.obj["token"])
     history: list[dict] = []

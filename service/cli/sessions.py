@@ -10,6 +10,7 @@ from rich.table import Table
 from moetune.api.client import Client
 from moetune.api.models.training_sessions import TrainingSession
 from moetune.api.training import Training
+from moetune.service.cli.output import print_whole
 
 console = Console()
 
@@ -22,7 +23,7 @@ def _show(session: TrainingSession) -> None:
     why = f" ({session.close_reason})" if session.close_reason else ""
     error = f": {session.error.message}" if session.error else ""
     console.print(f"{session.id} [bold]{session.status}[/]{why}{error} on {session.model}; states and weights "
-                  f"under {session.output_uri}; {session.restarts} restarts", highlight=False)
+                  f"under {session.output_uri}; {session.restarts} restarts", highlight=False, soft_wrap=True)
 
 
 @click.group()
@@ -41,6 +42,7 @@ def sessions() -> None:
 @click.pass_obj
 def sessions_create(obj: dict, model: str, workers: int, gpus_per_worker: int, expert_parallel_size: int,
                     rank: int, idle_timeout: float, wait: bool) -> None:
+    """Start a session: a worker group holding a fresh LoRA on MODEL; prints its id once it takes calls."""
     session = _training(obj).create({
         "model": model, "idle_timeout_s": idle_timeout, "lora": {"rank": rank, "alpha": 2 * rank, "dropout": 0.0},
         "parallelism": {"num_workers": workers, "gpus_per_worker": gpus_per_worker,
@@ -52,16 +54,18 @@ def sessions_create(obj: dict, model: str, workers: int, gpus_per_worker: int, e
 @click.option("--limit", default=20, show_default=True)
 @click.pass_obj
 def sessions_list(obj: dict, limit: int) -> None:
-    table = Table("id", "status", "model", "restarts")
+    """The newest sessions: id, status, model, restarts."""
+    table = Table("id", "status", "model", "restarts", box=None, pad_edge=False)
     for s in _training(obj).list(limit).data:
         table.add_row(s.id, s.status + (f" ({s.close_reason})" if s.close_reason else ""), s.model, str(s.restarts))
-    console.print(table)
+    print_whole(console, table)
 
 
 @sessions.command("get")
 @click.argument("session_id")
 @click.pass_obj
 def sessions_get(obj: dict, session_id: str) -> None:
+    """The session's status, model, where its states and weights go, and its restarts."""
     _show(_training(obj).session(session_id).info)
 
 
@@ -69,6 +73,7 @@ def sessions_get(obj: dict, session_id: str) -> None:
 @click.argument("session_id")
 @click.pass_obj
 def sessions_close(obj: dict, session_id: str) -> None:
+    """Stop the session's worker group; what it saved stays."""
     _show(_training(obj).session(session_id).close())
 
 

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from moetune.api.client import Client
 from moetune.api.models.webhooks import WEBHOOK_EVENT_TYPES
+from moetune.service.cli.output import print_whole
 
 console = Console()
 
@@ -40,6 +41,7 @@ def webhooks_create(obj: dict, url: str, events: tuple[str, ...], name: str | No
 @webhooks.command("list")
 @click.pass_obj
 def webhooks_list(obj: dict) -> None:
+    """Every endpoint of the tenant: id, name, URL, event types, when created."""
     client, after = _client(obj), None
     table = Table("id", "name", "url", "events", "created", box=None, pad_edge=False)
     while True:
@@ -50,13 +52,14 @@ def webhooks_list(obj: dict) -> None:
         if not page.has_more:
             break
         after = page.last_id
-    console.print(table)
+    print_whole(console, table)
 
 
 @webhooks.command("get")
 @click.argument("endpoint_id")
 @click.pass_obj
 def webhooks_get(obj: dict, endpoint_id: str) -> None:
+    """The endpoint as JSON (the signing secret only as a hint: it was shown once, by create)."""
     console.print_json(_client(obj).webhooks.retrieve(endpoint_id).model_dump_json())
 
 

@@ -31,6 +31,7 @@ from moetune.service.local.embedded import (free_port, port_is_free, retry_port_
 STATE_DIR = Path(".moetune")
 TENANT = "local"
 OUTPUT_BUCKET = "moetune"
+DEFAULT_URL, DEFAULT_TOKEN = "http://127.0.0.1:8000", "dev-token"  # `moetune server`'s, without a stack
 ROLES = ("s3", "ray", "server")  # start order (each needs the ones before it); stopped in reverse
 _HEALTH_WAIT_S = 10.0  # how long a live component may take to answer before `up` counts it as hung
 
@@ -94,7 +95,26 @@ def read_stack(state_dir: Path = STATE_DIR) -> Stack | None:
     """The stack `up` started in `state_dir` while its control plane still runs; None otherwise."""
     saved = _saved(state_dir)
     stack = _stack(saved) if saved else None
-    return stack if stack is not None and processes.alive(stack.pids.get("server")) else None
+    return stack if stack is not None and running(stack) else None
+
+
+def running(stack: Stack) -> bool:
+    return processes.alive(stack.pids.get("server"))
+
+
+def connection(url: str | None, token: str | None, state_dir: Path = STATE_DIR) -> tuple[str, str, Stack | None]:
+    """The control plane the CLI and the examples talk to, and the token: those given (a flag, MOETUNE_URL,
+    MOETUNE_TOKEN), else those of the stack `up` started in `state_dir`, down or not (a call that finds it down
+    says so: down_message), else `moetune server`'s defaults. The stack comes back when the URL is its."""
+    saved = _saved(state_dir) if url is None or token is None else {}
+    stack = _stack(saved) if saved else None
+    return (url or (stack.url if stack else DEFAULT_URL), token or (stack.token if stack else DEFAULT_TOKEN),
+            stack if url is None else None)
+
+
+def down_message(state_dir: Path = STATE_DIR) -> str:
+    where = state_dir if state_dir.is_absolute() else f"./{state_dir}"
+    return f"the stack in {where} is down (its control plane does not answer): run `moetune up`"
 
 
 def _port(url: str) -> int | None:
