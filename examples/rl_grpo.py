@@ -3,6 +3,9 @@ each group of answers to one question is its own baseline (advantage = reward - 
 
     python examples/rl_grpo.py --model tiny-kimi-k3 --iterations 20        # against `moetune up --with-demo-assets`
 
+Run in the stack's folder it finds the stack as the `moetune` command does (--url/--token, else MOETUNE_URL and
+MOETUNE_TOKEN, else the stack of ./.moetune).
+
 The reward checks the first character of the answer against the sum: 1 for the right digit, less the further its
 character code is from it (a tiny random base rarely says the digit itself; the shaped part gives every group a
 signal). The loss is importance sampling on the sampler's log-probabilities (`--loss ppo` clips the ratio).
@@ -14,9 +17,13 @@ import argparse
 import os
 import random
 import statistics
+import sys
+
+import httpx
 
 from moetune.api.client import Client
 from moetune.api.training import Session, Training
+from moetune.service.local.stack import connection, down_message
 
 
 def question(rng: random.Random) -> tuple[str, str]:
@@ -66,17 +73,23 @@ def grpo(session: Session, iterations: int, questions: int = 4, group_size: int 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default=os.environ.get("MOETUNE_URL", "http://127.0.0.1:8000"))
-    parser.add_argument("--token", default=os.environ.get("MOETUNE_TOKEN", "dev-token"))
+    parser.add_argument("--url", default=os.environ.get("MOETUNE_URL"),
+                        help="The control plane [default: MOETUNE_URL, else the `moetune up` stack of this folder].")
+    parser.add_argument("--token", default=os.environ.get("MOETUNE_TOKEN"),
+                        help="[default: MOETUNE_TOKEN, else that stack's]")
     parser.add_argument("--model", default="tiny-kimi-k3")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--loss", default="importance_sampling", choices=["importance_sampling", "ppo"])
     args = parser.parse_args()
-    with Client(args.url, args.token) as client:
-        session = Training(client).create({"model": args.model, "lora": {"rank": 8, "alpha": 16, "dropout": 0.0},
-                                           "parallelism": {"num_workers": args.workers}})
+    url, token, stack = connection(args.url, args.token)
+    with Client(url, token) as client:
+        try:
+            session = Training(client).create({"model": args.model, "parallelism": {"num_workers": args.workers},
+                                               "lora": {"rank": 8, "alpha": 16, "dropout": 0.0}})
+        except httpx.ConnectError as e:
+            sys.exit(down_message() if stack else f"cannot reach the control plane at {url}: {e}")
         try:
             session.wait_ready(timeout=600)
             means = grpo(session, args.iterations, group_size=args.group_size, loss_fn=args.loss)
