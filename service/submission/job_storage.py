@@ -113,11 +113,11 @@ def read_model_config(model_uri: str, s3_endpoint_url: str | None, facts: Storag
 
 
 def _bucket_answers(uri: str, s3_endpoint_url: str | None) -> bool:
-    """Whether the bucket of an s3:// URI exists (other schemes have none to lack). A missing bucket, or one storage
-    does not answer for now, leaves a missing model to the file check before queueing, as before: it fails the
-    job with file_not_found before any worker starts."""
+    """Whether storage can vouch that nothing is at `uri`: an s3:// URI whose bucket exists. A file:// path is on
+    the workers' file system, which the control plane may not see; a bucket that is missing or does not answer now
+    is left, like those, to the file check before queueing (file_not_found before any worker starts)."""
     if not uri.startswith("s3://"):
-        return True
+        return False
     try:
         fs, path = _filesystem(uri, s3_endpoint_url, quick=True)
         return fs.exists(path.split("/", 1)[0])
