@@ -66,7 +66,7 @@ def test_impossible_combinations_fail_the_render_with_a_clear_message(chart, val
 
 
 def test_the_readme_install_command_renders_valid_objects(chart, chart_dir, render):
-    readme = (chart_dir.parents[1] / "README.md").read_text()
+    readme = (chart_dir.parents[1] / "docs" / "kubernetes.md").read_text()  # the install walk-through
     command = re.search(r"helm install moetune \./helm/moetune.*?(?<!\\)\n", readme, re.DOTALL).group(0)
     values = helm.parse_set_string(",".join(re.findall(r"--set (\S+)", command)))
     assert values["database"]["bundled"]["enabled"] is False and values["monitoring"]["serviceMonitor"]["enabled"]

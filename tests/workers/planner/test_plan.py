@@ -64,8 +64,8 @@ def _as_printed(plan: dict) -> list[str]:
 
 
 def _readme_seed_plan() -> list[str]:
-    """The README's seed plan example: the code block after the line naming examples/seed-plan.job.yaml."""
-    readme = (REPO / "README.md").read_text()
+    """The docs' seed plan example: the code block after the line naming examples/seed-plan.job.yaml."""
+    readme = (REPO / "docs" / "parallelism.md").read_text()
     block = readme[readme.index("(`examples/seed-plan.job.yaml`"):].split("```\n", 2)[1]
     return [line.rstrip() for line in block.splitlines()]
 
@@ -88,8 +88,8 @@ def test_the_seed_model_is_planned_in_seconds_within_2_gib():
     assert fit["fits"] and fit["expert_parallel_size"] > 1 and 896 % fit["expert_parallel_size"] == 0
     assert fit["tuner_start_micro_batch"] >= 1 and p["load"]["seconds"] > 0
     assert _as_printed(p) == _readme_seed_plan(), (
-        "README.md's seed plan is not what the planner gives now: replace its block with the output of `COLUMNS=120 "
-        "moetune plan examples/seed-plan.job.yaml --cluster " + H200S + "`")
+        "docs/parallelism.md's seed plan is not what the planner gives now: replace its block with the output of "
+        "`COLUMNS=120 moetune plan examples/seed-plan.job.yaml --cluster " + H200S + "`")
 
 
 def _tiny_job(**training) -> JobCreate:
