@@ -17,7 +17,7 @@ from moetune.service.auth import bearer_token, job_token_matches, unauthorized
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.lifecycle import finish_job
 from moetune.service.routes.deps import StoreDep
-from moetune.service.store import JobRow, ReportKey
+from moetune.service.store import JobRow, ReportKey, Store
 from moetune.service.submission.job_storage import read_json
 
 router = APIRouter(tags=["internal"], include_in_schema=False)
@@ -108,6 +108,8 @@ def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated
     """Accepts a report, each Idempotency-Key once (a redelivery is acknowledged, not stored again); the reply says
     "pause" while the user's pause waits for the workers."""
     report, key = body.report, _report_key(idempotency_key)
+    if key is not None and store.delivered_before(job.id, key):  # its acknowledgement was lost: the same again
+        return _ack(store, job)
     if JobStatus(job.status).terminal:
         raise _refuse_after_end(job, report)
     if isinstance(report, EventReport):
@@ -124,10 +126,15 @@ def post_report(job: Annotated[JobRow, Depends(_reporting_job)], body: Annotated
                              event=(f"Checkpoint saved at step {report.step_number}: {report.uri}{retired}",
                                     {"step": report.step_number, "uri": report.uri,
                                      "retired_steps": report.retired_steps}))
-    elif key is None or not store.delivered_before(job.id, key):
-        # A result changes the job's status only from an active one, so a redelivery racing this check is harmless.
+    else:
+        # A result changes the job's status only from an active one: a redelivery racing this one changes nothing.
         if not request.app.state.scheduler.requeue_if_head_lost(job, report):
             finish_job(store, job, report)
         if key is not None:
             store.note_delivered(job.id, key)
+    return _ack(store, job)
+
+
+def _ack(store: Store, job: JobRow) -> ReportAck:
+    """Asks the workers to pause while the user's pause waits for them."""
     return ReportAck(control="pause" if store.get_job(job.id).status == JobStatus.pausing else None)
