@@ -23,11 +23,10 @@ MAX_REGISTERS = 255
 # Spills (stack bytes per thread) the kernels have today, measured with Triton 3.9 at the SM90_CASES shapes: the
 # budget a change must not exceed. Every other kernel must not spill. KDA holds whole [K, V] states per program (the
 # known rewrite: fla-style chunk-parallel KDA); sparse attention's key-major dK/dV at latent widths holds [16, 512]
-# fp32 accumulators for keys and values (16-64 B; 216 B with a LoRA adapter's latent in the tail), its query-major
-# pass the same ones (8-16 B at the latent shapes), its forward 8 B in one config; the INT4 / MXFP4 dequantizing
-# GEMM spills a few bytes at 255 registers.
+# fp32 accumulators for keys and values (16-64 B; 216 B with a LoRA adapter's latent in the tail) (its query-major
+# pass holds the same ones without spilling, built with two stages), its forward 8 B in one config; the INT4 / MXFP4
+# dequantizing GEMM spills a few bytes at 255 registers.
 STACK_BUDGET = {"kda_fwd_kernel": 1024, "kda_bwd_kernel": 12_336, "_sparse_attn_fwd": 8, "_sparse_attn_bwd_dkv": 216,
-                "_sparse_attn_bwd_dkv_query_major": 216,
                 "_grouped_lora_mm": 96}
 
 

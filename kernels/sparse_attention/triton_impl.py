@@ -457,9 +457,11 @@ def _dkv_key_major(q, k, v, indices, grad_out, lse, delta, dk, dv, block_n, scal
 
 
 def _dkv_query_major(q, k, v, indices, grad_out, lse, delta, dk, dv, block_s, scale, meta):
+    # num_stages=2: the pipelined lowering keeps every case of kernels.compile_check in registers on sm_90 (with
+    # one stage, a LoRA adapter's latent in the tail spilled 256 B per thread, the plain latent 8-16 B)
     _sparse_attn_bwd_dkv_query_major[(q.shape[1], k.shape[2], q.shape[0])](
         q, k, v, indices, grad_out, lse, delta, dk, dv, *_strides(q, k, v, indices, grad_out, dk, dv), q.shape[1],
-        q.shape[2], indices.shape[2], scale * LOG2E, scale, BLOCK_S=block_s, num_warps=8, num_stages=1, **meta)
+        q.shape[2], indices.shape[2], scale * LOG2E, scale, BLOCK_S=block_s, num_warps=8, num_stages=2, **meta)
 
 
 def backward(q, k, v, indices, scale, out, lse, grad_out, order: str | None = None):
