@@ -26,7 +26,7 @@ from moetune.kernels.loss import linear_cross_entropy_sum
 from moetune.workers.experts.module import expert_lora_off
 from moetune.workers.families.segments import packs_sequences
 from moetune.workers.methods.batch import IGNORE, Batch
-from moetune.workers.methods.loss_head import LossHead, install_loss_head
+from moetune.workers.methods.loss_head import LossHead, install_loss_head, logits_token_logprobs
 from moetune.workers.methods.sft import Example, chat_example, collate, collate_packed, with_loss
 
 # metric names as TRL logs them; each is the mean over the step's pairs
@@ -102,10 +102,12 @@ def _sequence_of(batch: Batch) -> tuple[torch.Tensor, int]:
 
 
 def _logits_nll(logits, labels, sequence_of, sequences: int):
-    """Each sequence's summed cross-entropy from the logits (a model whose output layer is no plain linear)."""
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
-                          reduction="none")
-    return nll.new_zeros(sequences).index_add(0, sequence_of, nll)
+    """Each sequence's summed cross-entropy from the logits (a model whose output layer is no plain linear), a
+    chunk of tokens in fp32 at a time (methods.loss_head)."""
+    targets = labels.roll(-1, dims=1)  # position t predicts label t + 1; the last position's target is cut below
+    kept = targets != IGNORE
+    nll = -logits_token_logprobs(logits, targets.where(kept, 0)) * kept
+    return nll.new_zeros(sequences).index_add(0, sequence_of, nll[:, :-1].flatten())
 
 
 @contextlib.contextmanager

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import torch
 
+from moetune.workers.methods.loss_head import LossHead, linear_token_logprobs, logits_token_logprobs
+
+
+class TokenLogprobHead(LossHead):
+    """The session model's output layer (methods.loss_head): while armed with a batch's tokens it returns each
+    token's log-probability given the ones before it, [B, T - 1], instead of [B, T, vocab] logits."""
+
+    def forward(self, hidden):
+        if self.labels is None:
+            return super().forward(hidden)
+        return linear_token_logprobs(hidden[:, :-1], self.weight, self.labels[:, 1:])
+
 
 def padded_tokens(sequences: list[list[int]], device) -> torch.Tensor:
     width = max(len(s) for s in sequences)
@@ -28,8 +40,12 @@ def padded(data: list, device) -> dict:
     return out
 
 
-def token_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, T] log-probability of each token given the ones before it (0 at position 0)."""
-    logits = model(input_ids=tokens).logits[:, :-1].float()
-    picked = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+def token_logprobs(model, tokens: torch.Tensor, head: TokenLogprobHead | None = None) -> torch.Tensor:
+    """[B, T] fp32 log-probability of each token given the ones before it (0 at position 0): from the model's
+    TokenLogprobHead where it has one, else from its logits a chunk at a time."""
+    if head is not None:
+        with head.armed(tokens):
+            picked = model(input_ids=tokens).logits
+    else:  # the logits of the last position predict nothing: a dummy target, cut (no copy of the logits)
+        picked = logits_token_logprobs(model(input_ids=tokens).logits, tokens.roll(-1, dims=1))[:, :-1]
     return torch.nn.functional.pad(picked, (1, 0))

@@ -39,7 +39,8 @@ from moetune.workers.engine.deepspeed import build_engine
 from moetune.workers.generate import SamplingParams, generate_batch
 from moetune.workers.loop.worker import _Worker
 from moetune.workers.reporting.reporter import Reporter
-from moetune.workers.sessions.batch import padded, padded_tokens, token_logprobs
+from moetune.workers.methods.loss_head import install_loss_head
+from moetune.workers.sessions.batch import TokenLogprobHead, padded, padded_tokens, token_logprobs
 from moetune.workers.sessions.control import SessionLink
 from moetune.workers.sessions.layout import state_uri, weights_uri
 from moetune.workers.sessions.losses import LOSSES
@@ -81,6 +82,7 @@ class SessionWorker(_Worker):
 
     def start(self) -> None:
         self.load()
+        self.head = install_loss_head(self.model, TokenLogprobHead)  # logprobs without [tokens, vocab] logits
         self.engine, _ = build_engine(self.model, self.spec.training, self.spec.parallelism, self.world, total_steps=1,
                                       bf16=self.device.type == "cuda")
         self.engine.train()
@@ -225,7 +227,7 @@ class SessionWorker(_Worker):
         # dropout masks follow the optimizer step, so a group resumed from a state draws the same ones (and a
         # forward the same ones as the forward_backward after it)
         torch.manual_seed(step_rng_seed(self.run.seed, self.engine.global_steps, self.rank))
-        return mine, batch, token_logprobs(self.engine, batch["tokens"])
+        return mine, batch, token_logprobs(self.engine, batch["tokens"], self.head)
 
     def _gathered(self, data: list, mine: list[int], logprobs: torch.Tensor) -> list[list[float]]:
         values = [lp[: len(data[i].tokens)].tolist() for lp, i in zip(logprobs.detach(), mine)]
@@ -245,7 +247,7 @@ class SessionWorker(_Worker):
         was_training = self.engine.module.training
         self.engine.module.eval()
         with torch.no_grad():
-            logprobs = token_logprobs(self.engine, padded_tokens(data, self.device))
+            logprobs = token_logprobs(self.engine, padded_tokens(data, self.device), self.head)
         self.engine.module.train(was_training)
         return [lp[len(p) : len(p) + len(c)].tolist() for lp, p, c in zip(logprobs, prompts, completions)]
 
