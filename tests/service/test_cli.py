@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import io
 import json
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import boto3
+import click
 import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
 from moetune.api.families import FAMILIES
 from moetune.service.cli import main as cli
+from moetune.service.cli import sessions as cli_sessions
 from moetune.service.local.embedded import free_port, s3_env
 from moetune.workers.families import REGISTRY
 from bench.support.tiny_models import plain_model
@@ -123,3 +129,72 @@ def test_models_inspect_answers_a_malformed_or_unsupported_config_in_one_line(de
     result = _run("models", "inspect", f"file://{model}")
     assert result.exit_code == 1 and result.output.strip().startswith(f"Error: file://{model}: {message}")
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_version_is_the_installed_packages():
+    assert _run("--version").output == f"moetune, version {importlib.metadata.version('moetune')}\n"
+
+
+def _commands(group: click.Group, path: tuple[str, ...] = ()):
+    for name, command in group.commands.items():
+        yield (*path, name), command
+        if isinstance(command, click.Group):
+            yield from _commands(command, (*path, name))
+
+
+def test_every_command_says_what_it_does():
+    """`moetune jobs --help` listed cancel, events, get and list with an empty description."""
+    assert [" ".join(path) for path, command in _commands(cli.main) if not (command.help or "").strip()] == []
+
+
+@pytest.mark.parametrize("args, fallback", [(["chat", "--help"], "http://127.0.0.1:8001"),
+                                            (["jobs", "deploy", "--help"], "http://127.0.0.1:8265"),
+                                            (["serve", "--help"], "http://127.0.0.1:8001")])
+def test_help_shows_no_default_that_the_stack_overrides(args, fallback):
+    """The stack of the directory hands its Ray address and Serve URL to these commands at run time: the help says
+    so instead of showing a default that is not the one used."""
+    output = " ".join(_run(*args).output.split())
+    assert f"[default: {fallback}]" not in output
+    assert f"[default: the `moetune up` stack's of this directory, else {fallback}]" in output
+
+
+def test_chat_defaults_to_temperature_0_as_the_playground_and_says_what_a_tiny_model_answers():
+    playground = (Path(cli.__file__).parents[1] / "console/static/playground.js").read_text()
+    assert re.search(r'id: "temperature", value: 0\b', playground)
+    assert {option.name: option.default for option in cli.serve_commands.chat.params}["temperature"] == 0
+    assert "30 steps of tuning" in " ".join(_run("chat", "--help").output.split())
+
+
+def test_the_deploy_snippet_copies_back_whole_at_80_columns(monkeypatch):
+    """At 80 columns rich broke the snippet inside the model's name: lines are left to the terminal to fold."""
+    out = io.StringIO()
+    monkeypatch.setattr(cli.serve_commands, "console", Console(width=80, file=out))
+    model = "ft:a-rather-long-base-model-name-for-a-snippet:local:ftjob-0123456789abcdef0123"
+    cli.serve_commands.print_openai_snippet("http://127.0.0.1:23456/v1", model)
+    lines = out.getvalue().splitlines()
+    assert f"  client.chat.completions.create(model={model!r}, messages=[...])" in lines
+    assert "  client = openai.OpenAI(base_url='http://127.0.0.1:23456/v1', api_key=<your moetune token>)" in lines
+
+
+def test_sessions_list_prints_whole_ids_at_80_columns(start_service, monkeypatch):
+    service = start_service(ray_address=f"http://127.0.0.1:{free_port()}")  # nothing there: the session fails
+    model = "s3://a-bucket-with-a-long-name/models/a-rather-long-base-model-name-for-the-table"
+    with service.http() as http:
+        http.post("/v1/training_sessions", json={"model": model, "lora": {"rank": 4}})
+        (session,) = http.get("/v1/training_sessions").json()["data"]
+    monkeypatch.setattr(cli_sessions, "console", Console(width=80))
+    listed = _run("--url", service.url, "--token", "tok-a", "sessions", "list").output
+    (row,) = [line for line in listed.splitlines() if session["id"] in line]
+    assert row.split()[0] == session["id"] and row.split()[-2:] == [model, "0"]  # one line, nothing cut
+
+
+def test_an_unknown_field_in_a_job_file_gets_a_did_you_mean(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("model: tiny-kimi-k3\ntraining_file: s3://b/train.jsonl\nsufix: x\nlora: {rnak: 8}\n"
+                    "training: {max_step: 3}\n")
+    result = _run("submit", str(spec))  # refused before any control plane is asked
+    first, *problems = result.output.splitlines()
+    assert result.exit_code == 1 and first == f"Error: {spec}:"
+    assert sorted(problems) == ["  lora.rnak: unknown field; did you mean lora.rank?",
+                                "  sufix: unknown field; did you mean suffix?",
+                                "  training.max_step: unknown field; did you mean training.max_steps?"]
