@@ -1,6 +1,7 @@
 """The served base, built by workers.model's builder in its `serve` mode (the checkpoint streamed, quantized weights
 kept quantized, the family's kernel swaps, the routed experts in moetune's experts module at EP=1, which runs dense
-and quantized experts alike), its experts then wrapped for per-row adapter selection."""
+and quantized experts alike), its experts then wrapped for per-row adapter selection. A base whose weights cannot fit
+the device is refused before any of them is read (workers.planner.serving)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from moetune.api import storage
 from moetune.workers.experts.serving_slots import RowLoraExperts
 from moetune.workers.model import SERVE, WeightsSource, build_model, load_dtype, load_tokenizer
+from moetune.workers.planner.serving import refuse_unless_it_fits
+from moetune.workers.reporting.step_figures import memory_budget_bytes
 from moetune.workers.weights.loader import streamed_or_unused
 
 
@@ -32,9 +35,10 @@ def load_base(base_uri: str, device, selection: RowSelection, slots: int,
               weights_cache_dir: str | None = None) -> LoadedBase:
     with tempfile.TemporaryDirectory(prefix="moetune-serve-") as local:
         storage.download_dir(base_uri, local, skip=streamed_or_unused)  # config + tokenizer; weights are streamed
-        tokenizer = load_tokenizer(local)
         with open(os.path.join(local, "config.json")) as f:
             config = json.load(f)
+        refuse_unless_it_fits(config, load_dtype(device), memory_budget_bytes(device, None), base_uri, str(device))
+        tokenizer = load_tokenizer(local)
     built = build_model(SERVE, config, device=device, weights=WeightsSource(base_uri, weights_cache_dir),
                         read_base=_transposed_experts)
     model, family, dtype = built.model, built.family, load_dtype(device)
