@@ -33,13 +33,25 @@ def image_model(model_dir: str):
     return plain_model(family_for(config), config=config)
 
 
-def image_batch(method, rank: int):
-    """A micro-batch of one text-only chat row and two image rows (32- and 64-pixel images), other rows per rank."""
+def image_batch(method, rank: int, text_only: bool = False):
+    """A micro-batch of one text-only chat row and two image rows (32- and 64-pixel images), other rows per rank;
+    `text_only`: the chat row alone."""
     from moetune.workers.tiny import tiny_image_rows
 
     chat = {"messages": [{"role": "user", "content": f"say {rank}"}, {"role": "assistant", "content": f"{rank}!"}]}
-    examples, _ = method.examples([chat, *tiny_image_rows(2, seed=10 + rank)])
+    examples, _ = method.examples([chat, *([] if text_only else tiny_image_rows(2, seed=10 + rank))])
     return method.collate(examples)
+
+
+def wide_vision(tiny_config):
+    """`tiny_config` with a vision MLP wider than DeepSpeed's ZeRO-3 persistence threshold (1e5 elements), so that
+    the tower's weights are gathered by a collective in every forward, as every real tower's are."""
+    def config(**overrides):
+        made = tiny_config(**overrides)
+        made.vision_config.intermediate_size = 4096
+        return made
+
+    return config
 
 
 def with_padding_mask(inputs: dict, pad_id: int) -> dict:
@@ -48,9 +60,10 @@ def with_padding_mask(inputs: dict, pad_id: int) -> dict:
     return {**inputs, "attention_mask": (inputs["input_ids"] != pad_id).long()}
 
 
-def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir: str) -> None:
-    """This rank's moetune engine (kernel swaps, EP LoRA model, loss head) on its image batch: first loss sum and
-    full LoRA gradients."""
+def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir: str,
+                 text_only_rank: int | None = None) -> None:
+    """This rank's moetune engine (kernel swaps, EP LoRA model, loss head) on its image batch (text only on
+    `text_only_rank`): first loss sum and full LoRA gradients."""
     from deepspeed.utils import safe_get_full_grad
 
     from moetune.workers.engine.deepspeed import build_engine
@@ -67,14 +80,15 @@ def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir:
     method.prepare(model)
     assert any(type(m).__name__ == "ExpertParallelExperts" for m in model.modules())  # this rank's half
     engine, _ = build_engine(model, job.training, job.parallelism, world, 1, bf16=False)
-    loss = method.loss_sum(engine, image_batch(method, rank))
+    loss = method.loss_sum(engine, image_batch(method, rank, text_only=rank == text_only_rank))
     engine.backward(loss)
     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
     os.makedirs(out_dir, exist_ok=True)
     torch.save({"loss": loss.item(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def reference(tiny_vl, method, job, ranks, dtype: torch.dtype = torch.float32) -> tuple[float, dict]:
+def reference(tiny_vl, method, job, ranks, dtype: torch.dtype = torch.float32,
+              text_only_rank: int | None = None) -> tuple[float, dict]:
     """Stock transformers + PEFT, same LoRA draw (made in fp32, then the model in `dtype`): the rank-mean of the
     loss sums and its LoRA gradients."""
     from moetune.workers.lora.peft_lora import apply_lora
@@ -90,7 +104,7 @@ def reference(tiny_vl, method, job, ranks, dtype: torch.dtype = torch.float32) -
                 for k, v in with_padding_mask(batch.inputs, pad_id).items()}
 
     loss = sum(token_loss_sum(peft_model(**inputs(b)).logits, b.labels)
-               for b in (image_batch(method, r) for r in ranks)) / len(ranks)
+               for b in (image_batch(method, r, text_only=r == text_only_rank) for r in ranks)) / len(ranks)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
 

@@ -56,6 +56,7 @@ class ImageRows:
     def __init__(self, local_dir: str, tokenizer, image_token_id: int):
         self.local_dir, self.tokenizer, self.image_token_id = local_dir, tokenizer, image_token_id
         self._processor = None
+        self.blank = None  # (pixel_values, image_grid_thw) of the smallest blank image, once needed
 
     @property
     def image_processor(self):
@@ -140,3 +141,41 @@ class SupervisedImageMethod(SupervisedMethod):
 
     def collate(self, examples: list[Example]) -> Batch:
         return collate_with_images(examples, self.tokenizer.pad_token_id, self.images.image_token_id)
+
+    def loss_sum(self, model, batch: Batch):
+        """SFT's loss. A micro-batch without images runs the vision tower too, on the processor's smallest blank
+        image, adding 0 × its output: every rank then runs the same modules in the same order. Under ZeRO-3 each of
+        the tower's modules gathers its weights with a collective, and a rank that skipped them would leave its
+        peers waiting in those gathers (NCCL hangs until its watchdog). It runs where the family's forward runs
+        the tower, right after the token embeddings (a tower run before the forward gathers in another order)."""
+        if "pixel_values" in batch.inputs:
+            return super().loss_sum(model, batch)
+        idle = []
+        hook = model.get_input_embeddings().register_forward_hook(
+            lambda *_: idle.append(self._idle_vision(model, batch.labels.device)))
+        try:
+            loss = super().loss_sum(model, batch)
+        finally:
+            hook.remove()
+        return loss + idle[0]
+
+    def _idle_vision(self, model, device):
+        from PIL import Image
+
+        if self.images.blank is None:  # 64 pixels: above every family's patch x merge; the processor resizes
+            vision = self.images.image_processor(images=[Image.new("RGB", (64, 64))], return_tensors="pt")
+            self.images.blank = vision["pixel_values"], vision["image_grid_thw"]
+        pixel_values, grid = (t.to(device) for t in self.images.blank)
+        features = model.get_image_features(pixel_values=pixel_values, image_grid_thw=grid)
+        return 0.0 * sum(t.float().sum() for t in _tensors(features))
+
+
+def _tensors(output) -> list:
+    """The tensors of a model output: a tensor, a tuple, or a transformers ModelOutput (a dict) of those."""
+    import torch
+
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    return [t for value in output for t in _tensors(value)] if isinstance(output, (tuple, list)) else []

@@ -81,9 +81,10 @@ class LoadRatioHistogram(Collector):
 
     def __init__(self, labels: dict[str, str], layers: list[str]):
         self.names, self.values, self.layers = [*labels, "layer"], list(labels.values()), layers
-        self.bounds = torch.tensor(LOAD_RATIO_BUCKETS, dtype=torch.float64)
-        self.cumulative = torch.zeros(len(layers), len(LOAD_RATIO_BUCKETS), dtype=torch.long)
-        self.sums = torch.zeros(len(layers), dtype=torch.float64)
+        # on the host: step_totals hands over the step's totals there, once per step
+        self.bounds = torch.tensor(LOAD_RATIO_BUCKETS, dtype=torch.float64, device="cpu")
+        self.cumulative = torch.zeros(len(layers), len(LOAD_RATIO_BUCKETS), dtype=torch.long, device="cpu")
+        self.sums = torch.zeros(len(layers), dtype=torch.float64, device="cpu")
 
     def observe(self, ratios: torch.Tensor) -> None:
         """ratios: [layers, experts], each expert's load / its layer's mean load."""

@@ -55,6 +55,9 @@ RESUME_CASES = {
 
 # case id -> (family, job): one image + text micro-batch per rank on the family's tiny multimodal checkpoint
 IMAGE_CASES = {f"{fam}-images-ep2-zero2": (fam, spec(ep=2, zero=2)) for fam in FAMILIES if REGISTRY[fam].facts.images}
+# case id -> (family, job): the same under ZeRO-3 with rank 1's micro-batch text only, on a vision tower whose weights
+# ZeRO-3 gathers in every forward (image_batches.wide_vision)
+IMAGELESS_RANK_CASES = {"qwen3_5_moe-images-ep2-zero3-rank1-text-only": ("qwen3_5_moe", spec(ep=2, zero=3))}
 
 # case id -> (family, job): one step of the wide-expert model under ZeRO-3 (harness.run_saved_experts)
 SAVED_CASES = {"qwen3_moe-experts-ep2-zero3-wide": ("qwen3_moe", spec(ep=2, zero=3, steps=1, train_experts=True))}
@@ -65,3 +68,7 @@ TUNER_START_CASES = {"qwen3_moe-ep2-zero2-auto": ("qwen3_moe", spec(ep=2, zero=2
 # case id -> (family, job): one DPO micro-batch per rank (both forwards, LoRA off then on, through the experts'
 # all-to-all), against the same pairs in one process (tests/workers/methods/test_dpo_ep.py)
 DPO_CASES = {"qwen3_moe-dpo-experts-ep2-zero3": ("qwen3_moe", spec(ep=2, zero=3, train_experts=True))}
+
+# case id -> (family, job): one step through build_model("train") as a job's rank runs it, ZeRO-3 with the load
+# partitioner and the MoE metrics hooks, moetune's implicit allocations on the meta device (bench.support.builder_step)
+BUILDER_CASES = {"kimi_k3-released-experts-ep2-zero3-builder": ("kimi_k3", spec(ep=2, zero=3, train_experts=True))}
