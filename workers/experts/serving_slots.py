@@ -1,6 +1,10 @@
 """The routed experts' serving slots: each token's expert LoRA from the adapter slot of its row (workers.lora.row_slots
 holds the slots and the linears' side), computed as the expert-parallel module trains it when one adapter serves
 the whole forward.
+
+A decode step reads nothing back from the device here (on CUDA each read is a host sync per MoE layer per token):
+the routing counts stay a device tensor (index_add, where bincount reads the largest index back), and the uniform
+path's LoRA scaling, a kernel argument, comes from the host copy kept when the adapter was loaded.
 """
 
 from __future__ import annotations
@@ -12,6 +16,18 @@ from moetune.kernels.moe import moe_lora_grouped
 from moetune.kernels.quant import QuantizedWeight
 from moetune.workers.experts.compute import ExpertLoraFactors
 from moetune.workers.lora.row_slots import RowSelection, SlotFactors
+
+
+class ExpertSlotFactors(SlotFactors):
+    """SlotFactors that also keep each slot's scaling on the host, as the device holds it (rounded to the dtype)."""
+
+    def __init__(self, slots: int, *args, **kwargs):
+        super().__init__(slots, *args, **kwargs)
+        self.host_scaling = [0.0] * slots
+
+    def put(self, slot: int, factors: dict[str, torch.Tensor] | None, scaling: float) -> None:
+        super().put(slot, factors, scaling)
+        self.host_scaling[slot] = float(self.scaling[slot])  # once per adapter load, not per step
 
 
 class RowLoraExperts(nn.Module):
@@ -28,9 +44,9 @@ class RowLoraExperts(nn.Module):
         w_in, w_down = experts.base_weights()
         e, two_i, hidden = w_in.shape
         intermediate = w_down.shape[2]
-        self.factors = SlotFactors(slots, {"gate_up_a": ((e, 0, hidden), 1), "gate_up_b": ((e, two_i, 0), 2),
+        self.factors = ExpertSlotFactors(slots, {"gate_up_a": ((e, 0, hidden), 1), "gate_up_b": ((e, two_i, 0), 2),
                                             "down_a": ((e, 0, intermediate), 1), "down_b": ((e, hidden, 0), 2)},
-                                    dtype, device)
+                                          dtype, device)
 
     @property
     def num_experts(self) -> int:
@@ -42,14 +58,15 @@ class RowLoraExperts(nn.Module):
         flat_experts = top_k_index.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # (token, choice) pairs grouped by expert
         token_of = order // top_k
-        counts = torch.bincount(flat_experts, minlength=ex.num_experts)
+        counts = torch.zeros(ex.num_experts, dtype=torch.long, device=flat_experts.device)
+        counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))
         rows = hidden_states[token_of]
         biases = (ex.gate_up_proj_bias, ex.down_proj_bias) if ex.biased else None
         if sel.uniform is not None or not sel.slots & f.filled:  # one adapter or none: the compute as trained
             s = sel.uniform
-            lora = (ExpertLoraFactors(*(f.of(n, s) for n in self.FACTORS), float(f.scaling[s]))
+            lora = (ExpertLoraFactors(*(f.of(n, s) for n in self.FACTORS), f.host_scaling[s])
                     if s is not None and s in f.filled else None)
-            y = ex.compute(rows, counts.tolist(), *ex.base_weights(), ex.activation, lora, biases)
+            y = ex.compute(rows, counts, *ex.base_weights(), ex.activation, lora, biases)
         else:
             y = self._mixed(rows, counts, sel.slots_of(hidden_states.shape[0])[token_of], flat_experts[order], biases)
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
