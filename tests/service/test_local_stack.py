@@ -70,6 +70,14 @@ def test_up_prints_how_to_reach_it_keeps_data_across_down_and_up(ray_head, tmp_p
         assert (reply.status_code, reply.json()["error"]["param"]) == (422, "training_file")  # file:// is off
         assert _run("down") == "down; data kept in .moetune\n"
         assert not local_stack.read_stack() and not any(processes.alive(p) for p in stack.pids.values())
+        # the stack's URL, not `moetune server`'s default, and what to do about it
+        stopped = CliRunner().invoke(cli.main, ["jobs", "list"], env={"MOETUNE_URL": None, "MOETUNE_TOKEN": None})
+        assert (stopped.exit_code, stopped.output) == (1, f"Error: {local_stack.down_message()}\n")
+        assert "./.moetune is down" in stopped.output and "run `moetune up`" in stopped.output
+        example = subprocess.run([sys.executable, str(REPO / "examples/rl_grpo.py"), "--iterations", "1"],
+                                 env={k: v for k, v in os.environ.items() if k not in ("MOETUNE_URL", "MOETUNE_TOKEN")},
+                                 capture_output=True, text=True, timeout=120)
+        assert (example.returncode, example.stderr) == (1, f"{local_stack.down_message()}\n")  # as the CLI finds it
 
         _run("up", "--ray-address", ray_head.dashboard_url)
         again = local_stack.read_stack()
@@ -204,6 +212,15 @@ def test_the_readme_walk_reaches_a_chat_with_the_tuned_model_through_jobs_deploy
 
 
 @pytest.mark.ray_job
+def test_the_rl_example_runs_in_the_stacks_folder_as_the_cli_does(readme_walk):
+    """examples/rl_grpo.py with no variable set finds the stack of the folder (as `moetune` does): a training
+    session on the demo model, one GRPO iteration, its weights saved."""
+    output = readme_walk.run("python examples/rl_grpo.py --iterations 1")
+    assert re.search(r"^iteration 1: mean reward \d", output, flags=re.M), output
+    assert re.search(r"^mean reward .* adapter s3://\S+$", output, flags=re.M), output
+
+
+@pytest.mark.ray_job
 def test_up_brings_back_each_killed_component_and_the_job_resumes_losing_nothing(readme_walk, monkeypatch):
     """One tiny job on the README walk's stack (a Ray head of its own); the control plane, then the S3 server, then
     the Ray head are SIGKILLed (by their PID in stack.json) while it trains, `moetune up` after each: each comes
@@ -324,7 +341,7 @@ def test_a_server_whose_port_was_taken_before_it_bound_starts_on_a_fresh_one(tmp
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(embedded.PortTaken):  # the server's own words say so: no waiting for a timeout
-            embedded.retry_port_taken(lambda fresh: embedded.spawn_s3_server(port, str(tmp_path / "s3.log")), attempts=1)
+            embedded.spawn_s3_server(port, str(tmp_path / "s3.log"))
         with embedded.local_s3_server(port) as endpoint:
             assert endpoint != f"http://127.0.0.1:{port}"
             assert httpx.get(f"{endpoint}/").status_code == 200
