@@ -26,7 +26,8 @@ import httpx
 LOCAL_S3_KEY = "moetune-local"  # credentials of the embedded S3 server (any value works there)
 
 
-# Ray's head takes 10001 (its client server) and hands its workers 10002-19999: ports we choose start above them.
+# A Ray head by default takes 10001 (its client server) and hands its workers 10002-19999: ports we choose start
+# above them.
 _FIRST_PORT = 20000
 _LINUX_EPHEMERAL_START = 32768
 _T = TypeVar("_T")
@@ -230,8 +231,7 @@ def spawn_ray_head(num_cpus: int, env: dict[str, str] | None, temp_dir: str,
     `num_cpus` is logical: tiny CPU jobs may oversubscribe the machine's cores. The processes
     inherit `env` (e.g. the S3 endpoint), so Ray jobs and their workers see it too. `ports` (by RAY_PORTS name):
     those to listen on, free ones for the rest, and fresh ones for all when one was taken before Ray bound it.
-    Ray's other ports are never handed over: its agents and raylet bind port 0 themselves, and its workers take
-    ports from 10002-19999, below every port free_port chooses.
+    Ray's other ports are never handed over: its agents, raylet and workers bind port 0 themselves.
     """
     # Jobs run `python -m moetune.workers.entry.driver`: put this interpreter's bin first so they find our packages.
     path = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
@@ -260,6 +260,9 @@ def _ray_start_args(num_cpus: int, temp_dir: str, ports: dict[str, int]) -> list
         # whose agent cannot bind still answers but accepts no job ("No available agent to submit job"), so the
         # agent binds a port of its own choosing (0) and reports it to the head: nothing to race for.
         "--dashboard-agent-listen-port=0", f"--ray-client-server-port={ports['client']}",
+        # Ray's default worker ports, 10002-19999, are one pool for every head on the machine (the suite's, a
+        # stack's, the user's): 0 has each worker bind a port of the kernel's choosing itself instead.
+        "--min-worker-port=0", "--max-worker-port=0",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
     ]
 
