@@ -22,13 +22,17 @@ root: bench.support.postgres), as tests/service/test_replicas.py and tests/servi
   refused) once the control plane is stopped and a new one started on the same database, which has to finish the
   deliveries from the outbox. `webhook_lost` counts the events never accepted plus every acceptance past the first
   of a job's event.
+- worker reports through an outage: an in-process control plane on its own database and a job's Reporter (the
+  workers' outbox, workers/reporting/outbox.py) reporting a step every STEP_S; the control plane is stopped for
+  REPORT_OUTAGE_S and a new one started on the same database and port. `events_lost` counts the steps whose event is
+  not stored exactly once, plus any stored out of order.
 
     sudo python bench/cluster_faults.py
     python bench/cluster_faults.py --control-plane-only   # the control-plane part alone: no root, under a minute
 
 Ends with `RESULT nodes=<n> node_loss_recovered=<bool> head_loss_recovered=<bool> head_loss_workers_kept=<bool>
 head_loss_resume_s=<s> partition_recovered=<bool> leader_takeover_s=<s> jobs_lost=<n> duplicate_submissions=<n>
-switch_requests_failed=<n> webhook_lost=<n>`: `jobs_lost` and `duplicate_submissions` add the cluster part's jobs
+switch_requests_failed=<n> webhook_lost=<n> events_lost=<n>`: `jobs_lost` and `duplicate_submissions` add the cluster part's jobs
 (its driver submissions and the head-loss job) to the takeover's; with --control-plane-only the cluster keys are
 `not_run` and those two count the takeover's jobs alone.
 """
@@ -60,10 +64,14 @@ from bench.support.receiver import ReportReceiver
 from bench.support.replicas import LEASE_S, RENEW_S, all_running, replica_set, stub_inputs, takeover
 from bench.support.webhook_receiver import Route, receiving
 from moetune.api.client import Client
+from moetune.api.models.job_run import ResultReport
+from moetune.api.models.responses import JobStatus as Status
 from moetune.service.app import create_app
 from moetune.service.cluster.scheduler import submission_id
 from moetune.service.local.embedded import control_plane_in_thread, free_port, local_s3_server, s3_env
+from moetune.service.auth import hash_token, new_job_token
 from moetune.service.settings import Settings
+from moetune.workers.reporting.reporter import Reporter
 
 LOSS_TOLERANCE = 1e-5
 TENANT, TOKEN = "bench", "bench-token"
@@ -74,6 +82,7 @@ WEBHOOK_JOBS, WEBHOOK_FAIL_FIRST = 20, 3
 # 0.5-1 s and 1-2 s after the first): the second control plane has every delivery still to finish.
 WEBHOOK_RETRIES = {"webhook_retry_base_s": 0.5, "webhook_retry_max_s": 2.0, "webhook_poll_interval_s": 0.05}
 NOT_RUN = "not_run"
+REPORT_OUTAGE_S, STEP_S = 10.0, 0.1  # the issue's fault is 60 s; 10 s covers the Reporter's first 5 backoffs
 
 
 def _same_losses(got: list[dict], want: list[dict]) -> bool:
@@ -146,6 +155,45 @@ def _webhook_delivery(database_url: str, s3_url: str, inputs: dict) -> dict:
     return {"webhook_lost": lost}
 
 
+def _report_outage(database_url: str, s3_url: str, inputs: dict, work: str) -> dict:
+    """A job's step events reported before, during and after a control-plane outage."""
+    settings = Settings(database_url=database_url, api_tokens=f"{TOKEN}:{TENANT}", scheduler_enabled=False,
+                        default_output_uri=f"s3://{OUTPUTS}/runs", s3_endpoint_url=s3_url)
+    port, step = free_port(), 0
+
+    def report_steps(reporter: Reporter, seconds: float) -> None:
+        nonlocal step
+        for _ in range(round(seconds / STEP_S)):
+            step += 1
+            reporter.metrics(step, train_loss=1.0 / step)
+            time.sleep(STEP_S)
+
+    app = create_app(settings)
+    with control_plane_in_thread(app, port) as url:
+        job_id = Client(url, TOKEN, timeout=10).jobs.create(inputs).id
+        token, store = new_job_token(), app.state.store  # what the scheduler does around a Ray submission
+        store.transition(job_id, [Status.validating_files], Status.queued, "Job queued")
+        store.update_job(job_id, job_token_hash=hash_token(token))
+        store.transition(job_id, [Status.queued], Status.running, "Job started")
+        reporter = Reporter(job_id, url, token, directory=os.path.join(work, "outbox"))
+        report_steps(reporter, 2.0)
+    report_steps(reporter, REPORT_OUTAGE_S)
+    app = create_app(settings)
+    with control_plane_in_thread(app, port):
+        back = time.monotonic()
+        report_steps(reporter, 2.0)
+        delivered = reporter.send(ResultReport(status="succeeded", fine_tuned_model=f"s3://{OUTPUTS}/adapter"))
+        caught_up_s = time.monotonic() - back
+        events, _ = app.state.store.list_events(job_id, 10 * step)
+    stored = [e.data["step"] for e in events if e.type == "metrics"]
+    once = Counter(stored)
+    lost = sum(once[s] != 1 for s in range(1, step + 1)) + (stored != sorted(stored))
+    print(f"worker reports: {step} steps' events, the control plane stopped for {REPORT_OUTAGE_S:.0f}s after the "
+          f"first 2 s; {sum(c == 1 for c in once.values())} stored exactly once, in order: {stored == sorted(stored)};"
+          f" the result delivered {delivered}, {caught_up_s:.1f}s after the control plane came back")
+    return {"events_lost": lost}
+
+
 def _control_plane_faults(work: str) -> dict:
     with local_s3_server() as s3_url, running_postgres() as postgres, \
             patch.dict(os.environ, s3_env(s3_url)):  # boto3's keys, here and in the in-process control plane
@@ -154,7 +202,8 @@ def _control_plane_faults(work: str) -> dict:
             s3.create_bucket(Bucket=bucket)
         inputs = stub_inputs(s3_url, INPUTS)
         return {**_leader_takeover(fresh_database(postgres), s3_url, inputs, Path(work)),
-                **_webhook_delivery(fresh_database(postgres), s3_url, inputs)}
+                **_webhook_delivery(fresh_database(postgres), s3_url, inputs),
+                **_report_outage(fresh_database(postgres), s3_url, inputs, work)}
 
 
 def _cluster_faults(work: str) -> dict:
@@ -230,7 +279,8 @@ def main() -> int:
     result = {**{key: cluster[key] for key in CLUSTER_KEYS}, "leader_takeover_s": control["leader_takeover_s"],
               "jobs_lost": cluster["jobs_lost"] + control["jobs_lost"],
               "duplicate_submissions": cluster["duplicate_submissions"] + control["duplicate_submissions"],
-              "switch_requests_failed": control["switch_requests_failed"], "webhook_lost": control["webhook_lost"]}
+              "switch_requests_failed": control["switch_requests_failed"], "webhook_lost": control["webhook_lost"],
+              "events_lost": control["events_lost"]}
     print("RESULT " + " ".join(f"{key}={value}" for key, value in result.items()))
     return 0
 

@@ -111,6 +111,10 @@ class Reporter:
     # ------------------------------------------------------------ the sender thread
 
     def _send_loop(self) -> None:
+        with httpx.Client(headers=self.headers, timeout=10) as http:  # one connection, kept between reports
+            self._send_all(http)
+
+    def _send_all(self, http: httpx.Client) -> None:
         backoff = self.backoff_s
         while True:
             with self._changed:
@@ -119,7 +123,7 @@ class Reporter:
                 if self._closed:
                     return
             record = self.outbox.head()
-            outcome = self._post(record.seq, record.report)
+            outcome = self._post(http, record.seq, record.report)
             with self._changed:
                 self._failing = outcome is None
                 if outcome is not None:
@@ -133,12 +137,12 @@ class Reporter:
             else:
                 backoff = self.backoff_s
 
-    def _post(self, seq: int, report: dict) -> bool | None:
+    def _post(self, http: httpx.Client, seq: int, report: dict) -> bool | None:
         """True: accepted; False: refused for good (a 4xx will not get better by retrying: bad token, job gone);
         None: not answered, to be retried."""
-        headers = {**self.headers, "Idempotency-Key": f"{self.outbox.stream}:{seq}"}
         try:
-            response = httpx.post(self.url, json={"report": report}, headers=headers, timeout=10)
+            response = http.post(self.url, json={"report": report},
+                                 headers={"Idempotency-Key": f"{self.outbox.stream}:{seq}"})
         except httpx.HTTPError as e:
             self._log_unreachable(f"{type(e).__name__}: {e}")
             return None
