@@ -18,14 +18,33 @@ export async function api(path, { method = "GET", json, body, signal, raw = fals
     body = JSON.stringify(json);
   }
   const response = await fetch(path, { method, headers, body, signal });
-  const text = await response.text();
+  return answer(response.status, await response.text(), raw);
+}
+
+function answer(status, text, raw = false) {
+  const ok = status >= 200 && status < 300;
   let data = text;
-  if (!raw || !response.ok) { // error bodies are JSON whatever the route answers on success
+  if (!raw || !ok) { // error bodies are JSON whatever the route answers on success
     try { data = text ? JSON.parse(text) : null; } catch { data = text; }
   }
-  if (response.status === 401 && location.pathname !== "/console/login") toLogin();
-  const error = response.ok ? null : (data && data.error) || { code: "http_error", message: `HTTP ${response.status}` };
-  return { ok: response.ok, status: response.status, data, error };
+  if (status === 401 && location.pathname !== "/console/login") toLogin();
+  const error = ok ? null : (data && data.error) || { code: "http_error", message: `HTTP ${status}` };
+  return { ok, status, data, error };
+}
+
+// A multipart POST that reports its progress (fetch reports none on uploads): onProgress(sentBytes, totalBytes).
+// Answers as api() does.
+export function upload(path, form, onProgress) {
+  return new Promise((resolve) => {
+    const request = new XMLHttpRequest();
+    request.open("POST", path);
+    request.setRequestHeader("Authorization", `Bearer ${token()}`);
+    request.upload.addEventListener("progress", (e) => { if (e.lengthComputable) onProgress(e.loaded, e.total); });
+    request.addEventListener("load", () => resolve(answer(request.status, request.responseText)));
+    request.addEventListener("error", () => resolve({ ok: false, status: 0, data: null,
+      error: { code: "network_error", message: "The upload was cut off before the server answered." } }));
+    request.send(form);
+  });
 }
 
 // Server-Sent Events read from a fetch body (EventSource cannot send an Authorization header):

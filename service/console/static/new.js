@@ -1,6 +1,6 @@
 // A new job: upload the JSONL (files API; a refused row is shown on its row), choose base, method, LoRA preset and
 // parallelism, ask the planner, submit. A 4xx names its field (`error.param`) and is shown next to that field.
-import { allPages, api } from "./api.js";
+import { allPages, api, upload } from "./api.js";
 import { gib, h, page, replace, table } from "./dom.js";
 
 const PRESETS = ["all-linear", "attention", "mlp", "experts"];
@@ -108,9 +108,14 @@ export async function render() {
     uploadStatus.className = "muted";
     uploadStatus.textContent = `Uploading ${file.name}…`;
     const form = new FormData();
-    form.append("purpose", "fine-tune");
+    form.append("purpose", "fine-tune"); // before the file: the server checks each row as it arrives
     form.append("file", file);
-    const answer = await api("/v1/files", { method: "POST", body: form });
+    const mb = (n) => (n / 1e6).toFixed(1);
+    const answer = await upload("/v1/files", form, (sent, total) => {
+      uploadStatus.textContent = sent < total
+        ? `Uploading ${file.name}: ${mb(sent)} / ${mb(total)} MB (${Math.floor((100 * sent) / total)}%)`
+        : `${file.name}: sent, the server is storing it…`;
+    });
     if (answer.ok) {
       uploadStatus.textContent = `${answer.data.filename}: ${answer.data.rows} rows, every one valid (${answer.data.id}).`;
       trainingFile.append(h("option", { value: answer.data.id }, `${answer.data.filename} (${answer.data.rows} rows, ${answer.data.id})`));
