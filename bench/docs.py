@@ -42,7 +42,8 @@ def load(path: Path = RESULTS) -> list[dict]:
 
 
 def summary(bench: str) -> str:
-    """The first paragraph of bench/<bench>.py's docstring, on one line."""
+    """The first paragraph of bench/<bench>.py's docstring (what it measures), on one line; the rest of the docstring
+    (how it measures, its options) stays in the file, so editing it leaves the page as it is."""
     doc = ast.get_docstring(ast.parse((ROOT / "bench" / f"{bench}.py").read_text())) or ""
     return " ".join(doc.split("\n\n")[0].split())
 
@@ -57,7 +58,8 @@ def render(records: list[dict]) -> str:
     sources = list(dict.fromkeys(r["source"] for r in records if r.get("source")))
     out = [HEADER] + [f"*Transcribed* runs: {source}.\n" for source in sources]
     for bench in benches:
-        out += [f"## `{bench}`", "", summary(bench), "", f"`python bench/{bench}.py`", "",
+        out += [f"## `{bench}`", "", summary(bench), "", f"`python bench/{bench}.py` (its docstring says how it "
+                "measures and what it takes)", "",
                 "| date | machine | commit | RESULT | note |", "|---|---|---|---|---|"]
         runs = sorted(reversed([r for r in records if r["bench"] == bench]), key=lambda r: r["date"], reverse=True)
         for r in runs:
