@@ -123,10 +123,10 @@ def _measure(rank: int, world: int, moetune: bool, args) -> dict:
             timer.watch(module, "attention")
     for _, block in fam.moe_blocks(engine.module):
         timer.watch(getattr(block, fam.experts), "experts")
-    from moetune.workers.experts import comm
+    from moetune.workers.comm import checked
 
-    stock_all_to_all = comm.all_to_all_single
-    comm.all_to_all_single = timer.timed_all_to_all(stock_all_to_all)
+    stock_all_to_all = checked.all_to_all_single
+    checked.all_to_all_single = timer.timed_all_to_all(stock_all_to_all)
     profiler = torch.profiler.profile() if args.profile and moetune and rank == 0 else None
     try:
         wall = 0.0
@@ -147,7 +147,7 @@ def _measure(rank: int, world: int, moetune: bool, args) -> dict:
             if step >= args.warmup:
                 wall += time.perf_counter() - start
     finally:
-        comm.all_to_all_single = stock_all_to_all
+        checked.all_to_all_single = stock_all_to_all
         if profiler is not None:
             profiler.stop()
     parts = {p: timer.totals[p] / args.steps * 1e3 for p in PARTS if p != "other"}

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 from moetune.api.models.parallelism import ParallelismSpec
 from moetune.api.models.training import TrainingSpec
+from moetune.workers.comm.lockstep import hold_in_lockstep
 from moetune.workers.engine.schedule import lr_scheduler
 
 
@@ -66,6 +67,10 @@ def build_engine(model, training: TrainingSpec, parallelism: ParallelismSpec, wo
         lr_scheduler=scheduler,
         config=deepspeed_config(training, parallelism, world_size, bf16),
     )
+    # every module with partitioned weights below it: a parent may read a child's weight without calling the child
+    # (a vision tower's position embeddings), and DeepSpeed gathers it then
+    hold_in_lockstep([(name, m) for name, m in engine.module.named_modules()
+                      if any(partitioned(p) for p in m.parameters())])
     return engine, scheduler
 
 

@@ -17,7 +17,7 @@ from moetune.api.models.lora import LoraSpec
 from moetune.kernels.quant import held, held_names, hold
 from moetune.workers.engine.deepspeed import full_shape, gathered, partitioned
 from moetune.workers.engine.experts import as_moe_layer, tag_expert_param
-from moetune.workers.experts import comm
+from moetune.workers.comm import checked
 from moetune.workers.experts.alltoall import AllToAllStats
 from moetune.workers.experts.compute import (
     ExpertLoraFactors,
@@ -80,7 +80,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group, ctx.stats = (out_splits, in_splits), group, stats
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         with stats.timed(x, in_splits, dist.get_rank(group)):
-            comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+            checked.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
@@ -222,7 +222,7 @@ class ExpertParallelExperts(nn.Module):
         ep, n_local = self.ep, self.num_local_experts
         send = counts.view(ep.size, n_local)  # [destination EP rank, its local expert]
         recv = torch.empty_like(send)  # [source EP rank, my local expert]
-        comm.all_to_all_single(recv, send, group=ep.group)
+        checked.all_to_all_single(recv, send, group=ep.group)
         # the layer's one host sync: all_to_all_single takes its split sizes as host integers
         in_splits, out_splits = torch.stack((send.sum(1), recv.sum(1))).tolist()
         # received rows are ordered by (source rank, local expert)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.workers.engine.deepspeed import full_shape, gathered, partitioned
-from moetune.workers.experts import comm
+from moetune.workers.comm import checked
 from moetune.workers.experts.lora_layout import a_to_peft, expert_keys
 from moetune.workers.experts.module import ExpertParallelExperts
 
@@ -96,7 +96,7 @@ def _gather(slab, ep):
     first = dist.get_global_rank(ep.group, 0)
     slab = slab.contiguous()  # a permuted slab's empty_like would keep its strides: NCCL writes raw, dense bytes
     parts = [torch.empty_like(slab) for _ in range(ep.size)] if dist.get_rank() == first else None
-    comm.gather(slab, parts, dst=first, group=ep.group)
+    checked.gather(slab, parts, dst=first, group=ep.group)
     return parts
 
 

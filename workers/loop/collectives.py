@@ -1,13 +1,13 @@
 """The few collectives the loop itself runs (the model's own run inside DeepSpeed and the expert-parallel module):
 small host values summed or maxed over every rank, through tensors on the communication device (NCCL has no CPU
-tensors; gloo takes CPU tensors only; experts.comm checks it)."""
+tensors; gloo takes CPU tensors only; comm.checked checks it)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from moetune.workers.experts import comm
+from moetune.workers.comm import checked
 
 
 class Collectives:
@@ -15,7 +15,7 @@ class Collectives:
         self.device = device
 
     def barrier(self) -> None:
-        comm.barrier()
+        checked.barrier()
 
     def all_sum(self, *values: float) -> list[float]:
         return self._all_reduce(values, dist.ReduceOp.SUM)
@@ -28,5 +28,5 @@ class Collectives:
 
     def _all_reduce(self, values, op) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        comm.all_reduce(t, op=op)
+        checked.all_reduce(t, op=op)
         return t.tolist()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from moetune.workers.experts import comm
+from moetune.workers.comm import checked
 from moetune.workers.experts.module import ExpertParallelExperts
 from moetune.workers.recompute import recomputing
 
@@ -71,7 +71,7 @@ class ExpertLoad:
         totals = self.totals.clone()
         self.totals.zero_()
         if dist.is_initialized():
-            comm.all_reduce(totals)
+            checked.all_reduce(totals)
         return totals.cpu()
 
 

@@ -1,5 +1,5 @@
 """Every collective the workers run themselves (token all-to-all, expert-LoRA gathers, metric and loop reductions)
-goes through these wrappers, which hold every backend to NCCL's rules, so that the CPU suite (gloo) fails where the
+goes through these wrappers (DeepSpeed's own are held to the ranks' agreement by `lockstep`), which hold every backend to NCCL's rules, so that the CPU suite (gloo) fails where the
 first GPU job would:
 - tensors on the process group's device: NCCL has no CPU tensors ("No backend type associated with device type
   cpu"), while gloo takes CPU tensors only;
@@ -18,7 +18,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from moetune.workers.experts.local_exchange import LocalExchange
+from moetune.workers.comm.local_exchange import LocalExchange
 
 _BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
 _LOCAL_EXCHANGES: dict = {}  # process group -> LocalExchange, or None where torch.distributed's is used
@@ -80,9 +80,7 @@ def _checked(what: str, description: str, group, problem: str | None = None,
     sent, expected = splits if splits is not None else ([0] * world, [0] * world)
     mine = torch.tensor([zlib.crc32(f"{what}:{description}".encode()), problem is not None, *sent, *expected],
                         dtype=torch.int64, device="cpu")  # gloo's device
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    table = torch.stack(every)  # [rank, 2 + 2·world]
+    table = _all_rows(mine, group).view(world, -1)  # [rank, 2 + 2·world]
     same_call = bool((table[:, 0] == table[0, 0]).all())
     pairs_up = torch.equal(table[:, 2:2 + world], table[:, 2 + world:].T)
     if same_call and pairs_up and not table[:, 1].any():
@@ -96,6 +94,25 @@ def _checked(what: str, description: str, group, problem: str | None = None,
            "different collectives or tensors" if not same_call else "splits that do not pair up")
     raise CollectiveMismatch(f"ranks of a {world}-rank group ran {why} (NCCL would hang or fail): "
                              + "; ".join(f"rank {i}: {d}" for i, d in enumerate(described)))
+
+
+def _all_rows(row: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's `row`, in rank order, over the group's same-host exchange where it has one (a quarter of gloo's
+    latency: see local_exchange)."""
+    local = _local_exchange(group)
+    if local is None:
+        every = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, row, group=group)
+        return torch.cat(every)
+    out = row.new_empty(row.numel() * dist.get_world_size(group))
+    local.all_to_all_single(out, row.repeat(dist.get_world_size(group)), None, None)
+    return out
+
+
+def agree(what: str, description: str, group=None) -> None:
+    """Raises CollectiveMismatch on every rank of a gloo `group` unless all its ranks are at the same `what` and
+    `description` (for work that runs collectives this module does not see, such as DeepSpeed's); nothing on NCCL."""
+    _checked(what, description, group)
 
 
 def all_to_all_single(out: torch.Tensor, x: torch.Tensor, out_splits=None, in_splits=None, group=None) -> None:

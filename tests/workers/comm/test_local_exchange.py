@@ -1,4 +1,4 @@
-"""experts.local_exchange: the same-host all-to-all of gloo groups moves exactly what gloo's own moves (uneven and
+"""comm.local_exchange: the same-host all-to-all of gloo groups moves exactly what gloo's own moves (uneven and
 empty splits, payloads larger than a socket buffer, several dtypes), falls back to gloo where a rank is in another
 network namespace, and fails with a message, not a hang, when a rank stops. Three real processes on loopback."""
 
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from bench.support.harness import launch
-from moetune.workers.experts import comm, local_exchange
-from moetune.workers.experts.local_exchange import LocalExchange
+from moetune.workers.comm import checked, local_exchange
+from moetune.workers.comm.local_exchange import LocalExchange
 
 WORLD = 3
 
@@ -19,24 +19,24 @@ WORLD = 3
 def _exchanges(rank: int, world: int, out_dir: str) -> None:
     """Random split matrices (zeros included) through comm's all-to-all and through gloo's: equal bytes."""
     generator = torch.Generator().manual_seed(7)
-    checked = 0
+    done = 0
     for rows_max, width, dtype in ((5, 3, torch.float32), (0, 4, torch.int64), (40_000, 16, torch.bfloat16)):
         splits = torch.randint(0, rows_max + 1, (world, world), generator=generator)
         splits[0, 1] = 0  # rank 0 sends rank 1 nothing
         in_splits, out_splits = splits[rank].tolist(), splits[:, rank].tolist()
         x = (torch.randn(sum(in_splits), width, generator=torch.Generator().manual_seed(rank)) * 100).to(dtype)
         got, want = x.new_empty(sum(out_splits), width), x.new_empty(sum(out_splits), width)
-        comm.all_to_all_single(got, x, out_splits, in_splits, group=dist.group.WORLD)
+        checked.all_to_all_single(got, x, out_splits, in_splits, group=dist.group.WORLD)
         dist.all_to_all_single(want, x, out_splits, in_splits)
         assert torch.equal(got, want), (rank, rows_max, dtype)
-        checked += 1
+        done += 1
     equal = torch.arange(world * 2, dtype=torch.float64) + 10 * rank  # splits None: equal parts
     got, want = torch.empty_like(equal), torch.empty_like(equal)
-    comm.all_to_all_single(got, equal)
+    checked.all_to_all_single(got, equal)
     dist.all_to_all_single(want, equal)
     assert torch.equal(got, want)
-    assert isinstance(comm._LOCAL_EXCHANGES[dist.group.WORLD], LocalExchange)  # gloo's was not what ran
-    torch.save(checked + 1, os.path.join(out_dir, f"rank{rank}.pt"))
+    assert isinstance(checked._LOCAL_EXCHANGES[dist.group.WORLD], LocalExchange)  # gloo's was not what ran
+    torch.save(done + 1, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _other_namespace(rank: int, world: int, out_dir: str) -> None:
