@@ -36,14 +36,17 @@ from moetune.api.models.training_sessions import (
 from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
 from moetune.workers.data.sampling import step_rng_seed
 from moetune.workers.engine.deepspeed import build_engine
+from moetune.workers.engine.generation import partitioned_bytes, whole_for_generation
 from moetune.workers.generate import SamplingParams, generate_batch
 from moetune.workers.loop.worker import _Worker
 from moetune.workers.reporting.reporter import Reporter
+from moetune.workers.reporting.step_figures import memory_budget_bytes
 from moetune.workers.methods.loss_head import install_loss_head
 from moetune.workers.sessions.batch import TokenLogprobHead, padded, padded_tokens, token_logprobs
 from moetune.workers.sessions.control import SessionLink
 from moetune.workers.sessions.layout import state_uri, weights_uri
 from moetune.workers.sessions.losses import LOSSES
+from moetune.workers.sessions.sampling import whole_weights_refusal
 from moetune.workers.sessions.stops import cut_at_stop, stop_reached
 
 log = logging.getLogger("moetune.session")
@@ -86,6 +89,8 @@ class SessionWorker(_Worker):
         self.engine, _ = build_engine(self.model, self.spec.training, self.spec.parallelism, self.world, total_steps=1,
                                       bf16=self.device.type == "cuda")
         self.engine.train()
+        (memory,) = self.collectives.all_min(memory_budget_bytes(self.device, self.t.memory_budget_mb))
+        self.sample_refusal = whole_weights_refusal(partitioned_bytes(self.model), int(memory))  # same on all ranks
         self.lockstep = self.spec.parallelism.collective_forward
         if self.session.restore:  # this group replaces a failed one: it resumes where the session last saved
             step = self.load_state(LoadState(name=self.session.restore))["step"]
@@ -166,6 +171,8 @@ class SessionWorker(_Worker):
         return {"step": int(self.engine.global_steps)}
 
     def sample(self, call: Sample) -> dict:
+        if self.sample_refusal:
+            raise CallError(self.sample_refusal, "call")
         prompts = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else p
                    for p in call.prompts]
         self._check_tokens(prompts, "call.prompts")
@@ -178,11 +185,12 @@ class SessionWorker(_Worker):
         params = SamplingParams(call.max_tokens, temperature=call.temperature, seed=seed + self.rank * len(rows),
                                 stop_token_ids=self._stop_tokens(call.stop))
         ends = (lambda t: stop_reached(t, self._decode, texts)) if texts else None  # a multi-token stop ends a row
-        tokens = generate_batch(self.engine.module, [p for _, p in rows], params, lockstep=self.lockstep,
-                                eos_token_id=self.tokenizer.eos_token_id, ends=ends) if rows else []
-        cut = [cut_at_stop(t, self._decode, texts) for t in tokens]
-        tokens = [t for t, _ in cut]
-        logprobs = self._sampled_logprobs([p for _, p in rows], tokens) if rows else []
+        with whole_for_generation(self.engine):  # ZeRO-3: the weights gathered once for the call, not per token
+            tokens = generate_batch(self.engine.module, [p for _, p in rows], params, lockstep=self.lockstep,
+                                    eos_token_id=self.tokenizer.eos_token_id, ends=ends) if rows else []
+            cut = [cut_at_stop(t, self._decode, texts) for t in tokens]
+            tokens = [t for t, _ in cut]
+            logprobs = self._sampled_logprobs([p for _, p in rows], tokens) if rows else []
         mine = [{"prompt_index": i, "prompt_tokens": p, "tokens": t, "logprobs": lp, "text": text}
                 for (i, p), (t, text), lp in zip(share, cut, logprobs)]
         return {"sequences": _in_order(list(range(self.rank, len(wanted), self.world)), mine, self.world,
@@ -244,11 +252,12 @@ class SessionWorker(_Worker):
     def _sampled_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
         """Each completion's tokens' log-probabilities under the adapter that drew them (one forward per rank)."""
         data = [p + c if c else p + [self.tokenizer.eos_token_id] for p, c in zip(prompts, completions)]
-        was_training = self.engine.module.training
-        self.engine.module.eval()
+        model = self.engine.module  # inside sample's whole_for_generation: not through the engine's ZeRO-3 forward
+        was_training = model.training
+        model.eval()
         with torch.no_grad():
-            logprobs = token_logprobs(self.engine, padded_tokens(data, self.device), self.head)
-        self.engine.module.train(was_training)
+            logprobs = token_logprobs(model, padded_tokens(data, self.device), self.head)
+        model.train(was_training)
         return [lp[len(p) : len(p) + len(c)].tolist() for lp, p, c in zip(logprobs, prompts, completions)]
 
     def _check_tokens(self, sequences: list[list[int]], param: str) -> None:
