@@ -6,6 +6,7 @@ worker reports and the scheduler thread can race without one overwriting another
 
 from __future__ import annotations
 
+import fcntl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -235,6 +236,9 @@ class Store:
         self._write_lock = threading.RLock() if self.engine.dialect.name == "sqlite" else nullcontext()
         self.reads_are_local = self.engine.dialect.name == "sqlite"  # a file on this machine, not a server
         self._slots_lock = threading.Lock()
+        # SQLite's slots lock between processes on one database file (see slots_locked); None in memory
+        database = make_url(url).database if self.engine.dialect.name == "sqlite" else None
+        self._slots_file = f"{database}.slots-lock" if database not in (None, "", ":memory:") else None
 
     @contextmanager
     def _write(self) -> Iterator[Session]:
@@ -245,11 +249,17 @@ class Store:
     def slots_locked(self) -> Iterator[None]:
         """Serializes what gives out running slots and tenant quota (the scheduler starting jobs, a training session
         being created): each checks what is held and takes its share under it. PostgreSQL: every replica's, by a
-        row lock held for the transaction; SQLite: this process's, its one writer (not the write lock: the
-        scheduler holds this one across Ray submissions)."""
+        row lock held for the transaction; SQLite: every process's on the database file, by an exclusive lock on
+        a file beside it (not BEGIN IMMEDIATE, nor the write lock: the holder writes through other connections,
+        and the scheduler holds this lock across Ray submissions)."""
         with self._slots_lock:
             if self.engine.dialect.name == "sqlite":
-                yield
+                if self._slots_file is None:  # in memory: no other process sees this database
+                    yield
+                    return
+                with open(self._slots_file, "a") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or its process dies
+                    yield
                 return
             with self._sessions.begin() as s:
                 s.execute(select(LeaseRow.name).where(LeaseRow.name == SLOTS_LOCK).with_for_update())
