@@ -13,6 +13,11 @@ JSON line to stdout and to $OUT/gpu_check.jsonl (when OUT is set) as it finishes
                with torch.cuda.set_sync_debug_mode("warn")
   job_step     one process group of one rank (NCCL), the tiny model of a family through moetune's own engine
                (DeepSpeed ZeRO-2 and ZeRO-3), custom kernels on vs off: the first losses must agree
+  builder_step tiny Kimi K3 (MXFP4 experts, expert LoRA) through build_model("train") under ZeRO-3 with the load
+               partitioner, loss head and MoE metrics hooks: one step, nothing left on the host
+  images_zero3 an image model under ZeRO-3 whose last rank's micro-batch has no image (the blank-image path; two
+               ranks where two GPUs are)
+  ep2_export   EP=2 adapter export bit for bit against the ranks' own expert factors (two GPUs; skipped on one)
   sparse_dkv   the sparse attention backward's two dK/dV passes (key-major over the inverted selection,
                query-major with fp32 atomics) over glm5_next's latent at 8K/32K, latest and random top-k keys:
                the time of each, that they agree, and whether triton_impl.dkv_order's choice was the faster
@@ -46,11 +51,13 @@ in a virtualenv holding torch, Triton and the requirements file alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import pathlib
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -62,7 +69,10 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(ROO
 
 
 def _moetune_from_checkout() -> None:
-    """moetune as installed, else this checkout's folders as its subpackages (what setup.py maps)."""
+    """moetune as installed, else this checkout's folders as its subpackages (what setup.py maps); bench.support
+    from this checkout."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
     if importlib.util.find_spec("moetune") is None:
         package = types.ModuleType("moetune")
         package.__path__ = [str(ROOT)]
@@ -70,7 +80,8 @@ def _moetune_from_checkout() -> None:
 
 
 # seconds per stage on one H200 (estimates until a device run shows its own): 8 minutes in all
-PLAN = {"env": 20, "correctness": 150, "syncs": 30, "job_step": 90, "sparse_dkv": 60, "bench": 130}
+PLAN = {"env": 20, "correctness": 140, "syncs": 30, "job_step": 60, "builder_step": 35, "images_zero3": 25,
+        "ep2_export": 20, "sparse_dkv": 50, "bench": 100}
 
 
 class Report:
@@ -442,27 +453,122 @@ def _job_family() -> str:
         return "qwen3_moe"
 
 
-def stage_job_step(s: Setting) -> dict:
+@contextlib.contextmanager
+def _process_group(s: Setting, rank: int, world: int, store: str | None = None):
+    """torch.distributed over a file store (no port to collide with on a shared host), this rank on its own GPU."""
+    import torch
     import torch.distributed as dist
 
-    missing = [n for n in ("deepspeed", "pydantic") if not _installed(n)]
-    if missing:
-        return {"skipped": f"{', '.join(missing)} not installed (see the docstring for the wheels)"}
-    family = _job_family()
     if s.dry:
         # the CPU rehearsal: DeepSpeed's CPU backend would JIT-build its shared-memory comm op (C++, minutes on 2
         # cores in a fresh venv, where the prebuilt one's paths do not match); a device run talks NCCL without it
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group(s.backend, rank=0, world_size=1)
+    else:
+        torch.cuda.set_device(rank)
+    store = store or os.path.join(tempfile.mkdtemp(), "store")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group(s.backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        runs = {f"zero{z}_{'kernels' if k else 'plain'}": _job_step(s, family, z, k, 2)
-                for z in ((2,) if s.dry else (2, 3)) for k in (True, False)}
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def _rank_entry(rank: int, dry: bool, world: int, store: str, target: str, args: tuple) -> None:
+    """A spawned rank of a multi-rank stage: `target` ("module:function") run as fn(rank, world, *args, device)."""
+    import importlib
+
+    _moetune_from_checkout()
+    s = Setting(dry)
+    module, name = target.split(":")
+    with _process_group(s, rank, world, store):
+        device = s.device if s.dry else __import__("torch").device("cuda", rank)
+        getattr(importlib.import_module(module), name)(rank, world, *args, device)
+
+
+def _ranks(s: Setting, world: int, target: str, *args) -> None:
+    """Runs `target` on `world` fresh processes (one GPU each), the way a job's ranks run."""
+    import torch.multiprocessing as mp
+
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    mp.start_processes(_rank_entry, args=(s.dry, world, store, target, args), nprocs=world, join=True,
+                       start_method="spawn")
+
+
+def _gpus(s: Setting) -> int:
+    """Ranks a multi-rank stage can run: two on the CPU rehearsal (gloo), one per GPU on a device."""
+    import torch
+
+    return 2 if s.dry else torch.cuda.device_count()
+
+
+def stage_builder_step(s: Setting) -> dict:
+    """Tiny Kimi K3 (MXFP4 experts kept packed, expert LoRA) through build_model("train") under ZeRO-3 with the load
+    partitioner, the loss head and the MoE metrics hooks, one step on the device: a tensor moetune left on the host
+    fails here ("Expected all tensors to be on the same device"), which the CPU suite can only simulate."""
+    import torch
+
+    from bench.support.builder_step import builder_step
+    from bench.support.harness import spec, write_released_checkpoint
+
+    folder = tempfile.mkdtemp()
+    model_dir = write_released_checkpoint(os.path.join(folder, "k3"), "kimi_k3")
+    job = spec(ep=1, zero=3, train_experts=True, world=1)
+    with _process_group(s, 0, 1):
+        result = builder_step(0, 1, model_dir, job.model_dump_json(), os.path.join(folder, "out"),
+                              device=s.device if s.dry else torch.device("cuda", 0), elsewhere=s.dry)
+    if result["on_meta"]:
+        raise AssertionError(f"tensors made on the host by default: {result['on_meta']}")
+    return {"loss": result["loss"], "moe_layers": result["layers"], "figures": result["figures"]}
+
+
+def stage_images_zero3(s: Setting) -> dict:
+    """An image model (qwen3_5_moe, its vision tower wide enough that ZeRO-3 gathers it) under ZeRO-3, rank 1's
+    micro-batch without an image (rank 0 alone on one GPU: its imageless micro-batch takes the blank-image path on
+    the device): ranks whose vision modules ran out of step would hang here."""
+    from moetune.workers.families import REGISTRY
+    from moetune.workers.tiny import write_tiny_multimodal_checkpoint
+    from bench.support.harness import spec
+    from bench.support.image_batches import wide_vision
+
+    world = min(2, _gpus(s))
+    folder = tempfile.mkdtemp()
+    model_dir = write_tiny_multimodal_checkpoint(os.path.join(folder, "vl"),
+                                                 wide_vision(REGISTRY["qwen3_5_moe"].tiny_config))
+    job = spec(ep=1, zero=3, world=world)
+    _ranks(s, world, "bench.support.image_batches:run_image_ep", model_dir, job.model_dump_json(),
+           os.path.join(folder, "out"), world - 1)
+    import torch
+
+    return {"ranks": world, "losses": [torch.load(os.path.join(folder, "out", f"rank{r}.pt"))["loss"]
+                                       for r in range(world)]}
+
+
+def stage_ep2_export(s: Setting) -> dict:
+    """EP=2 adapter export against the ranks' own expert factors, bit for bit (NCCL writes a gather's receive
+    buffers as dense bytes: a strided one scrambles the other ranks' B)."""
+    from bench.support.export_check import export_mismatches
+
+    if _gpus(s) < 2:
+        return {"skipped": "needs 2 GPUs (NCCL refuses two ranks on one GPU)"}
+    out = tempfile.mkdtemp()
+    _ranks(s, 2, "bench.support.export_check:export_round_trip", out)
+    wrong = export_mismatches(out, 2)
+    if wrong:
+        raise AssertionError(f"exported expert LoRA differs from the ranks' own: {wrong}")
+    return {"ranks": 2, "identical": True}
+
+
+def stage_job_step(s: Setting) -> dict:
+    missing = [n for n in ("deepspeed", "pydantic") if not _installed(n)]
+    if missing:
+        return {"skipped": f"{', '.join(missing)} not installed (see the docstring for the wheels)"}
+    family = _job_family()
+    with _process_group(s, 0, 1):
+        runs = {f"zero{z}_{'kernels' if k else 'plain'}": _job_step(s, family, z, k, 2)
+                for z in ((2,) if s.dry else (2, 3)) for k in (True, False)}
     tolerance = 1e-4 if s.device.type == "cpu" else 3e-2  # bf16 kernels vs bf16 transformers modules
     gaps = {z: abs(runs[f"zero{z}_kernels"][0] - runs[f"zero{z}_plain"][0]) for z in ((2,) if s.dry else (2, 3))}
     if any(gap > tolerance * abs(runs[f"zero{z}_plain"][0]) for z, gap in gaps.items()):
@@ -642,6 +748,10 @@ def stage_bench(s: Setting, peaks: dict) -> dict:
     return {"kda": _bench_kda(s, peaks), "sparse_attention": _bench_sparse(s, peaks), "moe": _bench_moe(s, peaks)}
 
 
+def _status(data: dict) -> str:
+    return "skipped" if "skipped" in data else ("error" if "error" in data else "ok")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="every stage on this CPU, tiny shapes")
@@ -661,6 +771,8 @@ def main(argv=None) -> int:
     correctness = report.run("correctness", stage_correctness, s)
     syncs = report.run("syncs", stage_syncs, s)
     job = report.run("job_step", stage_job_step, s)
+    placed = {stage: report.run(stage, fn, s) for stage, fn in (
+        ("builder_step", stage_builder_step), ("images_zero3", stage_images_zero3), ("ep2_export", stage_ep2_export))}
     dkv = report.run("sparse_dkv", stage_sparse_dkv, s)
     bench = report.run("bench", stage_bench, s, env) if "error" not in env else {}
     summary = {"failed": ",".join(report.failures) or "none", "dry_run": args.dry_run,
@@ -668,7 +780,7 @@ def main(argv=None) -> int:
                                   if isinstance(v, float)), default=None),
                "moe_syncs": syncs.get("moe_layer_fwd_bwd"), "kda_syncs": syncs.get("kda_layer_fwd"),
                "sparse_syncs": syncs.get("sparse_attention_fwd_bwd"),
-               "job_step": "skipped" if "skipped" in job else ("error" if "error" in job else "ok"),
+               **{stage: _status(data) for stage, data in (("job_step", job), *placed.items())},
                "moe_triton_vs_grouped_mm": bench.get("moe", {}).get("triton_vs_grouped_mm"),
                **{f"sparse_dkv_{case}_query_major_speedup": row.get("query_major_speedup")
                   for case, row in dkv.items() if isinstance(row, dict) and "backward_ms" in row},

@@ -61,9 +61,9 @@ def with_padding_mask(inputs: dict, pad_id: int) -> dict:
 
 
 def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir: str,
-                 text_only_rank: int | None = None) -> None:
+                 text_only_rank: int | None = None, device=None) -> None:
     """This rank's moetune engine (kernel swaps, EP LoRA model, loss head) on its image batch (text only on
-    `text_only_rank`): first loss sum and full LoRA gradients."""
+    `text_only_rank`), on `device` (CPU by default): first loss sum and full LoRA gradients."""
     from deepspeed.utils import safe_get_full_grad
 
     from moetune.workers.engine.deepspeed import build_engine
@@ -72,7 +72,7 @@ def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir:
     from moetune.workers.experts.placement import job_placement
 
     job = JobCreate.model_validate_json(spec_json)
-    method, model = image_method(model_dir), image_model(model_dir)
+    method, model = image_method(model_dir), image_model(model_dir).to(device or torch.device("cpu"))
     apply_kernel_swaps(model)
     torch.manual_seed(1)
     placement = job_placement(model.config.to_dict(), job.parallelism, job.lora)
@@ -80,7 +80,7 @@ def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir:
     method.prepare(model)
     assert any(type(m).__name__ == "ExpertParallelExperts" for m in model.modules())  # this rank's half
     engine, _ = build_engine(model, job.training, job.parallelism, world, 1, bf16=False)
-    loss = method.loss_sum(engine, image_batch(method, rank, text_only=rank == text_only_rank))
+    loss = method.loss_sum(engine, image_batch(method, rank, text_only=rank == text_only_rank).to(model.device))
     engine.backward(loss)
     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
     os.makedirs(out_dir, exist_ok=True)
