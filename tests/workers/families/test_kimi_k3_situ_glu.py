@@ -5,6 +5,7 @@ backward, in the input's dtype."""
 import pytest
 import torch
 
+from moetune.workers.families.kimi_k3 import modeling
 from moetune.workers.families.kimi_k3.modeling import situ_glu
 from moetune.workers.planner.saved import SavedBytes
 
@@ -31,16 +32,19 @@ def _inputs(dtype):
     generator = torch.Generator().manual_seed(0)
     gate_up = torch.randn(64, 2 * 48, generator=generator) * 8  # past both tanh knees (±beta, ±linear_beta)
     gate_up[0, :4] = torch.tensor([0.0, -60.0, 60.0, 1e-3])
-    return gate_up.to(dtype), torch.randn(64, 48, generator=generator).to(dtype)
+    grad = torch.randn(64, 48, generator=generator)
+    return gate_up.view(4, 16, 96).to(dtype), grad.view(4, 16, 48).to(dtype)  # [batch, tokens, 2I], as the MLPs
 
 
 @pytest.mark.parametrize("linear_beta", [LINEAR_BETA, None])
-def test_fp32_values_and_gradients_are_the_formula(linear_beta):
+@pytest.mark.parametrize("rows", [modeling._ROWS, 7])  # one pass; 10 blocks of rows, the last short
+def test_fp32_values_and_gradients_are_the_formula(linear_beta, rows, monkeypatch):
+    monkeypatch.setattr(modeling, "_ROWS", rows)
     gate_up, grad = _inputs(torch.float32)
     out, d = _value_and_grad(lambda x: situ_glu(x, BETA, linear_beta), gate_up, grad)
     want, want_d = _value_and_grad(lambda x: _formula(x, BETA, linear_beta), gate_up, grad)
     assert torch.equal(out, want)
-    torch.testing.assert_close(d, want_d, rtol=1e-6, atol=1e-6)
+    assert torch.equal(d, want_d)
 
 
 @pytest.mark.parametrize("linear_beta", [LINEAR_BETA, None])
@@ -55,7 +59,7 @@ def test_bf16_in_and_out_within_bf16_rounding_of_the_fp32_formula(linear_beta):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_only_the_input_is_kept_for_the_backward(dtype):
-    gate_up = torch.randn(256, 2 * 64, dtype=dtype, requires_grad=True)
+    gate_up = torch.randn(256, 2 * 64, dtype=dtype, requires_grad=True)  # [routed slots, 2I], as the experts
     with SavedBytes(torch.nn.Linear(1, 1)).counting() as counter:
         out = situ_glu(gate_up, BETA, LINEAR_BETA)
     assert out.dtype == dtype and counter.total == gate_up.nbytes

@@ -57,26 +57,40 @@ def _situ_glu_fp32(gate_up: torch.Tensor, beta: float, linear_beta: float | None
     return activated * up
 
 
+_ROWS = 8192  # rows per fp32 pass: at K3's expert width each fp32 temporary is ~0.1 GB, whatever the row count
+
+
+def _rows(t: torch.Tensor):
+    """[..., C] as chunks of _ROWS rows of [rows, C] (views where `t` is contiguous)."""
+    return t.reshape(-1, t.shape[-1]).split(_ROWS)
+
+
 class _SituGlu(torch.autograd.Function):
     """SiTU-GLU that keeps only its input for the backward (in its own dtype: bf16 on GPUs) and reruns the fp32
-    math there, under autograd, for the input's gradient. Autograd through the forward would keep the fp32 [N, 2I]
-    input and four fp32 [N, I] intermediates: ~4 GB per MoE layer at 4K tokens with K3's 16 routed experts a token,
-    where the bf16 input is 0.8 GB."""
+    math there, under autograd, for the input's gradient; both passes go a block of rows at a time, so the fp32
+    temporaries stay small. Autograd through the forward would keep the fp32 [N, 2I] input and four fp32 [N, I]
+    intermediates: 4.8 GB per MoE layer at 4K tokens with K3's 16 routed experts a token, where the bf16 input is
+    0.8 GB."""
 
     @staticmethod
     def forward(ctx, gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
         ctx.save_for_backward(gate_up)
         ctx.beta, ctx.linear_beta = beta, linear_beta
-        return _situ_glu_fp32(gate_up, beta, linear_beta).to(gate_up.dtype)
+        out = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+        for rows, out_rows in zip(_rows(gate_up), _rows(out)):
+            out_rows.copy_(_situ_glu_fp32(rows, beta, linear_beta))
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (gate_up,) = ctx.saved_tensors
+        d_gate_up = gate_up.new_empty(gate_up.shape)
         with torch.enable_grad():
-            upcast = gate_up.detach().float().requires_grad_()
-            out = _situ_glu_fp32(upcast, ctx.beta, ctx.linear_beta)
-            (d_gate_up,) = torch.autograd.grad(out, upcast, grad.float())
-        return d_gate_up.to(gate_up.dtype), None, None
+            for rows, grad_rows, d_rows in zip(_rows(gate_up), _rows(grad), _rows(d_gate_up)):
+                upcast = rows.detach().float().requires_grad_()
+                out = _situ_glu_fp32(upcast, ctx.beta, ctx.linear_beta)
+                d_rows.copy_(torch.autograd.grad(out, upcast, grad_rows.float())[0])
+        return d_gate_up, None, None
 
 
 def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
