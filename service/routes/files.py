@@ -65,6 +65,11 @@ def _storage_down(e: Exception) -> APIException:
     return APIException(503, ErrorCode.storage_unavailable, f"The storage of uploaded files is not reachable ({e}).")
 
 
+def _too_large(settings: Settings) -> APIException:
+    return APIException(413, ErrorCode.invalid_request,
+                        f"file: larger than this server's limit of {settings.max_upload_mb:g} MB", "file")
+
+
 def _view(row: FileRow) -> FileObject:
     return FileObject(id=row.id, bytes=row.bytes, created_at=int(row.created_at), filename=row.filename,
                       purpose=row.purpose, rows=row.rows)
@@ -98,8 +103,7 @@ class _StoredUpload:
     def add(self, data: bytes) -> None:
         self.bytes += len(data)
         if self.bytes > self._settings.max_upload_mb * MB:
-            raise APIException(413, ErrorCode.invalid_request,
-                               f"file: larger than this server's limit of {self._settings.max_upload_mb:g} MB", "file")
+            raise _too_large(self._settings)
         with self._refusing_bad_rows():
             self._rows.feed(data)
         try:
@@ -163,8 +167,7 @@ def _refuse_declared_size(request: Request, settings: Settings) -> None:
     """A body declared far larger than the limit is refused before any of it is read."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > settings.max_upload_mb * MB + MAX_FIELD_BYTES:
-        raise APIException(413, ErrorCode.invalid_request,
-                           f"file: larger than this server's limit of {settings.max_upload_mb:g} MB", "file")
+        raise _too_large(settings)
 
 
 @router.post("", response_model=FileObject, openapi_extra=UPLOAD_BODY)

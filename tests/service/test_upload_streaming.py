@@ -12,6 +12,7 @@ import socket
 import boto3
 import pytest
 
+from moetune.api.client import APIError
 from moetune.service.cluster.scheduler import Scheduler
 from moetune.service.local.embedded import free_port
 from tests.support.control_plane import OUTPUT_BUCKET, TOKENS
@@ -115,3 +116,17 @@ def test_a_missing_model_storage_cannot_vouch_for_fails_before_any_worker(start_
     job = offline.http().get(f"{JOBS}/{job_id}").json()
     assert job["status"] == "failed" and job["error"]["code"] == "file_not_found"
     assert job["error"]["param"] == "model"
+
+
+def test_a_file_over_the_limit_is_refused_with_nothing_stored(start_service, s3_endpoint, output_bucket):
+    """Declared larger (Content-Length): refused before reading; sent chunked (no length): refused as it crosses."""
+    service = start_service(s3_endpoint_url=s3_endpoint, max_upload_mb=1)
+    stored_before, _ = _tenant_objects(service)
+    with pytest.raises(APIError) as err:
+        service.sdk().files.create(_rows(3 * 10**6), "big.jsonl")
+    assert err.value.status_code == 413 and err.value.param == "file" and "limit of 1 MB" in err.value.message
+    body = _body(_part("purpose", b"fine-tune"), _part("file", _rows(3 * 10**6), "big.jsonl"))
+    chunked = service.http().post("/v1/files", content=iter([body[i:i + 2**16] for i in range(0, len(body), 2**16)]),
+                                  headers={"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"})
+    assert chunked.status_code == 413 and "limit of 1 MB" in chunked.json()["error"]["message"], chunked.text
+    assert _tenant_objects(service) == (stored_before, [])
