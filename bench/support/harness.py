@@ -154,12 +154,14 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, str, str, str, bool]
     (one start for all); the runner is `run_engine`, `run_and_resume`, or the image and builder runs (their
     "family" is a checkpoint's folder; an image run's `skew` means rank 1's micro-batch has no image)."""
     from bench.support.builder_step import builder_step
+    from bench.support.export_check import export_round_trip
     from bench.support.image_batches import run_image_ep
 
     runners = {"train": run_engine, "resume": run_and_resume, "saved": run_saved_experts,
                "tuner_start": run_tuner_start,
                "builder": lambda rank, world, model_dir, spec_json, out, _: builder_step(rank, world, model_dir,
                                                                                           spec_json, out),
+               "export": lambda rank, world, family_name, spec_json, out, _: export_round_trip(rank, world, out),
                "image": lambda rank, world, model_dir, spec_json, out, rank1_text_only: run_image_ep(
                    rank, world, model_dir, spec_json, out, 1 if rank1_text_only else None)}
     for case_id, runner, family_name, spec_json, skew in cases:

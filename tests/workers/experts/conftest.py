@@ -32,6 +32,7 @@ def ep_runs(tmp_path_factory):
     for case, (fam, job) in BUILDER_CASES.items():  # released format: Kimi K3's experts stay MXFP4-packed
         cases.append((case, "builder", write_released_checkpoint(str(out / case / "base"), fam), job.model_dump_json(),
                       False))
+    cases.append(("export-ep2", "export", "qwen3_moe", "{}", False))  # bench.support.export_check's own job
     for case, (fam, job) in IMAGE_CASES.items():  # their runner takes the checkpoint folder for the family
         model_dir = write_tiny_multimodal_checkpoint(str(out / f"{case}-model"), REGISTRY[fam].tiny_config)
         cases.append((case, "image", model_dir, job.model_dump_json(), False))

@@ -43,3 +43,14 @@ def test_resume_is_exact_and_adapter_loads_into_peft(ep_runs, case):
             # the trained adapter moved the model: the same batch on the plain model gives other logits
             with model.disable_adapter():
                 assert not torch.allclose(model(**batch(rank, step=99)).logits, r["logits"], atol=1e-3)
+
+
+def test_the_adapter_at_ep2_holds_every_rank_s_expert_factors_bit_for_bit(ep_runs):
+    """Every EP rank's expert LoRA reaches the chief by gather, into receive buffers that NCCL writes as dense
+    bytes: B's slab is a permuted view, whose empty_like kept its strides (gloo copied into them correctly, NCCL
+    would not; the checked collectives refuse such a buffer on gloo too)."""
+    from bench.support.export_check import export_mismatches
+
+    out, _ = ep_runs("export-ep2")
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+    assert export_mismatches(str(out), 2) == []
