@@ -57,7 +57,7 @@ def _situ_glu_fp32(gate_up: torch.Tensor, beta: float, linear_beta: float | None
     return activated * up
 
 
-_ROWS = 8192  # rows per fp32 pass: at K3's expert width each fp32 temporary is ~0.1 GB, whatever the row count
+_ROWS = 8192  # rows per fp32 pass: at K3's expert width each fp32 temporary is 0.1-0.2 GB, whatever the row count
 
 
 def _rows(t: torch.Tensor):
