@@ -3,8 +3,8 @@
 replace, `log_softmax(logits.float()).gather(targets)`, in value and in gradient: chunks of a few tokens here, so
 that every chunk boundary is crossed; the tiny model in fp32 with LoRA, its output layer swapped, end to end.
 
-Sabotage noted: the backward's gradient without its per-row scale (grad_out ignored) fails the gradient checks; a
-log-sum-exp taken over the chunk's rows instead of the vocabulary (dim=0) fails the value checks."""
+Sabotage noted: the backward's gradient without its per-row scale (grad_out ignored) fails the gradient checks; the
+linear path's log-sum-exp without the chunk's max added back fails its value checks and the model's."""
 
 import copy
 
