@@ -32,8 +32,8 @@ root: bench.support.postgres), as tests/service/test_replicas.py and tests/servi
 
 Ends with `RESULT nodes=<n> node_loss_recovered=<bool> head_loss_recovered=<bool> head_loss_workers_kept=<bool>
 head_loss_resume_s=<s> partition_recovered=<bool> leader_takeover_s=<s> jobs_lost=<n> duplicate_submissions=<n>
-switch_requests_failed=<n> webhook_lost=<n> events_lost=<n>`: `jobs_lost` and `duplicate_submissions` add the cluster part's jobs
-(its driver submissions and the head-loss job) to the takeover's; with --control-plane-only the cluster keys are
+switch_requests_failed=<n> webhook_lost=<n> events_lost=<n>`: `jobs_lost` and `duplicate_submissions` add the
+cluster part's jobs (its driver submissions and the head-loss job) to the takeover's; with --control-plane-only the cluster keys are
 `not_run` and those two count the takeover's jobs alone.
 """
 
