@@ -223,7 +223,8 @@ class MoeLoraFn(torch.autograd.Function):
     def forward(ctx, x, counts, w, a, b, scale):
         tiles = tile_map(counts, x.shape[0])
         ctx.qweight = w if isinstance(w, QuantizedWeight) else None  # no tensor: held like kernels.quant's linear
-        ctx.save_for_backward(x, None if ctx.qweight is not None else w, a, b, *tiles)
+        # x only where LoRA's gradients need it: frozen experts' dX needs W and dY alone
+        ctx.save_for_backward(None if a is None else x, None if ctx.qweight is not None else w, a, b, *tiles)
         ctx.scale = scale
         return grouped_lora_mm(x, w, a, b, scale, tiles, transpose=True)
 
