@@ -15,6 +15,11 @@ only where fla cannot: a CUDA machine without fla installed, or MOETUNE_KDA_KERN
 measures both). Elsewhere (CPU) the chunked PyTorch implementation runs; `naive_recurrent_kda` is the token-by-token
 oracle.
 
+Packed sequences: fla keeps its chunk bookkeeping for `cu_seqlens` in caches keyed by the tensor's identity, and
+builds it from the host copy (`cu_seqlens_cpu`) where it has one, else by reading the device (a host sync). A
+micro-batch's offsets therefore go to the device once, as `packed_offsets` makes them (int64, the host copy
+attached), and every layer, and its recompute, hands fla that same tensor.
+
 `recurrent_kda` is generation's step (a token or a few per row on each row's cached state): fla's
 `fused_recurrent_kda` on CUDA where fla is chosen, else `recurrent_kda_torch` (every row and head at once, a loop
 over the tokens only). Both take the gate already computed: fla's `lower_bound` applies only where its kernel
@@ -33,8 +38,8 @@ from .chunked import chunk_kda_torch
 from .naive import naive_recurrent_kda
 from .recurrent import recurrent_kda_torch
 
-__all__ = ["chunk_gated_delta_rule", "chunk_kda", "chunk_kda_torch", "l2norm", "naive_recurrent_kda", "recurrent_kda",
-           "recurrent_kda_torch"]
+__all__ = ["chunk_gated_delta_rule", "chunk_kda", "chunk_kda_torch", "l2norm", "naive_recurrent_kda", "offsets_on_host",
+           "packed_offsets", "recurrent_kda", "recurrent_kda_torch"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -44,6 +49,35 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 KERNEL_SETTING = "MOETUNE_KDA_KERNEL"
+_HOST_COPY = "_moetune_host_copy"  # the attribute packed_offsets attaches to the device tensor
+
+
+def packed_offsets(offsets: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A micro-batch's packed-sequence offsets (N + 1, on the host) as every layer takes them: int64 on `device`,
+    carrying their host copy for fla (`cu_seqlens_cpu`)."""
+    host = offsets.to(torch.long)
+    on_device = host.to(device)
+    if on_device is not host:
+        setattr(on_device, _HOST_COPY, host)
+    return on_device
+
+
+def offsets_on_host(offsets: torch.Tensor, read_back: bool = True) -> torch.Tensor | None:
+    """`offsets` on the host: themselves there, else the copy packed_offsets attached, else (`read_back`) read
+    from the device (a host sync) or None."""
+    if offsets.device.type == "cpu":
+        return offsets
+    host = getattr(offsets, _HOST_COPY, None)
+    return offsets.cpu() if host is None and read_back else host
+
+
+def _fla_offsets(cu_seqlens: torch.Tensor | None) -> dict:
+    """fla's cu_seqlens (int64: packed_offsets' tensor itself, so fla's identity-keyed caches hit in every layer)
+    and cu_seqlens_cpu (the host copy where there is one: fla then reads nothing back; else fla reads once, cached)."""
+    if cu_seqlens is None:
+        return {"cu_seqlens": None, "cu_seqlens_cpu": None}
+    host = offsets_on_host(cu_seqlens, read_back=False)
+    return {"cu_seqlens": cu_seqlens.long(), "cu_seqlens_cpu": None if host is None else host.long()}
 
 
 def _cuda_kernel_name() -> str:
@@ -73,8 +107,7 @@ def _fla_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
 
     return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
-                         safe_gate=lower_bound is not None, lower_bound=lower_bound)
+                         safe_gate=lower_bound is not None, lower_bound=lower_bound, **_fla_offsets(cu_seqlens))
 
 
 def cuda_kda_kernel():
@@ -144,8 +177,7 @@ def _fla_gated_delta(q, k, v, g, beta, scale=None, initial_state=None, output_fi
 
     return fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                       output_final_state=output_final_state,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                      cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **_fla_offsets(cu_seqlens))
 
 
 def _on_kda(kda, gate_per_channel: bool):

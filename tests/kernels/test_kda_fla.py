@@ -77,3 +77,39 @@ def test_fla_decode_step_equals_the_cpu_step(fla_path):
     errors = _in_fla_child(fla_path, [], interpreted=True)
     assert errors.keys() == {"3x1", "2x3"}
     assert all(o < 1e-5 and final < 1e-5 for o, final in errors.values()), errors
+
+
+# In the child: two KDA layers of one packed micro-batch through moetune's CUDA kernel (fla), launches captured;
+# prints how often fla built its chunk bookkeeping from the offsets (_segmented_arange) after each layer.
+_TWO_PACKED_LAYERS = """
+import json, torch
+import fla.ops.utils.index as index
+from moetune.kernels.compile_check import captured_launches
+from moetune.kernels.kda import kda_kernel, packed_offsets
+built, make = [], index._segmented_arange
+index._segmented_arange = lambda counts: built.append(1) or make(counts)
+offsets = packed_offsets(torch.tensor([0, 40, 128], dtype=torch.int32), "cpu")  # as Batch.to makes them
+after = []
+with captured_launches():
+    for layer in range(2):
+        q, k = (torch.zeros(1, 128, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        v = torch.zeros(1, 128, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+        g, beta = torch.zeros(1, 128, 2, 64, requires_grad=True), torch.zeros(1, 128, 2, dtype=torch.bfloat16)
+        o, _ = kda_kernel("cuda")(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=offsets)
+        torch.autograd.grad(o, (q, k, v, g), torch.zeros_like(o))
+        after.append(len(built))
+print(json.dumps(after))
+"""
+
+
+def test_fla_builds_the_chunk_bookkeeping_of_a_packed_micro_batch_once(fla_path):
+    """moetune's fla call takes the micro-batch's int64 offsets and their host copy (`cu_seqlens_cpu`): fla builds
+    its chunk indices in the first KDA layer and finds them in its identity-keyed caches in the next (int32
+    offsets converted per call missed them: a host sync per layer on CUDA)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOETUNE_KDA_KERNEL")}
+    env["PYTHONPATH"] = os.pathsep.join([str(fla_path), str(REPO)])
+    done = subprocess.run([sys.executable, "-c", _TWO_PACKED_LAYERS], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    first, second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first > 0 and second == first

@@ -4,7 +4,14 @@ the offsets transformers' flash-attention path takes), with no mask of any size.
 A swapped attention module runs on `moetune_segments`: with boundaries, transformers' own SDPA attention per
 sequence (each plainly causal); without them, transformers' SDPA unchanged; both at the key width where the value is
 narrower (MLA: families/mla.py). Its mask function builds no mask for a row without padding (transformers would
-build a [T, T] block-diagonal one from packed position ids), and transformers' SDPA mask for a padded one."""
+build a [T, T] block-diagonal one from packed position ids), and transformers' SDPA mask for a padded one.
+
+The boundaries come from the host copy the micro-batch's offsets carry (kernels.kda.packed_offsets), so no layer
+reads the device (a host sync per layer, which stalls the launch queue). The per-sequence calls keep SDPA's flash
+kernel and exactly Σ length² work; one masked SDPA over the packed row would cost T² work and a [T, T] mask per
+layer (2 GB in bf16 at 32K tokens, saved for backward, and not in the planner's count); torch 2.13's varlen
+attention (`torch.nn.attention.varlen`) would do it in one call, but runs on CUDA only (flash, 16-bit, head dims
+<= 256)."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from moetune.kernels.kda import offsets_on_host
 from moetune.workers.families.mla import sdpa_at_key_width
 
 ATTN_IMPLEMENTATION = "moetune_segments"
@@ -26,7 +34,7 @@ def _segments_attention(module, query, key, value, attention_mask, dropout=0.0, 
         kwargs.pop(name, None)
     if offsets is None:
         return sdpa_at_key_width(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    bounds = offsets.tolist()
+    bounds = offsets_on_host(offsets).tolist()
     outs = [sdpa_at_key_width(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, dropout,
                               scaling, **kwargs)[0] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     return torch.cat(outs, dim=1), None

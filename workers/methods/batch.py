@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 IGNORE = -100  # label of tokens that carry no loss (prompt turns, padding)
+PACKED_OFFSETS = "cu_seq_lens_q"  # where each packed sequence starts (workers.families.segments), and the end
 
 
 @dataclass
@@ -14,4 +15,9 @@ class Batch:
     tokens: int  # real (non-padding) tokens, for throughput
 
     def to(self, device) -> Batch:
-        return Batch({k: v.to(device) for k, v in self.inputs.items()}, self.labels.to(device), self.tokens)
+        """On `device`; packed-sequence offsets as every layer takes them (kernels.kda.packed_offsets: made once
+        per micro-batch, with their host copy, so no layer reads them back)."""
+        from moetune.kernels.kda import packed_offsets
+
+        inputs = {k: packed_offsets(v, device) if k == PACKED_OFFSETS else v.to(device) for k, v in self.inputs.items()}
+        return Batch(inputs, self.labels.to(device), self.tokens)

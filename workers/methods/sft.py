@@ -12,7 +12,7 @@ from moetune.api.chat_content import joined_text
 from moetune.api.errors import ErrorCode
 from moetune.workers.errors import JobError
 from moetune.workers.families.segments import packs_sequences
-from moetune.workers.methods.batch import IGNORE, Batch
+from moetune.workers.methods.batch import IGNORE, PACKED_OFFSETS, Batch
 from moetune.workers.methods.loss_head import install_loss_head
 
 # Used only when the checkpoint's tokenizer has no chat template of its own.
@@ -136,9 +136,9 @@ def collate_packed(examples: list[Example]) -> Batch:
     input_ids = torch.tensor([[t for e in examples for t in e.input_ids]], dtype=torch.long)
     labels = torch.tensor([[label for e in examples for label in (IGNORE, *e.labels[1:])]], dtype=torch.long)
     lengths = torch.tensor([len(e.input_ids) for e in examples])
-    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))  # int64, as fla's kernels take them
     positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
-    return Batch({"input_ids": input_ids, "position_ids": positions, "cu_seq_lens_q": offsets}, labels,
+    return Batch({"input_ids": input_ids, "position_ids": positions, PACKED_OFFSETS: offsets}, labels,
                  int(lengths.sum()))
 
 
