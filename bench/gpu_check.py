@@ -477,7 +477,7 @@ def _process_group(s: Setting, rank: int, world: int, store: str | None = None):
 
 
 def _rank_entry(rank: int, dry: bool, world: int, store: str, target: str, args: tuple) -> None:
-    """A spawned rank of a multi-rank stage: `target` ("module:function") run as fn(rank, world, *args, device)."""
+    """A spawned rank: `target` ("module:function") run as fn(rank, world, *args, device=its device)."""
     import importlib
 
     _moetune_from_checkout()
@@ -485,11 +485,12 @@ def _rank_entry(rank: int, dry: bool, world: int, store: str, target: str, args:
     module, name = target.split(":")
     with _process_group(s, rank, world, store):
         device = s.device if s.dry else __import__("torch").device("cuda", rank)
-        getattr(importlib.import_module(module), name)(rank, world, *args, device)
+        getattr(importlib.import_module(module), name)(rank, world, *args, device=device)
 
 
 def _ranks(s: Setting, world: int, target: str, *args) -> None:
-    """Runs `target` on `world` fresh processes (one GPU each), the way a job's ranks run."""
+    """Runs `target` on `world` fresh processes (one GPU each), the way a job's ranks run (and with none of an
+    earlier stage's process groups, which DeepSpeed keeps by name)."""
     import torch.multiprocessing as mp
 
     store = os.path.join(tempfile.mkdtemp(), "store")
@@ -510,15 +511,14 @@ def stage_builder_step(s: Setting) -> dict:
     fails here ("Expected all tensors to be on the same device"), which the CPU suite can only simulate."""
     import torch
 
-    from bench.support.builder_step import builder_step
     from bench.support.harness import spec, write_released_checkpoint
 
     folder = tempfile.mkdtemp()
     model_dir = write_released_checkpoint(os.path.join(folder, "k3"), "kimi_k3")
     job = spec(ep=1, zero=3, train_experts=True, world=1)
-    with _process_group(s, 0, 1):
-        result = builder_step(0, 1, model_dir, job.model_dump_json(), os.path.join(folder, "out"),
-                              device=s.device if s.dry else torch.device("cuda", 0), elsewhere=s.dry)
+    _ranks(s, 1, "bench.support.builder_step:builder_step", model_dir, job.model_dump_json(),
+           os.path.join(folder, "out"))
+    result = torch.load(os.path.join(folder, "out", "rank0.pt"))
     if result["on_meta"]:
         raise AssertionError(f"tensors made on the host by default: {result['on_meta']}")
     return {"loss": result["loss"], "moe_layers": result["layers"], "figures": result["figures"]}
@@ -537,7 +537,7 @@ def stage_images_zero3(s: Setting) -> dict:
     folder = tempfile.mkdtemp()
     model_dir = write_tiny_multimodal_checkpoint(os.path.join(folder, "vl"),
                                                  wide_vision(REGISTRY["qwen3_5_moe"].tiny_config))
-    job = spec(ep=1, zero=3, world=world)
+    job = spec(ep=world, zero=3, world=world)
     _ranks(s, world, "bench.support.image_batches:run_image_ep", model_dir, job.model_dump_json(),
            os.path.join(folder, "out"), world - 1)
     import torch

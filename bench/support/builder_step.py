@@ -24,10 +24,9 @@ def packed_batch(method, rank: int, vocab: int):
     return method.collate(examples)
 
 
-def builder_step(rank: int, world: int, model_dir: str, spec_json: str, out_dir: str, device=None,
-                 elsewhere: bool = True) -> dict:
-    """Runs the step on `device` (CPU by default); with `elsewhere`, under implicit_device_elsewhere. Saves and
-    returns the loss, the names of tensors found on the meta device afterwards, and the figures of the step."""
+def builder_step(rank: int, world: int, model_dir: str, spec_json: str, out_dir: str, device=None) -> dict:
+    """Runs the step on `device` (CPU by default, and then under implicit_device_elsewhere). Saves and returns the
+    loss, the names of tensors found on the meta device afterwards, and the figures of the step."""
     from prometheus_client import CollectorRegistry
 
     from moetune.workers.engine.deepspeed import build_engine
@@ -42,8 +41,8 @@ def builder_step(rank: int, world: int, model_dir: str, spec_json: str, out_dir:
         config = json.load(f)
     method = SupervisedMethod(None, seq_len=64)
     torch.manual_seed(1)
-    def on_device():
-        return implicit_device_elsewhere() if elsewhere else contextlib.nullcontext()
+    def on_device():  # on a GPU the host is elsewhere already
+        return implicit_device_elsewhere() if device.type == "cpu" else contextlib.nullcontext()
 
     with on_device():
         built = build_model(TRAIN, config, job, device=device, weights=WeightsSource(f"file://{model_dir}", ""))
