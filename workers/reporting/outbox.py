@@ -5,11 +5,13 @@ Each outbox is a stream of its job's reports numbered 1, 2, ...: `<stream>:<seq>
 which the control plane stores once (service/store.py, ReportStreamRow). The records are lines of one JSONL file;
 only their offsets are kept in memory. Past `max_pending` unsent records, new events are dropped and counted, and a
 warning event saying how many (and which steps' metrics) goes out in their place as soon as there is room again.
-Checkpoint records and results are never dropped: they are few, and the job's history needs them.
+Checkpoint records and results are never dropped: they are few, and the job's history needs them. The outbox of a
+process that died with reports unsent is sent by the job's next reporting process on the node (Outbox.orphans).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -42,16 +44,36 @@ class _Dropped:
 
 class Outbox:
     def __init__(self, directory: str | os.PathLike, max_pending: int, stream: str | None = None):
-        """A new stream in `directory` (one outbox per reporting process, a fresh stream each time)."""
+        """A new stream in `directory` (one outbox per reporting process, a fresh stream each time); with `stream`,
+        that stream's file as its process left it (see orphans)."""
         self.stream = stream or uuid.uuid4().hex[:16]
         self.max_pending = max_pending
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.path = Path(directory) / f"{self.stream}.jsonl"
         self._file = open(self.path, "a+b")
+        try:  # held while this process lives: a file nobody holds is an orphan (its process died)
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise
         self._offsets: deque[tuple[int, int]] = deque()  # (seq, offset) of each unsent record, oldest first
         self._next_seq, self._acked = 1, 0
         self._dropped = _Dropped()
         self._lock = threading.Lock()
+        if stream is not None:
+            self._load()
+
+    def _load(self) -> None:
+        """The records its earlier process left; the ones sent but not yet truncated go again (the control plane
+        acknowledges a redelivery without storing it twice)."""
+        self._file.seek(0)
+        offset = 0
+        for line in self._file:
+            if line.endswith(b"\n"):  # a line cut short by the process's death was never sent
+                seq = json.loads(line)["seq"]
+                self._offsets.append((seq, offset))
+                self._next_seq = seq + 1
+            offset += len(line)
 
     def append(self, report: dict) -> int | None:
         """Stores a report to send; its sequence number, or None when the outbox is full and it was dropped."""
@@ -104,6 +126,19 @@ class Outbox:
 
     def pending(self) -> int:
         return len(self._offsets)
+
+    @classmethod
+    def orphans(cls, directory: str | os.PathLike, max_pending: int) -> list[Outbox]:
+        """The outboxes in `directory` whose processes died with reports unsent, taken over by this process."""
+        taken = []
+        for path in sorted(Path(directory).glob("*.jsonl"), key=lambda p: p.stat().st_mtime):
+            if path.stat().st_size == 0:  # nothing to send (or just created: its process locks it before writing)
+                continue
+            try:
+                taken.append(cls(directory, max_pending, stream=path.stem))
+            except BlockingIOError:  # its process is alive
+                continue
+        return taken
 
     def close(self) -> None:
         """Closes the file; removes it when nothing is left unsent."""

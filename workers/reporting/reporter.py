@@ -52,7 +52,10 @@ class Reporter:
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.ack_wait_s, self.flush_timeout_s = ack_wait_s, flush_timeout_s
         self.control: str | None = None  # the control plane's request in its last answer ("pause"), see ReportAck
-        self.outbox = (Outbox(directory or outbox_dir(job_id), max_pending) if self.url else None)
+        directory = directory or outbox_dir(job_id)
+        self.outbox = Outbox(directory, max_pending) if self.url else None
+        # what this job's reporting processes that died here left unsent goes first, in the order they wrote it
+        self._orphans = Outbox.orphans(directory, max_pending) if self.url else []
         self._changed = threading.Condition()
         self._failing = False  # the last post failed: the sender is backing off
         self._closed = False
@@ -118,18 +121,22 @@ class Reporter:
         backoff = self.backoff_s
         while True:
             with self._changed:
-                while not self._closed and self.outbox.pending() == 0:
+                while not self._closed and self._next_outbox() is None:
                     self._changed.wait()
                 if self._closed:
                     return
-            record = self.outbox.head()
-            outcome = self._post(http, record.seq, record.report)
+                outbox = self._next_outbox()
+            record = outbox.head()
+            outcome = self._post(http, outbox.stream, record.seq, record.report)
             with self._changed:
                 self._failing = outcome is None
                 if outcome is not None:
-                    self.outbox.acknowledge(record.seq)
-                    if not outcome:
+                    outbox.acknowledge(record.seq)
+                    if not outcome and outbox is self.outbox:
                         self._refused.add(record.seq)
+                    if outbox is not self.outbox and not outbox.pending():
+                        self._orphans.remove(outbox)
+                        outbox.close()
                 self._changed.notify_all()
             if outcome is None:
                 time.sleep(backoff)  # the control plane is away: retried for as long as this process runs
@@ -137,12 +144,16 @@ class Reporter:
             else:
                 backoff = self.backoff_s
 
-    def _post(self, http: httpx.Client, seq: int, report: dict) -> bool | None:
+    def _next_outbox(self) -> Outbox | None:
+        """The outbox to send from: the orphans' first, then this process's own."""
+        return next((o for o in (*self._orphans, self.outbox) if o.pending()), None)
+
+    def _post(self, http: httpx.Client, stream: str, seq: int, report: dict) -> bool | None:
         """True: accepted; False: refused for good (a 4xx will not get better by retrying: bad token, job gone);
         None: not answered, to be retried."""
         try:
             response = http.post(self.url, json={"report": report},
-                                 headers={"Idempotency-Key": f"{self.outbox.stream}:{seq}"})
+                                 headers={"Idempotency-Key": f"{stream}:{seq}"})
         except httpx.HTTPError as e:
             self._log_unreachable(f"{type(e).__name__}: {e}")
             return None
