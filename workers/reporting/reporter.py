@@ -87,16 +87,18 @@ class Reporter:
         return self._wait_for(self.outbox.last_seq, self.flush_timeout_s if timeout_s is None else timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
-        """Flushes, then stops the sender; what is still unsent stays in the outbox's file (and is logged)."""
+        """Flushes, then stops the sender; what is still unsent stays in the outbox's file (and is logged), for the
+        job's next reporting process on this node once this one has exited."""
         if self.outbox is None or self._closed:
             return True
         delivered = self.flush(timeout_s)
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        if not delivered:
+        if delivered:
+            self.outbox.close()  # the sender is idle: nothing left to send
+        else:
             log.error("%d reports not delivered (kept in %s)", self.outbox.pending(), self.outbox.path)
-        self.outbox.close()
         return delivered
 
     def _wait_for(self, seq: int, timeout_s: float, while_answering: bool = False) -> bool:
@@ -138,8 +140,9 @@ class Reporter:
                         self._orphans.remove(outbox)
                         outbox.close()
                 self._changed.notify_all()
-            if outcome is None:
-                time.sleep(backoff)  # the control plane is away: retried for as long as this process runs
+            if outcome is None:  # the control plane is away: retried for as long as this process runs
+                with self._changed:
+                    self._changed.wait_for(lambda: self._closed, backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
             else:
                 backoff = self.backoff_s
