@@ -63,6 +63,17 @@ def test_a_recorded_run_keeps_the_last_result_line_with_machine_date_and_commit(
     assert "`speedup=2.91 moetune_tok_s=812 baseline_tok_s=279`" in page and entry["commit"] in page
 
 
+def test_every_repository_path_the_docs_name_exists():
+    """A file or folder the README or a docs page names (`workers/comm/local_exchange.py`, `tests/workers/...`) is
+    there: a module moved or deleted leaves no stale pointer."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    top = "|".join(("api", "service", "workers", "kernels", "bench", "tests", "examples", "deploy", "helm", "docs"))
+    stale = [f"{page.name}: {path}" for page in pages
+             for path in re.findall(rf"(?<![\w/.-])((?:{top})/[\w./-]*\w\*?[\w.]*)", page.read_text())
+             if not list(REPO.glob(path))]
+    assert stale == [], "paths named in the docs that are not in the repository"
+
+
 def _drawing(package: str) -> list[str]:
     """The names in docs/architecture.md's drawing of a package's rooms, top to bottom: `loop/` -> loop,
     `model.py` -> model (a line may name several, comma-separated, before its description)."""
