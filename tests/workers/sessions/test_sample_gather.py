@@ -9,6 +9,7 @@ for the next use.
 Sabotage noted: whole_for_generation as `gathered(engine.module.parameters())` (GatheredParameters alone) frees
 every weight in every decode step and fails the count."""
 
+import math
 import os
 
 import pytest
@@ -41,13 +42,13 @@ def run_rank(rank: int, world: int, checkpoint: str, out: str) -> None:
             freed.append(1)
             return partition(*args, **kwargs)
         p.partition = counted
-    prompts, params_ = [[5, 17, 33], [9, 8]], SamplingParams(NEW_TOKENS, temperature=0.0)
+    prompts, greedy = [[5, 17, 33], [9, 8]], SamplingParams(NEW_TOKENS, temperature=0.0)
     result = {"params": len(params), "bytes": partitioned_bytes(engine.module),
-              "want_bytes": sum(p.ds_numel * p.element_size() for p in params)}
+              "whole_bytes": 4 * sum(math.prod(p.ds_shape) for p in params)}  # fp32
 
     def sample():
         freed.clear()
-        tokens = generate_batch(engine.module, prompts, params_, lockstep=True, eos_token_id=None)
+        tokens = generate_batch(engine.module, prompts, greedy, lockstep=True, eos_token_id=None)
         return tokens, len(freed)
 
     result["plain"] = sample()
@@ -62,7 +63,7 @@ def run_rank(rank: int, world: int, checkpoint: str, out: str) -> None:
 def test_sample_under_zero3_gathers_the_weights_once_per_call(tiny_checkpoint, tmp_path):
     launch(run_rank, 1, tiny_checkpoint, str(tmp_path))
     r = torch.load(tmp_path / "rank0.pt")
-    assert r["params"] > 10 and r["bytes"] == r["want_bytes"] > 0
+    assert r["params"] > 10 and r["bytes"] == r["whole_bytes"] > 0
     plain_tokens, plain_freed = r["plain"]
     whole_tokens, whole_freed = r["whole"]
     assert whole_tokens == plain_tokens and len(plain_tokens[0]) == NEW_TOKENS
