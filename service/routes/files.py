@@ -26,7 +26,8 @@ from moetune.api.models.base import FILE_ID_PREFIX
 from moetune.api.models.responses import FileDeleted, FileObject, FilePurpose, ListPage
 from moetune.service.errors import APIException, invalid_request, documented_errors
 from moetune.service.routes.deps import StoreDep, Tenant
-from moetune.service.routes.multipart_stream import MAX_FIELD_BYTES, Field, FileData, FileEnd, FileStart, multipart_items
+from moetune.service.routes.multipart_stream import (MAX_FIELD_BYTES, Field, FileData, FileEnd, FileStart,
+                                                     multipart_items)
 from moetune.service.settings import Settings
 from moetune.service.store import FileRow, Store
 from moetune.service.submission.data_images import row_image_refusal

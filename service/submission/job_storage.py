@@ -88,9 +88,10 @@ def _json_object(uri: str, raw: bytes) -> dict:
 
 
 def read_model_config(model_uri: str, s3_endpoint_url: str | None, facts: StorageFacts | None = None) -> dict | None:
-    """The config.json of the model folder at `model_uri`, or None when it cannot be read now: then the file check before queueing and
-    the driver's own check report it instead. A config.json that is not a JSON object, or a model folder that
-    holds files but no config.json, is a SpecError. `facts`: a config read within its TTL is not read again."""
+    """The config.json of the model folder at `model_uri`, or None when it cannot be read now: then the file check
+    before queueing and the driver's own check report it instead. A config.json that is not a JSON object, a model
+    folder that holds files but no config.json, or one that an existing S3 bucket does not hold, is a SpecError.
+    `facts`: a config read within its TTL is not read again."""
     uri = storage.join(model_uri, "config.json")
     if facts is not None and (raw := facts.known(("config", s3_endpoint_url, uri))) is not None:
         return _json_object(uri, raw)  # parsed again: callers get a dict of their own
