@@ -47,6 +47,10 @@ class Reporter:
         """`callback_url` None: no control plane to report to (reports are only logged). A report waits up to
         `ack_wait_s` for its acknowledgement while the control plane answers; the result up to `flush_timeout_s`
         for everything to be delivered."""
+        # Ray pickles a reporter into other processes (the Train controller's callbacks): each gets its own outbox.
+        self._arguments = ((job_id, callback_url, token), dict(
+            backoff_s=backoff_s, max_backoff_s=max_backoff_s, ack_wait_s=ack_wait_s, flush_timeout_s=flush_timeout_s,
+            max_pending=max_pending, directory=directory))
         self.url = callback_url.rstrip("/") + REPORT_PATH.format(job_id=job_id) if callback_url else None
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -63,6 +67,10 @@ class Reporter:
         if self.outbox is not None:
             threading.Thread(target=self._send_loop, name="moetune-reporter", daemon=True).start()
             atexit.register(self.close)
+
+    def __reduce__(self):
+        args, kwargs = self._arguments
+        return _unpickled, (args, kwargs)
 
     def send(self, report) -> bool:
         """Queues one report; True when the control plane has accepted it by the time this returns (its answer is
@@ -193,6 +201,10 @@ class Reporter:
 
     def failed(self, code: str, message: str, param: str | None = None):
         return self.send(ResultReport(status="failed", error=ErrorInfo(code=code, message=message, param=param)))
+
+
+def _unpickled(args: tuple, kwargs: dict) -> Reporter:
+    return Reporter(*args, **kwargs)
 
 
 def _ack(response: httpx.Response) -> ReportAck:

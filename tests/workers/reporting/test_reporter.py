@@ -1,3 +1,5 @@
+import pickle
+
 from moetune.api.layout import result_from_summary
 from moetune.service.local.embedded import free_port
 from moetune.workers.reporting.reporter import Reporter
@@ -36,3 +38,10 @@ def test_never_raises_or_blocks_when_the_control_plane_is_down(tmp_path):
 
 def test_without_callback_url_only_logs():
     assert Reporter("j", callback_url=None, token=None).event("hi") is False
+
+
+def test_a_pickled_reporter_reports_through_its_own_outbox(receiver, tmp_path):
+    """Ray pickles the driver's reporter into the Train controller (its failure callback)."""
+    copy = pickle.loads(pickle.dumps(Reporter("j", callback_url=receiver.url, token="t", directory=tmp_path)))
+    assert copy.event("from the controller") and copy.close()
+    assert [r.report.message for r in receiver.reports] == ["from the controller"]
