@@ -47,7 +47,7 @@ def test_the_benchmarks_page_is_generated_from_the_recorded_results():
         assert r["machine"] and re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]) and r["commit"], r
         assert re.fullmatch(r"(\w+=\S+)( \w+=\S+)*", r["result"]), f"not a RESULT line's key=value pairs: {r}"
     assert (REPO / "docs" / "benchmarks.md").read_text() == bench_docs.render(records), (
-        "docs/benchmarks.md is not what bench/results.jsonl and the benches' docstrings give: "
+        "docs/benchmarks.md is not what bench/results.jsonl gives: "
         "run `python bench/docs.py`")
 
 
