@@ -97,7 +97,8 @@ def _sequence_of(batch: Batch) -> tuple[torch.Tensor, int]:
         rows, width = labels.shape
         return torch.arange(rows, device=labels.device).repeat_interleave(width - 1), rows
     lengths = offsets.diff().to(labels.device)
-    segment = torch.arange(len(lengths), device=labels.device).repeat_interleave(lengths)
+    # output_size: the packed row's width, known on the host (without it CUDA reads the lengths' sum back)
+    segment = torch.arange(len(lengths), device=labels.device).repeat_interleave(lengths, output_size=labels.shape[1])
     return segment[1:], len(lengths)  # position t predicts token t + 1: the sequence of t + 1
 
 
