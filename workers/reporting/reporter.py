@@ -33,6 +33,9 @@ from moetune.workers.reporting.outbox import Outbox
 
 log = logging.getLogger("moetune.reporter")
 MAX_PENDING = 10_000  # unsent reports an outbox keeps: hours of steps' metrics
+# A process exiting with reports unsent waits this long for them; what is left goes with the job's next reporting
+# process on the node (a result itself waits flush_timeout_s).
+EXIT_FLUSH_S = 60.0
 
 
 def outbox_dir(job_id: str) -> str:
@@ -66,7 +69,7 @@ class Reporter:
         self._refused: set[int] = set()  # reports the control plane refused for good
         if self.outbox is not None:
             threading.Thread(target=self._send_loop, name="moetune-reporter", daemon=True).start()
-            atexit.register(self.close)
+            atexit.register(self.close, EXIT_FLUSH_S)
 
     def __reduce__(self):
         args, kwargs = self._arguments
