@@ -9,8 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from moetune.api.models.job_create import JobCreate
 
-_BYTES = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
+GIB = 2**30
+# A GPU's memory in GiB, as the device reports it (torch's total_memory, nvidia-smi's MiB / 1024: an H200's 141 GB
+# are 140 GiB): a bare number or G is GiB; GB, MB, TB are powers of ten
+_GIBS = {unit: size / GIB for unit, size in {"": GIB, "g": GIB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+                                              "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": GIB,
+                                              "tib": 2**40}.items()}
 _BITS_PER_S = {"": 1, "bps": 1, "kbps": 10**3, "mbps": 10**6, "gbps": 10**9, "tbps": 10**12}
 
 
@@ -19,25 +23,27 @@ def _quantity(value, units: dict[str, int], example: str) -> float:
         return float(value)
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
     if not match or match.group(2).lower() not in units:
-        raise ValueError(f"{value!r} is not a quantity like {example!r} (units: {', '.join(units)})")
+        raise ValueError(f"{value!r} is not a quantity like {example!r} (units: {', '.join(filter(None, units))})")
     return float(match.group(1)) * units[match.group(2).lower()]
 
 
 class ClusterSpec(BaseModel):
-    """GPUs the job may run on. `gpu_memory`: bytes of one GPU ("141GB", "80GiB" or a number of bytes); `nic`:
-    one node's network bandwidth to storage ("400Gbps" or bits per second)."""
+    """GPUs the job may run on. `gpu_memory`: one GPU's memory in GiB (2^30 bytes) as the device reports it ("140",
+    "140GiB", "140G"; "80GB" is 80·10^9 bytes); `nic`: one node's network bandwidth to storage ("400Gbps" or bits
+    per second)."""
 
     model_config = ConfigDict(extra="forbid")
 
     nodes: int = Field(..., ge=1)
     gpus_per_node: int = Field(..., ge=1, le=64)
-    gpu_memory: float = Field(..., gt=0)
+    # GiB, so that a bare number reads back as it was written; at most 64 TiB, which catches bytes given as GiB
+    gpu_memory: float = Field(..., gt=0, le=65536)
     nic: float = Field(100e9, gt=0)
 
     @field_validator("gpu_memory", mode="before")
     @classmethod
-    def _bytes(cls, value):
-        return _quantity(value, _BYTES, "141GB")
+    def _gib(cls, value):
+        return _quantity(value, _GIBS, "140GiB")
 
     @field_validator("nic", mode="before")
     @classmethod
@@ -48,9 +54,13 @@ class ClusterSpec(BaseModel):
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def gpu_memory_bytes(self) -> float:
+        return self.gpu_memory * GIB
+
 
 def parse_cluster(text: str) -> ClusterSpec:
-    """`nodes=8,gpus_per_node=8,gpu_memory=141GB,nic=400Gbps` (the CLI's and MOETUNE_CLUSTER's form); a
+    """`nodes=8,gpus_per_node=8,gpu_memory=140GiB,nic=400Gbps` (the CLI's and MOETUNE_CLUSTER's form); a
     ValueError says what is wrong."""
     fields = {}
     for item in filter(None, (part.strip() for part in text.split(","))):

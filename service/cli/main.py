@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -250,15 +251,14 @@ def jobs_events(ctx: click.Context, job_id: str, follow: bool, timeout: float) -
 @main.command()
 @click.argument("spec_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--cluster", "cluster_text", required=True,
-              help="The GPUs, e.g. nodes=8,gpus_per_node=8,gpu_memory=141GB,nic=400Gbps.")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+              help="The GPUs, e.g. nodes=8,gpus_per_node=8,gpu_memory=140GiB,nic=400Gbps. gpu_memory is one GPU's "
+                   "memory as the device reports it, in GiB (2^30 bytes; nvidia-smi's MiB / 1024, an H200's 140): a "
+                   "bare number or G means GiB, GB means 10^9 bytes.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (the only thing on stdout).")
 def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
     """Per-GPU memory of the job in SPEC_FILE on a cluster, and the smallest layout that fits (model built on the
     meta device from its config.json, in this process: it needs the training stack installed; nothing is
     submitted, no control plane is asked)."""
-    from moetune.workers.errors import JobError
-    from moetune.workers.planner.plan import plan as plan_job
-
     spec = _read_spec(spec_file)
     try:
         cluster = parse_cluster(cluster_text)
@@ -266,11 +266,17 @@ def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
         raise click.ClickException(explain("--cluster", e, ClusterSpec)) from None
     except ValueError as e:
         raise click.ClickException(f"--cluster: {e}") from None
-    try:
-        config = json.loads(storage.read_text(storage.join(spec.model, "config.json")))
-        result = plan_job(config, spec, cluster)
-    except (OSError, ValueError, JobError) as e:  # storage, config.json not JSON, the spec, the model
-        raise click.ClickException(str(e)) from None
+    # stdout carries the plan alone: what the training stack prints as it loads (DeepSpeed's "Setting accelerator
+    # to CPU" goes to stdout, through a handler bound to the stdout of its import) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        from moetune.workers.errors import JobError
+        from moetune.workers.planner.plan import plan as plan_job
+
+        try:
+            config = json.loads(storage.read_text(storage.join(spec.model, "config.json")))
+            result = plan_job(config, spec, cluster)
+        except (OSError, ValueError, JobError) as e:  # storage, config.json not JSON, the spec, the model
+            raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps(result))
         return

@@ -91,3 +91,48 @@ def test_cli_plan_prints_the_table_and_json(model_dir, tmp_path):
     assert not plan["submitted"]["fits"] and plan["submitted"]["bytes"]["activations"] > 6e9
     bad = CliRunner().invoke(main, ["plan", str(job), "--cluster", "nodes=1"])
     assert bad.exit_code != 0 and "gpus_per_node" in bad.output
+
+
+H200 = 140 * 2**30  # an H200's memory as torch and nvidia-smi (143,771 MiB) report it
+
+
+@pytest.mark.parametrize("text, gib", [("140", 140), ("140G", 140), ("140GiB", 140), ("140 gib", 140),
+                                       ("143771MiB", 143771 / 1024), ("141GB", 141e9 / 2**30)])
+def test_gpu_memory_is_read_in_gib_as_the_device_reports_it(text, gib):
+    from moetune.api.plans import ClusterSpec, parse_cluster
+
+    cluster = parse_cluster(f"nodes=1,gpus_per_node=8,gpu_memory={text}")
+    assert cluster.gpu_memory == pytest.approx(gib) and cluster.gpu_memory_bytes == pytest.approx(gib * 2**30)
+    assert ClusterSpec.model_validate(cluster.model_dump()) == cluster  # what the planner child is sent
+
+
+def test_the_api_and_the_cli_read_gpu_memory_alike(service, model_dir, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(_job(model_dir, micro_batch_size=1)))
+    response = httpx.post(service.url + PLANS, json={"job": _job(model_dir, micro_batch_size=1),
+                                                     "cluster": {**CLUSTER, "gpu_memory": 140}},
+                          headers=AUTH, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["cluster"]["gpu_memory"] == H200 and response.json()["cluster"]["gpu_memory_gib"] == 140
+    cli = CliRunner().invoke(main, ["plan", str(job), "--cluster", "nodes=1,gpus_per_node=2,gpu_memory=140"],
+                             terminal_width=200)
+    assert cli.exit_code == 0, cli.output
+    assert "GPU memory: 140.00 GiB" in cli.output and "gpu_memory takes GiB" in cli.output
+    bytes_as_gib = httpx.post(service.url + PLANS, json={"job": _job(model_dir), "cluster": {**CLUSTER,
+                                                                                           "gpu_memory": H200}},
+                              headers=AUTH, timeout=120)
+    assert bytes_as_gib.status_code == 422 and bytes_as_gib.json()["error"]["param"] == "cluster.gpu_memory"
+
+
+def test_cli_plan_json_is_the_whole_stdout_without_a_gpu(model_dir, tmp_path):
+    """In a fresh process the training stack's import prints on stdout (DeepSpeed: "Setting accelerator to CPU")
+    unless the CLI routes it to stderr."""
+    import subprocess
+    import sys
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(_job(model_dir, micro_batch_size=1)))
+    done = subprocess.run([sys.executable, "-c", "from moetune.service.cli.main import main; main()", "plan",
+                           str(job), "--cluster", "nodes=1,gpus_per_node=2,gpu_memory=6GB", "--json"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(done.stdout)["model"]["model_type"] == "kimi_linear"

@@ -74,7 +74,7 @@ def plan(config: dict, request: JobCreate, cluster: ClusterSpec, facts: ModelFac
     """The plan of `request` on `cluster` as JSON-ready data; one GPU per worker."""
     spec = resolve_spec(request)
     facts = facts or model_facts(config, spec)
-    usable = USABLE_FRACTION * cluster.gpu_memory
+    usable = USABLE_FRACTION * cluster.gpu_memory_bytes
     par = spec.parallelism
     world, sequences = par.num_workers, sequences_per_example(spec.method)
     for checkpointing in _checkpointing_options(spec.training):  # "auto": recomputation only if that is what fits
@@ -97,7 +97,10 @@ def plan(config: dict, request: JobCreate, cluster: ClusterSpec, facts: ModelFac
                   "routed_experts": facts.num_experts, "experts_per_token": facts.top_k,
                   "lora_parameters": facts.lora_dense + facts.lora_experts,
                   "expert_lora_parameters": facts.lora_experts},
-        "cluster": cluster.model_dump() | {"gpus": cluster.gpus, "usable_bytes_per_gpu": usable},
+        # bytes, as every size in the plan; gpu_memory_gib as the request's gpu_memory takes it
+        "cluster": cluster.model_dump() | {"gpu_memory": cluster.gpu_memory_bytes,
+                                           "gpu_memory_gib": cluster.gpu_memory, "gpus": cluster.gpus,
+                                           "usable_bytes_per_gpu": usable},
         "seq_len": facts.seq_len,
         "compute_dtype_bytes": facts.compute_bytes,
         "activation_bytes_per_token": {

@@ -22,7 +22,7 @@ from tests.support import REPO
 from bench.support.quantized import FP8_CONFIG, INT4_CONFIG, MXFP4_CONFIG
 
 SEED_JOB = REPO / "examples" / "seed-plan.job.yaml"
-H200S = "nodes=8,gpus_per_node=8,gpu_memory=141GB,nic=400Gbps"
+H200S = "nodes=8,gpus_per_node=8,gpu_memory=140GiB,nic=400Gbps"
 
 
 @pytest.mark.parametrize("qc, quantize", [
@@ -105,10 +105,10 @@ def test_layout_search_takes_the_smallest_fitting_layout_and_the_tuner_start():
     four = total(breakdown(facts, Layout(4, 1, 1, False, 4)))
     # room for two sequences without recomputation, not for four: the tuner starts at 2 of the 4 per rank
     memory = (one + (four - one) / 2) / 0.9
-    p = plan(config, _tiny_job(), parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={memory:.0f}"), facts)
+    p = plan(config, _tiny_job(), parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={memory:.0f}B"), facts)
     assert p["submitted"]["fits"] and p["recommended"]["expert_parallel_size"] == 1
     assert p["recommended"]["zero_stage"] == 1 and p["recommended"]["tuner_start_micro_batch"] == 2
-    tight = plan(config, _tiny_job(), parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={one * 0.98 / 0.9:.0f}"),
+    tight = plan(config, _tiny_job(), parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={one * 0.98 / 0.9:.0f}B"),
                  facts)
     assert tight["recommended"]["activation_checkpointing"] is True
 
@@ -121,7 +121,7 @@ def test_a_dpo_pair_is_planned_as_its_two_sequences():
     assert breakdown(facts, Layout(4, 1, 1, False, 1, sequences=2)) == breakdown(facts, Layout(4, 1, 1, False, 2))
     one = total(breakdown(facts, Layout(4, 1, 1, False, 1)))
     four = total(breakdown(facts, Layout(4, 1, 1, False, 4)))
-    cluster = parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={(one + (four - one) / 2) / 0.9:.0f}")
+    cluster = parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={(one + (four - one) / 2) / 0.9:.0f}B")
     dpo = _tiny_job().model_copy(update={"method": Method(type="dpo")})
     per_sequence = model_facts(config, dpo).activation_bytes(1, False)  # measured on a pair, per sequence
     assert per_sequence == pytest.approx(facts.activation_bytes(1, False), rel=0.05)
