@@ -137,3 +137,9 @@ def test_events_are_newest_first_and_page_with_the_sdk(service):
     # the moetune SDK's chronological view of the same list (wait, `moetune jobs events`)
     since = service.sdk().jobs.events_since(job_id, seen=first.data[-1].id)
     assert [e.message for e in since] == ["Step 3"]
+
+
+def test_a_last_row_without_a_line_break_is_a_row(service):
+    body = JSONL.rstrip(b"\n")
+    uploaded = _openai(service).files.create(file=("last.jsonl", body), purpose="fine-tune")
+    assert uploaded.bytes == len(body) and _openai(service).files.content(uploaded.id).read() == body
