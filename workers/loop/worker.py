@@ -359,6 +359,8 @@ def train_loop_per_worker(config: dict) -> None:
             worker.finish()
     finally:
         worker.metrics.close()
+        if worker.reporter:  # the chief's reports delivered before the driver reports the result
+            worker.reporter.close()
 
 
 class CheckpointUploadError(RuntimeError):
