@@ -17,7 +17,7 @@ takes ~14 ms fwd+bwd, ~8 of them in the core; transformers' takes ~35.
 History on this 2-core VM: 0.85-1.18 before the core swap; 1.32-1.51 (median 1.41) with the same-host EP exchange
 (workers.experts.local_exchange); 1.26-1.47 (median 1.39) on 2026-12-04 with the runs one after the other. Then on
 2026-12-05: the short conv over [B, T, D] (a layer 15.9 -> 14.0 ms), fused LoRA linears (-2.5 % a step in
-alternating A/B runs), batched RoPE positions (3.3 ms of each forward); see the README for the runs.
+alternating A/B runs), batched RoPE positions (3.3 ms of each forward); see docs/benchmarks.md for the runs.
 glm5_next adds its KDA and sparse-attention swaps. The first losses must agree: same model, LoRA draw and rows.
 Last line: `RESULT image_step_speedup=<moetune tok/s over baseline> image_tokens_per_s=<moetune's>`.
 
