@@ -42,8 +42,8 @@ def plan_summary(plan: dict) -> list[str]:
     usable, load = plan["cluster"]["usable_bytes_per_gpu"], plan["load"]
     per_token = plan["activation_bytes_per_token"]
     gpu = plan["cluster"]["gpu_memory"]
-    lines = [f"GPU memory: {_gib(gpu)} ({gpu:,.0f} bytes; --cluster gpu_memory takes GiB as the device reports them, "
-             f"GB is 10^9 bytes)",
+    lines = [f"GPU memory: {_gib(gpu)} (--cluster gpu_memory takes GiB, as the device reports memory; GB means "
+             "10^9 bytes)",
              f"usable per GPU: {_gib(usable)}; activations per token: {per_token['without_checkpointing']:,.0f} B "
              f"without checkpointing, {per_token['with_checkpointing']:,.0f} B with; "
              f"logits {per_token['logits']:,.0f} B",
