@@ -147,6 +147,15 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
     dist.all_reduce(t, op=op, group=group)
 
 
+def all_gather(out: torch.Tensor, t: torch.Tensor, group=None) -> None:
+    """out[i] = rank i's `t`; `out` (world, *t.shape), dense, so that each rank's part is a dense slice of it."""
+    problem = _local_problem("all_gather", (out, t), group)
+    if problem is None and (out.dtype != t.dtype or out.shape != (dist.get_world_size(group), *t.shape)):
+        problem = f"all_gather: output {_describe(out)} for a {_describe(t)} tensor"
+    _checked("all_gather", _describe(t), group, problem)
+    dist.all_gather(list(out.unbind(0)), t, group=group)
+
+
 def gather(t: torch.Tensor, parts: list | None, dst: int, group=None) -> None:
     """`parts` on `dst` (a global rank) only: one tensor per rank of `group`, each like `t`."""
     problem = _local_problem("gather", (t, *(parts or ())), group)
