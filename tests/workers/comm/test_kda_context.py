@@ -47,8 +47,7 @@ def conv(x, weight, cu, halo=None):
 
 
 def _ranks(rank: int, world: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
+    from moetune.workers.comm import checked
     from moetune.workers.comm.conv_halo import previous_tokens
     from moetune.workers.comm.kda_context import context_parallel_kda
 
@@ -69,7 +68,11 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
         y = conv(x, weight, local_cu, previous_tokens(x, WIDTH, layout))
         (y * probe[:, mine]).sum().backward()
         results[name + "_conv"] = {"o": y.detach(), "grads": [x.grad], "initial": weight.grad}
-    dist.barrier()
+    try:  # checked.all_gather holds gloo to NCCL's rule of one shape on every rank
+        checked.all_gather(torch.empty(world, 2 + rank), torch.ones(2 + rank))
+        results["mismatch"] = "ran"
+    except checked.CollectiveMismatch as error:
+        results["mismatch"] = str(error)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -96,6 +99,8 @@ def close(got, want):
 def test_context_parallel_slices_equal_the_unsplit_run(tmp_path, world):
     launch(_ranks, world, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for rank in ranks:
+        assert "rank 0: all_gather(float32[2]); rank 1: all_gather(float32[3])" in rank.pop("mismatch")
     for name in ranks[0]:
         want_o, want_grads, want_shared = _unsplit(name, PACKINGS[name.removesuffix("_conv")])
         for r, result in enumerate(rank[name] for rank in ranks):
