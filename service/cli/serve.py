@@ -12,6 +12,7 @@ from rich.console import Console
 
 from moetune.api import storage
 from moetune.api.client import Client
+from moetune.service.api_exception import APIException
 from moetune.service.cluster import serve_deploy
 
 console = Console()
@@ -30,23 +31,28 @@ def _client(ctx: click.Context) -> Client:
     return Client(ctx.obj["url"], ctx.obj["token"])
 
 
-def wait_until_running(ray_address: str, timeout: float) -> str:
-    """Polls the Serve app until its replicas are up; returns its last status."""
+def _wait(ray_address: str, timeout: float) -> dict:
+    """Polls the Serve app until its replicas are up or failed; returns its last state (serve_deploy.current_app)."""
     deadline = time.monotonic() + timeout
     while True:
-        app = serve_deploy.current_app(ray_address)
-        status = app["status"] if app else "NOT_STARTED"
-        if status in ("RUNNING", "DEPLOY_FAILED") or time.monotonic() > deadline:
-            return status
+        app = serve_deploy.current_app(ray_address) or {"status": "NOT_STARTED", "message": ""}
+        if app["status"] in ("RUNNING", "DEPLOY_FAILED") or time.monotonic() > deadline:
+            return app
         time.sleep(1)
 
 
+def wait_until_running(ray_address: str, timeout: float) -> str:
+    """Polls the Serve app until its replicas are up; returns its last status."""
+    return _wait(ray_address, timeout)["status"]
+
+
 def _require_running(ray_address: str, timeout: float) -> str:
-    """Waits for the Serve app's replicas; a clear error (exit 1) unless it runs."""
-    status = wait_until_running(ray_address, timeout)
-    if status != "RUNNING":
-        raise click.ClickException(f"the Serve app is {status} (see the Ray dashboard's Serve page)")
-    return status
+    """Waits for the Serve app's replicas; a clear error (exit 1) with Ray's cause unless it runs."""
+    app = _wait(ray_address, timeout)
+    if app["status"] != "RUNNING":
+        cause = app["message"] or "see the Ray dashboard's Serve page"
+        raise click.ClickException(f"the Serve app is {app['status']}: {cause}")
+    return app["status"]
 
 
 def print_openai_snippet(base_url: str, model: str) -> None:
@@ -81,7 +87,10 @@ def serve(ctx: click.Context, models: tuple[str, ...], ray_address: str | None, 
     for name in names:
         served = client.models.retrieve(name).moetune
         bases[served.base_model] = served.base_model_uri
-    serve_deploy.deploy(ray_address, serve_url, control_plane or ctx.obj["url"], bases, s3_endpoint_url)
+    try:
+        serve_deploy.deploy(ray_address, serve_url, control_plane or ctx.obj["url"], bases, s3_endpoint_url)
+    except APIException as e:  # Ray unreachable, or the same config already failed (with Ray's cause)
+        raise click.ClickException(e.message) from None
     console.print(f"Serving {', '.join(sorted(bases))} on {ray_address}")
     _require_running(ray_address, timeout)
     print_openai_snippet(serve_deploy.openai_base_url(serve_url), names[0])

@@ -27,6 +27,7 @@ from moetune.api.models.job_run import JobRunSpec, ResultReport
 from moetune.api.models.parallelism import ParallelismSpec
 from moetune.api.models.responses import ErrorInfo, JobStatus
 from moetune.service.auth import hash_token, new_job_token
+from moetune.service.cluster.deployments import DeploymentRestorer
 from moetune.service.cluster.leader import LeaderLease
 from moetune.service.cluster.ray_jobs import RayJobs, RayUnavailable
 from moetune.service.cluster.resources import NodeResources, Shortage, never_placeable, wait_reason
@@ -96,6 +97,7 @@ class Scheduler:
         self._storage_retry_at = 0.0
         self._capacity: list | None = None  # the Ray nodes' totals last seen, and since when (monotonic)
         self._capacity_since = 0.0
+        self.deployments = DeploymentRestorer(store, settings)  # brings back what Serve lost
 
     # ------------------------------------------------------------ thread
 
@@ -122,7 +124,8 @@ class Scheduler:
     def tick(self, epoch: int | None = None) -> None:
         """One pass under lease `epoch`; a failing step is logged and retried next tick, never ends the thread."""
         self._epoch = epoch
-        for step in (self.stop_cancelled, self.follow_running, self.validate_files, self.submit_queued):
+        for step in (self.stop_cancelled, self.follow_running, self.validate_files, self.submit_queued,
+                     self.deployments.restore):
             try:
                 step()
             except RayUnavailable:

@@ -21,6 +21,7 @@ APP_NAME = "moetune-serve"
 APP_BUILDER = "moetune.workers.serve.app:build_app"
 _APPS_PATH = "/api/serve/applications/"
 _READ_ATTEMPTS = 3
+FAILED_STATUSES = ("DEPLOY_FAILED", "UNHEALTHY")  # an application's, in Serve's answer
 
 
 def openai_base_url(serve_url: str) -> str:
@@ -32,8 +33,25 @@ def _unavailable(message: str) -> APIException:
     return APIException(503, ErrorCode.serve_unavailable, message)
 
 
+def failure_message(app: dict) -> str:
+    """Why Serve's answer for one application says it is not serving: the `message` of each deployment that is
+    not HEALTHY (where Ray puts a replica constructor's exception, e.g. a base too big for one device), else the
+    application's own; "" when there is none. A message that ends in a traceback keeps its first line (Ray's
+    account) and its last (the exception): the frames stay on the Ray dashboard."""
+    failing = [f"{name}: {_first_and_last_lines(details['message'])}"
+               for name, details in (app.get("deployments") or {}).items()
+               if details.get("status") not in (None, "HEALTHY") and details.get("message")]
+    return "\n".join(failing) or app.get("message") or ""
+
+
+def _first_and_last_lines(message: str) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+
+
 def current_app(ray_address: str) -> dict | None:
-    """The deployed config and status of moetune's Serve app ({"args", "status"}), None if none is deployed.
+    """The deployed config, status and failure message of moetune's Serve app ({"args", "status", "message"}),
+    None if none is deployed.
 
     The read is retried when a connection was made but dropped: a busy dashboard sometimes closes one without
     answering (seen on a loaded 2-core machine: `moetune demo` failed on one such GET right after its job)."""
@@ -50,7 +68,8 @@ def current_app(ray_address: str) -> dict | None:
     app = (answer.json().get("applications") or {}).get(APP_NAME)
     if not app:
         return None
-    return {"args": (app.get("deployed_app_config") or {}).get("args") or {}, "status": app.get("status", "")}
+    return {"args": (app.get("deployed_app_config") or {}).get("args") or {}, "status": app.get("status", ""),
+            "message": failure_message(app)}
 
 
 def deploy(ray_address: str, serve_url: str, control_plane_url: str, bases: dict[str, str],
@@ -61,6 +80,9 @@ def deploy(ray_address: str, serve_url: str, control_plane_url: str, bases: dict
     wanted = {**served, **bases}
     args = {"control_plane_url": control_plane_url, "bases": wanted, "s3_endpoint_url": s3_endpoint_url}
     if current and current["args"] == args:
+        if current["status"] in FAILED_STATUSES:  # the same config again changes nothing: say why it fails
+            raise _unavailable(f"The Serve app is {current['status']}: "
+                               f"{current['message'] or 'see the Ray dashboard (Serve page)'}")
         return current["status"]
     where = urlsplit(serve_url)
     config = {

@@ -9,7 +9,7 @@ from moetune.api.errors import ErrorCode
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.responses import JobStatus
 from moetune.api.serving import Deployment, ModelList, ModelObject
-from moetune.service.cluster import serve_deploy
+from moetune.service.cluster import deployments as recorded_deployments, serve_deploy
 from moetune.service.errors import APIException, job_not_found, documented_errors
 from moetune.service.routes.deps import JobView, StoreDep, Tenant
 from moetune.service.served_models import find_model, list_models
@@ -57,9 +57,8 @@ async def deploy_job(job_id: str, request: Request, tenant: Tenant, store: Store
                            f"Job {job_id!r} is {row.status}: only a succeeded job has a model to serve.")
     job, settings, base_models = job_view(row), request.app.state.settings, request.app.state.base_models
     base_uri = base_models.uri(JobCreate.model_validate(row.spec).model)
-    status = await run_in_threadpool(serve_deploy.deploy, settings.ray_address, settings.serve_url,
-                                     settings.callback_url, {base_models.name(base_uri): base_uri},
-                                     settings.s3_endpoint_url)
+    status = await run_in_threadpool(recorded_deployments.deploy, store, settings,
+                                     {base_models.name(base_uri): base_uri})
     return Deployment(model=job.fine_tuned_model, base_model=base_models.name(base_uri),
                       base_url=serve_deploy.openai_base_url(settings.serve_url), status=status)
 

@@ -79,7 +79,7 @@ def served(s3_endpoint, ray_head, tmp_path_factory):
             assert status != "DEPLOY_FAILED" and time.monotonic() < deadline, status
             time.sleep(0.5)
         try:
-            yield {"base_url": base_url, "control_plane": url, "ray": ray_head.dashboard_url, "names": {k: v["fine_tuned_model"] for k, v in names.items()},
+            yield {"base_url": base_url, "control_plane": url, "ray": ray_head.dashboard_url, "app": app, "names": {k: v["fine_tuned_model"] for k, v in names.items()},
                    "base": base, "adapters": adapters, "work": work}
         finally:
             httpx.delete(f"{ray_head.dashboard_url}/api/serve/applications/", timeout=60)
@@ -201,3 +201,23 @@ def test_the_openai_sdk_against_the_serve_app(served):
     assert samples[f'moetune_serve_adapter_loads_total{{base="{served["base"]}"}}'] >= 2
     assert samples[f'moetune_serve_adapter_load_failures_total{{base="{served["base"]}"}}'] >= 1
     assert "# TYPE moetune_serve_cache_bytes gauge" in metrics
+
+
+def test_a_deployment_comes_back_after_serve_lost_it(served):
+    """What a Ray head restart (or `moetune down` / `up`) does to Serve, deleting the app through Ray's REST API:
+    the control plane's scheduler pass deploys the recorded base again and the tuned model answers, with no new
+    deploy call. Before the deployments were recorded (service/cluster/deployments.py) it stayed gone."""
+    apps = f"{served['ray']}/api/serve/applications/"
+    assert httpx.delete(apps, timeout=60).status_code == 200
+    deadline = time.monotonic() + 120
+    while "moetune-serve" in httpx.get(apps, timeout=30).json()["applications"]:
+        assert time.monotonic() < deadline, "Serve did not delete the app"
+        time.sleep(0.5)
+    served["app"].state.scheduler.tick()  # what the leader's loop runs (the fixture's control plane has it off)
+    while (status := httpx.get(apps, timeout=30).json()["applications"].get("moetune-serve", {}).get("status")) \
+            != "RUNNING":
+        assert status not in (None, "DEPLOY_FAILED") and time.monotonic() < deadline + 120, status
+        time.sleep(0.5)
+    a = openai.OpenAI(base_url=served["base_url"], api_key=TOKENS["tenant-a"], max_retries=0)
+    answer = a.chat.completions.create(model=served["names"]["tenant-a", "linear"], messages=MESSAGES, max_tokens=2)
+    assert answer.usage.completion_tokens >= 1
