@@ -79,7 +79,8 @@ def served(s3_endpoint, ray_head, tmp_path_factory):
             assert status != "DEPLOY_FAILED" and time.monotonic() < deadline, status
             time.sleep(0.5)
         try:
-            yield {"base_url": base_url, "control_plane": url, "ray": ray_head.dashboard_url, "app": app, "names": {k: v["fine_tuned_model"] for k, v in names.items()},
+            yield {"base_url": base_url, "control_plane": url, "ray": ray_head.dashboard_url, "app": app,
+                   "names": {k: v["fine_tuned_model"] for k, v in names.items()},
                    "base": base, "adapters": adapters, "work": work}
         finally:
             httpx.delete(f"{ray_head.dashboard_url}/api/serve/applications/", timeout=60)
