@@ -76,59 +76,107 @@ class Plan:
         return sum(p.nbytes for p in self.pieces)
 
 
-def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shapes: dict[str, tuple[int, ...]],
-              required: set[str], experts: dict[str, ExpertPlacement], aliases: dict[str, str],
-              digests: dict | None, quantization: Quantization | None = None) -> Plan:
-    """`shapes`: the allocated shape of every parameter/buffer that may be filled (expert parameters hold only
-    this rank's share, `experts` says which); `required`: those the checkpoint must cover (the parameters);
-    `aliases` maps tied names to the one allocated; `digests`: the manifest's per-tensor checksums;
-    `quantization`: the checkpoint's format (its parameters' parts are planned into storage tensors)."""
-    raw, unexpected, metadata, quantized = [], [], [], defaultdict(set)
-    staged, conversions = {}, {}
+@dataclass
+class MappedCheckpoint:
+    """A checkpoint's tensors with their destinations, mapped once for every rank that plans from it: the
+    per-expert tensors a fused parameter merges, by their global expert index (a rank visits only its own);
+    each entry (position in the checkpoint, shard, tensor, quantized part or None, target)."""
+
+    common: list[tuple]
+    per_expert: dict[int, list[tuple]]
+    expert_params: set[str]  # the fused parameters the per-expert tensors fill
+    unexpected: list[str]  # checkpoint tensors the model has no place for (ignored, as transformers does)
+    metadata: list[str]  # quantization metadata the shapes already imply
+
+
+def map_checkpoint(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper,
+                   quantization: Quantization | None = None) -> MappedCheckpoint:
+    """Every checkpoint tensor's destination (`quantization`: the checkpoint's format, its parameters' parts)."""
+    mapped = MappedCheckpoint([], defaultdict(list), set(), [], [])
+    position = 0
     for shard, tensors in shards.items():
         for info in tensors.values():
             part = _quantized_part(quantization, info)
             target = mapper.target(part.param_key if part else info.name)
             if target is None:
-                unexpected.append(info.name)
-                continue
-            param = aliases.get(target.param, target.param)
-            digest = (digests or {}).get(info.name, {})
-            share = experts.get(param)
-            if target.conversion is not None:
-                conv = target.conversion
-                if part is not None or any(t in experts for t in conv.targets):
-                    raise WeightsError(f"tensor {info.name}: conversion {conv.converter.operations} of a quantized "
-                                       "or expert-parallel tensor is not supported by the streaming loader")
-                stage = f"{info.name}{STAGED}"
-                staged[stage] = (info.shape, info.dtype)
-                conversions.setdefault(conv.layer, (conv, []))[1].append((info.name, stage))
-                raw.append((shard, info, stage, target, None, tensor_checksum(digest), info.shape))
-                continue
-            if part is not None:
-                if part.part is None:
-                    metadata.append(info.name)
-                    continue
-                quantized[param].add(part.part)
-                param = storage_name(param, part.part)
-            if target.expert is not None:  # a per-expert tensor merged into a fused parameter
-                if share is None:
-                    raw.append((shard, info, param, target, target.expert, tensor_checksum(digest), info.shape))
-                elif share.first <= target.expert < share.first + share.count:
-                    raw.append((shard, info, param, target, target.expert - share.first, tensor_checksum(digest),
-                                info.shape))
-            elif share is not None and share.count < share.num_experts and info.shape[:1] == (share.num_experts,):
-                raw.extend(_expert_slices(shard, info, param, target, share, digest))
+                mapped.unexpected.append(info.name)
+            elif part is not None and part.part is None and target.conversion is None:
+                mapped.metadata.append(info.name)
+            elif target.expert is not None and target.conversion is None:
+                mapped.per_expert[target.expert].append((position, shard, info, part, target))
+                mapped.expert_params.add(target.param)
             else:
-                raw.append((shard, info, param, target, None, tensor_checksum(digest), info.shape))
-    _refuse_quantized_leftovers(unexpected, quantization)
+                mapped.common.append((position, shard, info, part, target))
+            position += 1
+    _refuse_quantized_leftovers(mapped.unexpected, quantization)
+    return mapped
+
+
+def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shapes: dict[str, tuple[int, ...]],
+              required: set[str], experts: dict[str, ExpertPlacement], aliases: dict[str, str],
+              digests: dict | None, quantization: Quantization | None = None) -> Plan:
+    """One rank's plan of a checkpoint (plan_mapped's, mapping its names first)."""
+    return plan_mapped(map_checkpoint(shards, mapper, quantization), shapes, required, experts, aliases, digests,
+                       quantization)
+
+
+def _entries(mapped: MappedCheckpoint, experts: dict[str, ExpertPlacement], aliases: dict[str, str]):
+    """The mapped tensors this rank may read, in checkpoint order: all but the per-expert tensors of experts
+    outside its share (all of them where some fused parameter they fill is not shared out)."""
+    shares = [experts.get(aliases.get(param, param)) for param in mapped.expert_params]
+    ranges = {None if share is None else (share.first, share.count) for share in shares}
+    if len(ranges) == 1 and None not in ranges:
+        first, count = ranges.pop()
+        wanted = range(first, first + count)
+    else:
+        wanted = mapped.per_expert.keys()
+    chosen = mapped.common + [entry for e in wanted for entry in mapped.per_expert.get(e, ())]
+    return sorted(chosen, key=lambda entry: entry[0])
+
+
+def plan_mapped(mapped: MappedCheckpoint, shapes: dict[str, tuple[int, ...]], required: set[str],
+                experts: dict[str, ExpertPlacement], aliases: dict[str, str], digests: dict | None,
+                quantization: Quantization | None = None) -> Plan:
+    """`shapes`: the allocated shape of every parameter/buffer that may be filled (expert parameters hold only
+    this rank's share, `experts` says which); `required`: those the checkpoint must cover (the parameters);
+    `aliases` maps tied names to the one allocated; `digests`: the manifest's per-tensor checksums;
+    `quantization`: the checkpoint's format (its parameters' parts are planned into storage tensors)."""
+    raw, quantized = [], defaultdict(set)
+    staged, conversions = {}, {}
+    for _, shard, info, part, target in _entries(mapped, experts, aliases):
+        param = aliases.get(target.param, target.param)
+        digest = (digests or {}).get(info.name, {})
+        share = experts.get(param)
+        if target.conversion is not None:
+            conv = target.conversion
+            if part is not None or any(t in experts for t in conv.targets):
+                raise WeightsError(f"tensor {info.name}: conversion {conv.converter.operations} of a quantized "
+                                   "or expert-parallel tensor is not supported by the streaming loader")
+            stage = f"{info.name}{STAGED}"
+            staged[stage] = (info.shape, info.dtype)
+            conversions.setdefault(conv.layer, (conv, []))[1].append((info.name, stage))
+            raw.append((shard, info, stage, target, None, tensor_checksum(digest), info.shape))
+            continue
+        if part is not None:
+            quantized[param].add(part.part)
+            param = storage_name(param, part.part)
+        if target.expert is not None:  # a per-expert tensor merged into a fused parameter
+            if share is None:
+                raw.append((shard, info, param, target, target.expert, tensor_checksum(digest), info.shape))
+            elif share.first <= target.expert < share.first + share.count:
+                raw.append((shard, info, param, target, target.expert - share.first, tensor_checksum(digest),
+                            info.shape))
+        elif share is not None and share.count < share.num_experts and info.shape[:1] == (share.num_experts,):
+            raw.extend(_expert_slices(shard, info, param, target, share, digest))
+        else:
+            raw.append((shard, info, param, target, None, tensor_checksum(digest), info.shape))
     pieces = _place(raw)
     storage = _storage(pieces, shapes, quantized, quantization)
     # a quantized parameter is covered once each of its parts' storage tensors is (every expert, every half)
     converted = {t for conv, _ in conversions.values() for t in conv.targets}
     _check(pieces, {**shapes, **{name: shape for name, (shape, _) in {**storage, **staged}.items()}},
            (required - set(quantized) - converted) | set(storage) | set(staged), experts)
-    return Plan(pieces, unexpected, storage, metadata, staged, conversions)
+    return Plan(pieces, list(mapped.unexpected), storage, list(mapped.metadata), staged, conversions)
 
 
 def _quantized_part(quantization: Quantization | None, info: TensorInfo) -> Part | None:
