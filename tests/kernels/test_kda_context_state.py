@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetune.kernels.kda import chunk_kda_torch
+from moetune.kernels.kda import chunk_kda_torch, naive_recurrent_kda
 from moetune.kernels.kda.context_slices import SliceLayout
 from moetune.kernels.kda.context_state import run_slice, slice_initial_state, slice_summary
 
@@ -30,26 +30,27 @@ def inputs(batch: int, gate_channels: int, seed: int = 0):
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
-def split_run(tensors, world, cu_seqlens, initial_state):
+def split_run(tensors, world, cu_seqlens, initial_state, kda=chunk_kda_torch):
     """Every rank's summary, the gather (a stack), every rank's slice from its carried state: the output row."""
     layouts = [SliceLayout.even(T, world, r, cu_seqlens) for r in range(world)]
     parts = [[x[:, lay.start:lay.end] for x in tensors] for lay in layouts]
-    summaries = torch.stack([slice_summary(*p[1:], layout=lay) for p, lay in zip(parts, layouts)])
-    return torch.cat([run_slice(*p, layout=lay, initial_state=slice_initial_state(summaries, lay, initial_state))
-                      for p, lay in zip(parts, layouts)], dim=1)
+    summaries = torch.stack([slice_summary(*p[1:], layout=lay, kda=kda) for p, lay in zip(parts, layouts)])
+    return torch.cat([run_slice(*p, layout=lay, initial_state=slice_initial_state(summaries, lay, initial_state),
+                                kda=kda) for p, lay in zip(parts, layouts)], dim=1)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("gate_channels", [K, 1], ids=["kda", "gated_deltanet"])
-def test_split_slices_equal_the_unsplit_kernel(world, packing, gate_channels):
+@pytest.mark.parametrize("kda", [chunk_kda_torch, naive_recurrent_kda], ids=["chunked", "naive"])
+def test_split_slices_equal_the_unsplit_kernel(world, packing, gate_channels, kda):
     cu = PACKINGS[packing]
     tensors = inputs(1 if cu else 2, gate_channels)
     sequences = len(cu) - 1 if cu else 2
     initial = torch.randn(sequences, H, K, V, requires_grad=True)
     cu_tensor = None if cu is None else torch.tensor(cu)
     want, _ = chunk_kda_torch(*tensors, initial_state=initial, cu_seqlens=cu_tensor)
-    got = split_run(tensors, world, cu, initial)
+    got = split_run(tensors, world, cu, initial, kda)
     probe = torch.randn_like(want)
     leaves = [*tensors, initial]
     want_grads = torch.autograd.grad((want * probe).sum(), leaves)
@@ -68,6 +69,19 @@ def test_a_sequence_crossing_slices_does_not_start_from_zero():
     from_zero = torch.cat([run_slice(*(x[:, lay.start:lay.end] for x in tensors), layout=lay) for lay in layouts],
                           dim=1)
     assert (from_zero - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_without_an_initial_state(packing):
+    cu = PACKINGS[packing]
+    tensors = inputs(1 if cu else 2, K)
+    want, _ = chunk_kda_torch(*tensors, cu_seqlens=None if cu is None else torch.tensor(cu))
+    got = split_run(tensors, 4, cu, None)
+    probe = torch.randn_like(want)
+    for w, o in zip(torch.autograd.grad((want * probe).sum(), tensors), torch.autograd.grad((got * probe).sum(),
+                                                                                             tensors)):
+        assert (o - w).abs().max() <= 1e-5 * w.abs().max()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_layout_of_a_packed_row():
