@@ -15,6 +15,7 @@ GIB = 2**30
 _GIBS = {unit: size / GIB for unit, size in {"": GIB, "g": GIB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
                                               "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": GIB,
                                               "tib": 2**40}.items()}
+_MOST_GIB = 65536
 _BITS_PER_S = {"": 1, "bps": 1, "kbps": 10**3, "mbps": 10**6, "gbps": 10**9, "tbps": 10**12}
 
 
@@ -36,14 +37,18 @@ class ClusterSpec(BaseModel):
 
     nodes: int = Field(..., ge=1)
     gpus_per_node: int = Field(..., ge=1, le=64)
-    # GiB, so that a bare number reads back as it was written; at most 64 TiB, which catches bytes given as GiB
-    gpu_memory: float = Field(..., gt=0, le=65536)
+    # GiB, so that a bare number reads back as it was written
+    gpu_memory: float = Field(..., gt=0, description="One GPU's memory in GiB (2^30 bytes) as the device reports it, "
+                              "or with a unit: \"140GiB\", \"141GB\" (10^9 bytes)")
     nic: float = Field(100e9, gt=0)
 
     @field_validator("gpu_memory", mode="before")
     @classmethod
     def _gib(cls, value):
-        return _quantity(value, _GIBS, "140GiB")
+        gib = _quantity(value, _GIBS, "140GiB")
+        if gib > _MOST_GIB:  # bytes given as a bare number, which is GiB
+            raise ValueError(f"{value!r} GiB is more than any GPU has: a bare number is GiB (bytes take the unit B)")
+        return gib
 
     @field_validator("nic", mode="before")
     @classmethod
