@@ -11,8 +11,8 @@
 Every call returns at once with a CallFuture; the session runs its calls one at a time in the order they were made,
 so a loop may queue a forward_backward and an optim_step and wait for the last alone.
 
-When the worker group fails (a worker or its driver lost), or on restart(), the control plane starts a new one that
-loads the newest save_state; the calls the old group had not finished raise CallFailed with `restarted` true and
+When the worker group fails (a worker or its driver lost), or on restart() (restart(fresh=True): a fresh LoRA), the
+control plane starts a new one that loads the newest save_state; the calls the old group had not finished raise CallFailed with `restarted` true and
 `restored_step` (the step the session is back at), so the loop can go on from there.
 """
 
@@ -173,10 +173,12 @@ class Session:
             time.sleep(poll_interval)
         return info
 
-    def restart(self) -> TrainingSession:
-        """A new worker group resuming from the newest save_state (a fresh LoRA before the first); the running call
-        fails naming that state."""
-        self.info = _typed(self._http, "POST", f"{SESSIONS_PATH}/{self.id}/restart", TrainingSession)
+    def restart(self, fresh: bool = False) -> TrainingSession:
+        """A new worker group resuming from the newest save_state (a fresh LoRA before the first, or with
+        `fresh=True`); the running call fails naming what it resumes from, as does the answer's `restored_state`
+        and `restored_step` (None and 0: a fresh LoRA)."""
+        self.info = _typed(self._http, "POST", f"{SESSIONS_PATH}/{self.id}/restart", TrainingSession,
+                           params={"fresh": "true" if fresh else "false"})
         return self.info
 
     def close(self) -> TrainingSession:

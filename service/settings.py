@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from moetune.api.environment import PASSTHROUGH_ENV
@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     # Registered base models, JSON {"name": "s3://..."} or "name=uri,name=uri" (service/base_models.py): usable by
     # name as a job's `model` and for inference, listed by GET /v1/models.
     base_models: Annotated[dict[str, str], NoDecode] = {}
+    # A training session's worker group that is not ready this long after its submission (waiting for free workers,
+    # loading a huge base from storage) fails the session with the cause, and its Ray job is stopped.
+    session_start_timeout_s: float = Field(3600.0, gt=0)
     # Where clients reach the OpenAI-compatible Serve app (the Serve HTTP proxy on the Ray cluster, which listens on
     # this URL's port); POST .../jobs/{id}/deploy answers with it + "/v1".
     serve_url: str = "http://127.0.0.1:8001"

@@ -50,6 +50,10 @@ class TrainingSession(BaseModel):
     recoveries: int = 0  # of those, the groups that replaced a failed one (resuming from the newest saved state)
     close_reason: str | None = None  # "closed", "idle", "restarted"
     error: ErrorInfo | None = None
+    # what the current worker group loaded before it took calls: a saved state and its step, or None and 0 (a
+    # fresh LoRA: the first group, one restarted with fresh=true, or none saved yet)
+    restored_state: str | None = None
+    restored_step: int = 0
 
 
 class Datum(StrictModel):

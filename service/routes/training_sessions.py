@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import time
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body, Query, Request
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models.responses import ErrorInfo, ListPage
@@ -48,12 +48,14 @@ internal = APIRouter(prefix=SESSION_INTERNAL, tags=["internal"], include_in_sche
 _MAX_WAIT_S = 60.0
 
 
-def _view(row: SessionRow) -> TrainingSession:
+def _view(store: Store, row: SessionRow) -> TrainingSession:
+    group = records.current_group(store, row)
     return TrainingSession(id=row.id, status=row.status, model=row.spec["model"], created_at=int(row.created_at),
                            closed_at=int(row.closed_at) if row.closed_at else None,
                            idle_timeout_s=row.spec["idle_timeout_s"], output_uri=row.output_uri,
                            restarts=row.attempt, recoveries=row.recoveries, close_reason=row.close_reason,
-                           error=row.error)
+                           error=row.error, restored_state=group.result["restored_state"] if group else None,
+                           restored_step=group.result["restored_step"] if group else 0)
 
 
 def _call_view(row: CallRow) -> SessionCall:
@@ -63,7 +65,8 @@ def _call_view(row: CallRow) -> SessionCall:
 
 def _own(request: Request, store: Store, tenant: str, session_id: str, ask_ray: bool = False) -> SessionRow:
     """The tenant's session. `ask_ray`: one whose group vanished without a word (Ray lost it, the driver was killed)
-    is recovered or failed first (a question to Ray's Jobs API: not on every call)."""
+    is recovered or failed first, and one whose group is not ready within its start timeout fails (a question to
+    Ray's Jobs API: not on every call)."""
     row = records.get_session(store, session_id, tenant)
     if row is None:
         raise APIException(404, ErrorCode.not_found, f"No training session with id {session_id!r}.")
@@ -75,7 +78,27 @@ def _own(request: Request, store: Store, tenant: str, session_id: str, ask_ray: 
         if why:
             _recover(request, row, ErrorInfo(code=ErrorCode.driver_failed, message=why))
             row = records.get_session(store, session_id, tenant)
+        elif _fail_overdue_start(request, row):
+            row = records.get_session(store, session_id, tenant)
     return row
+
+
+def _fail_overdue_start(request: Request, row: SessionRow) -> bool:
+    """Fails the session if its group is past session_start_timeout_s, once its Ray job is stopped (its workers
+    released; while Ray cannot be reached the session waits for the next look)."""
+    why = launch.start_overdue(request.app.state.store, request.app.state.settings, row)
+    if why is None:
+        return False
+    ray = request.app.state.scheduler.ray
+    try:
+        state = ray.state(launch.submission_id(row.id, row.attempt))
+        launch.stop_group(ray, row)
+    except RayUnavailable:
+        return False
+    if state is not None:  # Ray's word on where it got to: PENDING is a driver still waiting for resources
+        why += f" (it was {state.status}: {state.message or 'no message'})"
+    _end(request, row, "failed", ErrorInfo(code=ErrorCode.session_failed, message=f"Not ready in time: {why}."))
+    return True
 
 
 def _stop(request: Request, row: SessionRow, what: str) -> None:
@@ -99,25 +122,27 @@ def _end(request: Request, row: SessionRow, reason: str, error: ErrorInfo | None
         request.app.state.session_changes.notify()
 
 
-def _start(request: Request, row: SessionRow, restore: str | None = None) -> None:
-    """Submits the session's current group (loading saved state `restore` first, given); when Ray cannot take it
+def _start(request: Request, row: SessionRow, reason: str, restored: tuple[str, int] | None = None) -> None:
+    """Submits the session's current group (loading saved state `restored` first, given); when Ray cannot take it
     the session fails and the caller gets a 503."""
     try:
         launch.start_group(request.app.state.store, request.app.state.scheduler.ray, request.app.state.settings, row,
-                           restore)
+                           reason, restored)
     except RayUnavailable as e:
         _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=str(e)))
         raise APIException(503, ErrorCode.not_ready, f"{e}: the session's worker group was not started.",
                            headers={"Retry-After": "5"}) from None
 
 
-def _newest_state(store: Store, row: SessionRow) -> tuple[str | None, dict, str]:
-    """What a new group of the session resumes from, as a failed group's replacement and a restart both do: the
-    newest saved state's name (None: a fresh LoRA), the result the calls failed by the change carry, in words."""
-    state = records.newest_state(store, row)
+def _resumed_from(store: Store, row: SessionRow, fresh: bool = False) -> tuple[tuple[str, int] | None, dict, str]:
+    """What a new group of the session resumes from: the newest saved state (name, step), as a failed group's
+    replacement and a restart do, or None, a fresh LoRA (before the first save_state, or `fresh` asked for); the
+    result the calls failed by the change carry; it in words."""
+    state = None if fresh else records.newest_state(store, row)
     if state is None:
-        return None, {"restored_state": None, "restored_step": 0}, "a fresh LoRA (no state was saved)"
-    return state[0], {"restored_state": state[0], "restored_step": state[1]}, f"state {state[0]!r} (step {state[1]})"
+        return None, {"restored_state": None, "restored_step": 0}, \
+            "a fresh LoRA (" + ("asked for" if fresh else "no state was saved") + ")"
+    return state, {"restored_state": state[0], "restored_step": state[1]}, f"state {state[0]!r} (step {state[1]})"
 
 
 def _recover(request: Request, row: SessionRow, cause: ErrorInfo) -> None:
@@ -131,13 +156,13 @@ def _recover(request: Request, row: SessionRow, cause: ErrorInfo) -> None:
     if not records.set_session(store, row.id, ("ready",), group=row.attempt, status="starting", token_hash=None,
                                attempt=row.attempt + 1, recoveries=row.recoveries + 1):
         return  # another report of the same loss got there first
-    restore, restored, resumes = _newest_state(store, row)
+    state, restored, resumes = _resumed_from(store, row)
     message = f"The worker group failed ({cause.message}); a new one resumes from {resumes}."
     records.fail_calls(store, row.id, (records.RUNNING, records.PENDING),
                        ErrorInfo(code=ErrorCode.session_restarted, message=message).model_dump(), restored)
     try:
         launch.start_group(store, request.app.state.scheduler.ray, request.app.state.settings,
-                           records.get_session(store, row.id), restore=restore)
+                           records.get_session(store, row.id), "recovery", state)
     except RayUnavailable as e:
         _end(request, row, "failed", ErrorInfo(code=ErrorCode.driver_failed, message=f"{message} Ray did not take "
                                                                                       f"the new group: {e}"))
@@ -169,21 +194,21 @@ def create(spec: SessionCreate, request: Request, tenant: Tenant, store: StoreDe
             seed=spec.seed if spec.seed is not None else random.randrange(2**31),
             output_uri=f"{(spec.output_uri or settings.default_output_uri).rstrip('/')}/{session_id}", attempt=0,
             workers=par.num_workers, gpus=par.num_workers * par.gpus_per_worker))
-    _start(request, row)
-    return _view(records.get_session(store, session_id))
+    _start(request, row, "created")
+    return _view(store, records.get_session(store, session_id))
 
 
 @router.get("", response_model=ListPage[TrainingSession])
 def list_(tenant: Tenant, store: StoreDep, limit: int = 20) -> ListPage[TrainingSession]:
     rows, has_more = records.list_sessions(store, tenant, max(1, min(limit, 100)))
-    data = [_view(r) for r in rows]
+    data = [_view(store, r) for r in rows]
     return ListPage(data=data, has_more=has_more, first_id=data[0].id if data else None,
                     last_id=data[-1].id if data else None)
 
 
 @router.get("/{session_id}", response_model=TrainingSession)
 def retrieve(session_id: str, request: Request, tenant: Tenant, store: StoreDep) -> TrainingSession:
-    return _view(_own(request, store, tenant, session_id, ask_ray=True))
+    return _view(store, _own(request, store, tenant, session_id, ask_ray=True))
 
 
 @router.post("/{session_id}/close", response_model=TrainingSession)
@@ -195,28 +220,31 @@ def close(session_id: str, request: Request, tenant: Tenant, store: StoreDep) ->
         _stop(request, row, "closed")  # not taking calls yet: nothing to finish
         _end(request, row, "closed")
     request.app.state.session_changes.notify()
-    return _view(records.get_session(store, session_id))
+    return _view(store, records.get_session(store, session_id))
 
 
 @router.post("/{session_id}/restart", response_model=TrainingSession)
-def restart(session_id: str, request: Request, tenant: Tenant, store: StoreDep) -> TrainingSession:
+def restart(session_id: str, request: Request, tenant: Tenant, store: StoreDep, fresh: bool = Query(
+        False, description="Start the new group from a fresh LoRA instead of the newest saved state (later "
+                           "recoveries then resume from states saved after this restart only)")) -> TrainingSession:
     """Replaces the worker group by a new one resuming from the newest saved state, as a failed group's replacement
-    does (a fresh LoRA before the first save_state): the call the old group runs fails naming that state, queued
-    calls wait for the new group."""
+    does (a fresh LoRA before the first save_state, or with `fresh=true`): the call the old group runs fails naming
+    what the new one resumes from, queued calls wait for the new group. The answer's `restored_state` and
+    `restored_step` say which (null and 0: a fresh LoRA)."""
     row = _own(request, store, tenant, session_id)
     _open(row)
     _stop(request, row, "restarted")  # the old group first: a Ray that cannot be reached leaves the session as it is
     if not records.set_session(store, row.id, OPEN_STATUSES, group=row.attempt, status="starting", token_hash=None):
         raise APIException(409, ErrorCode.session_not_open, f"Training session {row.id} changed meanwhile; retry.")
-    restore, restored, resumes = _newest_state(store, row)
+    state, restored, resumes = _resumed_from(store, row, fresh)
     restarted = ErrorInfo(code=ErrorCode.session_restarted,
                           message=f"The worker group was restarted while it ran this call; the new one resumes from "
                                   f"{resumes}.")
     records.fail_calls(store, row.id, (records.RUNNING,), restarted.model_dump(), restored)
     records.set_session(store, row.id, ("starting",), group=row.attempt, attempt=row.attempt + 1)
-    _start(request, records.get_session(store, row.id), restore)
+    _start(request, records.get_session(store, row.id), "restart", state)
     request.app.state.session_changes.notify()
-    return _view(records.get_session(store, session_id))
+    return _view(store, records.get_session(store, session_id))
 
 
 @router.post("/{session_id}/weights/{name}/deploy", response_model=Deployment)

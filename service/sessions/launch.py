@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
 from moetune.api.models.training_sessions import SessionCreate, SessionRunSpec
@@ -24,26 +25,43 @@ def submission_id(session_id: str, attempt: int) -> str:
     return f"moetune-{session_id}-{attempt}"
 
 
-def start_group(store: Store, ray: RayJobs, settings: Settings, session: SessionRow,
-                restore: str | None = None) -> None:
-    """Submits the Ray job of the session's current group with a fresh token (the previous group's stops working);
-    `restore`: the saved state it loads before it takes calls. The token is stored once Ray has the job, so a
-    session starting with a token is one whose group Ray was given (group_gone may ask after it); the group's first
-    report, `ready`, comes after its model has loaded."""
+def start_group(store: Store, ray: RayJobs, settings: Settings, session: SessionRow, reason: str,
+                restored: tuple[str, int] | None = None) -> None:
+    """Submits the Ray job of the session's current group with a fresh token (the previous group's stops working)
+    and records its start (`reason`; `restored`: the saved state, name and step, it loads before it takes calls).
+    The token is stored once Ray has the job, so a session starting with a token is one whose group Ray was given
+    (group_gone may ask after it); the group's first report, `ready`, comes after its model has loaded."""
     token = new_job_token()
     run = SessionRunSpec(session_id=session.id, attempt=session.attempt, spec=SessionCreate.model_validate(
-        session.spec), seed=session.seed, output_uri=session.output_uri, restore=restore)
+        session.spec), seed=session.seed, output_uri=session.output_uri, restore=restored[0] if restored else None)
     env = {name: os.environ[name] for name in settings.worker_env_passthrough if name in os.environ}
     env.update({ENV_RUN_SPEC: run.model_dump_json(), ENV_CALLBACK_URL: settings.callback_url, ENV_JOB_TOKEN: token})
     if settings.s3_endpoint_url:
         env[ENV_S3_ENDPOINT_URL] = settings.s3_endpoint_url
     ray.submit(submission_id(session.id, session.attempt), ENTRYPOINT, env)
+    records.add_group(store, session, reason, restored)
     records.set_session(store, session.id, ("starting",), token_hash=hash_token(token))
-    log.info("session %s: worker group %d submitted", session.id, session.attempt)
+    log.info("session %s: worker group %d submitted (%s)", session.id, session.attempt, reason)
 
 
 def stop_group(ray: RayJobs, session: SessionRow) -> None:
     ray.stop(submission_id(session.id, session.attempt))
+
+
+def start_overdue(store: Store, settings: Settings, session: SessionRow) -> str | None:
+    """Why the session fails for a group that is not ready within session_start_timeout_s of its submission (no
+    workers free for it, a model that does not load), or None. A group still being submitted (no token) is not
+    timed yet."""
+    if session.status != "starting" or session.token_hash is None:
+        return None
+    group = records.current_group(store, session)
+    started = group.created_at if group is not None else session.created_at  # a group from before its rows
+    waited = time.time() - started
+    if waited <= settings.session_start_timeout_s:
+        return None
+    return (f"the worker group was not ready {waited:.0f} s after it was submitted (session_start_timeout_s="
+            f"{settings.session_start_timeout_s:g}): its workers did not start or its model did not load; its Ray "
+            f"job {submission_id(session.id, session.attempt)} was stopped")
 
 
 def group_gone(ray: RayJobs, session: SessionRow) -> str | None:

@@ -1,6 +1,7 @@
 """A session's rows: the session and its status, its calls as a queue the group takes from oldest first. Status
 changes are conditional updates, as the jobs' are (service/store.py), so user calls and the group's reports race
-safely."""
+safely. Each worker group the session starts is a row among its calls too (kind `group`, never taken): when it was
+submitted and what it resumed from, which later groups and the start timeout read."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from moetune.service.store import Store
 
 PENDING, RUNNING, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
+GROUP = "group"  # a worker group's start, recorded among the calls
 
 
 def new_id(prefix: str) -> str:
@@ -78,7 +80,8 @@ def take_call(store: Store, session_id: str, attempt: int) -> tuple[CallRow, int
         if row is None:
             return None
         row.status, row.attempt = RUNNING, attempt
-        number = s.scalar(select(func.count()).where(CallRow.session_id == session_id, CallRow.seq <= row.seq))
+        number = s.scalar(select(func.count()).where(CallRow.session_id == session_id, CallRow.seq <= row.seq,
+                                                     CallRow.kind != GROUP))
     return row, number
 
 
@@ -110,10 +113,41 @@ def succeeded_calls(store: Store, kind: str, tenant: str, session_id: str | None
         return list(s.scalars(query.order_by(CallRow.seq.desc())))
 
 
+def add_group(store: Store, session: SessionRow, reason: str, restored: tuple[str, int] | None) -> CallRow:
+    """Records that the session's current group was submitted (now) by `reason` ("created", "restart",
+    "recovery"), resuming from saved state `restored` (name, step) or from a fresh LoRA (None)."""
+    now = time.time()
+    row = CallRow(id=new_id("group"), session_id=session.id, kind=GROUP, status=SUCCEEDED, attempt=session.attempt,
+                  created_at=now, finished_at=now, args={"reason": reason},
+                  result={"restored_state": restored[0] if restored else None,
+                          "restored_step": restored[1] if restored else 0})
+    with store._write() as s:
+        s.add(row)
+    return row
+
+
+def current_group(store: Store, session: SessionRow) -> CallRow | None:
+    """The row of the session's current group, None while it is being submitted."""
+    with store._sessions() as s:
+        return s.scalar(select(CallRow).where(CallRow.session_id == session.id, CallRow.kind == GROUP,
+                                              CallRow.attempt == session.attempt).order_by(CallRow.seq.desc())
+                        .limit(1))
+
+
 def newest_state(store: Store, session: SessionRow) -> tuple[str, int] | None:
-    """The name and step of the session's newest saved state, None before its first save_state."""
-    saved = succeeded_calls(store, "save_state", session.tenant, session.id)
-    return (saved[0].args["name"], saved[0].result["step"]) if saved else None
+    """The name and step of the session's newest saved state, None before its first save_state or since a group
+    started from a fresh LoRA (the states saved before it are another LoRA's): of the succeeded save_states and the
+    groups' starts, the latest to finish says."""
+    with store._sessions() as s:
+        latest = s.scalar(select(CallRow).where(CallRow.session_id == session.id, CallRow.status == SUCCEEDED,
+                                                CallRow.kind.in_(("save_state", GROUP)))
+                          .order_by(CallRow.finished_at.desc(), CallRow.seq.desc()).limit(1))
+    if latest is None:
+        return None
+    if latest.kind == GROUP:
+        name = latest.result["restored_state"]
+        return (name, latest.result["restored_step"]) if name else None
+    return latest.args["name"], latest.result["step"]
 
 
 def is_open(row: SessionRow) -> bool:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from click.testing import CliRunner
+from sqlalchemy import update
 
 from bench.support.ray_jobs_api import RayJobsAPI
 from bench.support.waiting import wait_for
@@ -21,6 +22,7 @@ from moetune.service import quotas
 from moetune.service.cli.main import main
 from moetune.service.local.embedded import free_port
 from moetune.service.quotas import usage_by_tenant, wait_reason
+from moetune.service.session_rows import CallRow
 from moetune.service.sessions import records
 from moetune.service.store import JobRow
 from tests.support.control_plane import TOKENS
@@ -263,5 +265,78 @@ def test_a_failed_group_is_replaced_from_the_newest_state_and_the_sdk_says_so(st
         assert (info.status, info.recoveries, info.error.code) == ("failed", 1, "driver_failed")
         assert "session's Ray job ended (FAILED)" in info.error.message
         assert f"moetune-{session.id}-3" not in ray.entrypoints
+    finally:
+        ray.close()
+
+
+def test_a_fresh_restart_starts_a_new_lora_and_later_recoveries_do_not_resume_the_old_one(start_service):
+    """restart(fresh=True): the new group loads no state, and the answer, the call it cut short and the session's
+    view say so; a later recovery resumes from what was saved since, not from the states of the LoRA before."""
+    ray = RayJobsAPI()
+    service = start_service(ray_address=ray.url)
+    try:
+        session = Training(service.sdk()).create({**SPEC, "max_recoveries": 2})
+        group, _ = _group(service, ray, session.id, 0)
+        assert group.post("/ready").status_code == 200
+        session.save_state("s1")
+        _run_next(group, {"uri": "s3://b/s1", "step": 3})
+        assert (session.restart().restored_state, session.info.restored_step) == ("s1", 3)  # the default
+        group, run = _group(service, ray, session.id, 1)
+        assert run.restore == "s1" and group.post("/ready").status_code == 200
+        running = session.forward_backward([{"tokens": [1, 2, 3]}])
+        _run_next(group)
+
+        info = session.restart(fresh=True)
+        assert (info.restarts, info.restored_state, info.restored_step) == (2, None, 0)
+        group, run = _group(service, ray, session.id, 2)
+        assert run.restore is None
+        with pytest.raises(CallFailed) as lost:
+            running.result(timeout=5)
+        assert (lost.value.restarted, lost.value.restored_state, lost.value.restored_step) == (True, None, 0)
+        assert "resumes from a fresh LoRA (asked for)" in str(lost.value)
+
+        assert group.post("/ready").status_code == 200
+        assert group.post("/ended", json={"reason": "failed"}).status_code == 200
+        assert _group(service, ray, session.id, 3)[1].restore is None  # not s1: that was the LoRA before
+        assert session.retrieve().restored_state is None
+        group, _ = _group(service, ray, session.id, 3)
+        assert group.post("/ready").status_code == 200
+        session.save_state("s2")
+        _run_next(group, {"uri": "s3://b/s2", "step": 1})
+        assert group.post("/ended", json={"reason": "failed"}).status_code == 200
+        assert _group(service, ray, session.id, 4)[1].restore == "s2"
+        assert (session.retrieve().restored_state, session.info.restored_step) == ("s2", 1)
+    finally:
+        ray.close()
+
+
+def test_a_group_not_ready_within_the_start_timeout_fails_the_session_and_is_stopped(start_service):
+    """A group that never reports ready (no free workers, a model that does not load): once
+    session_start_timeout_s has passed since its submission, a look at the session fails it with the cause and
+    stops its Ray job. A group that became ready is not timed, and a restarted group's clock starts at its own
+    submission."""
+    ray = RayJobsAPI()
+    service = start_service(ray_address=ray.url, session_start_timeout_s=1.0)
+    training = Training(service.sdk())
+    try:
+        stuck = training.create(SPEC)
+        ready = training.create(SPEC)
+        assert _group(service, ray, ready.id, 0)[0].post("/ready").status_code == 200
+        with pytest.raises(RuntimeError) as failed:
+            stuck.wait_ready(timeout=10, poll_interval=0.1)
+        info = stuck.retrieve()
+        assert (info.status, info.error.code) == ("failed", "session_failed")
+        assert "not ready 1 s after it was submitted (session_start_timeout_s=1)" in info.error.message
+        assert f"moetune-{stuck.id}-0 was stopped (it was RUNNING" in info.error.message
+        assert "session_start_timeout_s=1" in str(failed.value)
+        assert ray.stopped == [f"moetune-{stuck.id}-0"]
+
+        an_hour_ago = time.time() - 3600
+        records.set_session(service.store, ready.id, ("ready",), created_at=an_hour_ago)
+        with service.store._write() as s:  # the ready group, submitted an hour ago
+            s.execute(update(CallRow).where(CallRow.session_id == ready.id).values(created_at=an_hour_ago))
+        assert ready.retrieve().status == "ready"  # ready: not timed
+        assert ready.restart().status == "starting"
+        assert ready.retrieve().status == "starting"  # timed from group 1's submission, not the session's creation
     finally:
         ray.close()
