@@ -1,6 +1,7 @@
 """Training sessions: `/v1/training_sessions` for the user's loop (create, calls, close, restart, deploy of saved
 weights) and the internal routes a session's worker group takes its calls from (authenticated by the group's own
-token). A ready group that fails is replaced by one resuming from the newest saved state (`_recover`)."""
+token). A ready group that fails is replaced by one resuming from the newest saved state (`_recover`); one not
+ready within session_start_timeout_s fails the session and is stopped (`_fail_overdue_start`)."""
 
 from __future__ import annotations
 
