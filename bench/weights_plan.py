@@ -63,7 +63,7 @@ def release_index(model) -> dict[str, dict[str, TensorInfo]]:
 
 def plan_every_rank(ckpt, model, config: dict, ep: int, map_once: bool) -> list[int]:
     """Bytes each rank reads, as `moetune models inspect` plans and checks them."""
-    if map_once:  # plan_for's own planning, from the names mapped here once
+    if map_once:  # plan_for's inputs, planned from the names mapped here once (plan_for maps them itself today)
         mapped = map_checkpoint(ckpt.tensors, NameMapper(model), ckpt.quantization)
         loader.plan_rank = lambda shards, mapper, *inputs: plan_mapped(mapped, *inputs)
     read = []
