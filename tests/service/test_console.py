@@ -10,10 +10,11 @@ import time
 
 import pytest
 
-from tests.support.console_browser import NARROW, console_session
+from tests.support.console_browser import console_session, tick_labels
 from tests.support.control_plane import TOKENS, run_service, settings_for
 
 BASE = "tiny-base"
+STEPS = 30
 GOOD_ROWS = [
     '{"text": "the sky is blue"}',
     '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}',
@@ -76,6 +77,14 @@ def test_the_console_drives_a_job_and_keeps_tenants_apart(console, tmp_path):
         file_id = page.input_value("#field-training_file")
         assert file_id.startswith("file-")
         assert page.input_value("#field-model") == BASE
+        # the ZeRO menu offers every stage the planner may recommend; the planner's cluster follows the job's workers
+        assert [o.get_attribute("value") for o in page.query_selector_all("#field-parallelism\\.zero_stage option")] \
+            == ["1", "2", "3"]
+        assert (page.input_value("#field-nodes"), page.input_value("#field-gpus_per_node")) == ("1", "2")
+        page.fill("#field-parallelism\\.num_workers", "3")
+        assert page.input_value("#field-gpus_per_node") == "3"
+        page.fill("#field-parallelism\\.num_workers", "2")
+        s.both_widths("new-job")
 
         # a plan request's bad field, and a submission's, are shown next to their fields
         page.fill("#field-gpu_memory", "lots")
@@ -101,23 +110,32 @@ def test_the_console_drives_a_job_and_keeps_tenants_apart(console, tmp_path):
         console.report(job_id, token, {"kind": "event", "message": "LoRA coverage: ...", "data": {"lora_coverage": [
             {"layer_type": "linear attention", "layers": 2, "adapted_layers": 2, "adapted": ["q_proj"],
              "not_adapted": ["o_proj"], "trainable_parameters": 1024}]}})
-        for step in (1, 2, 3):
-            console.report(job_id, token, {"kind": "event", "type": "metrics", "message": f"Step {step}/4", "data": {
-                "step": step, "total_steps": 4, "train_loss": 3.0 / step,
-                "expert_imbalance": {"model.layers.0.mlp": 1.0 + step / 10}}})
+        for step in range(1, STEPS):  # the message as the workers' reporter writes it: the figures' Python reprs
+            load = {"1": 1.0 + step / 20, "2": 1.64 - step / 100}
+            console.report(job_id, token, {"kind": "event", "type": "metrics",
+                                           "message": f"Step {step}: train_loss={6.9 / step:.4g}, expert_imbalance={load}",
+                                           "data": {"step": step, "total_steps": STEPS, "train_loss": 6.9 / step,
+                                                    "expert_imbalance": load}})
             page.wait_for_selector(f'#chart polyline[data-series="train loss"][data-points="{step}"]', state="attached")
         assert console.report_checkpoint(job_id, token, 2, train_loss=1.5, valid_loss=1.6).status_code == 200
         page.wait_for_selector("#checkpoints-table td:has-text('1.6')")
         page.wait_for_selector("#coverage-table td:has-text('q_proj')")
         page.wait_for_selector("#expert-load-table")
         page.wait_for_selector("#summary [data-status=running]")
-        s.shot("job-running")
-        s.shot("job-running-narrow", NARROW)
-        console.report(job_id, token, {"kind": "event", "type": "metrics", "message": "Step 4/4", "data": {
-            "step": 4, "total_steps": 4, "train_loss": 0.7, "valid_loss": 0.9}})
+        # step events in words; the expert load of every step so far; round chart ticks; the base by its name
+        events = page.inner_text("#events")
+        assert "{'" not in events and "expert imbalance: layer 1 1.05, layer 2 1.63" in events, events[:400]
+        heading = [el.inner_text() for el in page.query_selector_all("#expert-load-table thead th")][1:]
+        assert heading == [str(step) for step in range(1, STEPS)], heading
+        assert tick_labels(page, "#chart", "y") == ["0", "2", "4", "6", "8"]
+        assert tick_labels(page, "#chart", "x")[-1] == "30"
+        assert page.inner_text("#base-model") == BASE
+        s.both_widths("job-running")
+        console.report(job_id, token, {"kind": "event", "type": "metrics", "message": f"Step {STEPS}", "data": {
+            "step": STEPS, "total_steps": STEPS, "train_loss": 0.7, "valid_loss": 0.9}})
         console.report(job_id, token, {"kind": "result", "status": "succeeded", "fine_tuned_model": "s3://o/adapter"})
         page.wait_for_selector("#summary [data-status=succeeded]")
-        assert _points(s, "train loss") == 4 and _points(s, "valid loss") == 1
+        assert _points(s, "train loss") == STEPS and _points(s, "valid loss") == 1
         # a week-long job's chart draws at most 2000 points per series (every k-th step, the newest included)
         assert page.evaluate("""async () => { const { thinned } = await import('/console/static/chart.js');
             const drawn = thinned(Array.from({ length: 100001 }, (_, i) => [i, 1]), 2000);
@@ -139,14 +157,15 @@ def test_the_console_drives_a_job_and_keeps_tenants_apart(console, tmp_path):
         page.select_option("#status-filter", "succeeded")
         assert page.query_selector_all("#jobs-body tr") and not page.query_selector(f"tr[data-job='{other}']")
         page.select_option("#status-filter", "")
-        s.shot("jobs")
+        assert {el.inner_text() for el in page.query_selector_all("#jobs-body td[data-base]")} == {BASE}
+        s.both_widths("jobs")
         for job in (job_id, other):
             page.check(f"tr[data-job='{job}'] input[type=checkbox]")
         page.click("#compare-selected")
-        page.wait_for_selector(f'#compare-chart polyline[data-series="{job_id} train"][data-points="4"]')
+        page.wait_for_selector(f'#compare-chart polyline[data-series="{job_id} train"][data-points="{STEPS}"]')
         heading = page.inner_text("#compare-table thead")
         assert job_id in heading and other in heading
-        s.shot("compare")
+        s.both_widths("compare")
 
         # the playground lists the tuned model beside its base; without a Serve app it says so in the answer
         page.goto(f"{url}/console/playground")

@@ -102,3 +102,18 @@ export async function allPages(path, most = 1000) {
   }
   return { ok: true, items };
 }
+
+// job => the name of its base: a job's `model` is the URI it was resolved to; the registered bases' names come from
+// GET /v1/models/{name} (the list leaves their URIs out), else the URI's last folder (as the API derives names).
+export async function baseNames() {
+  const listed = await api("/v1/models");
+  const bases = listed.ok ? listed.data.data.filter((m) => m.owned_by === "moetune") : [];
+  const found = await Promise.all(bases.map((m) => api(`/v1/models/${encodeURIComponent(m.id)}`)));
+  const byUri = new Map(found.filter((a) => a.ok && a.data.moetune?.base_model_uri)
+    .map((a) => [a.data.moetune.base_model_uri.replace(/\/+$/, ""), a.data.id]));
+  return (job) => {
+    const uri = job.model.replace(/\/+$/, "");
+    if (!/^[a-z][a-z0-9+.-]*:\/\//.test(uri)) return job.model;
+    return byUri.get(uri) || uri.split("://").pop().split("/").pop();
+  };
+}

@@ -1,7 +1,7 @@
 // Two or more jobs side by side: their loss curves on one chart and the key figures of their reports (the CLI's
 // `jobs compare`); curves come from the report's steps, or from the metrics events of a job without a report.
-import { allPages, api } from "./api.js";
-import { legend, lineChart } from "./chart.js";
+import { allPages, api, baseNames } from "./api.js";
+import { legend, lineChart, onWidthChange } from "./chart.js";
 import { fmt, h, page, replace, statusBadge, table } from "./dom.js";
 
 const jobPath = (id) => `/v1/fine_tuning/jobs/${encodeURIComponent(id)}`;
@@ -28,14 +28,14 @@ function lastScores(report) {
 export async function render() {
   const params = new URLSearchParams(location.search);
   const chosen = new Set((params.get("jobs") || "").split(",").filter(Boolean));
-  const listed = await allPages("/v1/fine_tuning/jobs", 200);
+  const [listed, baseName] = await Promise.all([allPages("/v1/fine_tuning/jobs", 200), baseNames()]);
   const jobs = listed.items || [];
   const out = h("div", { id: "comparison" });
   const picker = h("fieldset", { class: "card" }, h("legend", {}, "Jobs to compare"),
-    jobs.length ? h("div", { class: "row" }, jobs.map((job) => h("label", { class: "mono" },
+    jobs.length ? h("div", { class: "row" }, jobs.map((job) => h("label", { class: "check" },
       h("input", { type: "checkbox", value: job.id, checked: chosen.has(job.id), "data-job": job.id,
         onchange: (e) => { e.target.checked ? chosen.add(job.id) : chosen.delete(job.id); draw(); } }),
-      `${job.id} (${job.status})`))) : h("p", { class: "muted" }, "No jobs yet."));
+      h("span", { class: "mono id" }, job.id), ` (${job.status})`))) : h("p", { class: "muted" }, "No jobs yet."));
   page("Compare", picker, out);
 
   async function draw() {
@@ -55,8 +55,8 @@ export async function render() {
       { name: `${job.id} valid`, points: data[i].valid, dashed: true },
     ]).filter((one) => one.points.length);
     const rows = [
-      ["Status", (job) => statusBadge(job.status)], ["Base", (job) => job.model],
-      ["Tuned model", (job) => job.fine_tuned_model || "–"],
+      ["Status", (job) => statusBadge(job.status)], ["Base", (job) => h("span", { title: job.model }, baseName(job))],
+      ["Tuned model", (job) => h("span", { class: "mono id" }, job.fine_tuned_model || "–")],
       ["Steps", (job, d) => d.train.length], ["First train loss", (job, d) => fmt(d.train[0]?.[1])],
       ["Last train loss", (job, d) => fmt(d.train.at(-1)?.[1])], ["Last valid loss", (job, d) => fmt(d.valid.at(-1)?.[1])],
       ["Tokens/s", (job, d) => fmt(d.report?.throughput.tokens_per_second, 1)],
@@ -66,13 +66,17 @@ export async function render() {
     ];
     const scoreNames = [...new Set(data.flatMap((d) => Object.keys(lastScores(d.report))))];
     for (const name of scoreNames) rows.push([name, (job, d) => fmt(lastScores(d.report)[name])]);
+    const chart = h("div", {});
+    const drawChart = () => replace(chart, lineChart(series, { label: `loss of ${picked.map((j) => j.id).join(", ")}`, width: chart.clientWidth }));
     replace(out,
       h("section", { class: "card chart", id: "compare-chart" }, h("h2", {}, "Loss"), legend(series),
-        lineChart(series, { label: `loss of ${picked.map((j) => j.id).join(", ")}` })),
+        chart),
       h("section", { class: "card" }, h("h2", {}, "Figures"),
-        table(["", ...picked.map((job) => h("a", { href: `/console/jobs/${encodeURIComponent(job.id)}`, class: "mono" }, job.id))],
+        table(["", ...picked.map((job) => h("a", { href: `/console/jobs/${encodeURIComponent(job.id)}`, class: "mono id" }, job.id))],
           rows.map(([title, value]) => h("tr", {}, h("th", { scope: "row" }, title), picked.map((job, i) => h("td", {}, value(job, data[i]))))),
           { id: "compare-table" })));
+    drawChart();
+    onWidthChange(chart, drawChart);
   }
   await draw();
 }

@@ -29,7 +29,7 @@ export const main = () => document.getElementById("main");
 // The page's body under its heading; the focus moves to it so a keyboard user starts there.
 export function page(title, ...children) {
   document.title = `${title} · moetune console`;
-  return replace(main(), h("h1", {}, title), ...children);
+  return replace(main(), h("h1", { title }, title), ...children); // one line, cut with an ellipsis (ids never wrap)
 }
 
 export const fmt = (value, digits = 4) =>

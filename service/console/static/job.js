@@ -1,7 +1,7 @@
 // One job: summary, actions, the live loss chart (from the job's SSE event stream), events, checkpoints with their
 // scores, LoRA coverage, the expert load per layer; and its adaptation report page.
-import { TERMINAL, api, eventStream } from "./api.js";
-import { legend, lineChart, thinned } from "./chart.js";
+import { TERMINAL, api, baseNames, eventStream } from "./api.js";
+import { legend, lineChart, onWidthChange, thinned } from "./chart.js";
 import { eta, fmt, h, page, progressCell, replace, statusBadge, table, when } from "./dom.js";
 
 const POLL_MS = 2000;
@@ -9,6 +9,8 @@ const SHOWN_EVENTS = 300;
 // A week-long job reports hundreds of thousands of steps: the page keeps the events it shows, one loss per step,
 // and draws at most this many points per series.
 const DRAWN_POINTS = 2000;
+// The expert-load table has a column per step up to this many (it scrolls sideways), then every k-th step.
+const LOAD_COLUMNS = 400;
 const jobId = () => decodeURIComponent(location.pathname.split("/")[3] || "");
 const jobPath = (id) => `/v1/fine_tuning/jobs/${encodeURIComponent(id)}`;
 
@@ -31,9 +33,9 @@ async function renderReport(id) {
     h("iframe", { class: "report", id: "report-frame", title: `Adaptation report of ${id}`, sandbox: "", srcdoc: answer.data }));
 }
 
-function summaryRows(job) {
+function summaryRows(job, baseName) {
   const rows = [
-    ["Status", statusBadge(job.status)], ["Base", h("span", { class: "mono" }, job.model)],
+    ["Status", statusBadge(job.status)], ["Base", h("span", { class: "mono", title: job.model, id: "base-model" }, baseName(job))],
     ["Tuned model", h("span", { class: "mono", id: "tuned-model" }, job.fine_tuned_model || "–")],
     ["Progress", progressCell(job)], ["ETA", job.status === "running" ? eta(job.estimated_finish) : "–"],
     ["Train / valid loss", `${fmt(job.progress?.train_loss)} / ${fmt(job.progress?.valid_loss)}`],
@@ -53,24 +55,41 @@ function coverageTable(rows) {
       h("td", { class: "num" }, r.trainable_parameters.toLocaleString()))), { id: "coverage-table" });
 }
 
-// layers × steps of max / mean expert load (1 = balanced); at most 12 step columns
-function expertLoad(layers, steps, ratio) {
-  const every = Math.max(1, Math.ceil(steps.length / 12));
+// A step's figures as words: `expert_imbalance={'1': 1.6405}` reads "expert imbalance: layer 1 1.64".
+const number = (v) => typeof v !== "number" ? String(v) : Number.isInteger(v) ? v.toLocaleString()
+  : Math.abs(v) >= 100 ? Math.round(v).toLocaleString() : Number(v.toPrecision(3)).toString();
+function figure(key, value) {
+  const name = key.replace(/_mb$/, " (MB)").replaceAll("_", " ");
+  if (Array.isArray(value)) return `${name}: ${value.map(number).join(", ")}`;
+  if (value && typeof value === "object") {
+    return `${name}: ${Object.entries(value).map(([k, v]) => `${/^\d+$/.test(k) ? "layer " : ""}${k} ${number(v)}`).join(", ")}`;
+  }
+  return `${name} ${number(value)}`;
+}
+export function metricsText({ step, total_steps: total, ...figures }) {
+  return `Step ${step}${total ? `/${total}` : ""}: ${Object.entries(figures).map(([k, v]) => figure(k, v)).join("; ")}`;
+}
+
+// layers × steps of max / mean expert load (1 = balanced): a column for every step the job reported
+function expertLoad({ layers, steps, ratio }) {
+  const every = Math.ceil(steps.length / LOAD_COLUMNS);
   const columns = steps.map((step, j) => [step, j]).filter(([, j]) => j % every === 0 || j === steps.length - 1);
   const top = Math.max(1.0001, ...ratio.flat());
   const cell = (v) => h("td", { style: `background: rgba(194, 65, 12, ${((v - 1) / (top - 1)) * 0.6})` }, v.toFixed(2));
-  return h("div", {}, h("p", { class: "muted" }, "Max / mean expert load per MoE layer and step (1.00 = balanced)."),
-    table(["Layer", ...columns.map(([step]) => `step ${step}`)],
-      layers.map((layer, i) => h("tr", {}, h("th", { scope: "row", class: "mono" }, layer), columns.map(([, j]) => cell(ratio[i][j])))),
-      { class: "heat", id: "expert-load-table" }));
+  return h("div", {}, h("p", { class: "muted" }, "Max / mean expert load per MoE layer (rows) and step (columns); 1.00 = balanced.",
+    every > 1 ? ` Every ${every}th of ${steps.length} steps.` : ""),
+  table(["Layer \\ step", ...columns.map(([step]) => ({ text: step, num: true }))],
+    layers.map((layer, i) => h("tr", {}, h("th", { scope: "row", class: "mono" }, layer), columns.map(([, j]) => cell(ratio[i][j])))),
+    { class: "heat", id: "expert-load-table" }));
 }
 
 async function renderJob(id) {
   const first = await api(jobPath(id));
   if (!first.ok) return first.status === 404 ? notFound(id, first.error) : page(id, h("p", { class: "error" }, first.error.message));
   let job = first.data;
-  const train = new Map(), valid = new Map(), events = [];
-  let latestLoad = null, coverage = null, report = null;
+  const baseName = await baseNames();
+  const train = new Map(), valid = new Map(), load = new Map(), events = [];
+  let coverage = null, report = null;
 
   const summary = h("div", {});
   const status = h("p", { id: "action-status", role: "status", class: "muted" });
@@ -90,12 +109,13 @@ async function renderJob(id) {
       { name: "train loss", cls: "train", points: thinned([...train].sort((a, b) => a[0] - b[0]), DRAWN_POINTS) },
       { name: "valid loss", cls: "valid", color: "#c2410c", dashed: true, points: thinned([...valid].sort((a, b) => a[0] - b[0]), DRAWN_POINTS) },
     ];
-    replace(chart, legend(series), lineChart(series, { label: `loss of ${id}: ${train.size} steps` }));
+    replace(chart, legend(series), lineChart(series, { label: `loss of ${id}: ${train.size} steps`, width: chart.clientWidth }));
   };
   const drawEvents = () => replace(eventList, [...events].reverse().map((e) =>
-    h("li", { class: e.level }, h("span", { class: "muted" }, new Date(e.created_at * 1000).toLocaleTimeString(), " "), e.message)));
+    h("li", { class: e.level }, h("span", { class: "muted" }, new Date(e.created_at * 1000).toLocaleTimeString(), " "),
+    e.type === "metrics" && e.data?.step !== undefined ? metricsText(e.data) : e.message)));
   const drawJob = () => {
-    replace(summary, summaryRows(job));
+    replace(summary, summaryRows(job, baseName));
     buttons.cancel.disabled = TERMINAL.has(job.status);
     buttons.pause.disabled = !["validating_files", "queued", "running"].includes(job.status);
     buttons.resume.disabled = job.status !== "paused";
@@ -115,17 +135,16 @@ async function renderJob(id) {
       ...extra.map((k) => ({ text: k, num: true })), "Location"],
     list.map((c) => h("tr", {}, h("td", { class: "num" }, c.step_number), h("td", { class: "num" }, fmt(c.metrics.train_loss)),
       h("td", { class: "num" }, fmt(c.metrics.valid_loss)), extra.map((k) => h("td", { class: "num" }, fmt(c.metrics[k]))),
-      h("td", { class: "mono" }, c.fine_tuned_model_checkpoint))), { id: "checkpoints-table" })
+      h("td", { class: "mono id" }, c.fine_tuned_model_checkpoint))), { id: "checkpoints-table" })
       : h("p", { class: "muted" }, "No complete checkpoint yet."));
   };
   const drawExtras = () => {
     if (coverage) replace(coverageBox, coverageTable(coverage));
-    const load = report?.expert_imbalance;
-    if (load && load.layers.length) replace(loadBox, expertLoad(load.layers, load.steps, load.ratio));
-    else if (latestLoad) {
-      const layers = Object.keys(latestLoad.ratio);
-      replace(loadBox, expertLoad(layers, [latestLoad.step], layers.map((l) => [latestLoad.ratio[l]])));
-    }
+    if (report?.expert_imbalance?.layers.length) return replace(loadBox, expertLoad(report.expert_imbalance));
+    if (!load.size) return;
+    const steps = [...load.keys()].sort((a, b) => a - b);
+    const layers = Object.keys(load.get(steps.at(-1)));
+    replace(loadBox, expertLoad({ layers, steps, ratio: layers.map((layer) => steps.map((step) => load.get(step)[layer] ?? 1)) }));
   };
   const loadReport = async () => {
     const answer = await api(`${jobPath(id)}/report`);
@@ -155,7 +174,7 @@ async function renderJob(id) {
     if (e.type === "metrics" && e.data) {
       if (typeof e.data.train_loss === "number") train.set(e.data.step, e.data.train_loss);
       if (typeof e.data.valid_loss === "number") valid.set(e.data.step, e.data.valid_loss);
-      if (e.data.expert_imbalance) latestLoad = { step: e.data.step, ratio: e.data.expert_imbalance };
+      if (e.data.expert_imbalance) load.set(e.data.step, e.data.expert_imbalance);
     }
     if (e.data?.lora_coverage) coverage = e.data.lora_coverage;
   };
@@ -167,11 +186,11 @@ async function renderJob(id) {
       h("section", { class: "card", "aria-labelledby": "loss-h" }, h("h2", { id: "loss-h" }, "Loss"), chart),
       h("section", { class: "card", "aria-labelledby": "events-h" }, h("h2", { id: "events-h" }, "Events"), eventList)),
     h("section", { class: "card", "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h" }, "Checkpoints"), checkpoints),
-    h("div", { class: "grid" },
-      h("section", { class: "card", "aria-labelledby": "cov-h" }, h("h2", { id: "cov-h" }, "LoRA coverage"), coverageBox),
-      h("section", { class: "card", "aria-labelledby": "load-h" }, h("h2", { id: "load-h" }, "Expert load per layer"), loadBox)));
+    h("section", { class: "card", "aria-labelledby": "cov-h" }, h("h2", { id: "cov-h" }, "LoRA coverage"), coverageBox),
+    h("section", { class: "card", "aria-labelledby": "load-h" }, h("h2", { id: "load-h" }, "Expert load per layer"), loadBox));
   drawJob();
   drawChart();
+  onWidthChange(chart, drawChart);
   drawCheckpoints();
   if (job.status === "succeeded") loadReport();
 

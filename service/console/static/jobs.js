@@ -1,11 +1,12 @@
 // The tenant's jobs: status, base, tuned model, progress and ETA, filtered by status; refreshed every few seconds.
-import { STATUSES, api } from "./api.js";
+import { STATUSES, api, baseNames } from "./api.js";
 import { eta, h, page, progressCell, replace, statusBadge, table, when } from "./dom.js";
 
 const REFRESH_MS = 3000;
 
 export async function render() {
   const params = new URLSearchParams(location.search);
+  const baseName = await baseNames();
   const filter = h("select", { id: "status-filter", name: "status" },
     h("option", { value: "" }, "all statuses"), STATUSES.map((s) => h("option", { value: s }, s.replace("_", " "))));
   filter.value = params.get("status") || "";
@@ -21,10 +22,10 @@ export async function render() {
     replace(body, shown.map((job) => h("tr", { "data-job": job.id },
       h("td", {}, h("input", { type: "checkbox", "aria-label": `select ${job.id} to compare`, checked: selected.has(job.id),
         onchange: (e) => { e.target.checked ? selected.add(job.id) : selected.delete(job.id); compare.disabled = selected.size < 2; } })),
-      h("td", {}, h("a", { href: `/console/jobs/${encodeURIComponent(job.id)}`, class: "mono" }, job.id)),
+      h("td", {}, h("a", { href: `/console/jobs/${encodeURIComponent(job.id)}`, class: "mono id" }, job.id)),
       h("td", {}, statusBadge(job.status)),
-      h("td", { class: "mono" }, job.model),
-      h("td", { class: "mono" }, job.fine_tuned_model || "–"),
+      h("td", { class: "mono", title: job.model, "data-base": job.model }, baseName(job)),
+      h("td", { class: "mono id" }, job.fine_tuned_model || "–"),
       h("td", {}, progressCell(job)),
       h("td", {}, job.status === "running" ? eta(job.estimated_finish) : "–"),
       h("td", {}, when(job.created_at)))));

@@ -4,6 +4,8 @@ import { allPages, api, upload } from "./api.js";
 import { gib, h, page, replace, table } from "./dom.js";
 
 const PRESETS = ["all-linear", "attention", "mlp", "experts"];
+const ZERO_STAGES = [1, 2, 3]; // every stage the API takes, so whatever the planner recommends can be chosen
+const GPUS_PER_NODE = 8;
 const PREVIEW_ROWS = 11; // the refused row and five on each side
 const PLAN_ROWS = [["lora_parameters", "LoRA parameters"], ["lora_gradients", "LoRA gradients"],
   ["optimizer_state", "optimizer state"], ["activations", "activations (saved)"], ["logits", "loss (logits)"],
@@ -53,14 +55,24 @@ export async function render() {
     checkpoint_every: input({ inputmode: "numeric", value: "", size: 5, placeholder: "off" }),
     num_workers: input({ inputmode: "numeric", value: "2", size: 4 }),
     gpus_per_worker: input({ inputmode: "numeric", value: "0", size: 4 }),
-    zero_stage: select([["2", "ZeRO-2"], ["3", "ZeRO-3"]], "2"),
+    zero_stage: select(ZERO_STAGES.map((stage) => [String(stage), `ZeRO-${stage}`]), "2"),
     expert_parallel_size: input({ inputmode: "numeric", value: "1", size: 4 }),
     suffix: input({ value: "", size: 16, placeholder: "optional" }),
     nodes: input({ inputmode: "numeric", value: "1", size: 4 }),
-    gpus_per_node: input({ inputmode: "numeric", value: "2", size: 4 }),
+    gpus_per_node: input({ inputmode: "numeric", value: "1", size: 4 }),
     gpu_memory: input({ value: "80GB", size: 8 }),
     nic: input({ value: "100Gbps", size: 9 }),
   };
+  // The planner's cluster follows the job's workers × GPUs (a CPU worker plans as one device) until edited by hand.
+  const edited = new Set();
+  const followJob = () => {
+    const devices = Math.max(1, num(f.num_workers) || 1) * Math.max(1, num(f.gpus_per_worker) || 0);
+    const nodes = Math.ceil(devices / GPUS_PER_NODE);
+    if (!edited.has(f.nodes)) f.nodes.value = String(nodes);
+    if (!edited.has(f.gpus_per_node)) f.gpus_per_node.value = String(Math.ceil(devices / nodes));
+  };
+  for (const el of [f.nodes, f.gpus_per_node]) el.addEventListener("input", () => edited.add(el));
+  for (const el of [f.num_workers, f.gpus_per_worker]) el.addEventListener("input", followJob);
   const formError = h("p", { class: "error", id: "form-error", role: "alert" });
   const planButton = h("button", { type: "button", class: "secondary", id: "plan" }, "Plan");
   const planOut = h("div", { id: "plan-result", role: "status" });
@@ -68,6 +80,7 @@ export async function render() {
 
   const num = (el) => (el.value.trim() === "" ? undefined : Number(el.value));
   const drop = (obj) => Object.fromEntries(Object.entries(obj).filter(([, v]) => v !== undefined && v !== ""));
+  followJob();
   const body = () => drop({
     model: f.model.value.trim(), training_file: trainingFile.value, validation_file: validationFile.value || undefined,
     suffix: f.suffix.value.trim() || undefined, method: { type: f.method.value },
@@ -177,7 +190,7 @@ export async function render() {
         field("parallelism.zero_stage", "ZeRO stage", f.zero_stage),
         field("parallelism.expert_parallel_size", "Expert parallel size", f.expert_parallel_size))),
     h("fieldset", {}, h("legend", {}, "Will it fit? (the planner)"),
-      h("div", { class: "row" }, field("nodes", "Nodes", f.nodes), field("gpus_per_node", "GPUs per node", f.gpus_per_node),
+      h("div", { class: "row" }, field("nodes", "Nodes", f.nodes), field("gpus_per_node", "GPUs per node", f.gpus_per_node, "follows Workers × GPUs per worker"),
         field("gpu_memory", "GPU memory", f.gpu_memory), field("nic", "Node NIC", f.nic), planButton), planOut),
     formError, submit);
 
