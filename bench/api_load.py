@@ -33,7 +33,10 @@ from pathlib import Path
 import aiohttp
 
 from moetune.service.local.demo import demo_job_spec, make_demo_assets
-from moetune.service.local.embedded import free_port, s3_env, spawn_s3_server, stop_process, wait_http
+from moetune.service.local.embedded import free_port, s3_env, spawn_s3_server, stop_process
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: bench.support
+from bench.support.server_process import start_server  # noqa: E402
 
 JOBS = "/v1/fine_tuning/jobs"
 SPEC = demo_job_spec().model_dump(mode="json", exclude_none=True)
@@ -48,22 +51,6 @@ def start_storage(work: Path) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     os.environ.update(s3_env(url))  # make_demo_assets writes through the same variables the server reads
     make_demo_assets(work, url, images=False)
-    return proc, url
-
-
-def start_server(work: Path, s3_url: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, **s3_env(s3_url),
-           "MOETUNE_DEFAULT_OUTPUT_URI": SPEC["output_uri"],
-           "MOETUNE_DATABASE_URL": f"sqlite:///{work / 'moetune.db'}",
-           "MOETUNE_API_TOKENS": ",".join(f"{tok}:{tenant}" for tenant, tok in TOKENS.items()),
-           "MOETUNE_SCHEDULER_ENABLED": "false"}
-    log = open(work / "server.log", "w")  # noqa: SIM115 - the server writes to it until it is stopped
-    moetune = Path(sys.executable).with_name("moetune")
-    proc = subprocess.Popen([str(moetune), "server", "--port", str(port), "--log-level", "warning"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/readyz", 60, proc, str(work / "server.log"))
     return proc, url
 
 
@@ -233,7 +220,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="moetune-load-") as tmp:
         s3, s3_url = start_storage(Path(tmp))
         try:
-            proc, url = start_server(Path(tmp), s3_url)
+            proc, url = start_server(Path(tmp), s3_url, SPEC["output_uri"], TOKENS)
             try:
                 asyncio.run(run(url, args.clients, args.seconds))
             finally:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,29 +25,15 @@ import boto3
 import httpx
 import psutil
 
-from moetune.service.local.embedded import free_port, s3_env, spawn_s3_server, stop_process, wait_http
+from moetune.service.local.embedded import free_port, s3_env, spawn_s3_server, stop_process
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: bench.support
+from bench.support.server_process import start_server  # noqa: E402
 
 TOKEN = "tok-bench"
 BUCKET = "bench-files"
 BOUNDARY = "moetune-bench-boundary"
 MIB = 2**20
-
-
-def start_server(work: Path, s3_url: str, max_upload_mb: float) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, **s3_env(s3_url),
-           "MOETUNE_DEFAULT_OUTPUT_URI": f"s3://{BUCKET}/runs",
-           "MOETUNE_DATABASE_URL": f"sqlite:///{work / 'moetune.db'}",
-           "MOETUNE_API_TOKENS": f"{TOKEN}:bench",
-           "MOETUNE_MAX_UPLOAD_MB": str(max_upload_mb),
-           "MOETUNE_SCHEDULER_ENABLED": "false"}
-    log = open(work / "server.log", "w")  # noqa: SIM115 - the server writes to it until it is stopped
-    moetune = Path(sys.executable).with_name("moetune")
-    proc = subprocess.Popen([str(moetune), "server", "--port", str(port), "--log-level", "warning"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/readyz", 60, proc, str(work / "server.log"))
-    return proc, url
 
 
 def jsonl_pieces(total: int) -> Iterator[bytes]:
@@ -133,7 +118,8 @@ def main() -> None:
         try:
             os.environ.update(s3_env(s3_url))
             boto3.client("s3", endpoint_url=s3_url).create_bucket(Bucket=BUCKET)  # /readyz checks the outputs' bucket
-            proc, url = start_server(Path(tmp), s3_url, max_upload_mb=total / 1e6 + 100)
+            proc, url = start_server(Path(tmp), s3_url, f"s3://{BUCKET}/runs", {"bench": TOKEN},
+                                     max_upload_mb=str(total / 1e6 + 100))
             try:
                 run(url, proc.pid, total)
             finally:
