@@ -15,7 +15,7 @@ from bench.support.replicas import spawn_control_plane
 from moetune.service.cli.serve import wait_until_running
 from moetune.service.cluster import serve_deploy
 from moetune.service.local.embedded import free_port, stop_process
-from tests.support.console_browser import NARROW, console_session
+from tests.support.console_browser import console_session
 from tests.support.control_plane import TOKENS, control_plane_env
 
 pytestmark = pytest.mark.ray_job
@@ -87,7 +87,12 @@ def test_a_job_from_upload_to_playground_in_the_browser(console_server, tiny_ass
         page.wait_for_selector("#plan-verdict, #form-error:not(:empty), .field-error:not(:empty)", timeout=180_000)
         refused = [el.inner_text() for el in page.query_selector_all("#form-error, .field-error") if el.inner_text()]
         assert not refused and page.inner_text("#plan-verdict").startswith("Fits"), refused
-        s.shot("new-job-plan")
+        # the planner's cluster is the job's: two workers, planned as two devices; whatever it recommends is offered
+        assert (page.input_value("#field-nodes"), page.input_value("#field-gpus_per_node")) == ("1", "2")
+        stages = [o.get_attribute("value") for o in page.query_selector_all("#field-parallelism\\.zero_stage option")]
+        recommended = re.findall(r"ZeRO-(\d)", page.inner_text("#plan-table thead"))
+        assert recommended and set(recommended) <= set(stages), (recommended, stages)
+        s.both_widths("new-job-plan")
         page.click("#submit")
         page.wait_for_url(re.compile(r"/console/jobs/ftjob-"))
         job_id = page.url.rsplit("/", 1)[1]
@@ -112,8 +117,15 @@ def test_a_job_from_upload_to_playground_in_the_browser(console_server, tiny_ass
         assert len(counts) >= 3 and counts == sorted(counts), counts  # seen at several sizes, only growing
         page.wait_for_selector("#checkpoints-table")
         page.wait_for_selector("#coverage-table")
-        s.shot("job-succeeded")
-        s.shot("job-succeeded-narrow", NARROW)
+        # the base by its registered name; the expert load of every step the report holds
+        assert page.inner_text("#base-model") == BASE
+        report = httpx.get(f"{url}/v1/fine_tuning/jobs/{job_id}/report",
+                           headers={"Authorization": f"Bearer {TOKENS['tenant-a']}"}, timeout=30).json()
+        if report.get("expert_imbalance"):
+            page.wait_for_selector("#expert-load-table")
+            heading = [el.inner_text() for el in page.query_selector_all("#expert-load-table thead th")][1:]
+            assert heading == [str(step) for step in report["expert_imbalance"]["steps"]], heading
+        s.both_widths("job-succeeded")
 
         # the adaptation report, framed from the API
         page.click("#open-report")

@@ -35,7 +35,7 @@ async function renderReport(id) {
 
 function summaryRows(job, baseName) {
   const rows = [
-    ["Status", statusBadge(job.status)], ["Base", h("span", { class: "mono", title: job.model, id: "base-model" }, baseName(job))],
+    ["Status", statusBadge(job.status)], ["Base", h("span", { class: "mono id", title: job.model, id: "base-model" }, baseName(job))],
     ["Tuned model", h("span", { class: "mono", id: "tuned-model" }, job.fine_tuned_model || "–")],
     ["Progress", progressCell(job)], ["ETA", job.status === "running" ? eta(job.estimated_finish) : "–"],
     ["Train / valid loss", `${fmt(job.progress?.train_loss)} / ${fmt(job.progress?.valid_loss)}`],

@@ -24,11 +24,11 @@ export async function render() {
         onchange: (e) => { e.target.checked ? selected.add(job.id) : selected.delete(job.id); compare.disabled = selected.size < 2; } })),
       h("td", {}, h("a", { href: `/console/jobs/${encodeURIComponent(job.id)}`, class: "mono id" }, job.id)),
       h("td", {}, statusBadge(job.status)),
-      h("td", { class: "mono", title: job.model, "data-base": job.model }, baseName(job)),
+      h("td", { class: "mono id", title: job.model, "data-base": job.model }, baseName(job)),
       h("td", { class: "mono id" }, job.fine_tuned_model || "–"),
-      h("td", {}, progressCell(job)),
+      h("td", { class: "nowrap" }, progressCell(job)),
       h("td", {}, job.status === "running" ? eta(job.estimated_finish) : "–"),
-      h("td", {}, when(job.created_at)))));
+      h("td", { class: "nowrap" }, when(job.created_at)))));
     count.textContent = shown.length ? `${shown.length} job${shown.length > 1 ? "s" : ""}` + (filter.value ? ` ${filter.value.replace("_", " ")}` : "")
       : jobs.length ? "No job has this status." : "No jobs yet: start one under New job.";
     more.hidden = !hasMore;

@@ -130,7 +130,8 @@ export async function render() {
         : `${file.name}: sent, the server is storing it…`;
     });
     if (answer.ok) {
-      uploadStatus.textContent = `${answer.data.filename}: ${answer.data.rows} rows, every one valid (${answer.data.id}).`;
+      replace(uploadStatus, `${answer.data.filename}: ${answer.data.rows} rows, every one valid (`,
+        h("span", { class: "mono id" }, answer.data.id), ").");
       trainingFile.append(h("option", { value: answer.data.id }, `${answer.data.filename} (${answer.data.rows} rows, ${answer.data.id})`));
       validationFile.append(h("option", { value: answer.data.id }, `${answer.data.filename} (${answer.data.rows} rows, ${answer.data.id})`));
       trainingFile.value = answer.data.id;
