@@ -149,7 +149,8 @@ def test_session_calls_recovery_from_a_killed_worker_and_exact_resume(session, c
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     config = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/adapter_config.json")["Body"].read())
     assert config["peft_type"] == "LORA" and config["r"] == 4
-    assert s3.head_object(Bucket=bucket, Key=f"{prefix}/adapter_model.safetensors")["ContentLength"] > 0
+    saved = s3.head_object(Bucket=bucket, Key=f"{prefix}/adapter_model.safetensors")
+    assert saved["ContentLength"] > 0
 
     # what the weights answer (the served check is in the last test, where Serve starts while the group idles out)
     SAVED["final"] = session.sample(**greedy).result(timeout=120)["sequences"][0]
@@ -170,6 +171,14 @@ def test_session_calls_recovery_from_a_killed_worker_and_exact_resume(session, c
     print(f"forward_backward_custom {time.perf_counter() - started:.2f} s")
     assert custom["surrogate_loss"] == pytest.approx(custom["loss"], rel=1e-5)
     session.optim_step(**ADAM)
+
+    # saved weights are immutable: a second save under "final" is a new version with its own URI, the first is
+    # left as it was (loadable by its URI), and the name serves the newest (the deploy check in the last test)
+    newer = session.save_weights("final").result(timeout=120)["uri"]
+    assert newer != uri and newer.rsplit("/", 1)[0] == uri.rsplit("/", 1)[0]
+    kept = s3.head_object(Bucket=bucket, Key=f"{prefix}/adapter_model.safetensors")
+    assert (kept["ETag"], kept["LastModified"]) == (saved["ETag"], saved["LastModified"])
+    SAVED["final"] = session.sample(**greedy).result(timeout=120)["sequences"][0]
 
 
 
