@@ -21,11 +21,10 @@ import torch
 
 from moetune.api.quantization import quantization_of
 from moetune.workers.experts.placement import placement_at
-from moetune.workers.weights import loader
 from moetune.workers.weights.header import TensorInfo
 from moetune.workers.weights.loader import check_quantized_parts, empty_model, fused_expert_params, plan_for
 from moetune.workers.weights.mapping import NameMapper
-from moetune.workers.weights.plan import map_checkpoint, plan_mapped
+from moetune.workers.weights.plan import map_checkpoint
 
 RELEASE = Path(__file__).parents[1] / "examples" / "kimi-k3" / "config.json"
 SHARDS = 96
@@ -63,13 +62,11 @@ def release_index(model) -> dict[str, dict[str, TensorInfo]]:
 
 def plan_every_rank(ckpt, model, config: dict, ep: int, map_once: bool) -> list[int]:
     """Bytes each rank reads, as `moetune models inspect` plans and checks them."""
-    if map_once:  # plan_for's inputs, planned from the names mapped here once (plan_for maps them itself today)
-        mapped = map_checkpoint(ckpt.tensors, NameMapper(model), ckpt.quantization)
-        loader.plan_rank = lambda shards, mapper, *inputs: plan_mapped(mapped, *inputs)
+    mapped = map_checkpoint(ckpt.tensors, NameMapper(model), ckpt.quantization) if map_once else None
     read = []
     for rank in range(ep):
         placement = placement_at(config, ep, rank)
-        plan = plan_for(ckpt, model, placement)
+        plan = plan_for(ckpt, model, placement, mapped)
         check_quantized_parts(model, plan, placement, ckpt.quantization)
         read.append(plan.nbytes)
     return read

@@ -34,7 +34,7 @@ from moetune.workers.weights.fetch import FetchStats, RangeFetcher, Source, torc
 from moetune.workers.weights.formats import build, parse_storage_name
 from moetune.workers.weights.header import HEADER_PROBE, TensorInfo, read_header
 from moetune.workers.weights.mapping import NameMapper
-from moetune.workers.weights.plan import Plan, plan_rank
+from moetune.workers.weights.plan import MappedCheckpoint, Plan, map_checkpoint, plan_mapped
 from moetune.workers.weights.quantized import install, quantized_shape
 from moetune.workers.weights.s3 import is_s3, object_head, read_object
 
@@ -212,7 +212,9 @@ def allocated_shapes(model, shares: dict[str, ExpertPlacement]) -> dict[str, tup
             for name, p in model.named_parameters()}
 
 
-def plan_for(ckpt: Checkpoint, model, placement: ExpertPlacement | None = None) -> Plan:
+def plan_for(ckpt: Checkpoint, model, placement: ExpertPlacement | None = None,
+             mapped: MappedCheckpoint | None = None) -> Plan:
+    """`mapped`: the checkpoint's names mapped once for every rank planned (map_checkpoint); None maps them here."""
     shares = expert_shares(model, placement)
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     aliases = {name: next(n for n, p in params.items() if p is t)
@@ -221,8 +223,8 @@ def plan_for(ckpt: Checkpoint, model, placement: ExpertPlacement | None = None) 
     persistent = model.state_dict(keep_vars=True)
     shapes.update({name: tuple(b.shape) for name, b in model.named_buffers() if name in persistent})
     digests = ckpt.manifest["tensors"] if ckpt.manifest else None
-    return plan_rank(ckpt.tensors, NameMapper(model), shapes, set(params), shares, aliases, digests,
-                     ckpt.quantization)
+    mapped = mapped or map_checkpoint(ckpt.tensors, NameMapper(model), ckpt.quantization)
+    return plan_mapped(mapped, shapes, set(params), shares, aliases, digests, ckpt.quantization)
 
 
 def _allocate(model, shapes_of: dict[str, tuple], plan: Plan, device) -> dict:

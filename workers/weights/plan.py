@@ -112,14 +112,6 @@ def map_checkpoint(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper,
     return mapped
 
 
-def plan_rank(shards: dict[str, dict[str, TensorInfo]], mapper: NameMapper, shapes: dict[str, tuple[int, ...]],
-              required: set[str], experts: dict[str, ExpertPlacement], aliases: dict[str, str],
-              digests: dict | None, quantization: Quantization | None = None) -> Plan:
-    """One rank's plan of a checkpoint (plan_mapped's, mapping its names first)."""
-    return plan_mapped(map_checkpoint(shards, mapper, quantization), shapes, required, experts, aliases, digests,
-                       quantization)
-
-
 def _entries(mapped: MappedCheckpoint, experts: dict[str, ExpertPlacement], aliases: dict[str, str]):
     """The mapped tensors this rank may read, in checkpoint order: all but the per-expert tensors of experts
     outside its share (all of them where some fused parameter they fill is not shared out)."""

@@ -34,6 +34,8 @@ from moetune.workers.weights.loader import (
     open_checkpoint,
     plan_for,
 )
+from moetune.workers.weights.mapping import NameMapper
+from moetune.workers.weights.plan import map_checkpoint
 
 Progress = Callable[[str, int], None]  # (what, bytes done)
 
@@ -162,9 +164,10 @@ def inspect(uri: str, ep: int = 1, progress=None, lora: LoraSpec | None = None) 
     total_bytes = sum(info.nbytes for shard in ckpt.tensors.values() for info in shard.values())
     quantization = ckpt.quantization
     ranks = []
+    mapped = map_checkpoint(ckpt.tensors, NameMapper(model), quantization)  # once for every rank
     for rank in range(ep):
         placement = placement_at(ckpt.config, ep, rank)
-        plan = plan_for(ckpt, model, placement)
+        plan = plan_for(ckpt, model, placement, mapped)
         check_quantized_parts(model, plan, placement, quantization)  # what the loader would refuse
         ranks.append(plan.nbytes)
     return {"uri": uri, "model_type": ckpt.config.get("model_type"),

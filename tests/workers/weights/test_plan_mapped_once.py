@@ -13,10 +13,9 @@ from bench.weights_plan import RELEASE, release_index
 from moetune.api.quantization import quantization_of
 from moetune.workers.experts.placement import placement_at
 from moetune.workers.families.kimi_k3.tiny import tiny_config
-from moetune.workers.weights import loader
 from moetune.workers.weights.loader import empty_model, plan_for
 from moetune.workers.weights.mapping import NameMapper
-from moetune.workers.weights.plan import map_checkpoint, plan_mapped
+from moetune.workers.weights.plan import map_checkpoint
 
 
 class _Checkpoint:
@@ -47,9 +46,7 @@ def test_every_rank_plans_from_one_mapping_as_from_its_own(tiny_release, monkeyp
         for rank in range(ep):
             placement = placement_at(config, ep, rank)
             own = plan_for(ckpt, model, placement)  # mapping every name for this rank
-            with monkeypatch.context() as patched:
-                patched.setattr(loader, "plan_rank", lambda shards, mapper, *inputs: plan_mapped(mapped, *inputs))
-                shared = plan_for(ckpt, model, placement)
+            shared = plan_for(ckpt, model, placement, mapped)
             assert shared.pieces == own.pieces and shared.storage == own.storage, (ep, rank)
             assert (shared.unexpected, shared.metadata) == (own.unexpected, own.metadata)
             routed = {p.tensor for p in shared.pieces if ".experts." in p.tensor}
