@@ -1,7 +1,7 @@
 """The planner's answer for Kimi K3 as released (examples/kimi-k3/config.json: MXFP4 routed experts, bf16 the rest)
 with the seed recipe (examples/kimi-k3.job.yaml), on 64 H200s and 64 B200s (140 and 179 GiB: their memory as the
 device reports it, nvidia-smi's 143,771 and 183,359 MiB; sold as 141 and 192 GB), at 4K, 32K and 128K tokens: the
-recommended layout and the fewest GPUs any layout fits on, per GPU in training and at load. Prints the README's table
+recommended layout and the fewest GPUs any layout fits on, per GPU in training and at load. Prints docs/parallelism.md's table
 (markdown) and a RESULT line. The model facts are measured once per length (the meta-device pass is the cost; the
 clusters share it).
 

@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     # and only under the listed directories (JSON list, or comma-separated), which it then requires.
     allow_file_uris: bool = False
     file_uri_roots: Annotated[list[str], NoDecode] = []
-    # The GPUs jobs run on, "nodes=8,gpus_per_node=8,gpu_memory=141GB,nic=400Gbps" (api.plans.parse_cluster):
+    # The GPUs jobs run on, "nodes=8,gpus_per_node=8,gpu_memory=140GiB,nic=400Gbps" (api.plans.parse_cluster):
     # submission then refuses a GPU job whose parallelism cannot fit them (service/submission/planning.py). Unset: no check.
     cluster: str | None = None
     # Images in chat rows, as JSON, e.g. {"max_image_bytes": 5000000, "max_images_per_row": 4, "max_image_pixels":
