@@ -79,7 +79,8 @@ def sessions_close(obj: dict, session_id: str) -> None:
 
 @sessions.command("restart")
 @click.argument("session_id")
+@click.option("--fresh", is_flag=True, help="Start a fresh LoRA instead of resuming the newest save_state.")
 @click.pass_obj
-def sessions_restart(obj: dict, session_id: str) -> None:
-    """A new worker group resuming from the newest save_state (a fresh LoRA before the first)."""
-    _show(_training(obj).session(session_id).restart())
+def sessions_restart(obj: dict, session_id: str, fresh: bool) -> None:
+    """A new worker group resuming from the newest save_state (a fresh LoRA before the first, or with --fresh)."""
+    _show(_training(obj).session(session_id).restart(fresh=fresh))

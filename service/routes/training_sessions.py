@@ -26,7 +26,7 @@ from moetune.api.models.training_sessions import (
 )
 from moetune.service.auth import bearer_token, job_token_matches, unauthorized
 from moetune.service import quotas
-from moetune.service.cluster import serve_deploy
+from moetune.service.cluster import deployments as recorded_deployments, serve_deploy
 from moetune.service.cluster.ray_jobs import RayUnavailable
 from moetune.service.errors import APIException, invalid_request, documented_errors
 from moetune.service.routes.deps import StoreDep, Tenant
@@ -259,8 +259,7 @@ def deploy_weights(session_id: str, name: str, request: Request, tenant: Tenant,
         raise APIException(404, ErrorCode.not_found, f"Training session {row.id} saved no weights named {name!r} "
                                                      "(save_weights saves them).", "name")
     served = found[0].moetune
-    status = serve_deploy.deploy(settings.ray_address, settings.serve_url, settings.callback_url,
-                                 {served.base_model: served.base_model_uri}, settings.s3_endpoint_url)
+    status = recorded_deployments.deploy(store, settings, {served.base_model: served.base_model_uri})
     return Deployment(model=found[0].id, base_model=served.base_model,
                       base_url=serve_deploy.openai_base_url(settings.serve_url), status=status)
 

@@ -286,8 +286,11 @@ def test_a_fresh_restart_starts_a_new_lora_and_later_recoveries_do_not_resume_th
         running = session.forward_backward([{"tokens": [1, 2, 3]}])
         _run_next(group)
 
-        info = session.restart(fresh=True)
-        assert (info.restarts, info.restored_state, info.restored_step) == (2, None, 0)
+        cli = CliRunner(env={"MOETUNE_URL": service.url, "MOETUNE_TOKEN": TOKENS["tenant-a"]})
+        assert cli.invoke(main, ["sessions", "restart", "--fresh", session.id], catch_exceptions=False).exit_code == 0
+        with service.http() as http:
+            info = http.get(f"/v1/training_sessions/{session.id}").json()
+        assert (info["restarts"], info["restored_state"], info["restored_step"]) == (2, None, 0)
         group, run = _group(service, ray, session.id, 2)
         assert run.restore is None
         with pytest.raises(CallFailed) as lost:
