@@ -192,7 +192,7 @@ class Reporter:
         return self.send(EventReport(message=message, level=level, type=type, data=data))
 
     def metrics(self, step: int, **values: Any):
-        summary = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+        summary = ", ".join(f"{k}={_figure(v)}" for k, v in values.items())
         return self.event(f"Step {step}: {summary}", type="metrics", data={"step": step, **values})
 
     def checkpoint(self, step: int, uri: str, retired_steps: Iterable[int] = (), **metrics: Any):
@@ -216,3 +216,11 @@ def _ack(response: httpx.Response) -> ReportAck:
         return ReportAck.model_validate_json(response.content)
     except ValueError:
         return ReportAck()
+
+
+def _figure(value) -> str:
+    """A step figure as a person reads it in the event log: 4 significant digits; a per-layer figure (a dict) as
+    `[layer: value, ...]` (its exact values are in the event's data)."""
+    if isinstance(value, dict):
+        return "[" + ", ".join(f"{k}: {_figure(v)}" for k, v in value.items()) + "]"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

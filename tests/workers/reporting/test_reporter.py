@@ -45,3 +45,10 @@ def test_a_pickled_reporter_reports_through_its_own_outbox(receiver, tmp_path):
     copy = pickle.loads(pickle.dumps(Reporter("j", callback_url=receiver.url, token="t", directory=tmp_path)))
     assert copy.event("from the controller") and copy.close()
     assert [r.report.message for r in receiver.reports] == ["from the controller"]
+
+
+def test_step_figures_read_as_numbers_not_python_reprs():
+    from moetune.workers.reporting.reporter import _figure
+
+    assert _figure({"1": 1.6405123, "12": 1.35}) == "[1: 1.641, 12: 1.35]"  # per layer, as the event log shows it
+    assert (_figure(0.123456), _figure(7)) == ("0.1235", "7")
