@@ -10,14 +10,9 @@ import pytest
 import torch
 
 from moetune.api.custom_loss import surrogate_weights
-from moetune.api.models.lora import LoraSpec
-from moetune.api.models.training import TrainingSpec
 from moetune.api.models.training_sessions import Datum
-from moetune.workers.families import apply_kernel_swaps
-from moetune.workers.model import trainable_model
 from moetune.workers.sessions.batch import padded, token_logprobs
 from moetune.workers.sessions.losses import LOSSES
-from tests.workers.methods.test_dpo import random_lora_b
 
 DATA = [Datum(tokens=[5, 17, 33, 48, 62, 71, 90], advantages=[0.0, 1.0, -0.5, 2.0, 0.3, -1.0, 0.7]),
         Datum(tokens=[9, 8, 7, 6], advantages=[0.0, -1.5, 0.2, 1.0])]
@@ -29,18 +24,6 @@ def user_loss(data, logprobs):
     totals = torch.stack([lp[1:].sum() for lp in logprobs])
     weighted = torch.stack([(lp * torch.tensor(d.advantages)).sum() for d, lp in zip(data, logprobs)])
     return -torch.logsumexp(totals, 0) + 0.1 * (weighted**2).sum(), {"sequences": len(data)}
-
-
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
-    apply_kernel_swaps(base)
-    torch.manual_seed(1)
-    model = trainable_model(base, LoraSpec(rank=4, alpha=8, dropout=0.0), TrainingSpec(), None).train()
-    random_lora_b(model)  # LoRA B nonzero: every LoRA A gets a gradient too
-    return model
 
 
 def _lora_grads(model) -> dict:

@@ -12,13 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetune.api.models.lora import LoraSpec
-from moetune.api.models.training import TrainingSpec
-from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.methods.loss_head import install_loss_head, linear_token_logprobs, logits_token_logprobs
-from moetune.workers.model import trainable_model
 from moetune.workers.sessions.batch import TokenLogprobHead, padded_tokens, token_logprobs
-from tests.workers.methods.test_dpo import random_lora_b
 
 TOKENS = [[5, 17, 33, 48, 62, 71, 90, 3, 44], [9, 8, 7, 6], [1, 2]]
 
@@ -63,18 +58,6 @@ def test_logits_token_logprobs_equal_the_full_formula(chunk_tokens):
     got_grad, = torch.autograd.grad(nonlinear(got), logits)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
-    apply_kernel_swaps(base)
-    torch.manual_seed(1)
-    model = trainable_model(base, LoraSpec(rank=4, alpha=8, dropout=0.0), TrainingSpec(), None).train()
-    random_lora_b(model)
-    return model
 
 
 def _old_token_logprobs(model, tokens):
