@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     # (422 naming training.max_steps) unless it sets training.allow_many_epochs.
     max_epochs: float = 100.0
     scheduler_enabled: bool = True
+    # The leader deploys again what was deployed and the Serve app lost (a Ray head restart, `moetune down`/`up`).
+    # Off where another control plane shares the Ray cluster and owns its Serve app (the e2e tests' shared one).
+    restore_deployments: bool = True
     scheduler_interval_s: float = 1.0
     # Replicas share the database; the one holding the scheduler lease schedules (service/cluster/leader.py). It
     # renews every scheduler_lease_renew_s; a leader that stops is replaced scheduler_lease_s later at the latest

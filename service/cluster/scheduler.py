@@ -124,8 +124,8 @@ class Scheduler:
     def tick(self, epoch: int | None = None) -> None:
         """One pass under lease `epoch`; a failing step is logged and retried next tick, never ends the thread."""
         self._epoch = epoch
-        for step in (self.stop_cancelled, self.follow_running, self.validate_files, self.submit_queued,
-                     self.deployments.restore):
+        restore = (self.deployments.restore,) if self.settings.restore_deployments else ()
+        for step in (self.stop_cancelled, self.follow_running, self.validate_files, self.submit_queued, *restore):
             try:
                 step()
             except RayUnavailable:

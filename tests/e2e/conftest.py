@@ -41,7 +41,10 @@ def control_plane(s3_endpoint, ray_head, tmp_path_factory):
     port = free_port()
     work = tmp_path_factory.mktemp("control-plane")
     env = {**control_plane_env(s3_endpoint, ray_head, work, port),
-           "MOETUNE_SERVE_URL": f"http://127.0.0.1:{free_port()}"}  # a session's weights deploy there
+           "MOETUNE_SERVE_URL": f"http://127.0.0.1:{free_port()}",  # a session's weights deploy there
+           # tests delete the Serve app behind its back, and tests/e2e/test_serve.py's own control plane deploys on
+           # the same Ray head: this one must not bring its deployments back
+           "MOETUNE_RESTORE_DEPLOYMENTS": "false"}
     proc = spawn_control_plane(env, port, work / "server.log")
     try:
         yield f"http://127.0.0.1:{port}"

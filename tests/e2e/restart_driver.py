@@ -2,8 +2,10 @@
 nothing, so several jobs fit on the test machine at once.
 
 It waits for `<output_uri>/go` (the test writes it), then fails when its training file's name contains
-"fail", else writes the job's summary.json and reports success. Reports it cannot deliver (the control
-plane is down) are dropped after the Reporter's retries, as a real driver's would be.
+"fail", else writes the job's summary.json and reports success. Unlike a real driver, which waits up to
+15 minutes for the control plane to take its reports, it gives up on an undelivered result after a few seconds and
+ends: a driver that dies with its result unsent, which the restarted control plane must still account for (from
+Ray's status and the job's summary.json).
 """
 
 import json
@@ -26,7 +28,7 @@ TRAINED_TOKENS = 42
 def main() -> int:
     run = JobRunSpec.model_validate_json(os.environ[ENV_RUN_SPEC])
     settings = WorkerSettings()
-    reporter = Reporter(run.job_id, settings.callback_url, settings.job_token)
+    reporter = Reporter(run.job_id, settings.callback_url, settings.job_token, flush_timeout_s=3)
     reporter.event("restart driver started")
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ[ENV_S3_ENDPOINT_URL]}, use_listings_cache=False)
     out = run.output_uri.removeprefix("s3://")

@@ -69,7 +69,7 @@ def test_sigkill_restart_loses_and_duplicates_nothing(s3_endpoint, ray_head, s3_
     finally:
         stop_process(first)
 
-    # While the control plane is down two jobs end; their drivers' result reports are lost.
+    # While the control plane is down two jobs end; their drivers give up on their result reports.
     ray = JobSubmissionClient(ray_head.dashboard_url)
     for job_id in (ends_ok, ends_failed, *queued):
         go(job_id)

@@ -64,11 +64,16 @@ class ImageRows:
         if self._processor is None:
             from transformers import AutoImageProcessor
 
-            if not os.path.exists(os.path.join(self.local_dir, "preprocessor_config.json")):
+            if not self.has_processor:
                 raise DatasetError("training_file", "rows have images but the model folder has no "
                                                     "preprocessor_config.json (the checkpoint's image processor)")
             self._processor = AutoImageProcessor.from_pretrained(self.local_dir)
         return self._processor
+
+    @property
+    def has_processor(self) -> bool:
+        """Whether the model folder has the checkpoint's image processor (the driver refuses image rows without)."""
+        return os.path.exists(os.path.join(self.local_dir, "preprocessor_config.json"))
 
     @property
     def tokens_per_patch(self) -> int:
@@ -148,7 +153,7 @@ class SupervisedImageMethod(SupervisedMethod):
         the tower's modules gathers its weights with a collective, and a rank that skipped them would leave its
         peers waiting in those gathers (NCCL hangs until its watchdog). It runs where the family's forward runs
         the tower, right after the token embeddings (a tower run before the forward gathers in another order)."""
-        if "pixel_values" in batch.inputs:
+        if "pixel_values" in batch.inputs or not self.images.has_processor:  # without one no rank has images
             return super().loss_sum(model, batch)
         idle = []
         hook = model.get_input_embeddings().register_forward_hook(
