@@ -37,6 +37,7 @@ def main() -> int:
         time.sleep(0.3)
     if "fail" in run.spec.training_file:
         reporter.failed(ErrorCode.training_failed, "the training file asks this job to fail")
+        reporter.close()  # its word on what it could not deliver comes before the line below
         print("restart driver: the training file asks this job to fail", file=sys.stderr)  # Ray's last log line
         return 1
     summary = {"trained_tokens": TRAINED_TOKENS}

@@ -95,7 +95,8 @@ def test_gpu_check_dry_run_passes_every_stage_in_a_venv_of_its_list(tmp_path):
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     stages = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
-    assert [s["stage"] for s in stages] == ["plan", "env", "correctness", "syncs", "job_step", "sparse_dkv", "bench"]
+    assert [s["stage"] for s in stages] == ["plan", "env", "correctness", "syncs", "job_step", "builder_step",
+                                             "images_zero3", "ep2_export", "sparse_dkv", "bench"]
     assert not any("error" in s for s in stages), stages
     plan, by_stage = stages[0], {s["stage"]: s for s in stages}
     assert list(plan["budget_seconds"]) == [s["stage"] for s in stages[1:]]
