@@ -26,6 +26,7 @@ from moetune.service.settings import Settings
 from moetune.service.store import Store
 from moetune.service.submission.storage_facts import StorageFacts
 from moetune.service.webhooks.delivery import DeliveryLoop
+from moetune.service.webhooks.outbox import enqueue_job_event
 
 
 class _TrailingSlashIgnored:
@@ -44,6 +45,7 @@ class _TrailingSlashIgnored:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     store = Store(settings.database_url)
+    store.transitions.subscribe(enqueue_job_event)  # a job's webhook events commit with its change
     lease = LeaderLease(store, settings.scheduler_lease_s, settings.scheduler_lease_renew_s)
     metrics = ControlPlaneMetrics(store, lambda: lease.epoch() is not None, settings.tenant_quotas)
     metrics.registry.register(SessionsCollector(store))

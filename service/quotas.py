@@ -23,8 +23,7 @@ from moetune.api.errors import ErrorCode
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.parallelism import ParallelismSpec
 from moetune.service.api_exception import APIException
-from moetune.service.session_rows import SessionRow
-from moetune.service.store import SLOT_STATUSES, JobRow, Store
+from moetune.service.store import SLOT_STATUSES, JobRow, SessionRow, Store
 
 ANY_TENANT = "*"  # the quota of every tenant not named
 SESSION_HOLDING = ("starting", "ready", "closing")  # a session's statuses while its group holds workers

@@ -2,10 +2,10 @@
 long as its head runs, so a Ray head restart (or `moetune down` / `up`) used to leave every deployed model unserved
 until someone deployed it again.
 
-The deploy routes record the bases they made Serve run (table `deployed_bases`, migration 0010, on a declarative
-base of its own as the webhook and session tables are); the scheduler's leader checks every
-`RESTORE_CHECK_S` whether Serve still runs each of them and deploys the missing ones again, its first pass
-included, so a control plane that starts (`moetune up`) or that finds the Serve app gone brings it back.
+The deploy routes record the bases they made Serve run (DeployedBaseRow, service/store/deployments.py); the
+scheduler's leader checks every `RESTORE_CHECK_S` whether Serve still runs each of them and deploys the missing ones
+again, its first pass included, so a control plane that starts (`moetune up`) or that finds the Serve app gone
+brings it back.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Float, String, Text, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from moetune.service.api_exception import APIException
 from moetune.service.cluster import serve_deploy
+from moetune.service.store import DeployedBaseRow
 
 if TYPE_CHECKING:
     from moetune.service.settings import Settings
@@ -28,21 +28,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RESTORE_CHECK_S = 10.0  # one GET to the Ray dashboard per period, and only while something was deployed
-
-
-class DeploymentBase(DeclarativeBase):
-    pass
-
-
-class DeployedBaseRow(DeploymentBase):
-    """A base the Serve app was asked to serve (its tuned models' adapters load on first use, so the bases are
-    the whole of what a deployment is)."""
-
-    __tablename__ = "deployed_bases"
-
-    name: Mapped[str] = mapped_column(String(256), primary_key=True)
-    uri: Mapped[str] = mapped_column(Text)
-    deployed_at: Mapped[float] = mapped_column(Float)
 
 
 def recorded(store: Store) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""Alembic environment: runs on the connection handed over by Store.migrate (or one made from the URL)."""
+"""Alembic environment: runs on the connection handed over by Store.migrate (or one made from the URL). Its target
+is the one declarative base of every table (tests/service/test_store.py checks that the migrations build it)."""
 
 from alembic import context
 from sqlalchemy import create_engine

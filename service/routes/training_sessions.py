@@ -30,10 +30,9 @@ from moetune.service.cluster import deployments as recorded_deployments, serve_d
 from moetune.service.cluster.ray_jobs import RayUnavailable
 from moetune.service.errors import APIException, invalid_request, documented_errors
 from moetune.service.routes.deps import StoreDep, Tenant
-from moetune.service.session_rows import CallRow, SessionRow
 from moetune.service.sessions import launch, records
 from moetune.service.sessions.weights import saved_weights
-from moetune.service.store import Store
+from moetune.service.store import CallRow, SessionRow, Store
 
 router = APIRouter(prefix="/v1/training_sessions", tags=["training sessions"], responses=documented_errors(
         (400, "The request body could not be parsed"),

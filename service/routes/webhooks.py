@@ -16,8 +16,8 @@ from moetune.api.models.webhooks import (
 from moetune.service.errors import APIException, documented_errors
 from moetune.service.routes.deps import StoreDep, Tenant
 from moetune.service.store import Store
+from moetune.service.store.webhooks import EndpointRow
 from moetune.service.webhooks.endpoints import create_endpoint, delete_endpoint, get_endpoint, list_endpoints
-from moetune.service.webhooks.rows import EndpointRow
 from moetune.service.webhooks.signing import secret_hint
 
 router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"], responses=documented_errors(

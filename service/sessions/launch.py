@@ -12,9 +12,8 @@ from moetune.api.models.training_sessions import SessionCreate, SessionRunSpec
 from moetune.service.auth import hash_token, new_job_token
 from moetune.service.cluster.ray_jobs import RayJobs
 from moetune.service.sessions import records
-from moetune.service.session_rows import SessionRow
 from moetune.service.settings import Settings
-from moetune.service.store import Store
+from moetune.service.store import SessionRow, Store
 
 log = logging.getLogger("moetune.sessions")
 ENTRYPOINT = "python -m moetune.workers.sessions.driver"

@@ -1,5 +1,5 @@
 """A session's rows: the session and its status, its calls as a queue the group takes from oldest first. Status
-changes are conditional updates, as the jobs' are (service/store.py), so user calls and the group's reports race
+changes are conditional updates, as the jobs' are (service/store/jobs.py), so user calls and the group's reports race
 safely. Each worker group the session starts is a row among its calls too (kind `group`, never taken): when it was
 submitted and what it resumed from, which later groups and the start timeout read."""
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import func, select, update
 
 from moetune.api.models.training_sessions import OPEN_STATUSES
-from moetune.service.session_rows import CallRow, SessionRow
+from moetune.service.store import CallRow, SessionRow
 
 if TYPE_CHECKING:
     from moetune.service.store import Store

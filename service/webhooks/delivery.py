@@ -21,7 +21,7 @@ import httpx
 from sqlalchemy import select, update
 from starlette.concurrency import run_in_threadpool
 
-from moetune.service.webhooks.rows import DELIVERED, GAVE_UP, PENDING, DeliveryRow, EndpointRow
+from moetune.service.store.webhooks import DELIVERED, GAVE_UP, PENDING, DeliveryRow, EndpointRow
 from moetune.service.webhooks.signing import signed_headers
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import delete, or_, select
 
 from moetune.api.models.webhooks import WebhookEndpointCreate
-from moetune.service.webhooks.rows import EndpointRow
+from moetune.service.store.webhooks import EndpointRow
 from moetune.service.webhooks.signing import new_secret
 
 if TYPE_CHECKING:

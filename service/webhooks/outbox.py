@@ -1,18 +1,18 @@
 """Writing webhook events: in the transaction that changes the job, so an event is stored exactly when its change
-is (a crash or restart before delivery leaves it in the outbox, the delivery loop sends it later)."""
+is (a crash or restart before delivery leaves it in the outbox, the delivery loop sends it later). The app
+subscribes enqueue_job_event to its store's job transitions (service/store/transitions.py)."""
 
 from __future__ import annotations
 
 import json
 import secrets
 
-from sqlalchemy import column, select, table
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from moetune.api.models.webhooks import WEBHOOK_EVENT_TYPES
-from moetune.service.webhooks.rows import PENDING, DeliveryRow, EndpointRow
-
-_JOBS = table("jobs", column("id"), column("tenant"))
+from moetune.service.store import JobRow
+from moetune.service.store.webhooks import PENDING, DeliveryRow, EndpointRow
 
 
 def enqueue_job_event(s: Session, job_id: str, what: str, now: float, **data) -> None:
@@ -21,7 +21,7 @@ def enqueue_job_event(s: Session, job_id: str, what: str, now: float, **data) ->
     event_type = f"fine_tuning.job.{what}"
     if event_type not in WEBHOOK_EVENT_TYPES:
         return
-    tenant = select(_JOBS.c.tenant).where(_JOBS.c.id == job_id).scalar_subquery()
+    tenant = select(JobRow.tenant).where(JobRow.id == job_id).scalar_subquery()
     endpoints = [e for e in s.scalars(select(EndpointRow).where(EndpointRow.tenant == tenant))
                  if event_type in e.event_types]
     if not endpoints:

@@ -5,9 +5,11 @@ import threading
 import time
 
 import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
 
 from moetune.api.models.responses import JobStatus
-from moetune.service.store import IdempotencyKeyTaken, JobRow, Store
+from moetune.service.store import Base, IdempotencyKeyTaken, JobRow, Store
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -32,6 +34,13 @@ def add_job(store: Store, job_id: str, tenant="t", priority=0, status=JobStatus.
 def test_migrating_twice_is_a_no_op(store):
     store.migrate()
     assert store.ping() and store.count_by_status() == {}
+
+
+def test_the_migrations_build_what_the_rows_declare(store):
+    """Every table's rows (one declarative base) and the migrated schema agree, types, indexes and constraints
+    included: a row changed without its migration, or a migration without its row, fails here."""
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata) == []
 
 
 def test_next_queued_orders_by_priority_then_age(store):
@@ -76,6 +85,27 @@ def test_transitions_are_conditional_and_write_events(store):
     assert [e.message for e in events] == ["Job created", "Job cancelled"] and not more
     later, _ = store.list_events("j", limit=10, after_seq=events[0].seq)
     assert [e.message for e in later] == ["Job cancelled"]
+
+
+def test_a_jobs_transitions_are_told_to_its_listeners_inside_its_transaction(store):
+    """What the webhook outbox relies on: a listener sees the change it is told of, and one that fails takes the
+    change down with it."""
+    add_job(store, "j")
+    told = []
+    store.transitions.subscribe(
+        lambda s, job_id, what, now, **data: told.append((what, s.get(JobRow, job_id).status, data)))
+    assert store.transition("j", [JobStatus.queued], JobStatus.running, "Job started")
+    store.add_checkpoint("j", 10, "s3://o/j/step-10", {})
+    assert told == [("running", "running", {}), ("checkpoint.created", "running", {"step_number": 10})]
+
+    def failing(s, job_id, what, now, **data):
+        raise RuntimeError("the outbox could not write")
+
+    store.transitions.subscribe(failing)
+    with pytest.raises(RuntimeError):
+        store.transition("j", [JobStatus.running], JobStatus.cancelled, "Job cancelled")
+    assert store.get_job("j").status == "running"
+    assert [e.message for e in store.list_events("j", limit=10)[0]] == ["Job created", "Job started"]
 
 
 def test_tenant_scoped_lookup_hides_other_tenants_jobs(store):

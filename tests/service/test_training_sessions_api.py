@@ -22,9 +22,8 @@ from moetune.service import quotas
 from moetune.service.cli.main import main
 from moetune.service.local.embedded import free_port
 from moetune.service.quotas import usage_by_tenant, wait_reason
-from moetune.service.session_rows import CallRow
 from moetune.service.sessions import records
-from moetune.service.store import JobRow
+from moetune.service.store import CallRow, JobRow
 from tests.support.control_plane import TOKENS
 
 SESSIONS = "/v1/training_sessions"

@@ -17,7 +17,7 @@ from moetune.api.client import APIError
 from moetune.service.cli import main as cli
 from moetune.service.settings import Settings
 from moetune.service.webhooks.delivery import retry_delay
-from moetune.service.webhooks.rows import DeliveryRow
+from moetune.service.store.webhooks import DeliveryRow
 from tests.support.control_plane import run_service, settings_for
 
 FAST_RETRIES = {"webhook_retry_base_s": 0.02, "webhook_retry_max_s": 0.1, "webhook_poll_interval_s": 0.02}

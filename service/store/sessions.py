@@ -1,17 +1,15 @@
-"""The training-session tables (migrations 0006, 0007), on their own declarative base as the webhook tables are.
-Outside service/sessions: the tenant quotas, which the scheduler reads, count open sessions too."""
+"""The training-session tables (migrations 0006, 0007); their queries are service/sessions/records.py. Here, in
+the core: the tenant quotas, which the scheduler reads, count open sessions too."""
 
 from __future__ import annotations
 
 from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column
+
+from moetune.service.store.base import Base, SequenceKey
 
 
-class SessionBase(DeclarativeBase):
-    pass
-
-
-class SessionRow(SessionBase):
+class SessionRow(Base):
     __tablename__ = "training_sessions"
     __table_args__ = (Index("ix_training_sessions_tenant_created", "tenant", "created_at"),)
 
@@ -34,14 +32,13 @@ class SessionRow(SessionBase):
     recoveries: Mapped[int] = mapped_column(Integer, default=0)  # failed groups replaced automatically
 
 
-class CallRow(SessionBase):
+class CallRow(Base):
     """One call; `seq` orders a session's calls (the group runs them oldest first, one at a time)."""
 
     __tablename__ = "training_session_calls"
     __table_args__ = (Index("ix_training_session_calls_session_status", "session_id", "status", "seq"),)
 
-    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True,
-                                     autoincrement=True)
+    seq: Mapped[int] = mapped_column(SequenceKey, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(40), unique=True)
     session_id: Mapped[str] = mapped_column(ForeignKey("training_sessions.id", ondelete="CASCADE"))
     kind: Mapped[str] = mapped_column(String(32))
