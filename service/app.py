@@ -24,6 +24,8 @@ from moetune.service.sessions.metrics import SessionsCollector
 from moetune.service.sessions.waiting import Changes
 from moetune.service.settings import Settings
 from moetune.service.store import Store
+from moetune.service.tinker import routes as tinker
+from moetune.service.tinker.state import TinkerState
 from moetune.service.submission.storage_facts import StorageFacts
 from moetune.service.webhooks.delivery import DeliveryLoop
 from moetune.service.webhooks.outbox import enqueue_job_event
@@ -77,6 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = store
     app.state.scheduler = scheduler
     app.state.session_changes = Changes()  # wakes the training sessions' long polls
+    app.state.tinker = TinkerState()
     app.state.tenant_resolver = TenantResolver(settings.tenants_by_token)
     app.state.base_models = BaseModels(settings.base_models)
     app.state.storage_facts = StorageFacts()  # what submission learned from storage, for a few seconds
@@ -92,6 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(webhooks.router)
     app.include_router(training_sessions.router)
     app.include_router(training_sessions.internal)
+    app.include_router(tinker.router)  # Tinker's protocol on the same sessions (service/tinker)
     app.include_router(internal.router)
     app.include_router(console.router)
 

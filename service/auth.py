@@ -46,10 +46,13 @@ class TenantResolver:
         token = bearer_token(request)
         if token is None:
             raise unauthorized("Missing bearer token: send 'Authorization: Bearer <token>'.")
-        tenant = self._tenants.get(hash_token(token))
+        tenant = self.tenant_of(token)
         if tenant is None:
             raise unauthorized("Invalid API token.")
         return tenant
+
+    def tenant_of(self, token: str) -> str | None:
+        return self._tenants.get(hash_token(token))
 
 
 async def current_tenant(request: Request) -> str:

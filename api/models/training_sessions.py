@@ -16,7 +16,7 @@ from moetune.api.models.responses import ErrorInfo
 SessionStatus = Literal["starting", "ready", "closing", "closed", "failed"]
 OPEN_STATUSES = ("starting", "ready")
 CallStatus = Literal["pending", "running", "succeeded", "failed"]
-LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
 
 
 class SessionCreate(StrictModel):
@@ -59,16 +59,18 @@ class TrainingSession(BaseModel):
 class Datum(StrictModel):
     """One sequence. Per-token lists align with `tokens`: entry t is about predicting tokens[t] from tokens[:t],
     so entry 0 is ignored. `weights` (default 1 from position 1) masks the loss; `advantages` and the sampler's
-    `logprobs` are what importance_sampling and ppo need."""
+    `logprobs` are what importance_sampling and ppo need. `targets` (default: `tokens`) are the tokens predicted,
+    entry t from tokens[:t] (Tinker's explicit target tokens)."""
 
     tokens: list[int] = Field(..., min_length=2)
+    targets: list[int] | None = None
     weights: list[float] | None = None
     advantages: list[float] | None = None
     logprobs: list[float] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> Datum:
-        for name in ("weights", "advantages", "logprobs"):
+        for name in ("targets", "weights", "advantages", "logprobs"):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.tokens):
                 raise ValueError(f"{name} has {len(values)} entries, tokens {len(self.tokens)}: one per token")
@@ -80,6 +82,10 @@ class ForwardBackward(StrictModel):
     data: list[Datum] = Field(..., min_length=1)
     loss_fn: LossFn = "cross_entropy"
     clip_epsilon: float = Field(0.2, gt=0, lt=1, description="ppo: the ratio is clipped to [1 - e, 1 + e]")
+    clip_range: tuple[float, float] | None = Field(None, description="ppo, cispo: the ratio's bounds (low, high), "
+                                                                      "instead of 1 -+ clip_epsilon")
+    accumulate: bool = Field(False, description="Add to the gradients of earlier forward_backward calls since the "
+                                                "last optim_step (Tinker's semantics) instead of refusing to")
 
     @model_validator(mode="after")
     def _inputs(self) -> ForwardBackward:
@@ -109,6 +115,7 @@ class OptimStep(StrictModel):
     beta2: float = Field(0.999, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(1.0, ge=0, description="Clip the gradients' global norm to this (0: no clipping)")
 
 
 class Sample(StrictModel):
@@ -123,8 +130,14 @@ class Sample(StrictModel):
     n: int = Field(1, ge=1, le=64)
     max_tokens: int = Field(16, ge=1, le=4096)
     temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1: no top-k cut")
     stop: list[str | int] = Field(default_factory=list)
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    weights: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$",
+                                description="Sample from the adapter as save_weights saved it under this name (a "
+                                            "snapshot; refused once the group no longer holds it), not the current")
+    prompt_logprobs: bool = Field(False, description="Also each prompt token's log-probability")
 
     @field_validator("stop")
     @classmethod
@@ -144,6 +157,9 @@ class SaveState(StrictModel):
 
 class LoadState(SaveState):
     kind: Literal["load_state"] = "load_state"
+    optimizer: bool = Field(True, description="Restore the Adam moments and step too (else the weights only)")
+    uri: str | None = Field(None, description="Another session's saved state (the control plane sets it for Tinker's "
+                                              "load from a path; its tenant checked there)")
 
 
 class SaveWeights(SaveState):

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,8 @@ from moetune.workers.sessions.batch import TokenLogprobHead, padded, padded_toke
 from moetune.workers.sessions.control import SessionLink
 from moetune.workers.sessions.layout import state_uri, weights_uri
 from moetune.workers.sessions.losses import LOSSES
+from moetune.workers.sessions.optim import forget_optimizer_state, set_gradient_clipping
+from moetune.workers.sessions.snapshots import WeightSnapshots
 from moetune.workers.sessions.sampling import whole_weights_refusal
 from moetune.workers.sessions.stops import cut_at_stop, stop_reached
 
@@ -80,7 +83,8 @@ class SessionWorker(_Worker):
         self.reporter = Reporter(self.session.session_id, None, None)  # session events are the calls' outcomes
         self.link = SessionLink(self.settings.callback_url, self.settings.job_token, self.session) \
             if self.chief else None
-        self.pending_gradients = False
+        self.pending: list[ForwardBackward] = []  # forward_backward calls since the last step (see forward_backward)
+        self.snapshots = WeightSnapshots()
         self.call_number = 0  # the running call's place in the session (sample's default seed)
 
     def start(self) -> None:
@@ -143,17 +147,30 @@ class SessionWorker(_Worker):
     # ------------------------------------------------------------ calls
 
     def forward_backward(self, call: ForwardBackward) -> dict:
-        if self.pending_gradients:
+        """The loss and logprobs now, without a gradient; the backward runs at optim_step, over every call since
+        the last step as DeepSpeed's micro-batches (the weights do not change in between, so the gradients are
+        the same, and DeepSpeed accumulates them only within one boundary)."""
+        if self.pending and not (call.accumulate and all(p.accumulate for p in self.pending)):
             raise CallError("the gradients of the previous forward_backward are not applied yet: call optim_step "
                             "first (or send all the sequences in one forward_backward)", "call.data")
-        mine, batch, logprobs = self._forward(call.data)
-        loss = LOSSES[call.loss_fn](logprobs, batch["weights"], batch["advantages"], batch["sampler"],
-                                    call.clip_epsilon)
-        self.engine.set_gradient_accumulation_boundary(True)
-        self.engine.backward(loss * self.world, scale_wrt_gas=False)  # DeepSpeed averages over ranks: a sum
-        self.pending_gradients = True
+        with torch.no_grad():
+            mine, _, logprobs, loss = self._loss(call)
+        self.pending.append(call)
         (total,) = self.collectives.all_sum(loss.item())  # 0 on a rank without a datum
         return {"loss": total, "logprobs": self._gathered(call.data, mine, logprobs)}
+
+    def _loss(self, call: ForwardBackward):
+        mine, batch, logprobs = self._forward(call.data)
+        clip = call.clip_range or (1 - call.clip_epsilon, 1 + call.clip_epsilon)
+        return mine, batch, logprobs, LOSSES[call.loss_fn](logprobs, batch["weights"], batch["advantages"],
+                                                           batch["sampler"], clip)
+
+    def _backward_pending(self) -> None:
+        for i, call in enumerate(self.pending):
+            self.engine.set_gradient_accumulation_boundary(i == len(self.pending) - 1)
+            loss = self._loss(call)[3]
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)  # DeepSpeed averages over ranks: a sum
+        self.pending = []
 
     def forward(self, call: Forward) -> dict:
         with torch.no_grad():
@@ -161,13 +178,15 @@ class SessionWorker(_Worker):
         return {"logprobs": self._gathered(call.data, mine, logprobs)}
 
     def optim_step(self, call: OptimStep) -> dict:
-        if not self.pending_gradients:
+        if not self.pending:
             raise CallError("no gradients to apply: call forward_backward first", "call")
+        self._backward_pending()
         for group in self.engine.optimizer.param_groups:
             group.update(lr=call.learning_rate, betas=(call.beta1, call.beta2), eps=call.eps,
                          weight_decay=call.weight_decay)
+        set_gradient_clipping(self.engine, call.grad_clip_norm)
         self.engine.step()
-        self.pending_gradients = False
+        self.snapshots.weights_changed()
         return {"step": int(self.engine.global_steps)}
 
     def sample(self, call: Sample) -> dict:
@@ -177,22 +196,34 @@ class SessionWorker(_Worker):
                    for p in call.prompts]
         self._check_tokens(prompts, "call.prompts")
         texts = [s for s in call.stop if isinstance(s, str)]
+        if call.top_k > 0 and self.head is None:
+            raise CallError("top_k needs the model's plain output layer; this model has another", "call.top_k")
+        stops = set(self._stop_tokens(call.stop)) | set(_ids(self.tokenizer.eos_token_id))
         wanted = [(i, p) for i, p in enumerate(prompts) for _ in range(call.n)]
         share = wanted[self.rank :: self.world]
         rows = share + [wanted[0]] * (math.ceil(len(wanted) / self.world) - len(share)) if self.lockstep else share
         seed = call.seed if call.seed is not None else step_rng_seed(self.run.seed, self.call_number, 0) % 2**31
         # generate_batch seeds row i with seed + i: every sequence of the call its own draw
         params = SamplingParams(call.max_tokens, temperature=call.temperature, seed=seed + self.rank * len(rows),
-                                stop_token_ids=self._stop_tokens(call.stop))
-        ends = (lambda t: stop_reached(t, self._decode, texts)) if texts else None  # a multi-token stop ends a row
-        with whole_for_generation(self.engine):  # ZeRO-3: the weights gathered once for the call, not per token
-            tokens = generate_batch(self.engine.module, [p for _, p in rows], params, lockstep=self.lockstep,
-                                    eos_token_id=self.tokenizer.eos_token_id, ends=ends) if rows else []
-            cut = [cut_at_stop(t, self._decode, texts) for t in tokens]
-            tokens = [t for t, _ in cut]
-            logprobs = self._sampled_logprobs([p for _, p in rows], tokens) if rows else []
-        mine = [{"prompt_index": i, "prompt_tokens": p, "tokens": t, "logprobs": lp, "text": text}
-                for (i, p), (t, text), lp in zip(share, cut, logprobs)]
+                                top_p=call.top_p)
+
+        def ends(t: list[int]) -> bool:  # stop tokens end a row here, so that the row keeps the one it drew
+            return t[-1] in stops or bool(texts) and stop_reached(t, self._decode, texts)
+
+        # ZeRO-3: the weights gathered once for the call, not per token; the snapshot asked for, if any
+        with whole_for_generation(self.engine), self._sampled_weights(call.weights):
+            with self.head.keeping_top(call.top_k if call.top_k > 0 else None) if self.head else nullcontext():
+                drawn = generate_batch(self.engine.module, [p for _, p in rows], params, lockstep=self.lockstep,
+                                       eos_token_id=None, ends=ends) if rows else []
+            ended = [_ending(t, stops, call.max_tokens) for t in drawn]
+            cut = [cut_at_stop(t, self._decode, texts) for t, _, _ in ended]
+            scored = [t + ([stop] if stop is not None else []) for (t, _), (_, stop, _) in zip(cut, ended)]
+            logprobs = self._sampled_logprobs([p for _, p in rows], scored) if rows else []
+        mine = [{"prompt_index": i, "prompt_tokens": p, "tokens": t, "text": text, "finish_reason": reason,
+                 "logprobs": lp[len(p):len(p) + len(t)], "stop_token": stop,
+                 "stop_logprob": lp[len(p) + len(t)] if stop is not None else None,
+                 **({"prompt_logprobs": lp[:len(p)]} if call.prompt_logprobs else {})}
+                for (i, p), (t, text), (_, stop, reason), lp in zip(share, cut, ended, logprobs)]
         return {"sequences": _in_order(list(range(self.rank, len(wanted), self.world)), mine, self.world,
                                        len(wanted))}
 
@@ -203,7 +234,7 @@ class SessionWorker(_Worker):
                 "step": int(self.engine.global_steps)}
 
     def load_state(self, call: LoadState) -> dict:
-        uri, local = state_uri(self.run.output_uri, call.name), os.path.join(self.node_dir, "state")
+        uri, local = call.uri or state_uri(self.run.output_uri, call.name), os.path.join(self.node_dir, "state")
         saved = self.chief and storage.exists(storage.join(uri, "deepspeed", "latest"))
         (found,) = self.collectives.all_sum(float(saved))
         if not found:
@@ -212,15 +243,19 @@ class SessionWorker(_Worker):
             storage.download_dir(uri, local)
         self.collectives.barrier()
         load_checkpoint(self.engine, local)
+        if not call.optimizer:
+            forget_optimizer_state(self.engine)
         self.collectives.barrier()
         if self.node_leader:
             shutil.rmtree(local)
-        self.pending_gradients = False
+        self.pending = []
+        self.snapshots.weights_changed()
         return {"uri": uri, "step": int(self.engine.global_steps)}
 
     def save_weights(self, call: SaveWeights) -> dict:
         local = os.path.join(self.node_dir, "weights")
         save_adapter(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
+        self.snapshots.keep(call.name, self.engine.module)  # what a sample naming these weights draws from
         return {"uri": self._upload(local, weights_uri(self.run.output_uri, call.name, self.call_number))}
 
     # ------------------------------------------------------------ helpers
@@ -235,7 +270,7 @@ class SessionWorker(_Worker):
         # dropout masks follow the optimizer step, so a group resumed from a state draws the same ones (and a
         # forward the same ones as the forward_backward after it)
         torch.manual_seed(step_rng_seed(self.run.seed, self.engine.global_steps, self.rank))
-        return mine, batch, token_logprobs(self.engine, batch["tokens"], self.head)
+        return mine, batch, token_logprobs(self.engine, batch["tokens"], self.head, batch["targets"])
 
     def _gathered(self, data: list, mine: list[int], logprobs: torch.Tensor) -> list[list[float]]:
         values = [lp[: len(data[i].tokens)].tolist() for lp, i in zip(logprobs.detach(), mine)]
@@ -249,8 +284,17 @@ class SessionWorker(_Worker):
         self.collectives.barrier()
         return uri
 
+    def _sampled_weights(self, name: str | None):
+        if name is None:
+            return nullcontext()
+        try:
+            return self.snapshots.swapped_in(name, self.engine.module)
+        except KeyError as e:
+            raise CallError(str(e.args[0]), "call.weights") from None
+
     def _sampled_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
-        """Each completion's tokens' log-probabilities under the adapter that drew them (one forward per rank)."""
+        """Each prompt and completion's tokens' log-probabilities under the adapter that drew them (one forward per
+        rank)."""
         data = [p + c if c else p + [self.tokenizer.eos_token_id] for p, c in zip(prompts, completions)]
         model = self.engine.module  # inside sample's whole_for_generation: not through the engine's ZeRO-3 forward
         was_training = model.training
@@ -258,7 +302,7 @@ class SessionWorker(_Worker):
         with torch.no_grad():
             logprobs = token_logprobs(model, padded_tokens(data, self.device), self.head)
         model.train(was_training)
-        return [lp[len(p) : len(p) + len(c)].tolist() for lp, p, c in zip(logprobs, prompts, completions)]
+        return [lp[: len(p) + len(c)].tolist() for lp, p, c in zip(logprobs, prompts, completions)]
 
     def _check_tokens(self, sequences: list[list[int]], param: str) -> None:
         vocab = self.model.config.get_text_config().vocab_size  # a nested text_config (K3) holds it
@@ -274,6 +318,20 @@ class SessionWorker(_Worker):
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _ids(token_id) -> tuple[int, ...]:
+    """A tokenizer's eos: one id, several, or none."""
+    if token_id is None:
+        return ()
+    return tuple(token_id) if isinstance(token_id, (list, tuple)) else (token_id,)
+
+
+def _ending(tokens: list[int], stops: set[int], max_tokens: int) -> tuple[list[int], int | None, str]:
+    """A drawn row as (its tokens before a stop token, that stop token or None, why it ended)."""
+    if tokens and tokens[-1] in stops:
+        return tokens[:-1], tokens[-1], "stop"
+    return tokens, None, "length" if len(tokens) >= max_tokens else "stop"
 
 
 def _in_order(mine: list[int], values: list, world: int, total: int) -> list:

@@ -1,0 +1,1 @@
+"""Tinker's protocol (the `tinker` SDK, tinker-cookbook's loops) on moetune's training sessions: routes.py."""
