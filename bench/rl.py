@@ -7,12 +7,16 @@ per-call overhead, and what examples/rl_grpo.py's loop gains.
 - `session_call_overhead_ms`: a training session on the embedded stack (`moetune up`'s S3 server, Ray head and
   control plane, in a temporary state folder): the median of a forward_backward's round trip through the SDK
   (queue, the group's long poll, the outcome's long poll) less the time the worker itself spent on it.
+- `tinker_call_overhead_ms`: the same through Tinker's protocol: the official `tinker` SDK's forward_backward round
+  trip (protobuf, the future's long poll) on a training client of that stack, less the worker's time (the
+  `worker_ms:sum` metric of its result).
 - `grpo_reward_gain`: rl_grpo.grpo on that session; the mean reward of its last 3 iterations less that of its
   first (sampled before any update: the base with a fresh LoRA).
 
     python bench/rl.py [--iterations 12] [--calls 10]
 
-Ends with `RESULT dpo_step_ratio=<x> session_call_overhead_ms=<y> grpo_reward_gain=<z>`.
+Ends with `RESULT dpo_step_ratio=<x> session_call_overhead_ms=<y> tinker_call_overhead_ms=<t>
+grpo_reward_gain=<z>`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import tinker
 import torch
+from tinker import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: examples
 from examples.rl_grpo import grpo  # noqa: E402
@@ -83,7 +89,29 @@ def dpo_step_ratio(work: Path, steps: int) -> float:
     return dpo / sft
 
 
-def session_figures(work: Path, calls: int, iterations: int) -> tuple[float, float]:
+def _tinker_overhead(url: str, token: str, calls: int) -> float:
+    """The median of a forward_backward's round trip through the tinker SDK less the worker's time, in ms."""
+    service = tinker.ServiceClient(base_url=f"{url}/tinker", api_key=f"tml-{token}")
+    try:
+        trainer = service.create_lora_training_client(base_model=MODELS[False], rank=LORA["rank"], seed=0) \
+            .result(timeout=600)
+        tokens = list(range(3, 40))
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        overheads = []
+        for _ in range(calls):
+            started = time.perf_counter()
+            out = trainer.forward_backward([datum], "cross_entropy").result(timeout=300)
+            overheads.append((time.perf_counter() - started) * 1e3 - out.metrics["worker_ms:sum"])
+            trainer.optim_step(types.AdamParams(learning_rate=1e-4)).result(timeout=300)
+    finally:
+        service.close("success").result(timeout=60)
+    print(f"tinker forward_backward overhead: median {statistics.median(overheads):.1f} ms, "
+          f"max {max(overheads):.1f} ms over {calls} calls")
+    return statistics.median(overheads)
+
+
+def session_figures(work: Path, calls: int, iterations: int) -> tuple[float, float, float]:
     state = work / "stack"
     stack = local_stack.up(state, base_models={MODELS[False]: f"s3://{BUCKET}/models/{MODELS[False]}"})
     try:
@@ -104,9 +132,10 @@ def session_figures(work: Path, calls: int, iterations: int) -> tuple[float, flo
                 means = grpo(session, iterations, seed=0)
             finally:
                 session.close()
+        tinker_overhead = _tinker_overhead(stack.url, stack.token, calls)
     finally:
         local_stack.down(state)
-    return statistics.median(overheads), statistics.fmean(means[-3:]) - means[0]
+    return statistics.median(overheads), tinker_overhead, statistics.fmean(means[-3:]) - means[0]
 
 
 def main() -> None:
@@ -117,8 +146,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="moetune-bench-rl-") as work:
         ratio = dpo_step_ratio(Path(work), args.steps)
-        overhead, gain = session_figures(Path(work), args.calls, args.iterations)
-    print(f"RESULT dpo_step_ratio={ratio:.2f} session_call_overhead_ms={overhead:.1f} grpo_reward_gain={gain:.3f}")
+        overhead, tinker_overhead, gain = session_figures(Path(work), args.calls, args.iterations)
+    print(f"RESULT dpo_step_ratio={ratio:.2f} session_call_overhead_ms={overhead:.1f} "
+          f"tinker_call_overhead_ms={tinker_overhead:.1f} grpo_reward_gain={gain:.3f}")
 
 
 if __name__ == "__main__":

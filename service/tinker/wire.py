@@ -79,11 +79,14 @@ def _batched(arrays: list[np.ndarray], dtype: int) -> pb.BatchedTensor:
 
 
 def forward_backward_output(result: dict) -> bytes:
-    """Each datum's target logprobs (N, the moetune entries after the first) and the summed loss."""
+    """Each datum's target logprobs (N, the moetune entries after the first), the summed loss and the worker's time
+    on the call (bench/rl.py's tinker_call_overhead_ms subtracts it)."""
     logprobs = [np.asarray(lp[1:], dtype=np.float32) for lp in result["logprobs"]]
     record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(logprobs),
                             fields={"logprobs": _batched(logprobs, pb.DTYPE_FLOAT32)})
-    metrics = {"loss:sum": float(result["loss"])} if "loss" in result else {}
+    metrics = {"worker_ms:sum": float(result["worker_ms"])}
+    if "loss" in result:
+        metrics["loss:sum"] = float(result["loss"])
     return pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record],
                                     metrics=metrics).SerializeToString()
 

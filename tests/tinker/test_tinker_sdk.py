@@ -5,6 +5,8 @@ shared by the checks in order (its worker group is the expensive part)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import tinker
@@ -51,7 +53,9 @@ def _raw(control_plane: str, path: str, **kwargs) -> httpx.Response:
 def test_the_sdk_trains_samples_and_restores_through_moetune(service, trainer, control_plane):
     n = len(SEQ) - 1
     # three losses before one step: their gradients add up
+    started = time.perf_counter()  # nothing queued before it: the round trip is this call's alone
     ce = trainer.forward_backward([_datum(SEQ, weights=[1.0] * n)], "cross_entropy").result(timeout=120)
+    print(f"tinker_call_overhead_ms={(time.perf_counter() - started) * 1e3 - ce.metrics['worker_ms:sum']:.1f}")
     (before,) = _logprobs(ce)
     assert len(before) == n and all(lp < 0 for lp in before)
     assert ce.metrics["loss:sum"] == pytest.approx(-sum(before), rel=1e-5)
