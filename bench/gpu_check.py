@@ -488,14 +488,22 @@ def _rank_entry(rank: int, dry: bool, world: int, store: str, target: str, args:
         getattr(importlib.import_module(module), name)(rank, world, *args, device=device)
 
 
+# The dry run's ranks fork from a server that imported these once: spawned, each rank spent ~10 s of a CPU on them.
+# moetune comes after, in the rank (it may be no installed package: _moetune_from_checkout).
+DRY_RANK_PRELOAD = ["torch", "transformers", "deepspeed", "peft"]
+
+
 def _ranks(s: Setting, world: int, target: str, *args) -> None:
     """Runs `target` on `world` fresh processes (one GPU each), the way a job's ranks run (and with none of an
-    earlier stage's process groups, which DeepSpeed keeps by name)."""
+    earlier stage's process groups, which DeepSpeed keeps by name): spawned, or in the dry run forked from a
+    server process that did nothing but import DRY_RANK_PRELOAD."""
     import torch.multiprocessing as mp
 
     store = os.path.join(tempfile.mkdtemp(), "store")
+    if s.dry:
+        mp.set_forkserver_preload(DRY_RANK_PRELOAD)
     mp.start_processes(_rank_entry, args=(s.dry, world, store, target, args), nprocs=world, join=True,
-                       start_method="spawn")
+                       start_method="forkserver" if s.dry else "spawn")
 
 
 def _gpus(s: Setting) -> int:
@@ -644,8 +652,7 @@ def _bench_sparse(s: Setting, peaks: dict) -> dict:
             for form, fn in forms:  # per-head keys at 32K: minutes, not the check's budget
                 with torch.no_grad():
                     fwd = s.seconds(fn, reps=3)
-                y = fn()
-                grad = torch.ones_like(y)
+                grad = torch.ones_like(q_lat if form == "latent" else q)  # the output's shape: values as wide as q
                 both = s.seconds(lambda: torch.autograd.grad(fn(), (q_lat, kv) if form == "latent" else (q, k, v),
                                                               grad), reps=3)
                 row[f"{form}_{name}"] = {"fwd_ms": round(fwd * 1e3, 3), "fwd_bwd_ms": round(both * 1e3, 3)}
@@ -690,11 +697,10 @@ def stage_sparse_dkv(s: Setting) -> dict:
             o, lse = triton_impl.forward(q, kv, kv, indices, latent**-0.5)
             ms, dkv = {}, {}
             for order in triton_impl.DKV_ORDERS:
-                def backward(order=order):
-                    return triton_impl.backward(q, kv, kv, indices, latent**-0.5, o, lse, grad, order=order)
+                def backward(order=order):  # keeps its dK/dV: the timed runs' last one is compared
+                    dkv[order] = triton_impl.backward(q, kv, kv, indices, latent**-0.5, o, lse, grad, order=order)[1]
 
                 ms[order] = round(s.seconds(backward, reps=3) * 1e3, 3)
-                dkv[order] = backward()[1]
             rmse = _rmse(dkv["query_major"], dkv["key_major"])
             if not rmse <= TOLERANCE["bfloat16"]:
                 disagree.append(f"{seq}_{name}")
