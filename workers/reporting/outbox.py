@@ -2,7 +2,7 @@
 and removed only once acknowledged, so reports made while the control plane is away are delivered when it is back.
 
 Each outbox is a stream of its job's reports numbered 1, 2, ...: `<stream>:<seq>` is the report's Idempotency-Key,
-which the control plane stores once (service/store.py, ReportStreamRow). The records are lines of one JSONL file;
+which the control plane stores once (service/store/events.py, ReportStreamRow). The records are lines of one JSONL file;
 only their offsets are kept in memory. Past `max_pending` unsent records, new events are dropped and counted, and a
 warning event saying how many (and which steps' metrics) goes out in their place as soon as there is room again.
 Checkpoint records and results are never dropped: they are few, and the job's history needs them. The outbox of a
