@@ -11,7 +11,8 @@ file or another folder's conftest. Fixtures live in conftest files; what they an
 - prometheus: the shipped Prometheus config, its binaries and a small query client;
 - families: the Kimi-K2 release's config.json around a tiny DeepSeek-V3;
 - kda_cases: KDA inputs and the error metric of the kernel and swap tests;
-- triton_child: Triton-backend tests run in a child pytest under TRITON_INTERPRET=1.
+- triton_child: Triton-backend tests run in a child pytest under TRITON_INTERPRET=1;
+- triton_interpreter: that child's interpreter without its repeated patching of triton.language in a launch.
 """
 
 from pathlib import Path

@@ -4,7 +4,8 @@ Triton chooses between interpreter and compiler for its own library functions (t
 imported, and this test process also compiles kernels for sm_90, so it cannot interpret them itself. A test module
 marks its Triton-backend tests with `on_triton` (their ids, module name included, must contain "triton"; the
 sm_90 compile checks, whose names contain "sm90", stay in this process) and imports `test_interpreter_run`,
-which runs exactly those in the child and passes only if they all pass."""
+which runs exactly those in the child and passes only if they all pass. The child's interpreter skips its repeated
+patching of triton.language within a launch (tests.support.triton_interpreter)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,15 @@ import sys
 import pytest
 import torch
 
+from tests.support.triton_interpreter import skip_repatching_within_a_launch
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if interpreting():  # the child run
+    skip_repatching_within_a_launch()
 
 
 def backend_device(backend: str = "triton") -> torch.device:
