@@ -16,6 +16,7 @@ from moetune.api.serving import Deployment
 from moetune.api.models.training_sessions import (
     OPEN_STATUSES,
     SESSION_INTERNAL,
+    CallArgs,
     CallCreate,
     CallOutcome,
     GroupEnded,
@@ -267,9 +268,17 @@ def deploy_weights(session_id: str, name: str, request: Request, tenant: Tenant,
 def add_call(session_id: str, body: CallCreate, request: Request, tenant: Tenant,
              store: StoreDep) -> SessionCall:
     """Queues a call; the session's calls run one at a time in the order they were queued."""
+    if getattr(body.call, "uri", None) is not None:  # another session's state: the Tinker router vouches for it
+        raise invalid_request("call.uri: set by the control plane only (load_state takes a name saved by this "
+                              "session)", "call.uri")
+    return queue_call(session_id, body.call, request, tenant, store)
+
+
+def queue_call(session_id: str, args: CallArgs, request: Request, tenant: str, store: Store) -> SessionCall:
+    """Queues `args` on the tenant's open session (the HTTP route's checks done, or the caller's own)."""
     row = _own(request, store, tenant, session_id)
     _open(row)
-    call = records.add_call(store, row.id, body.call.kind, body.call.model_dump(mode="json"))
+    call = records.add_call(store, row.id, args.kind, args.model_dump(mode="json"))
     request.app.state.session_changes.notify()
     return _call_view(call)
 

@@ -19,7 +19,6 @@ from moetune.api.errors import ErrorCode
 from moetune.api.models.lora import LoraSpec
 from moetune.api.models.training_sessions import (
     CallArgs,
-    CallCreate,
     Forward,
     ForwardBackward,
     LoadState,
@@ -207,8 +206,7 @@ def get_info(body: GetInfo, request: Request, tenant: str = Depends(tinker_tenan
 
 def _call(request: Request, tenant: str, future: Future, args: CallArgs) -> Future:
     """Queues `args` on the future's session: the future now names the call."""
-    call = training_sessions.add_call(future.session_id, CallCreate(call=args), request, tenant,
-                                      request.app.state.store)
+    call = training_sessions.queue_call(future.session_id, args, request, tenant, request.app.state.store)
     future.call_id = call.id
     return future
 

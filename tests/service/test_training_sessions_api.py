@@ -53,6 +53,8 @@ def test_refusals_name_the_field_and_a_session_ray_never_took_is_failed(start_se
         empty_stop = http.post(calls, json={"call": {"kind": "sample", "prompts": ["ab"], "stop": ["\n\n", ""]}})
         assert empty_stop.status_code == 422 and empty_stop.json()["error"]["param"] == "call.sample.stop"
         assert "stop[1] is ''" in empty_stop.json()["error"]["message"]
+        elsewhere = http.post(calls, json={"call": {"kind": "load_state", "name": "s", "uri": "s3://other/states/s"}})
+        assert elsewhere.status_code == 422 and elsewhere.json()["error"]["param"] == "call.uri"
         closed = http.post(calls, json={"call": {"kind": "optim_step"}})
         assert closed.status_code == 409 and closed.json()["error"]["code"] == "session_not_open"
         assert http.get("/v1/training_sessions/ts_nope").status_code == 404
