@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from moetune.api.config_fields import config_error, read
 from moetune.api.models.base import SpecError
 from moetune.api.models.lora import LoraSpec
-from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.parallelism import ParallelDims
 from moetune.api.quantization import quantization_of
 
 
@@ -48,6 +48,15 @@ class FamilyFacts:
         count = read(text, key, int, where) if key else None
         if count is not None and count <= 0:
             raise config_error(f"{where}.{key}".lstrip("."), f"must be a positive number of experts, not {count}")
+        return count
+
+    def num_layers(self, config: dict) -> int | None:
+        """The decoder layer count (transformers' `num_hidden_layers`); a SpecError naming a malformed one."""
+        where = self.text_config_key or ""
+        count = read(self.text_config(config), "num_hidden_layers", int, where)
+        if count is not None and count <= 0:
+            raise config_error(f"{where}.num_hidden_layers".lstrip("."), f"must be a positive number of layers, "
+                                                                        f"not {count}")
         return count
 
     def linears(self, config: dict) -> list[str]:
@@ -128,12 +137,12 @@ def images_refusal(config: dict) -> str | None:
     return None
 
 
-def check_model_spec(config: dict, lora: LoraSpec, parallelism: ParallelismSpec) -> None:
+def check_model_spec(config: dict, lora: LoraSpec, parallelism: ParallelDims) -> None:
     """Rules that need the model's config.json, on the job's `lora` and `parallelism` sections; raises
     api.models.base.SpecError naming the field. Used at submission (422) and again by the driver before workers
     start."""
     facts = facts_of(config)  # a malformed field or an unsupported model before the family's own rules
-    parallelism.check_expert_split(facts.num_experts(config))
+    parallelism.check_model(facts.num_experts(config), facts.num_layers(config))
     if lora.vision != "none" and (why := images_refusal(config)):
         raise SpecError("lora.vision", f"{lora.vision!r} puts LoRA on the model's vision tower, but {why}; "
                                        f"use \"none\" (the default)")

@@ -21,7 +21,7 @@ from sqlalchemy import func, select
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models.job_create import JobCreate
-from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.parallelism import ParallelDims
 from moetune.service.api_exception import APIException
 from moetune.service.store import SLOT_STATUSES, JobRow, SessionRow, Store
 
@@ -133,7 +133,7 @@ def check_submission(store: Store, quotas: dict[str, TenantQuota], tenant: str, 
                       tenant, "job")
 
 
-def check_session(store: Store, quotas: dict[str, TenantQuota], tenant: str, par: ParallelismSpec,
+def check_session(store: Store, quotas: dict[str, TenantQuota], tenant: str, par: ParallelDims,
                   max_running_jobs: int) -> None:
     """As a job's check; and a session, which does not queue, is a 429 while the cluster's running slots (jobs and
     open sessions together) or its tenant's running jobs and sessions leave it no room. Run it, and the session's
@@ -167,7 +167,7 @@ def slots_full(jobs: int, sessions: int, max_running_jobs: int) -> str | None:
     return f"a running slot ({jobs} jobs running{open_}, max_running_jobs={max_running_jobs})"
 
 
-def _check_fits(quota: TenantQuota, tenant: str, par: ParallelismSpec, what: str) -> None:
+def _check_fits(quota: TenantQuota, tenant: str, par: ParallelDims, what: str) -> None:
     if quota.max_workers is not None and par.num_workers > quota.max_workers:
         raise APIException(422, ErrorCode.invalid_request,
                            f"parallelism.num_workers: {par.num_workers} workers exceed tenant {tenant}'s quota "

@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import boto3  # noqa: E402 - after the thread count above
 import pytest  # noqa: E402
 
-from moetune.service.local.embedded import local_ray_head, local_s3_server, s3_env
+from moetune.service.local.embedded import free_port, local_ray_head, local_s3_server, s3_env
 from moetune.workers.settings import use_prebuilt_ops
 from tests.support import REPO
 
@@ -67,6 +67,13 @@ def ray_head(s3_endpoint):
     """A real local Ray head (Jobs API at .dashboard_url, GCS at .gcs_address) that sees the S3 server."""
     with local_ray_head(num_cpus=4, env=s3_env(s3_endpoint)) as head:
         yield head
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_head) -> str:
+    """Where Ray Serve listens on the session's Ray head: Serve keeps the HTTP port it first started with, so every
+    control plane deploying on this head must name the same one."""
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture

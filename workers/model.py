@@ -17,7 +17,7 @@ from torch import nn
 from moetune.api.errors import ErrorCode
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.lora import LoraSpec
-from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.training import TrainingSpec
 from moetune.workers.engine.zero3_load import Zero3Partitioner
 from moetune.workers.errors import JobError
@@ -100,7 +100,7 @@ def build_model(mode: Mode, config: dict, spec: JobCreate | None = None, *, devi
     return Built(adapted, family, placement, streamed, swapped, base)
 
 
-def load_partitioner(training: TrainingSpec, parallelism: ParallelismSpec, device) -> Zero3Partitioner | None:
+def load_partitioner(training: TrainingSpec, parallelism: ParallelDims, device) -> Zero3Partitioner | None:
     """Under ZeRO-3, what puts each frozen parameter into its partition as it loads (bf16 on GPUs, as the engine
     the loop builds): no rank holds its whole share of the base at once. None for ZeRO-1/2."""
     if parallelism.zero_stage != 3:

@@ -16,7 +16,7 @@ from moetune.api.models.base import SpecError, StrictModel, check_data_file, che
 from moetune.api.models.evaluation import EvaluationSpec
 from moetune.api.models.lora import LoraSpec
 from moetune.api.models.method import METHOD_TYPES, Hyperparameters, Method
-from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.training import TrainingSpec
 
 
@@ -50,7 +50,7 @@ class JobCreate(StrictModel):
     metadata: dict[str, str] | None = None
     lora: LoraSpec = Field(default_factory=LoraSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
-    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    parallelism: ParallelDims = Field(default_factory=ParallelDims)
     evaluation: EvaluationSpec | None = None
     output_uri: str | None = Field(None, description="where checkpoints and the adapter go (default: server setting)")
     priority: int = Field(0, ge=-100, le=100)
@@ -112,22 +112,17 @@ def resolve_spec(req: JobCreate) -> JobCreate:
         training.n_epochs = 1
 
     par = req.parallelism
+    par.check_world()
     auto = training.micro_batch_size == "auto"
-    per_step = par.num_workers if auto else training.micro_batch_size * par.num_workers
+    per_step = par.data_parallel_size * (1 if auto else training.micro_batch_size)
     if training.global_batch_size % per_step:
-        raise SpecError(
-            "training.global_batch_size",
-            f"must be a multiple of num_workers = {per_step}" if auto
-            else f"must be a multiple of micro_batch_size x num_workers = {per_step}",
-        )
+        replicas = ("num_workers" if par.data_parallel_size == par.num_workers
+                    else "the data-parallel size (num_workers / (pipeline x context parallel sizes))")
+        raise SpecError("training.global_batch_size",
+                        f"must be a multiple of {'' if auto else 'micro_batch_size x '}{replicas} = {per_step}")
     if training.memory_budget_mb is not None and not auto:
         raise SpecError("training.memory_budget_mb", "only applies to micro_batch_size \"auto\"")
-    par.check_expert_split()
-    if par.gpus_per_worker > 1:  # a worker is one rank and drives one device: the rest would sit idle
-        raise SpecError("parallelism.gpus_per_worker",
-                        f"must be 0 (CPU workers) or 1: each worker is one training rank on one GPU; for "
-                        f"{par.num_workers * par.gpus_per_worker} GPUs ask for num_workers: "
-                        f"{par.num_workers * par.gpus_per_worker} with gpus_per_worker: 1")
+    par.check_sequence(training.seq_len)
     return req.model_copy(update={"training": training})
 
 

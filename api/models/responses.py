@@ -8,7 +8,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from moetune.api.models.lora import LoraSpec
-from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.training import TrainingSpec
 
 
@@ -74,7 +74,7 @@ class Job(BaseModel):
     # moetune extensions
     lora: LoraSpec
     training: TrainingSpec
-    parallelism: ParallelismSpec
+    parallelism: ParallelDims
     output_uri: str
     priority: int = 0
     progress: Progress = Field(default_factory=Progress)

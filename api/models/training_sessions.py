@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from moetune.api.models.base import StrictModel, check_model, check_uri
 from moetune.api.models.lora import LoraSpec
-from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.responses import ErrorInfo
 
 SessionStatus = Literal["starting", "ready", "closing", "closed", "failed"]
@@ -22,7 +22,7 @@ LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
 class SessionCreate(StrictModel):
     model: str = Field(..., description="A registered base model's name or a checkpoint folder's URI")
     lora: LoraSpec = Field(default_factory=lambda: LoraSpec(dropout=0.0))
-    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    parallelism: ParallelDims = Field(default_factory=ParallelDims)
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     idle_timeout_s: float = Field(900.0, gt=0, le=7 * 86400,
                                   description="With no call for this long the group saves its state as 'idle' and "

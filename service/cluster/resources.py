@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.parallelism import ParallelDims
 
 # The field a user changes when a resource is short: GPUs per worker, or the number of workers.
 _PARAM_OF = {"GPU": "parallelism.gpus_per_worker"}
@@ -55,7 +55,7 @@ def _short_resource(bundle: dict[str, float], capacities: list[dict[str, float]]
                key=lambda name: sum(math.floor(c.get(name, 0.0) / bundle[name] + 1e-9) for c in capacities))
 
 
-def never_placeable(par: ParallelismSpec, nodes: list[NodeResources]) -> Shortage | None:
+def never_placeable(par: ParallelDims, nodes: list[NodeResources]) -> Shortage | None:
     """Why the cluster as it is could never place the job's workers, or None."""
     bundle, totals = par.worker_resources(), [n.total for n in nodes]
     if _workers_fitting(bundle, totals) >= par.num_workers:
@@ -73,7 +73,7 @@ def never_placeable(par: ParallelismSpec, nodes: list[NodeResources]) -> Shortag
                     f"{name} in all)")
 
 
-def wait_reason(par: ParallelismSpec, nodes: list[NodeResources], held: dict[str, float]) -> str | None:
+def wait_reason(par: ParallelDims, nodes: list[NodeResources], held: dict[str, float]) -> str | None:
     """Why the job cannot start now, or None. `held`: what this control plane's running jobs hold, counted even
     before Ray's usage report (seconds behind) shows them."""
     bundle = par.worker_resources()

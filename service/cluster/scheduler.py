@@ -24,7 +24,7 @@ from moetune.api.environment import (
 )
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.job_run import JobRunSpec, ResultReport
-from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.responses import ErrorInfo, JobStatus
 from moetune.service.auth import hash_token, new_job_token
 from moetune.service.cluster.deployments import DeploymentRestorer
@@ -66,8 +66,8 @@ def short_cause(ray_message: str | None) -> str:
     return cause[:_MAX_CAUSE_CHARS]
 
 
-def _parallelism(job: JobRow) -> ParallelismSpec:
-    return ParallelismSpec.model_validate(job.spec["parallelism"])
+def _parallelism(job: JobRow) -> ParallelDims:
+    return ParallelDims.model_validate(job.spec["parallelism"])
 
 
 def _held(jobs: list[JobRow]) -> dict[str, float]:

@@ -49,9 +49,8 @@ def _first_and_last_lines(message: str) -> str:
     return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
 
 
-def current_app(ray_address: str) -> dict | None:
-    """The deployed config, status and failure message of moetune's Serve app ({"args", "status", "message"}),
-    None if none is deployed.
+def _serve_instance(ray_address: str) -> dict:
+    """Serve's account of itself on the cluster (its HTTP options, proxies and applications).
 
     The read is retried when a connection was made but dropped: a busy dashboard sometimes closes one without
     answering (seen on a loaded 2-core machine: `moetune demo` failed on one such GET right after its job)."""
@@ -65,17 +64,36 @@ def current_app(ray_address: str) -> dict | None:
             time.sleep(attempt)
     if answer.status_code != 200:
         raise _unavailable(f"Ray Serve answered {answer.status_code}: {answer.text[:500]}")
-    app = (answer.json().get("applications") or {}).get(APP_NAME)
+    return answer.json()
+
+
+def current_app(ray_address: str, instance: dict | None = None) -> dict | None:
+    """The deployed config, status and failure message of moetune's Serve app ({"args", "status", "message"}),
+    None if none is deployed (`instance`: Serve's answer when the caller has it)."""
+    app = ((instance or _serve_instance(ray_address)).get("applications") or {}).get(APP_NAME)
     if not app:
         return None
     return {"args": (app.get("deployed_app_config") or {}).get("args") or {}, "status": app.get("status", ""),
             "message": failure_message(app)}
 
 
+def _check_proxy_port(instance: dict, serve_url: str) -> None:
+    """Serve keeps the HTTP port it started with (a later config's is ignored): a running Serve that listens
+    elsewhere than `serve_url` would leave every client told that URL connecting to nothing."""
+    running = (instance.get("http_options") or {}).get("port") if instance.get("controller_info") else None
+    wanted = urlsplit(serve_url).port or 80
+    if running is not None and running != wanted:
+        raise _unavailable(f"Ray Serve on this cluster listens on port {running}, not on the port of the control "
+                           f"plane's serve_url {serve_url} (Serve keeps the port it first started with): set "
+                           f"MOETUNE_SERVE_URL to that port, or shut Serve down (`serve shutdown`) and deploy again")
+
+
 def deploy(ray_address: str, serve_url: str, control_plane_url: str, bases: dict[str, str],
            s3_endpoint_url: str | None = None) -> str:
     """Ensures the app serves `bases` ({name: uri}) besides what it serves already; returns the app's status."""
-    current = current_app(ray_address)
+    instance = _serve_instance(ray_address)
+    _check_proxy_port(instance, serve_url)
+    current = current_app(ray_address, instance)
     served = dict(current["args"].get("bases", {})) if current else {}
     wanted = {**served, **bases}
     args = {"control_plane_url": control_plane_url, "bases": wanted, "s3_endpoint_url": s3_endpoint_url}

@@ -21,7 +21,7 @@ from moetune.api import storage
 from moetune.api.client import Client
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.lora import LoraSpec
-from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.responses import JobStatus
 from moetune.api.models.training import TrainingSpec
 from moetune.service.app import create_app
@@ -88,7 +88,7 @@ def demo_job_spec(images: bool = False) -> JobCreate:
             eval_every=10, checkpoint_every=15,
         ),
         # the image job splits the routed experts between the two workers (EP=2)
-        parallelism=ParallelismSpec(num_workers=2, zero_stage=2, expert_parallel_size=2 if images else 1),
+        parallelism=ParallelDims(num_workers=2, zero_stage=2, expert_parallel_size=2 if images else 1),
         output_uri=f"s3://{BUCKET}/outputs",
     )
 

@@ -22,7 +22,9 @@ def tag(stack_id: str, role: str) -> dict[str, str]:
 
 
 def alive(pid: int | None) -> bool:
-    """The process exists and is no zombie (exited, not yet reaped)."""
+    """The process exists and is no zombie (exited, not yet reaped). A killed multi-threaded process shows its
+    leader as a zombie while its other threads still exit, holding its files and sockets (its port is not free
+    yet): it lives until every thread is gone."""
     if pid is None:
         return False
     try:
@@ -32,7 +34,15 @@ def alive(pid: int | None) -> bool:
     except PermissionError:
         return True
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return any(_running(f"/proc/{pid}/task/{task}/stat") for task in tasks)
+
+
+def _running(stat_path: str) -> bool:
+    try:
+        with open(stat_path) as f:
             return f.read().rsplit(") ", 1)[1][0] != "Z"
     except OSError:
         return False

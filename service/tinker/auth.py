@@ -20,7 +20,7 @@ def check_sdk_version(version: str | None) -> None:
 
 
 async def tinker_tenant(request: Request) -> str:
-    """FastAPI dependency of every Tinker route: the caller's tenant, or a 401 (a 400 for another SDK version)."""
+    """FastAPI dependency of every Tinker route: the caller's tenant, or a 401 (a 422 naming the version header for an SDK version it was not tested with)."""
     check_sdk_version(request.headers.get(VERSION_HEADER))
     key = request.headers.get("x-api-key", "")
     if not key.startswith(KEY_PREFIX):

@@ -29,14 +29,21 @@ from moetune.api.models.training_sessions import (
     SaveWeights,
     SessionCreate,
 )
-from moetune.service.errors import APIException, invalid_request
+from moetune.service.errors import APIException, documented_errors, invalid_request
 from moetune.service.routes import training_sessions
 from moetune.service.sessions import records
 from moetune.service.tinker import wire
 from moetune.service.tinker.auth import check_sdk_version, tinker_tenant
 from moetune.service.tinker.state import Future, Model, TinkerSession, TinkerState, new_id
 
-router = APIRouter(prefix="/tinker/api/v1", tags=["tinker"], dependencies=[Depends(tinker_tenant)])
+router = APIRouter(prefix="/tinker/api/v1", tags=["tinker"], dependencies=[Depends(tinker_tenant)],
+                   responses=documented_errors(
+                       (400, "The request body could not be parsed"),
+                       (401, "Missing or invalid Tinker API key"),
+                       (404, "No such session, model, sampler or request on this server"),
+                       (409, "The session has finished, or a seq_id arrived out of order"),
+                       (410, "A heartbeat for a session that has finished"),
+                       (422, "Invalid request or SDK version; `error.param` names the field or header")))
 _POLL_S = 40.0  # under the SDK's 45 s read timeout of retrieve_future
 _CLIP = (0.8, 1.2)  # ppo's and cispo's ratio bounds unless loss_fn_config names them (Tinker's defaults)
 _PROTOBUF = "application/x-protobuf"

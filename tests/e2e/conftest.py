@@ -36,12 +36,12 @@ def tiny_assets(s3_endpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def control_plane(s3_endpoint, ray_head, tmp_path_factory):
+def control_plane(s3_endpoint, ray_head, serve_url, tmp_path_factory):
     """Base URL of a `moetune server` process; its output goes to a log file shown on failure."""
     port = free_port()
     work = tmp_path_factory.mktemp("control-plane")
     env = {**control_plane_env(s3_endpoint, ray_head, work, port),
-           "MOETUNE_SERVE_URL": f"http://127.0.0.1:{free_port()}",  # a session's weights deploy there
+           "MOETUNE_SERVE_URL": serve_url,  # a session's weights deploy there
            # tests delete the Serve app behind its back, and tests/e2e/test_serve.py's own control plane deploys on
            # the same Ray head: this one must not bring its deployments back
            "MOETUNE_RESTORE_DEPLOYMENTS": "false"}

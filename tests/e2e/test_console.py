@@ -24,13 +24,13 @@ JOB_TIMEOUT_MS = 600_000
 
 
 @pytest.fixture
-def console_server(s3_endpoint, ray_head, tiny_assets, tmp_path):
-    """A control plane of its own (its database holds only this test's job), with the tiny base registered and a
-    Serve URL of its own; Serve is shut down afterwards."""
-    port, serve_port = free_port(), free_port()
+def console_server(s3_endpoint, ray_head, serve_url, tiny_assets, tmp_path):
+    """A control plane of its own (its database holds only this test's job), with the tiny base registered and the
+    Ray head's Serve URL; Serve is shut down afterwards."""
+    port = free_port()
     env = {**control_plane_env(s3_endpoint, ray_head, tmp_path, port),
            "MOETUNE_BASE_MODELS": f"{BASE}={tiny_assets['model']}",
-           "MOETUNE_SERVE_URL": f"http://127.0.0.1:{serve_port}"}
+           "MOETUNE_SERVE_URL": serve_url}
     proc = spawn_control_plane(env, port, tmp_path / "server.log")
     try:
         yield {"url": f"http://127.0.0.1:{port}", "serve_url": env["MOETUNE_SERVE_URL"], "ray": ray_head.dashboard_url,

@@ -36,7 +36,7 @@ def _upload(s3, local: Path, prefix: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(s3_endpoint, ray_head, tmp_path_factory):
+def served(s3_endpoint, ray_head, serve_url, tmp_path_factory):
     from moetune.workers.tiny import write_tiny_dataset
 
     work = tmp_path_factory.mktemp("serve")
@@ -52,10 +52,10 @@ def served(s3_endpoint, ray_head, tmp_path_factory):
     write_tiny_dataset(work / "train.jsonl", n_rows=8, seed=1)
     s3.upload_file(str(work / "train.jsonl"), BUCKET, "train.jsonl")
 
-    port, serve_port = free_port(), free_port()
+    port = free_port()
     settings = settings_for(work, ray_address=ray_head.dashboard_url, callback_url=f"http://127.0.0.1:{port}",
                             s3_endpoint_url=s3_endpoint, default_output_uri=f"s3://{BUCKET}/outputs",
-                            base_models={BASE: base}, serve_url=f"http://127.0.0.1:{serve_port}")
+                            base_models={BASE: base}, serve_url=serve_url)
     app = create_app(settings)
     with control_plane_in_thread(app, port) as url:
         service = RunningService(url, app)

@@ -65,6 +65,12 @@ def test_what_storage_confirmed_is_remembered_and_what_it_refused_is_not(service
     ({"training": {"global_batch_size": 6, "micro_batch_size": 4}}, "training.global_batch_size"),
     ({"parallelism": {"num_workers": 4, "expert_parallel_size": 3}, "training": {"global_batch_size": 8}},
      "parallelism.expert_parallel_size"),
+    # the layout's rules (api.models.parallelism.ParallelDims): sizes that cannot divide, sizes not available yet
+    ({"parallelism": {"num_workers": 3, "expert_parallel_size": 2}, "training": {"global_batch_size": 6}},
+     "parallelism.expert_parallel_size"),
+    ({"parallelism": {"num_workers": 2, "context_parallel_size": 2}}, "parallelism.context_parallel_size"),
+    ({"parallelism": {"num_workers": 2, "pipeline_parallel_size": 2}}, "parallelism.pipeline_parallel_size"),
+    ({"parallelism": {"num_workers": 2, "gpus_per_worker": 2}}, "parallelism.gpus_per_worker"),
     ({"model": "http://example.com/model"}, "model"),
     ({"training": {"micro_batch_size": 0}}, "training.micro_batch_size"),
     ({"lora": {"rank": 8, "unknown_knob": 1}}, "lora.unknown_knob"),

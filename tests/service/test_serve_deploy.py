@@ -101,3 +101,15 @@ def test_deploying_what_already_failed_answers_the_cause(dashboard):
     with pytest.raises(click.ClickException) as exited:
         _require_running(dashboard, 0)
     assert exited.value.message == f"the Serve app is DEPLOY_FAILED: {CAUSE}"
+
+
+def test_a_serve_listening_on_another_port_is_refused_before_any_deploy(dashboard):
+    """Serve ignores a later config's HTTP port: deploying for another serve_url would leave its clients
+    connecting to nothing, so the deploy says where Serve listens instead of sending the config."""
+    _DropsFirst.drops, _DropsFirst.seen = 0, 0
+    _DropsFirst.body = json.dumps({"controller_info": {"node_id": "n"}, "http_options": {"port": 8123},
+                                   "applications": {}}).encode()
+    with pytest.raises(APIException) as refused:
+        serve_deploy.deploy(dashboard, "http://127.0.0.1:8124", "http://cp", {"tiny": "s3://b/m"})
+    assert refused.value.status_code == 503 and "listens on port 8123" in refused.value.message
+    assert _DropsFirst.seen == 1  # one read, no PUT

@@ -3,34 +3,37 @@
 as expert-parallel, and the layer class that switches on its MoE gradient handling.
 
 EP groups are DeepSpeed's: consecutive ranks form an EP group ([0,1],[2,3] for EP=2 of 4); the ranks that hold the
-same experts ([0,2],[1,3]) form the replica ("expert data parallel") group.
+same experts ([0,2],[1,3]) form the replica ("expert data parallel") group. The job's layout (ParallelDims) derives
+the same members; expert_groups checks that DeepSpeed made those.
 """
 
 from __future__ import annotations
 
 import functools
 
+from moetune.api.models.parallelism import ParallelDims, expert_group_name
 from moetune.workers.engine.deepspeed import init_comm
 
 EXPERT_PLACEMENT = "autoep_expert"  # DeepSpeed's ZeRO-3 placement family for expert-parallel tensors
 
 
-def expert_group_name(size: int) -> str:
-    """DeepSpeed's name of the EP group of `size` ranks."""
-    return f"ep_size_{size}"
-
-
-def expert_groups(size: int) -> tuple[int, object, object]:
+def expert_groups(dims: ParallelDims) -> tuple[int, object, object]:
     """(this rank's index in its EP group, the EP group or None at size 1, the replica group); creates DeepSpeed's
-    groups of `size` once (torch.distributed must be up)."""
+    groups of the layout once (torch.distributed must be up) and checks they have the layout's members."""
+    import torch.distributed as dist
     from deepspeed.utils import groups
 
     init_comm()
+    size, world_rank = dims.expert_parallel_size, dist.get_rank()
     name = expert_group_name(size)
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(size)
-    return (groups._get_expert_parallel_rank(name), groups._get_expert_parallel_group(name) if size > 1 else None,
-            groups._get_expert_data_parallel_group(name))
+    group, replica_group = groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name)
+    made = (dist.get_process_group_ranks(group), dist.get_process_group_ranks(replica_group))
+    wanted = (dims.expert_group_ranks(world_rank), dims.expert_replica_ranks(world_rank))
+    if made != wanted:  # a DeepSpeed whose group order changed: experts would be exchanged with the wrong ranks
+        raise RuntimeError(f"DeepSpeed's expert groups of rank {world_rank} are {made}, the layout's {wanted}")
+    return groups._get_expert_parallel_rank(name), group if size > 1 else None, replica_group
 
 
 def tag_expert_param(param, group_name: str, replica_group) -> None:

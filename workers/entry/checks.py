@@ -16,7 +16,7 @@ from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec, facts_of, images_refusal
 from moetune.api.models.base import SpecError
 from moetune.api.models.lora import LoraSpec
-from moetune.api.models.parallelism import ParallelismSpec
+from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.job_run import JobRunSpec
 from moetune.api.preference import method_type
 from moetune.workers.data.images import ImageCheck
@@ -76,7 +76,7 @@ def check_output(output_uri: str) -> None:
                        "output_uri") from None
 
 
-def check_supported(config: dict, lora: LoraSpec, parallelism: ParallelismSpec) -> None:
+def check_supported(config: dict, lora: LoraSpec, parallelism: ParallelDims) -> None:
     """The submission-time rules that need config.json, again here: the control plane skips them when it
     cannot read storage at submission."""
     try:

@@ -41,7 +41,7 @@ def _local_shard(engine) -> dict:
 
 
 def _shard_file(local_dir: str, ep) -> str:
-    return os.path.join(local_dir, EXPERT_DIR, f"ep-{ep.rank}-of-{ep.size}.safetensors")
+    return os.path.join(local_dir, EXPERT_DIR, f"ep-{ep.ep_rank}-of-{ep.size}.safetensors")
 
 
 def save_expert_shards(engine, local_dir: str) -> None:

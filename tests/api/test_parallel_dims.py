@@ -1,0 +1,51 @@
+"""The one parallel layout type (api.models.parallelism.ParallelDims): its rules name the field, and each rank's
+coordinates and groups follow one rank order (pipeline stage, data index, context index; EP blocks within a stage),
+the order DeepSpeed makes its expert groups in (workers.engine.experts.expert_groups checks DeepSpeed's own groups
+against these at every expert-parallel start)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moetune.api.models.base import SpecError
+from moetune.api.models.parallelism import ParallelDims
+
+
+def _refused(check, param: str, words: str) -> None:
+    with pytest.raises(SpecError) as refused:
+        check()
+    assert refused.value.param == param and words in refused.value.message, refused.value.message
+
+
+@pytest.mark.parametrize("dims, param, words", [
+    (dict(num_workers=6, expert_parallel_size=4), "parallelism.expert_parallel_size", "must divide"),
+    (dict(num_workers=2, context_parallel_size=2), "parallelism.context_parallel_size", "only 1 is available"),
+    (dict(num_workers=2, pipeline_parallel_size=2), "parallelism.pipeline_parallel_size", "only 1 is available"),
+    (dict(num_workers=2, gpus_per_worker=4), "parallelism.gpus_per_worker", "num_workers: 8"),
+])
+def test_a_layout_that_cannot_run_on_its_workers_names_the_field(dims, param, words):
+    _refused(ParallelDims(**dims).check_world, param, words)
+
+
+def test_a_layout_that_cannot_divide_the_model_names_the_field():
+    _refused(lambda: ParallelDims(num_workers=6, expert_parallel_size=3).check_model(8, 4),
+             "parallelism.expert_parallel_size", "the model's 8 routed experts")
+    _refused(lambda: ParallelDims(num_workers=8, pipeline_parallel_size=8).check_model(8, 4),
+             "parallelism.pipeline_parallel_size", "the model's 4 decoder layers")
+    _refused(lambda: ParallelDims(num_workers=4, context_parallel_size=2).check_sequence(102),
+             "training.seq_len", "multiple of 2 x context_parallel_size = 4")
+    ParallelDims(num_workers=8, expert_parallel_size=4, pipeline_parallel_size=2).check_model(8, 4)
+
+
+def test_each_rank_has_one_place_and_its_groups_tile_the_world():
+    dims = ParallelDims(num_workers=16, expert_parallel_size=4, context_parallel_size=2, pipeline_parallel_size=2)
+    places = [dims.coordinates(r) for r in range(16)]
+    assert len({(p.stage, p.data_rank, p.context_rank) for p in places}) == 16  # one rank per mesh point
+    assert [p.stage for p in places] == [0] * 8 + [1] * 8
+    assert [p.context_rank for p in places[:4]] == [0, 1, 0, 1] and dims.data_parallel_size == 4
+    assert dims.expert_group_ranks(5) == [4, 5, 6, 7] and places[5].ep_rank == 1
+    assert dims.expert_replica_ranks(5) == [1, 5] and dims.expert_replica_ranks(13) == [9, 13]
+    for world_rank in range(16):  # every EP group and replica group holds its own rank, within its stage
+        for group in (dims.expert_group_ranks(world_rank), dims.expert_replica_ranks(world_rank)):
+            assert world_rank in group and {dims.coordinates(r).stage for r in group} == {places[world_rank].stage}
+    assert dims.expert_group_name == "ep_size_4"
