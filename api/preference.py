@@ -1,7 +1,7 @@
 """OpenAI's `dpo` method section: Direct Preference Optimization on rows of a preferred and a non-preferred answer
 to the same prompt (the row rules are api/data_rows.py's `preference_row_problem`; the loss is
 workers/methods/dpo.py's). Its `batch_size`, `learning_rate_multiplier` and `n_epochs` map onto `training` as
-supervised's do (api.models.job_create.resolve_spec); `beta` is DPO's own."""
+supervised's do (api.models.run_config.resolve_run_config); `beta` is DPO's own."""
 
 from __future__ import annotations
 

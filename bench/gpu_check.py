@@ -407,16 +407,18 @@ def _job_step(s: Setting, family: str, zero: int, kernels: bool, steps: int) -> 
     import torch
 
     from moetune.api.models.job_create import JobCreate
+    from moetune.api.models.run_config import resolve_run_config
     from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.families import REGISTRY, apply_kernel_swaps, auto_model_class
     from moetune.workers.model import trainable_model
     from moetune.workers.experts.placement import job_placement
 
-    spec = JobCreate(model="file:///unused", training_file="file:///unused",
-                     lora={"rank": 8, "alpha": 16, "dropout": 0.0, "train_experts": True},
-                     training={"max_steps": steps, "global_batch_size": 2, "micro_batch_size": 2,
-                               "learning_rate": 1e-2, "warmup_ratio": 0.0, "custom_kernels": kernels},
-                     parallelism={"num_workers": 1, "zero_stage": zero})
+    spec = resolve_run_config(JobCreate(
+        model="file:///unused", training_file="file:///unused",
+        lora={"rank": 8, "alpha": 16, "dropout": 0.0, "train_experts": True},
+        training={"max_steps": steps, "global_batch_size": 2, "micro_batch_size": 2, "learning_rate": 1e-2,
+                  "warmup_ratio": 0.0, "custom_kernels": kernels, "activation_checkpointing": False},
+        parallelism={"num_workers": 1, "zero_stage": zero}), seed=0)
     fam = REGISTRY[family]
     config = fam.tiny_config()
     vocab_size = getattr(config, "text_config", config).vocab_size  # multimodal configs keep it in text_config

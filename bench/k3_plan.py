@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import resolve_run_config
 from moetune.api.plans import parse_cluster
 from moetune.workers.planner import plan
 from moetune.workers.planner.model import model_facts
@@ -42,11 +43,12 @@ def main() -> None:
     rows, result = [], {}
     for seq_len in SEQ_LENS:
         spec = JobCreate.model_validate({**request, "training": {**request["training"], "seq_len": seq_len}})
+        job, choose = resolve_run_config(spec, 0), spec.training.activation_checkpointing == "auto"
         start = time.perf_counter()
-        facts = model_facts(config, spec)
+        facts = model_facts(config, job)
         print(f"seq_len {seq_len:,}: model facts in {time.perf_counter() - start:.0f} s", flush=True)
         for gpu, cluster in CLUSTERS.items():
-            p = plan(config, spec, parse_cluster(cluster), facts)
+            p = plan(config, job, parse_cluster(cluster), choose, facts)
             rows.append(f"| {gpu} | {seq_len // 1024}K | {_layout(p['recommended'])} | {_layout(p['fewest_gpus'])} |")
             key = f"{gpu.lower()}_{seq_len // 1024}k_fewest_gpus"
             result[key] = p["fewest_gpus"]["world"] if p["fewest_gpus"] else 0

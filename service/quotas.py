@@ -20,7 +20,6 @@ from pydantic.alias_generators import to_camel
 from sqlalchemy import func, select
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models.job_create import JobCreate
 from moetune.api.models.parallelism import ParallelDims
 from moetune.service.api_exception import APIException
 from moetune.service.store import SLOT_STATUSES, JobRow, SessionRow, Store
@@ -124,11 +123,11 @@ def _over_limit(quota: TenantQuota, used: TenantUsage, tenant: str, workers: int
     return None
 
 
-def check_submission(store: Store, quotas: dict[str, TenantQuota], tenant: str, spec: JobCreate) -> None:
+def check_submission(store: Store, quotas: dict[str, TenantQuota], tenant: str, par: ParallelDims) -> None:
     """A job its tenant's quota could never run is a 422; a GPU job of a tenant whose budget is spent a 429."""
     quota = quota_of(quotas, tenant)
-    _check_fits(quota, tenant, spec.parallelism, "job")
-    if spec.parallelism.gpus_per_worker and quota.gpu_hours is not None:
+    _check_fits(quota, tenant, par, "job")
+    if par.gpus_per_worker and quota.gpu_hours is not None:
         _check_budget(quota, usage_by_tenant(store, store.jobs_with_status(*SLOT_STATUSES), time.time())[tenant],
                       tenant, "job")
 

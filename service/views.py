@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from moetune.api.model_names import fine_tuned_name
 from moetune.api.models.job_create import JobCreate
-from moetune.api.models.responses import Checkpoint, CheckpointMetrics, ErrorInfo, Job, JobEvent, Progress
+from moetune.api.models.run_config import RunConfig
 from moetune.api.models.training import TrainingSpec
+from moetune.api.models.responses import Checkpoint, CheckpointMetrics, ErrorInfo, Job, JobEvent, Progress
 from moetune.api.preference import method_view
 from moetune.service.base_models import BaseModels
 
@@ -33,8 +34,9 @@ def _epoch(value: float | None) -> int | None:
 
 
 def job_view(row, base_models: BaseModels) -> Job:
-    spec = JobCreate.model_validate(row.spec)
-    training = spec.training
+    spec = JobCreate.model_validate(row.spec)  # the request: what the user named
+    run = RunConfig.model_validate(row.run_config)  # what runs: the values shown are these
+    training = TrainingSpec.model_validate(run.request_body()["training"])
     # the stored column is the adapter's URI (the driver's report); clients address the model by its name
     name = row.fine_tuned_model and fine_tuned_name(base_models.name(spec.model), spec.suffix, row.tenant, row.id)
     # OpenAI's knobs, showing the values the job actually runs with (also under method, where OpenAI puts them).
@@ -54,7 +56,7 @@ def job_view(row, base_models: BaseModels) -> Job:
         status=row.status,
         error=ErrorInfo.model_validate(row.error) if row.error else None,
         hyperparameters=hyperparameters,
-        method=method_view(spec.method, hyperparameters),
+        method=method_view(run.method, hyperparameters),
         integrations=[i.model_dump(exclude_none=True) for i in spec.integrations or ()],
         training_file=spec.training_file,
         validation_file=spec.validation_file,
@@ -64,9 +66,9 @@ def job_view(row, base_models: BaseModels) -> Job:
         estimated_finish=_epoch(row.estimated_finish),
         metadata=spec.metadata,
         user_provided_suffix=spec.suffix,
-        lora=spec.lora,
+        lora=run.lora,
         training=training,
-        parallelism=spec.parallelism,
+        parallelism=run.parallelism,
         output_uri=row.output_uri,
         priority=row.priority,
         progress=Progress.model_validate(row.progress or {}),

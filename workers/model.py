@@ -15,9 +15,9 @@ from typing import Any, Literal
 from torch import nn
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models.job_create import JobCreate
 from moetune.api.models.lora import LoraSpec
 from moetune.api.models.parallelism import ParallelDims
+from moetune.api.models.run_config import RunConfig, RunTraining
 from moetune.api.models.training import TrainingSpec
 from moetune.workers.engine.zero3_load import Zero3Partitioner
 from moetune.workers.errors import JobError
@@ -72,35 +72,35 @@ class Built:
     base: Any = None  # what `read_base` answered
 
 
-def build_model(mode: Mode, config: dict, spec: JobCreate | None = None, *, device=None, dtype=None,
+def build_model(mode: Mode, config: dict, job: RunConfig | None = None, *, device=None, dtype=None,
                 weights: WeightsSource | None = None, read_base: Callable[[Any, Family], Any] | None = None) -> Built:
     """The model of `config` (the checkpoint's config.json) for `mode`.
 
-    `spec`: the job (train, meta); serving has none: no LoRA (adapters are applied per row, workers.generate), every
-    kernel swap, the base as stored. `dtype`: the compute dtype (default: load_dtype(device)). `read_base` is called
-    with the base as built (weights or meta) and its family, before any swap: what a caller reads of the
-    checkpoint's own modules (the planner its tensors, serving its expert layout); its answer is `Built.base`.
+    `job`: the job's run config (train, meta); serving has none: no LoRA (adapters are applied per row,
+    workers.generate), every kernel swap, the base as stored. `dtype`: the compute dtype (default:
+    load_dtype(device)). `read_base` is called with the base as built (weights or meta) and its family, before any
+    swap: what a caller reads of the checkpoint's own modules (the planner its tensors, serving its expert layout); its answer is `Built.base`.
     `train` needs torch.distributed up (the expert process groups) and every rank to have drawn the same random
     state (LoRA init)."""
     family = family_for(config)
-    placement = job_placement(config, spec.parallelism, spec.lora) if mode == TRAIN else placement_at(config, 1, 0)
+    placement = job_placement(config, job.parallelism, job.lora) if mode == TRAIN else placement_at(config, 1, 0)
     dtype = dtype or load_dtype(device)
     streamed = None
     if mode == META:
         model = meta_model(config, dtype)
     else:
         streamed = stream_model(weights.uri, device, dtype, placement, weights.cache_dir, weights.cache_max_bytes,
-                                spec.training.base_weights if spec else "quantized",
-                                load_partitioner(spec.training, spec.parallelism, device) if mode == TRAIN else None)
+                                job.training.base_weights if job else "quantized",
+                                load_partitioner(job.training, job.parallelism, device) if mode == TRAIN else None)
         model = streamed.model
     base = read_base(model, family) if read_base else None
-    custom_kernels = spec.training.custom_kernels if spec else True
+    custom_kernels = job.training.custom_kernels if job else True
     swapped = family.apply_kernel_swaps(model) if custom_kernels else {}
-    adapted = _adapted(mode, model, family, spec.lora if spec else None, spec.training if spec else None, placement)
+    adapted = _adapted(mode, model, family, job.lora if job else None, job.training if job else None, placement)
     return Built(adapted, family, placement, streamed, swapped, base)
 
 
-def load_partitioner(training: TrainingSpec, parallelism: ParallelDims, device) -> Zero3Partitioner | None:
+def load_partitioner(training: RunTraining, parallelism: ParallelDims, device) -> Zero3Partitioner | None:
     """Under ZeRO-3, what puts each frozen parameter into its partition as it loads (bf16 on GPUs, as the engine
     the loop builds): no rank holds its whole share of the base at once. None for ZeRO-1/2."""
     if parallelism.zero_stage != 3:
@@ -119,7 +119,8 @@ def meta_model(config: dict, dtype):
 def trainable_model(model, lora: LoraSpec, training: TrainingSpec, placement: ExpertPlacement | None):
     """`train`'s steps after the kernel swaps, on a model whose weights are in (tests and benchmarks build a plain
     transformers model and swap its kernels themselves); `lora` and `training`: the job's sections.
-    `training.activation_checkpointing` "auto" is resolved to true or false before this is called."""
+    Activation checkpointing is on only where `training.activation_checkpointing` is True (a run config's is a
+    bool; a request's "auto" means off here)."""
     return _adapted(TRAIN, model, family_for(model.config), lora, training, placement)
 
 

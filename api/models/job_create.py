@@ -1,5 +1,5 @@
-"""A fine-tuning job request (POST /v1/fine_tuning/jobs): its sections together, OpenAI's `integrations`, and
-resolve_spec, which applies OpenAI's knobs onto `training` and checks the rules across sections.
+"""A fine-tuning job request (POST /v1/fine_tuning/jobs): its sections together and OpenAI's `integrations`. The
+workers never see it: api.models.run_config resolves it into the job's run config.
 
 Field names follow OpenAI's fine-tuning job objects where such a field exists; everything moetune-specific lives in
 the `lora`, `training`, `parallelism` and `evaluation` sections.
@@ -86,48 +86,9 @@ class JobCreate(StrictModel):
         return v
 
 
-def resolve_spec(req: JobCreate) -> JobCreate:
-    """Apply OpenAI hyperparameters onto `training` and check cross-field rules.
-
-    Returns a copy whose `training` section is authoritative; raises SpecError naming the field.
-    """
-    training = req.training.model_copy()
-    hp = _method_hyperparameters(req)
-    if hp.batch_size != "auto":
-        if hp.batch_size < 1:
-            raise SpecError("hyperparameters.batch_size", "must be >= 1")
-        training.global_batch_size = hp.batch_size
-    if hp.learning_rate_multiplier != "auto":
-        if hp.learning_rate_multiplier <= 0:
-            raise SpecError("hyperparameters.learning_rate_multiplier", "must be > 0")
-        training.learning_rate = training.learning_rate * hp.learning_rate_multiplier
-    if hp.n_epochs != "auto":
-        if hp.n_epochs < 1:
-            raise SpecError("hyperparameters.n_epochs", "must be >= 1")
-        if training.max_steps is not None:  # which one wins would be a guess: say so rather than drop one
-            raise SpecError("hyperparameters.n_epochs", "set either hyperparameters.n_epochs or training.max_steps, "
-                                                        "not both")
-        training.n_epochs = hp.n_epochs
-    if training.max_steps is None and training.n_epochs is None:
-        training.n_epochs = 1
-
-    par = req.parallelism
-    par.check_world()
-    auto = training.micro_batch_size == "auto"
-    per_step = par.data_parallel_size * (1 if auto else training.micro_batch_size)
-    if training.global_batch_size % per_step:
-        replicas = ("num_workers" if par.data_parallel_size == par.num_workers
-                    else "the data-parallel size (num_workers / (pipeline x context parallel sizes))")
-        raise SpecError("training.global_batch_size",
-                        f"must be a multiple of {'' if auto else 'micro_batch_size x '}{replicas} = {per_step}")
-    if training.memory_budget_mb is not None and not auto:
-        raise SpecError("training.memory_budget_mb", "only applies to micro_batch_size \"auto\"")
-    par.check_sequence(training.seq_len)
-    return req.model_copy(update={"training": training})
-
-
-def _method_hyperparameters(req: JobCreate) -> Hyperparameters:
-    """The OpenAI knobs: the method section's `hyperparameters` (OpenAI's current place) over the top-level ones."""
+def method_hyperparameters(req: JobCreate) -> Hyperparameters:
+    """The OpenAI knobs: the method section's `hyperparameters` (OpenAI's current place) over the top-level ones;
+    a SpecError for a method type or section that does not apply."""
     method = req.method
     if method is None:
         return req.hyperparameters

@@ -7,16 +7,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from moetune.api.models.job_create import JobCreate
 from moetune.api.models.responses import CheckpointMetrics, ErrorInfo, EventLevel, EventType
+from moetune.api.models.run_config import RunConfig
 
 
 class JobRunSpec(BaseModel):
     """Everything a driver needs to run one job; handed to the Ray job as JSON."""
 
     job_id: str
-    spec: JobCreate  # already passed through resolve_spec
-    seed: int
+    config: RunConfig  # the job's row holds it as made at submission
     output_uri: str  # <output_uri>/<job id>, where checkpoints and the adapter land
 
 

@@ -26,7 +26,7 @@ METHOD_TYPES = ("supervised", "dpo")
 
 
 class Method(StrictModel):
-    """OpenAI's `method`: "supervised" or "dpo" (api/preference.py); other types are refused by resolve_spec with
+    """OpenAI's `method`: "supervised" or "dpo" (api/preference.py); other types are refused by resolve_run_config with
     the field named (a typed Literal would answer with pydantic's generic message instead)."""
 
     type: str = "supervised"

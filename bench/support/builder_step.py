@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import RunConfig
 
 
 def packed_batch(method, rank: int, vocab: int):
@@ -35,7 +35,7 @@ def builder_step(rank: int, world: int, model_dir: str, spec_json: str, out_dir:
     from moetune.workers.reporting.moe import MoEMetrics
     from bench.support.host_tensors import implicit_device_elsewhere, meta_tensors
 
-    job = JobCreate.model_validate_json(spec_json)
+    job = RunConfig.model_validate_json(spec_json)
     device = device or torch.device("cpu")
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)

@@ -23,6 +23,7 @@ from bench.support.receiver import ReportReceiver
 from moetune.api.client import Client
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import resolve_run_config
 from moetune.api.models.job_run import JobRunSpec
 from moetune.service.local.embedded import (control_plane_in_thread, free_port, s3_env, spawn_s3_server,
                                             stop_process, wait_http)
@@ -108,7 +109,7 @@ def job_fields(stack: ClusterStack, steps: int = STEPS) -> dict:
 
 
 def run_spec(stack: ClusterStack, job_id: str) -> JobRunSpec:
-    return JobRunSpec(job_id=job_id, spec=JobCreate.model_validate(job_fields(stack)), seed=SEED,
+    return JobRunSpec(job_id=job_id, config=resolve_run_config(JobCreate.model_validate(job_fields(stack)), SEED),
                       output_uri=f"{stack.assets}/out/{job_id}")
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import RunConfig, resolve_run_config
 from moetune.service.local.embedded import free_port
 from bench.support.tiny_models import batch, plain_model
 
@@ -23,15 +24,17 @@ SAVE_AFTER, STEPS = 2, 4  # checkpoint tests: save after step 2 of 4
 
 def spec(ep: int, zero: int, train_experts: bool = False, world: int = 2, steps: int = 1, micro: int | str = 2,
          lr: float = 1e-2, targets="all-linear", kernels: bool = True, checkpointing: bool = False,
-         global_batch: int | None = None) -> JobCreate:
-    """global_batch: micro * world by default."""
-    return JobCreate(model="file:///unused", training_file="file:///unused",
-                     lora={**LORA, "train_experts": train_experts, "target_modules": targets},
-                     training={"max_steps": steps, "global_batch_size": global_batch or micro * world,
-                               "micro_batch_size": micro,
-                               "learning_rate": lr, "warmup_ratio": 0.0, "lr_scheduler": "constant",
-                               "custom_kernels": kernels, "activation_checkpointing": checkpointing},
-                     parallelism={"num_workers": world, "expert_parallel_size": ep, "zero_stage": zero})
+         global_batch: int | None = None) -> RunConfig:
+    """The run config of a harness job (its model built in memory, its batches made here); global_batch:
+    micro * world by default."""
+    request = JobCreate(model="file:///unused", training_file="file:///unused",
+                        lora={**LORA, "train_experts": train_experts, "target_modules": targets},
+                        training={"max_steps": steps, "global_batch_size": global_batch or micro * world,
+                                  "micro_batch_size": micro,
+                                  "learning_rate": lr, "warmup_ratio": 0.0, "lr_scheduler": "constant",
+                                  "custom_kernels": kernels, "activation_checkpointing": checkpointing},
+                        parallelism={"num_workers": world, "expert_parallel_size": ep, "zero_stage": zero})
+    return resolve_run_config(request, seed=0)
 
 
 def _entry(rank: int, world: int, port: int, fn, args):
@@ -88,7 +91,7 @@ def write_released_checkpoint(folder: str, family_name: str) -> str:
     return folder
 
 
-def base_model(source: str, skew: bool = False, config=None, job: JobCreate | None = None):
+def base_model(source: str, skew: bool = False, config=None, job: RunConfig | None = None):
     """A family's tiny random model (`source` a family name; plain_model), or the checkpoint in the folder `source`
     streamed as a job streams it: with `job`, this rank's experts of its placement kept in their stored format and
     the family's kernel swaps where the job asks for them (the engine); without, every expert dequantized to fp32
@@ -121,7 +124,7 @@ def wide_config(family_name: str):
     return REGISTRY[family_name].tiny_config(moe_intermediate_size=512)
 
 
-def make_engine(rank: int, world: int, family_name: str, job: JobCreate, skew: bool = False, config=None):
+def make_engine(rank: int, world: int, family_name: str, job: RunConfig, skew: bool = False, config=None):
     """The moetune engine of this rank, built exactly as a job builds it (same seeds on every rank).
     `family_name`: or a checkpoint folder (base_model)."""
     from moetune.workers.engine.deepspeed import build_engine
@@ -175,7 +178,7 @@ def run_engine(rank: int, world: int, family_name: str, spec_json: str, out_dir:
 
     from moetune.workers.reporting.expert_load import ExpertLoad
 
-    job = JobCreate.model_validate_json(spec_json)
+    job = RunConfig.model_validate_json(spec_json)
     os.makedirs(out_dir, exist_ok=True)
     engine = make_engine(rank, world, family_name, job, skew)
     load = ExpertLoad(engine.module)
@@ -204,7 +207,7 @@ def run_saved_experts(rank: int, world: int, family_name: str, spec_json: str, o
 
     from moetune.workers.experts.module import ExpertParallelExperts
 
-    job = JobCreate.model_validate_json(spec_json)
+    job = RunConfig.model_validate_json(spec_json)
     engine = make_engine(rank, world, family_name, job, skew, wide_config(family_name))
     frozen = [p for m in engine.module.modules() if isinstance(m, ExpertParallelExperts)
               for name, p in m.named_parameters() if not name.startswith("lora_")]
@@ -237,15 +240,15 @@ def run_tuner_start(rank: int, world: int, family_name: str, spec_json: str, out
     from moetune.workers.loop.tuner import MicroBatchTuner
     from moetune.workers.planner.start import sequence_bytes
 
-    job = JobCreate.model_validate_json(spec_json)
+    job = RunConfig.model_validate_json(spec_json)
     engine = make_engine(rank, world, family_name, job, skew)
     per_rank = job.training.global_batch_size // world
     sequences = per_rank + 0.5 if rank == 0 else 2.5
-    budget_mb = sequences * sequence_bytes(engine.module, job.training) / 1e6
-    training = job.training.model_copy(update={"memory_budget_mb": budget_mb})
+    budget_mb = sequences * sequence_bytes(engine.module, job) / 1e6
+    job = job.model_copy(update={"training": job.training.model_copy(update={"memory_budget_mb": budget_mb})})
     cpu = torch.device("cpu")
-    own = MicroBatchTuner.planned(engine.module, per_rank, training, budget_mb * 1e6, cpu).size
-    runner = StepRunner(engine, None, training, RankPlace(rank, world, 0, cpu), Collectives(cpu),
+    own = MicroBatchTuner.planned(engine.module, per_rank, job, budget_mb * 1e6, cpu).size
+    runner = StepRunner(engine, None, job, RankPlace(rank, world, 0, cpu), Collectives(cpu),
                         lambda *args, **kwargs: None, total_steps=1)
     os.makedirs(out_dir, exist_ok=True)
     torch.save({"own": own, "start": runner.micro_batch_size, "deepspeed": engine.train_micro_batch_size_per_gpu()},
@@ -258,7 +261,7 @@ def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_
     bytes too (run_engine's), so that a resume case also checks the curve."""
     from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
 
-    job = JobCreate.model_validate_json(spec_json)
+    job = RunConfig.model_validate_json(spec_json)
     ckpt, adapter = os.path.join(out_dir, "ckpt"), os.path.join(out_dir, "adapter")
     engine = make_engine(rank, world, family_name, job, skew)
     losses, grads = [], {}
@@ -278,7 +281,7 @@ def run_and_resume(rank: int, world: int, family_name: str, spec_json: str, out_
                 "expert_bytes": expert_bytes(engine.module)}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _with_expert_lora(peft_model, fam, job: JobCreate, source: str, skew: bool, model_config=None):
+def _with_expert_lora(peft_model, fam, job: RunConfig, source: str, skew: bool, model_config=None):
     """The same adapter as PEFT sees it: linear LoRA plus `target_parameters` LoRA on the fused experts, with the
     expert A drawn exactly as the engine draws them (B = 0)."""
     from peft import (
@@ -331,7 +334,7 @@ def expert_grads_in_engine_layout(peft_model, fam) -> dict:
     return out
 
 
-def reference(family_name: str, job: JobCreate, world: int, skew: bool = False, micro: int = 2,
+def reference(family_name: str, job: RunConfig, world: int, skew: bool = False, micro: int = 2,
               config=None) -> dict:
     """Plain transformers + PEFT in one process: the same batches, DeepSpeed's rank-mean loss, AdamW, clipping.
     `family_name`: or a checkpoint folder (base_model: dequantized); `config`: another config of the family (the

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import RunConfig
 
 
 def image_method(model_dir: str, seq_len: int = 512):
@@ -71,7 +71,7 @@ def run_image_ep(rank: int, world: int, model_dir: str, spec_json: str, out_dir:
     from moetune.workers.model import trainable_model
     from moetune.workers.experts.placement import job_placement
 
-    job = JobCreate.model_validate_json(spec_json)
+    job = RunConfig.model_validate_json(spec_json)
     method, model = image_method(model_dir), image_model(model_dir).to(device or torch.device("cpu"))
     apply_kernel_swaps(model)
     torch.manual_seed(1)

@@ -22,10 +22,10 @@ from moetune.api.environment import (
     ENV_S3_ENDPOINT_URL,
     ENV_URI_ACCESS,
 )
-from moetune.api.models.job_create import JobCreate
 from moetune.api.models.job_run import JobRunSpec, ResultReport
 from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.responses import ErrorInfo, JobStatus
+from moetune.api.models.run_config import RunConfig
 from moetune.service.auth import hash_token, new_job_token
 from moetune.service.cluster.deployments import DeploymentRestorer
 from moetune.service.cluster.leader import LeaderLease
@@ -66,8 +66,12 @@ def short_cause(ray_message: str | None) -> str:
     return cause[:_MAX_CAUSE_CHARS]
 
 
+def _run_config(job: JobRow) -> RunConfig:
+    return RunConfig.model_validate(job.run_config)
+
+
 def _parallelism(job: JobRow) -> ParallelDims:
-    return ParallelDims.model_validate(job.spec["parallelism"])
+    return _run_config(job).parallelism
 
 
 def _held(jobs: list[JobRow]) -> dict[str, float]:
@@ -208,7 +212,7 @@ class Scheduler:
             return
         for job in self.store.jobs_with_status(JobStatus.validating_files):
             try:
-                error = missing_input(JobCreate.model_validate(job.spec), self.settings.s3_endpoint_url)
+                error = missing_input(_run_config(job), self.settings.s3_endpoint_url)
             except Exception as e:  # noqa: BLE001 - storage down or timing out: worth a retry, not a failed job
                 self._storage_unreachable(e)
                 return
@@ -329,8 +333,7 @@ class Scheduler:
         return True
 
     def job_env(self, job: JobRow, token: str) -> dict[str, str]:
-        run_spec = JobRunSpec(job_id=job.id, spec=JobCreate.model_validate(job.spec), seed=job.seed,
-                              output_uri=job.output_uri)
+        run_spec = JobRunSpec(job_id=job.id, config=_run_config(job), output_uri=job.output_uri)
         env = {name: os.environ[name] for name in self.settings.worker_env_passthrough if name in os.environ}
         env.update({
             ENV_RUN_SPEC: run_spec.model_dump_json(),

@@ -12,7 +12,8 @@ from moetune.api import storage
 from moetune.api.errors import ErrorCode
 from moetune.api.layout import report_html_uri, report_json_uri
 from moetune.api.models.base import SpecError
-from moetune.api.models.job_create import JobCreate, resolve_spec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import resolve_run_config
 from moetune.api.models.responses import Checkpoint, Job, JobEvent, ListPage
 from moetune.api.plans import PlanRequest
 from moetune.api.report import AdaptationReport
@@ -183,10 +184,10 @@ def create_plan(request: Request, body: PlanRequest, tenant: Tenant, store: Stor
     job = resolve_inputs(body.job, store, tenant, request.app.state.base_models)  # names and file ids
     check_job_uris(job, tenant, settings)
     try:
-        spec = resolve_spec(job)
-        config = read_model_config(spec.model, settings.s3_endpoint_url, request.app.state.storage_facts)
+        run_config = resolve_run_config(job, job.seed or 0)  # the seed changes no byte of the plan
+        config = read_model_config(job.model, settings.s3_endpoint_url, request.app.state.storage_facts)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
     if config is None:
-        raise invalid_request(f"job.model: cannot read {spec.model.rstrip('/')}/config.json", "job.model")
-    return planning.plan_or_error(config, spec, body.cluster)
+        raise invalid_request(f"job.model: cannot read {job.model.rstrip('/')}/config.json", "job.model")
+    return planning.plan_or_error(config, run_config, job.training.activation_checkpointing == "auto", body.cluster)

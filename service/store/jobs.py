@@ -55,7 +55,9 @@ class JobRow(Base):
     created_at: Mapped[float] = mapped_column(Float)  # epoch seconds, sub-second so age order is exact
     started_at: Mapped[float | None] = mapped_column(Float)
     finished_at: Mapped[float | None] = mapped_column(Float)
-    spec: Mapped[dict] = mapped_column(JSON)  # JobCreate after resolve_spec
+    spec: Mapped[dict] = mapped_column(JSON)  # the JobCreate request as posted (its inputs made URIs)
+    # What the workers run (api.models.run_config.RunConfig), resolved once from the request at submission
+    run_config: Mapped[dict | None] = mapped_column(JSON)
     seed: Mapped[int] = mapped_column(BigInteger)
     output_uri: Mapped[str] = mapped_column(Text)
     fine_tuned_model: Mapped[str | None] = mapped_column(Text)

@@ -1,4 +1,4 @@
-"""Creating a job: spec resolution, idempotency, the stored row and its first events."""
+"""Creating a job: its run config (resolved once, here), idempotency, the stored row and its first events."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from moetune.api.checkpoint_files import check_tokenizer_files
 from moetune.api.errors import ErrorCode
 from moetune.api.families import check_model_spec
 from moetune.api.models.base import SpecError
-from moetune.api.models.job_create import JobCreate, resolve_spec
+from moetune.api.models.job_create import JobCreate
 from moetune.api.models.responses import JobStatus
+from moetune.api.models.run_config import resolve_run_config
 from moetune.service.base_models import BaseModels
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.quotas import check_submission
@@ -57,39 +58,44 @@ def create_job(store: Store, settings: Settings, tenant: str, request: JobCreate
     job_id = new_job_id()
     location = (request.output_uri or settings.default_output_uri).rstrip("/")
     output_uri = f"{location}/{job_id}"
+    seed = request.seed if request.seed is not None else secrets.randbelow(MAX_SEED + 1)
     try:
-        spec = resolve_spec(request)
+        run_config = resolve_run_config(request, seed)
         # Rules that need storage (the model's files, the output location); what storage cannot answer now, the
         # driver checks before any worker starts.
-        if (config := read_model_config(spec.model, settings.s3_endpoint_url, facts)) is not None:
-            check_model_spec(config, spec.lora, spec.parallelism)
-            check_fits(config, spec, settings)
-            if (names := model_files(spec.model, settings.s3_endpoint_url, facts)) is not None:
-                check_tokenizer_files(names, spec.model)
-        rows = check_data_images(spec, config, tenant_access(tenant, settings), settings, facts)
-        check_epochs(spec.training, rows.get("training_file"), settings.max_epochs)
+        if (config := read_model_config(request.model, settings.s3_endpoint_url, facts)) is not None:
+            check_model_spec(config, request.lora, run_config.parallelism)
+            if (plan := check_fits(config, run_config, request.training.activation_checkpointing == "auto",
+                                   settings)) is not None:
+                run_config = resolve_run_config(request, seed, plan)  # the plan decides activation_checkpointing
+            if (names := model_files(request.model, settings.s3_endpoint_url, facts)) is not None:
+                check_tokenizer_files(names, request.model)
+        rows = check_data_images(request, config, tenant_access(tenant, settings), settings, facts)
+        check_epochs(run_config.training, rows.get("training_file"), settings.max_epochs)
         check_output_writable(location, job_id, settings.s3_endpoint_url, default=request.output_uri is None,
                               facts=facts)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
-    check_submission(store, settings.tenant_quotas, tenant, spec)
+    check_submission(store, settings.tenant_quotas, tenant, run_config.parallelism)
     row = JobRow(
         id=job_id,
         tenant=tenant,
         status=JobStatus.validating_files.value,
-        priority=spec.priority,
-        spec=spec.model_dump(mode="json"),
-        seed=spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED + 1),
+        priority=request.priority,
+        spec=request.model_dump(mode="json"),
+        run_config=run_config.model_dump(mode="json"),
+        seed=seed,
         output_uri=output_uri,
         result_files=[],
         progress={},
         idempotency_key=idempotency_key,
         request_hash=digest,
         cancel_requested=False,
-        gpus=spec.parallelism.num_workers * spec.parallelism.gpus_per_worker,
+        gpus=run_config.parallelism.num_workers * run_config.parallelism.gpus_per_worker,
     )
     try:
-        warnings = [(warning, "warn") for warning in schedule_warnings(spec.training, rows.get("training_file"))]
+        warnings = [(warning, "warn") for warning in schedule_warnings(run_config.training,
+                                                                        rows.get("training_file"))]
         return store.create_job(row, ["Job created", *warnings, "Validating files"])
     except IdempotencyKeyTaken:  # an identical request raced this one
         return _replay(store.find_by_idempotency_key(tenant, idempotency_key), digest)

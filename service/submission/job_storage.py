@@ -8,7 +8,7 @@ import json
 from moetune.api import storage
 from moetune.api.errors import ErrorCode
 from moetune.api.models.base import SpecError
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import RunConfig
 from moetune.api.models.responses import ErrorInfo
 from moetune.service.submission.storage_facts import StorageFacts
 
@@ -18,26 +18,26 @@ def _filesystem(uri: str, s3_endpoint_url: str | None, quick: bool = False):
     return storage.filesystem(uri, s3_endpoint_url, quick=quick, listings_cache=False)
 
 
-def _inputs(spec: JobCreate) -> list[tuple[str, str, str]]:
+def _inputs(job: RunConfig) -> list[tuple[str, str, str]]:
     """(param, uri to check, what it should be)."""
     inputs = [
-        ("model", storage.join(spec.model, "config.json"), "a Hugging Face checkpoint folder with a config.json"),
-        ("training_file", spec.training_file, "a JSONL file"),
+        ("model", storage.join(job.model, "config.json"), "a Hugging Face checkpoint folder with a config.json"),
+        ("training_file", job.training_file, "a JSONL file"),
     ]
-    if spec.validation_file:
-        inputs.append(("validation_file", spec.validation_file, "a JSONL file"))
-    if spec.evaluation is not None:
-        inputs.append(("evaluation.file", spec.evaluation.file, "a JSONL file of chat rows with references"))
+    if job.validation_file:
+        inputs.append(("validation_file", job.validation_file, "a JSONL file"))
+    if job.evaluation is not None:
+        inputs.append(("evaluation.file", job.evaluation.file, "a JSONL file of chat rows with references"))
     return inputs
 
 
-def missing_input(spec: JobCreate, s3_endpoint_url: str | None) -> ErrorInfo | None:
+def missing_input(job: RunConfig, s3_endpoint_url: str | None) -> ErrorInfo | None:
     """The first input that does not exist or cannot be read, as the job's error; None when all are there.
 
     Other storage errors (endpoint down, timeouts) propagate at once (no retries here): they are worth a retry
     with the scheduler's backoff, not a failed job.
     """
-    for param, uri, expected in _inputs(spec):
+    for param, uri, expected in _inputs(job):
         try:
             fs, path = _filesystem(uri, s3_endpoint_url, quick=True)
             found = fs.exists(path)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from moetune.api.errors import ErrorCode
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import RunConfig
 from moetune.api.plans import ClusterSpec, parse_cluster
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.settings import Settings
@@ -23,10 +23,12 @@ class PlannerUnavailable(Exception):
     """The planner child did not answer (the training stack is not installed here, it crashed or ran too long)."""
 
 
-def run_planner(config: dict, job: JobCreate, cluster: ClusterSpec, timeout_s: float = TIMEOUT_S) -> dict:
-    """The plan; an APIException (422) for what the planner refuses in the request, PlannerUnavailable when it
-    gives no answer."""
-    body = json.dumps({"config": config, "job": job.model_dump(mode="json"), "cluster": cluster.model_dump()})
+def run_planner(config: dict, job: RunConfig, choose_checkpointing: bool, cluster: ClusterSpec,
+                timeout_s: float = TIMEOUT_S) -> dict:
+    """The plan of `job` (`choose_checkpointing`: the request left activation checkpointing to the plan); an
+    APIException (422) for what the planner refuses in the request, PlannerUnavailable when it gives no answer."""
+    body = json.dumps({"config": config, "job": job.model_dump(mode="json"), "cluster": cluster.model_dump(),
+                       "choose_checkpointing": choose_checkpointing})
     try:
         done = subprocess.run([sys.executable, "-m", "moetune.workers.planner"], input=body, capture_output=True,
                               text=True, timeout=timeout_s)
@@ -43,10 +45,10 @@ def run_planner(config: dict, job: JobCreate, cluster: ClusterSpec, timeout_s: f
     return answer["plan"]
 
 
-def plan_or_error(config: dict, job: JobCreate, cluster: ClusterSpec) -> dict:
+def plan_or_error(config: dict, job: RunConfig, choose_checkpointing: bool, cluster: ClusterSpec) -> dict:
     """For the plans route: a planner that gives no answer is a 503 saying why."""
     try:
-        return run_planner(config, job, cluster)
+        return run_planner(config, job, choose_checkpointing, cluster)
     except PlannerUnavailable as e:
         raise APIException(503, ErrorCode.internal_error, f"The memory planner is unavailable: {e}.") from None
 
@@ -69,20 +71,20 @@ def _breakdown(fit: dict) -> str:
     return ", ".join(parts)
 
 
-def check_fits(config: dict, spec: JobCreate, settings: Settings) -> None:
-    """422 (param `parallelism`) for a GPU job that cannot fit the configured cluster's GPUs, with the plan's
-    breakdown and the smallest layout that would fit; nothing to check for CPU jobs or without MOETUNE_CLUSTER.
-    A planner that gives no answer leaves the job to the workers."""
-    if spec.parallelism.gpus_per_worker == 0 or not settings.cluster:
-        return
+def check_fits(config: dict, job: RunConfig, choose_checkpointing: bool, settings: Settings) -> dict | None:
+    """The plan of a GPU job on the configured cluster's GPUs (None for CPU jobs, without MOETUNE_CLUSTER, or when
+    the planner gave no answer: the job is left to the workers); a 422 (param `parallelism`) when it cannot fit,
+    with the plan's breakdown and the smallest layout that would fit."""
+    if job.parallelism.gpus_per_worker == 0 or not settings.cluster:
+        return None
     try:
-        plan = run_planner(config, spec, parse_cluster(settings.cluster))
+        plan = run_planner(config, job, choose_checkpointing, parse_cluster(settings.cluster))
     except PlannerUnavailable as e:
         log.warning("memory plan skipped for a submission: %s", e)
-        return
+        return None
     submitted = plan["submitted"]
     if submitted["fits"]:
-        return
+        return plan
     fit = plan["recommended"] or plan["fewest_gpus"]
     fix = (f"the smallest layout that fits is {_layout(fit)} ({_gib(fit['total_bytes'])} per GPU)" if fit
            else "no layout on this cluster fits it")

@@ -1,10 +1,11 @@
-"""The wire contract: what a job spec may say, and how resolve_spec names the offending field."""
+"""The wire contract: what a job spec may say, and how resolve_run_config names the offending field."""
 
 import pytest
 from pydantic import ValidationError
 
 from moetune.api.models.base import SpecError
-from moetune.api.models.job_create import JobCreate, resolve_spec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import resolve_run_config
 
 BASE = {"model": "s3://models/tiny", "training_file": "s3://data/train.jsonl"}
 
@@ -14,19 +15,19 @@ def spec(**fields) -> JobCreate:
 
 
 def test_defaults_resolve_to_one_epoch():
-    resolved = resolve_spec(spec())
+    resolved = resolve_run_config(spec(), 0)
     assert resolved.training.n_epochs == 1 and resolved.training.max_steps is None
     assert resolved.lora.rank == 16 and resolved.parallelism.zero_stage == 2
 
 
 def test_openai_hyperparameters_override_training():
-    resolved = resolve_spec(spec(hyperparameters={"batch_size": 16, "learning_rate_multiplier": 2.0, "n_epochs": 3},
-                                 training={"global_batch_size": 4}))
+    resolved = resolve_run_config(spec(hyperparameters={"batch_size": 16, "learning_rate_multiplier": 2.0,
+                                                        "n_epochs": 3}, training={"global_batch_size": 4}), 0)
     assert resolved.training.global_batch_size == 16
     assert resolved.training.learning_rate == pytest.approx(2e-4)
     assert (resolved.training.n_epochs, resolved.training.max_steps) == (3, None)
     with pytest.raises(SpecError) as err:  # never silently drop one of the two lengths
-        resolve_spec(spec(hyperparameters={"n_epochs": 3}, training={"max_steps": 10}))
+        resolve_run_config(spec(hyperparameters={"n_epochs": 3}, training={"max_steps": 10}), 0)
     assert err.value.param == "hyperparameters.n_epochs" and "not both" in str(err.value)
 
 
@@ -39,7 +40,7 @@ def test_openai_hyperparameters_override_training():
 ])
 def test_inconsistent_specs_name_the_field(fields, param):
     with pytest.raises(SpecError) as err:
-        resolve_spec(spec(**fields))
+        resolve_run_config(spec(**fields), 0)
     assert err.value.param == param
 
 

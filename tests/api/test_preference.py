@@ -8,7 +8,8 @@ from pydantic import ValidationError
 
 from moetune.api.data_rows import RowError, parse_rows, row_problem, training_row_problem
 from moetune.api.models.base import SpecError
-from moetune.api.models.job_create import JobCreate, resolve_spec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import resolve_run_config
 from moetune.api.preference import dpo_beta, method_type, method_view
 
 ROW = {"input": {"messages": [{"role": "system", "content": "be brief."}, {"role": "user", "content": "hi?"}]},
@@ -21,7 +22,8 @@ def _job(**method) -> JobCreate:
 
 
 def test_dpo_hyperparameters_map_onto_training_and_beta_defaults():
-    spec = resolve_spec(_job(type="dpo", dpo={"hyperparameters": {"beta": 0.3, "n_epochs": 2, "batch_size": 16}}))
+    spec = resolve_run_config(_job(type="dpo", dpo={"hyperparameters": {"beta": 0.3, "n_epochs": 2,
+                                                                         "batch_size": 16}}), 0)
     assert spec.training.n_epochs == 2 and spec.training.global_batch_size == 16
     assert method_type(spec.method) == "dpo" and dpo_beta(spec.method.dpo) == 0.3
     assert dpo_beta(_job(type="dpo").method.dpo) == 0.1  # "auto"
@@ -37,10 +39,10 @@ def test_dpo_refusals_name_the_field():
     with pytest.raises(ValidationError, match="gamma"):
         _job(type="dpo", dpo={"hyperparameters": {"gamma": 1}})
     with pytest.raises(SpecError) as err:  # which section's knobs apply would be a guess
-        resolve_spec(_job(type="supervised", dpo={"hyperparameters": {"beta": 0.2}}))
+        resolve_run_config(_job(type="supervised", dpo={"hyperparameters": {"beta": 0.2}}), 0)
     assert err.value.param == "method.dpo"
     with pytest.raises(SpecError) as err:
-        resolve_spec(_job(type="reinforcement"))
+        resolve_run_config(_job(type="reinforcement"), 0)
     assert err.value.param == "method.type" and "supervised, dpo" in err.value.message
 
 

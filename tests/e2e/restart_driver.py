@@ -35,7 +35,7 @@ def main() -> int:
     deadline = time.monotonic() + 600
     while not fs.exists(f"{out}/go") and time.monotonic() < deadline:
         time.sleep(0.3)
-    if "fail" in run.spec.training_file:
+    if "fail" in run.config.training_file:
         reporter.failed(ErrorCode.training_failed, "the training file asks this job to fail")
         reporter.close()  # its word on what it could not deliver comes before the line below
         print("restart driver: the training file asks this job to fail", file=sys.stderr)  # Ray's last log line

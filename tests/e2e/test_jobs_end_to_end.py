@@ -68,8 +68,7 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, cont
     """Also the whole ZeRO-2 job through Ray's Jobs API as tests/workers/entry checks a job run in its process:
     step 1's loss recomputed on the plain model, the checkpoints' contents, the result, the adapter's valid loss."""
     from moetune.api import storage
-    from moetune.api.models.job_run import JobRunSpec
-    from tests.support.jobs import adapter_valid_loss, expected_first_loss
+    from tests.support.jobs import adapter_valid_loss, expected_first_loss, job_run
 
     spec = _spec(tiny_assets, eval_every=6, checkpoint_every=4, keep_checkpoints=2)
     job = client_a.jobs.create(spec)
@@ -87,7 +86,7 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, cont
     first, last = metrics[0]["train_loss"], metrics[-1]["train_loss"]
     print(f"train loss {first:.3f} -> {last:.3f}; valid loss {metrics[5]['valid_loss']:.3f} -> "
           f"{metrics[-1]['valid_loss']:.3f}")
-    run = JobRunSpec(job_id=job.id, spec=spec, seed=job.seed, output_uri=job.output_uri)
+    run = job_run(job.id, spec, job.seed, job.output_uri)
     assert first == pytest.approx(expected_first_loss(run, tiny_assets["local_model"]), abs=1e-4)
     assert last < 4.0 < 5.0 < first  # from the untrained model's loss, learnt (5.86 -> 3.55 when written)
     assert metrics[5]["valid_loss"] > metrics[-1]["valid_loss"]  # evaluated at steps 6 and 12

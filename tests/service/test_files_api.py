@@ -102,7 +102,7 @@ def test_job_names_uploaded_files_method_and_integrations(service):
     assert job.method.type == "supervised"
     assert job.method.supervised.hyperparameters.n_epochs == 3 and job.hyperparameters.batch_size == 4
     assert job.integrations[0].type == "wandb" and job.integrations[0].wandb.project == "moe"
-    assert service.store.get_job(job.id).spec["training"]["n_epochs"] == 3
+    assert service.store.get_job(job.id).run_config["training"]["n_epochs"] == 3  # what the workers run
 
     with pytest.raises(openai.UnprocessableEntityError) as err:  # another tenant cannot train on it
         _openai(service, "tenant-b").fine_tuning.jobs.create(model="s3://models/tiny", training_file=train.id)

@@ -15,6 +15,7 @@ from moetune.api import storage
 from moetune.api.layout import metrics_uri, report_html_uri
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.job_run import JobRunSpec
+from moetune.api.models.run_config import RunConfig, resolve_run_config
 from moetune.service.cli.main import main
 from moetune.workers.reporting.adaptation_report import write_report
 from PIL import Image
@@ -46,7 +47,7 @@ def _history(steps: int, start_loss: float) -> list[dict]:
 def _write(service, steps: int, start_loss: float) -> tuple[str, JobRunSpec]:
     evaluation = {"file": "s3://outputs/eval.jsonl", "metrics": ["exact_match", "chrf"]}
     row = service.store.get_job(service.create_job(evaluation=evaluation)["id"])
-    run = JobRunSpec(job_id=row.id, spec=JobCreate.model_validate(row.spec), seed=row.seed, output_uri=row.output_uri)
+    run = JobRunSpec(job_id=row.id, config=RunConfig.model_validate(row.run_config), output_uri=row.output_uri)
     storage.write_bytes(metrics_uri(run.output_uri),
                         "".join(json.dumps(r) + "\n" for r in _history(steps, start_loss)).encode())
     summary = {"alignment": ALIGNMENT, "base_evaluation": {"eval_exact_match": 0.0, "eval_chrf": 0.25},
@@ -120,8 +121,8 @@ def test_the_report_page_draws_every_plot_in_chromium_without_any_request(servic
         assert figure.startswith("<svg") and figure.count("<path") > 10, name  # axes, ticks and the drawn data
     assert "<image" in plots["plot-expert-load"]  # the heatmap: a raster embedded as a data: URI
     reproduce = re.search(r'<pre id="reproduce">(.*?)</pre>', opened.dom, re.S).group(1)
-    assert json.loads(html.unescape(reproduce)) == {**run.spec.model_dump(mode="json", exclude_none=True),
-                                                    "seed": run.seed}
+    body = json.loads(html.unescape(reproduce))  # posted again, it is the same run
+    assert resolve_run_config(JobCreate.model_validate(body), body["seed"]) == run.config
 
     image = Image.open(opened.screenshot).convert("L")
     histogram = image.histogram()

@@ -155,8 +155,8 @@ def test_ray_jobs_get_the_run_spec_and_passthrough_env(start_service, monkeypatc
     env = Scheduler(service.store, service.app.state.settings).job_env(service.store.get_job(job_id), "secret")
 
     run_spec = JobRunSpec.model_validate(json.loads(env[ENV_RUN_SPEC]))
-    assert run_spec.job_id == job_id and run_spec.seed == 11
-    assert run_spec.output_uri == f"s3://outputs/runs/{job_id}" and run_spec.spec.training.n_epochs == 1
+    assert run_spec.job_id == job_id and run_spec.config.seed == 11
+    assert run_spec.output_uri == f"s3://outputs/runs/{job_id}" and run_spec.config.training.n_epochs == 1
     assert env[ENV_CALLBACK_URL] == "http://cp:8000" and env[ENV_JOB_TOKEN] == "secret"
     assert env[ENV_S3_ENDPOINT_URL] == "http://s3.local:9000"
     assert env["HF_HUB_OFFLINE"] == "1" and "AWS_SESSION_TOKEN" not in env

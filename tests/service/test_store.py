@@ -1,6 +1,7 @@
 """The SQL store on a real SQLite file and a real PostgreSQL server: queue order, cursors, idempotency,
 conditional status changes."""
 
+import json
 import threading
 import time
 
@@ -41,6 +42,37 @@ def test_the_migrations_build_what_the_rows_declare(store):
     included: a row changed without its migration, or a migration without its row, fails here."""
     with store.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata) == []
+
+
+def test_a_job_from_before_run_configs_gets_the_one_its_request_resolves_to(tmp_path):
+    """Migration 0011 gives a row stored by the old submission (its spec resolved in place: OpenAI's knobs applied,
+    "auto" kept) the run config that submission makes now: what its driver runs after the upgrade."""
+    import sqlalchemy as sa
+    from alembic import command
+    from alembic.config import Config
+
+    from moetune.api.models.job_create import JobCreate
+    from moetune.api.models.run_config import resolve_run_config
+    from moetune.service.store.base import MIGRATIONS_DIR
+
+    request = JobCreate.model_validate({
+        "model": "s3://m/base", "training_file": "s3://d/t.jsonl", "hyperparameters": {"learning_rate_multiplier": 2},
+        "training": {"micro_batch_size": "auto", "global_batch_size": 4}, "parallelism": {"num_workers": 2}})
+    old = request.model_dump(mode="json")  # what the old resolve_spec stored: the knobs applied to `training`
+    old["training"].update(learning_rate=2e-4, n_epochs=1)
+    store = Store(f"sqlite:///{tmp_path}/old.db")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with store.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0010")
+        conn.execute(sa.text("INSERT INTO jobs (id, tenant, status, priority, created_at, spec, seed, output_uri, "
+                             "result_files, progress, cancel_requested, attempt, gpus, gpu_seconds) VALUES ('j', 't', "
+                             "'queued', 0, 1.0, :spec, 7, 's3://o/j', '[]', '{}', 0, 1, 0, 0.0)"),
+                     {"spec": json.dumps(old)})
+    store.migrate()
+    assert store.get_job("j").run_config == resolve_run_config(request, 7).model_dump(mode="json")
+    store.close()
 
 
 def test_next_queued_orders_by_priority_then_age(store):

@@ -10,7 +10,9 @@ import torch
 from moetune.api import storage
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC
 from moetune.api.layout import adapter_uri
+from moetune.api.models.job_create import JobCreate
 from moetune.api.models.job_run import JobRunSpec
+from moetune.api.models.run_config import resolve_run_config
 from moetune.workers.data.rows import load_rows
 from moetune.workers.data.sampling import step_micro_batches
 from moetune.workers.entry.driver import run_job
@@ -18,6 +20,11 @@ from moetune.workers.methods.batch import IGNORE
 from moetune.workers.methods.sft import collate, tokenize_rows
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.settings import WorkerSettings
+
+
+def job_run(job_id: str, request: JobCreate, seed: int, output_uri: str) -> JobRunSpec:
+    """What the control plane hands a driver for `request`: its run config, resolved as at submission (no plan)."""
+    return JobRunSpec(job_id=job_id, config=resolve_run_config(request, seed), output_uri=output_uri)
 
 
 def driver_env(run: JobRunSpec, receiver) -> dict[str, str]:
@@ -44,15 +51,15 @@ def expected_first_loss(run: JobRunSpec, checkpoint) -> float:
     """Step 1's train loss recomputed on the plain transformers model: token mean over the global batch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t, world = run.spec.training, run.spec.parallelism.num_workers
+    t, world = run.config.training, run.config.parallelism.num_workers
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    examples, _ = tokenize_rows(tokenizer, load_rows(run.spec.training_file, "training_file"), t.seq_len)
+    examples, _ = tokenize_rows(tokenizer, load_rows(run.config.training_file, "training_file"), t.seq_len)
     losses, counts = [], []
     with torch.no_grad():
         for rank in range(world):
             for indices in step_micro_batches(len(examples), 0, t.global_batch_size, t.micro_batch_size,
-                                              rank, world, run.seed):
+                                              rank, world, run.config.seed):
                 batch = collate([examples[i].truncated(t.seq_len_at(1, t.max_steps)) for i in indices],
                                 tokenizer.pad_token_id)
                 counts.append((batch.labels[:, 1:] != IGNORE).sum().item())
@@ -68,8 +75,8 @@ def adapter_valid_loss(run: JobRunSpec, checkpoint: str, tmp_path) -> float:
     adapter = storage.download_dir(adapter_uri(run.output_uri), str(tmp_path / "adapter"))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapter)
-    return valid_loss(model, AutoTokenizer.from_pretrained(checkpoint), run.spec.validation_file,
-                      run.spec.training.seq_len)
+    return valid_loss(model, AutoTokenizer.from_pretrained(checkpoint), run.config.validation_file,
+                      run.config.training.seq_len)
 
 
 def valid_loss(model, tokenizer, validation_file: str, seq_len: int) -> float:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import resolve_run_config
 from moetune.kernels.quant import held_names
 from moetune.workers.families import REGISTRY
 from moetune.workers.model import META, SERVE, TRAIN, WeightsSource, build_model
@@ -16,8 +17,8 @@ from bench.support.tiny_models import batch, plain_model
 from bench.support.quantized import FAMILY_OF, dequantized_reference, quantize_checkpoint
 
 CPU = torch.device("cpu")
-SPEC = JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
-                 lora={"rank": 4, "alpha": 8, "dropout": 0.0}, training={"activation_checkpointing": False})
+SPEC = resolve_run_config(JobCreate(model="file:///unused", training_file="file:///unused.jsonl",
+                                    lora={"rank": 4, "alpha": 8, "dropout": 0.0}), 0)
 
 
 def _config(path: str) -> dict:

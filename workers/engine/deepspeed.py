@@ -6,13 +6,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from moetune.api.models.parallelism import ParallelDims
-from moetune.api.models.training import TrainingSpec
+from moetune.api.models.run_config import RunTraining
 from moetune.workers.comm.lockstep import hold_in_lockstep
 from moetune.workers.engine.schedule import lr_scheduler
 
 
-def deepspeed_config(t: TrainingSpec, parallelism: ParallelDims, world_size: int, bf16: bool) -> dict:
-    micro_batch_size = 1 if t.micro_batch_size == "auto" else t.micro_batch_size  # StepRunner sets the tuned start
+def deepspeed_config(t: RunTraining, parallelism: ParallelDims, world_size: int, bf16: bool) -> dict:
+    micro_batch_size = t.micro_batch_size  # tuned: the tuner's start, which StepRunner sets
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
@@ -52,7 +52,7 @@ def _param_groups(model) -> list[dict]:
     return [g for g in split_params_into_different_moe_groups_for_optimizer(group) if g["params"]]
 
 
-def build_engine(model, training: TrainingSpec, parallelism: ParallelDims, world_size: int, total_steps: int,
+def build_engine(model, training: RunTraining, parallelism: ParallelDims, world_size: int, total_steps: int,
                  bf16: bool):
     """Returns (engine, lr_scheduler) for the job's `training` and `parallelism` sections; DeepSpeed steps the
     scheduler at every optimizer step."""

@@ -10,7 +10,7 @@ with this same zero.Init, and takes the partitioned parameters as they are."""
 from __future__ import annotations
 
 from moetune.api.models.parallelism import ParallelDims
-from moetune.api.models.training import TrainingSpec
+from moetune.api.models.run_config import RunTraining
 from moetune.workers.engine.deepspeed import deepspeed_config, init_comm
 from moetune.workers.engine.experts import tag_expert_param
 
@@ -19,7 +19,7 @@ class Zero3Partitioner:
     """Partitions one parameter at a time over the job's data-parallel ranks, or, for a routed-expert share, over
     the ranks holding the same experts (its replica group)."""
 
-    def __init__(self, training: TrainingSpec, parallelism: ParallelDims, world_size: int, bf16: bool):
+    def __init__(self, training: RunTraining, parallelism: ParallelDims, world_size: int, bf16: bool):
         import deepspeed
         import torch
 

@@ -35,23 +35,23 @@ from moetune.workers.weights.loader import streamed_or_unused
 def validate(run: JobRunSpec, settings: WorkerSettings) -> tuple[int, Coverage]:
     """Fails fast, before any worker starts: returns the number of training rows and what LoRA adapts. `settings`:
     the tenant's storage access and the image limits, for the images the data files name."""
-    spec = run.spec
-    config = read_remote_config(spec.model)
-    check_supported(config, spec.lora, spec.parallelism)
-    lora = check_targets_on_config(config, spec.lora)
+    job = run.config
+    config = read_remote_config(job.model)
+    check_supported(config, job.lora, job.parallelism)
+    lora = check_targets_on_config(config, job.lora)
     check_output(run.output_uri)
     with tempfile.TemporaryDirectory() as model_dir:
-        tokenizer = check_tokenizer(spec.model, config, model_dir)
-        method = method_for(spec.method, spec.training, tokenizer, model_dir)
+        tokenizer = check_tokenizer(job.model, config, model_dir)
+        method = method_for(job.method, job.training, tokenizer, model_dir)
         too_long = method.too_long if isinstance(method, SupervisedImageMethod) else None
         images = ImageCheck(settings.uri_access, settings.image_limits, images_refusal(config), too_long)
-        problem = training_row_problem(method_type(spec.method))  # preference rows for dpo, SFT rows otherwise
-        rows = len(load_rows(spec.training_file, "training_file", images, problem))
-        if spec.validation_file:
-            load_rows(spec.validation_file, "validation_file", images, problem)
-    if spec.evaluation:
-        load_rows(spec.evaluation.file, "evaluation.file",
-                  problem=partial(evaluation_row_problem, metrics=spec.evaluation.metrics))
+        problem = training_row_problem(method_type(job.method))  # preference rows for dpo, SFT rows otherwise
+        rows = len(load_rows(job.training_file, "training_file", images, problem))
+        if job.validation_file:
+            load_rows(job.validation_file, "validation_file", images, problem)
+    if job.evaluation:
+        load_rows(job.evaluation.file, "evaluation.file",
+                  problem=partial(evaluation_row_problem, metrics=job.evaluation.metrics))
     return rows, lora
 
 

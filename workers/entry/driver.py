@@ -47,7 +47,7 @@ def _storage_for_ray(uri: str, s3_endpoint_url: str | None):
 
 
 def build_trainer(run: JobRunSpec, attempt: str, reporter: Reporter, settings: WorkerSettings):
-    par = run.spec.parallelism
+    par = run.config.parallelism
     use_gpu = par.gpus_per_worker > 0
     resources = par.worker_resources()
     storage_path, storage_fs = _storage_for_ray(storage.join(run.output_uri, "ray"), settings.s3_endpoint_url)
@@ -87,10 +87,10 @@ def run_job(run: JobRunSpec, reporter: Reporter, settings: WorkerSettings) -> bo
     try:
         rows, lora = validate(run, settings)
         reporter.event(f"Files validated: {rows} training rows")
-        report_coverage(reporter, lora, run.spec.lora)
+        report_coverage(reporter, lora, run.config.lora)
         if not ray.is_initialized():
             ray.init(logging_level=logging.WARNING)
-        par = run.spec.parallelism
+        par = run.config.parallelism
         ep = f", expert parallel {par.expert_parallel_size}" if par.expert_parallel_size > 1 else ""
         reporter.event(f"Starting {par.num_workers} workers (ZeRO-{par.zero_stage}{ep})")
         attempt = uuid.uuid4().hex

@@ -1,5 +1,6 @@
-"""One optimizer step: this rank's micro-batches through the engine, then the optimizer; and, for
-`micro_batch_size: "auto"`, the tuner's decisions between steps (the rules are in workers.loop.tuner).
+"""One optimizer step: this rank's micro-batches through the engine, then the optimizer; and, for a tuned
+micro-batch (`micro_batch_size: "auto"` in the request), the tuner's decisions between steps (the rules are in
+workers.loop.tuner).
 
 The step takes its dependencies explicitly: the DeepSpeed engine, the training method (examples -> batch -> loss),
 the collectives, an event callback, the fault hook (tests) and a callback for OOMs it cannot recover from. A batch's
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetune.api.models.training import TrainingSpec
+from moetune.api.models.run_config import RunConfig
 from moetune.workers.data.sampling import step_examples, step_rng_seed
 from moetune.workers.engine.deepspeed import set_micro_batch_size
 from moetune.workers.loop.collectives import Collectives
@@ -40,19 +41,20 @@ class RankPlace:
 class StepRunner:
     """Runs every optimizer step of a worker; `micro_batch_size` / `grad_accum_steps` are the sizes in use."""
 
-    def __init__(self, engine, method, training: TrainingSpec, place: RankPlace, collectives: Collectives,
+    def __init__(self, engine, method, job: RunConfig, place: RankPlace, collectives: Collectives,
                  event: Callable[..., object], total_steps: int, faults: FaultHook = NO_FAULTS,
                  on_uncaught_oom: Callable[[int, int], None] | None = None):
         """`on_uncaught_oom(step, micro_batch_size)`: called before an OOM the tuner cannot recover from (in a
         backward) takes the rank down, so that later worker groups avoid that size."""
+        training = job.training
         self.engine, self.method, self.t, self.place = engine, method, training, place
         self.total_steps, self.seq_len = total_steps, None  # the context length in use (seq_len_schedule)
         self.collectives, self.event, self.faults, self.on_uncaught_oom = collectives, event, faults, on_uncaught_oom
         self.per_rank = training.global_batch_size // place.world
         self.tuner, self.figures = None, {}  # figures: the method's own metrics of the last step run
-        if training.micro_batch_size == "auto":
+        if training.tune_micro_batch:
             sequences = method.sequences_per_example if method else 1  # a harness that only plans has no method
-            self.tuner = MicroBatchTuner.planned(engine.module, self.per_rank, training, self._budget_bytes(),
+            self.tuner = MicroBatchTuner.planned(engine.module, self.per_rank, job, self._budget_bytes(),
                                                  place.device, sequences)
             # each rank planned from its own free memory: all start at the smallest, or they run different numbers
             # of micro-batches and one waits alone in the experts' all-to-all or ZeRO's reductions
@@ -181,7 +183,8 @@ class StepRunner:
                        data={"step": step, "seq_len": seq_len, "micro_batch_size": self.micro_batch_size})
 
     def state(self) -> dict | None:
-        """What a checkpoint keeps ("auto" only): resuming must not climb from 1 again, nor forget an OOM."""
+        """What a checkpoint keeps (a tuned micro-batch only): resuming must not climb from 1 again, nor forget an
+        OOM."""
         return self.tuner.state() if self.tuner else None
 
     def restore(self, size: int, ceiling: int, failed: int) -> None:

@@ -29,6 +29,7 @@ restarted group never uses that size again, so it does not run into the same OOM
 
 from __future__ import annotations
 
+from moetune.api.models.run_config import RunConfig
 from moetune.workers.planner import starting_micro_batch
 from moetune.workers.planner.memory import USABLE_FRACTION
 from moetune.workers.planner.saved import SavedBytes
@@ -75,7 +76,7 @@ class MicroBatchTuner:
         self.ceiling = per_rank  # sizes above it failed with an OOM
 
     @classmethod
-    def planned(cls, model, per_rank: int, training, budget_bytes: float | None, device,
+    def planned(cls, model, per_rank: int, job: RunConfig, budget_bytes: float | None, device,
                 sequences: int = 1) -> MicroBatchTuner:
         """Starts at the planner's micro-batch size (workers.planner): the largest whose planned activations fit
         the budget less the measure's fixed part, what is allocated now on a GPU (on CPU the measure has none);
@@ -85,8 +86,8 @@ class MicroBatchTuner:
             import torch
 
             fixed = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            size = starting_micro_batch(model, training, per_rank, budget_bytes - fixed, sequences)
-        return cls(per_rank, training.seq_len, budget_bytes, size, sequences)
+            size = starting_micro_batch(model, job, per_rank, budget_bytes - fixed, sequences)
+        return cls(per_rank, job.training.seq_len, budget_bytes, size, sequences)
 
     def predicted(self, size: int, fixed: float, per_token: float) -> float:
         """`per_token`: activation bytes per token of the micro-batch, all its sequences' tokens counted."""

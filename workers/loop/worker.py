@@ -37,7 +37,6 @@ from moetune.workers.loop.faults import fault_hook
 from moetune.workers.loop.step import RankPlace, StepRunner
 from moetune.workers.methods import method_for
 from moetune.workers.model import TRAIN, WeightsSource, build_model, load_tokenizer
-from moetune.workers.planner import needs_activation_checkpointing
 from moetune.workers.reporting.metrics import WorkerMetrics
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.reporting.step_figures import memory_budget_bytes, step_figures
@@ -50,8 +49,8 @@ class _Worker:
         self.settings = enter_worker_env(config["worker_env"])  # report endpoint and storage credentials
         torch.set_num_threads(config["threads"])
         self.run: JobRunSpec = config["run"]
-        torch.manual_seed(self.run.seed)  # same LoRA init on every rank and in every rerun of the job
-        self.spec, self.t = self.run.spec, self.run.spec.training
+        self.job, self.t = self.run.config, self.run.config.training
+        torch.manual_seed(self.job.seed)  # same LoRA init on every rank and in every rerun of the job
         ctx = ray.train.get_context()
         self.rank, self.world, self.local_rank = ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank()
         self.chief, self.node_leader = self.rank == 0, self.local_rank == 0
@@ -74,26 +73,25 @@ class _Worker:
 
     def load(self) -> None:
         model_dir = os.path.join(self.node_dir, "model")
-        self.event("Loading model", data={"model": self.spec.model})
+        self.event("Loading model", data={"model": self.job.model})
         if self.node_leader:
             shutil.rmtree(self.node_dir, ignore_errors=True)
-            storage.download_dir(self.spec.model, model_dir, skip=streamed_or_unused)  # tokenizer + config only
+            storage.download_dir(self.job.model, model_dir, skip=streamed_or_unused)  # tokenizer + config only
         self.collectives.barrier()
         self.tokenizer = load_tokenizer(model_dir)
         with open(os.path.join(model_dir, "config.json")) as f:
             config = json.load(f)
-        self._resolve_activation_checkpointing(config)
         # Each rank streams its own share of the weights (workers.weights): non-expert tensors, its experts.
-        built = build_model(TRAIN, config, self.spec, device=self.device, weights=WeightsSource(
-            self.spec.model, self.settings.weights_cache_dir, self.settings.weights_cache_max_bytes))
-        message, data = load_summary(built.streamed, self.spec.parallelism.expert_parallel_size)
+        built = build_model(TRAIN, config, self.job, device=self.device, weights=WeightsSource(
+            self.job.model, self.settings.weights_cache_dir, self.settings.weights_cache_max_bytes))
+        message, data = load_summary(built.streamed, self.job.parallelism.expert_parallel_size)
         data["bytes_from_storage_all_ranks"] = int(self.collectives.all_sum(built.streamed.stats.bytes_from_storage)[0])
         self.event(message, data=data)
         swapped = {name: n for name, n in built.swapped.items() if n}
         if swapped:
             self.event("Custom kernels swapped in: " + ", ".join(f"{k} ({n} modules)" for k, n in swapped.items()))
         self.model = built.model
-        if self.t.activation_checkpointing is True:
+        if self.t.activation_checkpointing:
             self.event("Activation checkpointing: each decoder layer keeps its inputs only and is recomputed in "
                        "the backward")
         # frozen weights kept quantized are buffers: counted by their dense shapes, like the rest
@@ -103,37 +101,27 @@ class _Worker:
         self.event(f"Model loaded: {total:,} parameters, {trainable:,} trainable (LoRA)",
                    data={"parameters": total, "trainable_parameters": trainable})
 
-    def _resolve_activation_checkpointing(self, config: dict) -> None:
-        """`activation_checkpointing: "auto"` becomes on where the memory plan says the GPU cannot hold the job
-        without it; off on CPU workers (their `memory_budget_mb` bounds activations only, not what the plan sums)."""
-        if self.t.activation_checkpointing != "auto":
-            return
-        on = self.device.type == "cuda" and needs_activation_checkpointing(
-            config, self.spec, torch.cuda.get_device_properties(self.device).total_memory)
-        self.t = self.t.model_copy(update={"activation_checkpointing": on})
-        self.spec = self.spec.model_copy(update={"training": self.t})
-
     def load_data(self) -> None:
         seq_len = self.t.seq_len
-        self.method = method_for(self.spec.method, self.spec.training, self.tokenizer,
+        self.method = method_for(self.job.method, self.job.training, self.tokenizer,
                                  os.path.join(self.node_dir, "model"))
-        self.train_set, dropped = self.method.examples(load_rows(self.spec.training_file, "training_file"))
+        self.train_set, dropped = self.method.examples(load_rows(self.job.training_file, "training_file"))
         if not self.train_set:
-            raise DatasetError("training_file", f"training_file {self.spec.training_file}: no row has a trained "
+            raise DatasetError("training_file", f"training_file {self.job.training_file}: no row has a trained "
                                                 f"token within seq_len={seq_len}")
         if dropped:
             self.event(f"{dropped} training rows have no trained token within seq_len={seq_len}; skipped",
                        level="warn")
         self.valid_set = []
-        if self.spec.validation_file:
-            self.valid_set, _ = self.method.examples(load_rows(self.spec.validation_file, "validation_file"))
-        evaluation = self.spec.evaluation
+        if self.job.validation_file:
+            self.valid_set, _ = self.method.examples(load_rows(self.job.validation_file, "validation_file"))
+        evaluation = self.job.evaluation
         self.eval_rows = load_eval_rows(evaluation.file, self.tokenizer, evaluation.metrics) if evaluation else []
 
     def checkpoint(self, step: int, record: dict, paused: bool = False) -> None:
         local = os.path.join(self.node_dir, "checkpoints", step_dir(step))
         uri = checkpoint_uri(self.run.output_uri, step)
-        save_checkpoint(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
+        save_checkpoint(self.engine, local, is_writer=self.chief, base_model=self.job.model)
         if self.chief:
             record["checkpoint"] = step_dir(step)  # also in this history's copy: the report's checkpoint marks
             run_state.save_trainer_state(local, step=step, trained_tokens=record["trained_tokens"],
@@ -237,9 +225,9 @@ class _Worker:
     def generation_eval(self) -> dict[str, float]:
         """{"eval_<metric>": score} of the model now on the evaluation rows (every rank: a collective). Expert-
         parallel and ZeRO-3 forwards are collectives, so ranks then generate in lockstep."""
-        scores = evaluate_generation(self.engine.module, self.tokenizer, self.eval_rows, self.spec.evaluation,
-                                     self.rank, self.world, self.collectives.all_sum, self.run.seed,
-                                     lockstep=self.spec.parallelism.collective_forward)
+        scores = evaluate_generation(self.engine.module, self.tokenizer, self.eval_rows, self.job.evaluation,
+                                     self.rank, self.world, self.collectives.all_sum, self.job.seed,
+                                     lockstep=self.job.parallelism.collective_forward)
         self.metrics.evaluated(scores)
         return {f"{EVAL_PREFIX}{metric}": score for metric, score in scores.items()}
 
@@ -247,7 +235,7 @@ class _Worker:
         """Before step 1: the swapped operators and the first loss against their references on this rank's first
         micro-batch (workers.evaluation.alignment); beyond tolerance the job fails naming the operators."""
         t, started = self.t, time.perf_counter()
-        indices = step_examples(len(self.train_set), 0, t.global_batch_size, self.rank, self.world, self.run.seed)
+        indices = step_examples(len(self.train_set), 0, t.global_batch_size, self.rank, self.world, self.job.seed)
         first_stage = t.seq_len_schedule[0].seq_len if t.seq_len_schedule else t.seq_len
         examples = [self.train_set[i].truncated(first_stage) for i in indices[:self.steps.micro_batch_size]]
         batch = self.method.collate(examples).to(self.device)
@@ -266,11 +254,11 @@ class _Worker:
         t = self.t
         steps = total_steps(len(self.train_set), t.global_batch_size, t.max_steps, t.n_epochs)
         self.method.prepare(self.model)
-        self.engine, scheduler = build_engine(self.model, t, self.spec.parallelism, self.world, steps,
+        self.engine, scheduler = build_engine(self.model, t, self.job.parallelism, self.world, steps,
                                               bf16=self.device.type == "cuda")
-        place = RankPlace(self.rank, self.world, self.run.seed, self.device,
-                          collective_forward=self.spec.parallelism.collective_forward)
-        self.steps = StepRunner(self.engine, self.method, t, place,
+        place = RankPlace(self.rank, self.world, self.job.seed, self.device,
+                          collective_forward=self.job.parallelism.collective_forward)
+        self.steps = StepRunner(self.engine, self.method, self.job, place,
                                 self.collectives, self.event, steps,
                                 fault_hook(self.settings.inject_faults, self.rank), self._record_oom)
         self.memory_budget_mb = memory_budget_bytes(self.device, t.memory_budget_mb) / 1e6
@@ -299,7 +287,7 @@ class _Worker:
             if self.valid_set and ((t.eval_every and step % t.eval_every == 0) or step == steps):
                 record["valid_loss"] = evaluate(self.engine, self.method, self.valid_set, self.steps.micro_batch_size,
                                                 self.rank, self.world, self.device, self.collectives)
-            every = (self.spec.evaluation.every or t.checkpoint_every) if self.eval_rows else None
+            every = (self.job.evaluation.every or t.checkpoint_every) if self.eval_rows else None
             if self.eval_rows and ((every and step % every == 0) or step == steps):
                 record.update(self.generation_eval())
             moe = self.metrics.step_end(record, time.perf_counter() - started, self.steps.micro_batch_size,
@@ -322,7 +310,7 @@ class _Worker:
         if selected := self._selected_checkpoint():
             self._load_checkpoint(selected)
         local = os.path.join(self.node_dir, ADAPTER_DIR)
-        save_adapter(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
+        save_adapter(self.engine, local, is_writer=self.chief, base_model=self.job.model)
         if self.chief:
             storage.upload_dir(local, adapter_uri(self.run.output_uri))
             lines = "".join(json.dumps(r) + "\n" for r in self.history)

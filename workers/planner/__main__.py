@@ -1,5 +1,6 @@
-"""`python -m moetune.workers.planner`: the control plane's planner child. Reads {"job", "cluster", "config"} as
-JSON on stdin, writes {"plan": ...} or {"error": {"code", "message", "param"}} as JSON on stdout."""
+"""`python -m moetune.workers.planner`: the control plane's planner child. Reads {"job" (a run config), "cluster",
+"config", "choose_checkpointing"} as JSON on stdin, writes {"plan": ...} or {"error": {"code", "message", "param"}}
+as JSON on stdout."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pydantic import ValidationError
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models.base import SpecError
-from moetune.api.plans import PlanRequest
+from moetune.api.models.run_config import RunConfig
+from moetune.api.plans import ClusterSpec
 from moetune.workers.errors import JobError
 
 
@@ -26,10 +28,10 @@ def main() -> int:
 
 def _answer(body: dict) -> dict:
     try:
-        request = PlanRequest.model_validate({"job": body["job"], "cluster": body["cluster"]})
+        job, cluster = RunConfig.model_validate(body["job"]), ClusterSpec.model_validate(body["cluster"])
         from moetune.workers.planner.plan import plan
 
-        result = {"plan": plan(body["config"], request.job, request.cluster)}
+        result = {"plan": plan(body["config"], job, cluster, body["choose_checkpointing"])}
     except ValidationError as e:
         error = e.errors()[0]
         result = {"error": {"code": ErrorCode.invalid_request, "param": ".".join(map(str, error["loc"])),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import RunConfig
 from moetune.api.quantization import quantization_of
 from moetune.workers.families.spec import Family
 from moetune.workers.lora.coverage import ROUTED_EXPERTS, Coverage, coverage, modules
@@ -76,30 +76,30 @@ class _Base:
     experts: object | None  # the first MoE block's experts module (meta tensors)
 
 
-def _read_base(model, family: Family, config: dict, spec: JobCreate, dtype: torch.dtype) -> _Base:
+def _read_base(model, family: Family, config: dict, job: RunConfig, dtype: torch.dtype) -> _Base:
     blocks = list(family.moe_blocks(model))
-    return _Base(frozen_tensors(model, family, config, dtype, spec.training.base_weights == "dequantized"),
-                 coverage(modules(model, family), spec.lora, family), sum(p.numel() for p in model.parameters()),
+    return _Base(frozen_tensors(model, family, config, dtype, job.training.base_weights == "dequantized"),
+                 coverage(modules(model, family), job.lora, family), sum(p.numel() for p in model.parameters()),
                  frozenset(int(m.group(1)) for name, _ in blocks if (m := _LAYER.search(f".{name}."))),
                  getattr(blocks[0][1], family.experts) if blocks else None)
 
 
-def model_facts(config: dict, spec: JobCreate, dtype: torch.dtype = torch.bfloat16) -> ModelFacts:
+def model_facts(config: dict, job: RunConfig, dtype: torch.dtype = torch.bfloat16) -> ModelFacts:
     """Builds the model on the meta device (any size, in seconds); `dtype`: the compute dtype (bf16 on GPUs)."""
-    built = build_model(META, config, spec, dtype=dtype,
-                        read_base=lambda model, family: _read_base(model, family, config, spec, dtype))
+    built = build_model(META, config, job, dtype=dtype,
+                        read_base=lambda model, family: _read_base(model, family, config, job, dtype))
     base, family, quantization = built.base, built.family, quantization_of(config)
     found, experts = base.coverage, base.experts
     routed = found.kinds[ROUTED_EXPERTS].trainable if ROUTED_EXPERTS in found.kinds else 0
-    kept_quantized = quantization is not None and spec.training.base_weights != "dequantized"
-    at_ep1 = runs_expert_module(built.placement, spec.lora, kept_quantized)
-    saved = ({flag: expert_bytes(experts, family, spec.lora, spec.training, flag, dtype) for flag in {at_ep1, True}}
+    kept_quantized = quantization is not None and job.training.base_weights != "dequantized"
+    at_ep1 = runs_expert_module(built.placement, job.lora, kept_quantized)
+    saved = ({flag: expert_bytes(experts, family, job.lora, job.training, flag, dtype) for flag in {at_ep1, True}}
              if experts is not None else {})
     text = built.model.config.get_text_config()
-    method = method_for(spec.method, spec.training, tokenizer=None)
+    method = method_for(job.method, job.training, tokenizer=None)
     method.prepare(built.model)  # its output layer computes the loss, as in a job
     return ModelFacts(config.get("model_type"), base.parameters, quantization.format if quantization else None,
                       base.tensors, found.trainable - routed, routed, experts.num_experts if experts else 0,
                       getattr(text, "num_experts_per_tok", 0) or 0, input_width(experts) if experts else 0,
-                      base.moe_layers, saved, at_ep1, activations(built.model, method, spec.training.seq_len),
-                      spec.training.seq_len, dtype.itemsize)
+                      base.moe_layers, saved, at_ep1, activations(built.model, method, job.training.seq_len),
+                      job.training.seq_len, dtype.itemsize)

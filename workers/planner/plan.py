@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moetune.api.models.job_create import JobCreate, resolve_spec
-from moetune.api.models.training import TrainingSpec
+from moetune.api.models.run_config import RunConfig
 from moetune.api.plans import ClusterSpec
 from moetune.api.preference import sequences_per_example
 from moetune.workers.planner.memory import (
@@ -25,23 +24,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _checkpointing_options(training: TrainingSpec) -> tuple[bool, ...]:
-    setting = training.activation_checkpointing
-    return (False, True) if setting == "auto" else (setting,)
+def _checkpointing_options(job: RunConfig, choose: bool) -> tuple[bool, ...]:
+    """`choose`: the request left activation checkpointing to the plan ("auto"): off unless only on fits."""
+    return (False, True) if choose else (job.training.activation_checkpointing,)
 
 
-def _micro_batch(training: TrainingSpec) -> int:
-    return 1 if training.micro_batch_size == "auto" else training.micro_batch_size
-
-
-def _layouts(facts: ModelFacts, spec: JobCreate, world: int):
+def _layouts(facts: ModelFacts, job: RunConfig, choose: bool, world: int):
     """Layouts in the order a plan prefers them: smallest EP, then ZeRO stage, then no recomputation."""
     eps = [d for d in _divisors(world) if not facts.num_experts or facts.num_experts % d == 0]
     for ep in eps:
         for zero in (1, 2, 3):
-            for checkpointing in _checkpointing_options(spec.training):
-                yield Layout(world, ep, zero, checkpointing, _micro_batch(spec.training),
-                             sequences_per_example(spec.method))
+            for checkpointing in _checkpointing_options(job, choose):
+                yield Layout(world, ep, zero, checkpointing, job.training.micro_batch_size,
+                             sequences_per_example(job.method))
 
 
 def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> dict:
@@ -53,9 +48,9 @@ def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> dict:
             "fits": used <= usable and loading <= usable}
 
 
-def _first_fit(facts: ModelFacts, spec: JobCreate, world: int, usable: float) -> dict | None:
-    return next((e for layout in _layouts(facts, spec, world) if (e := _evaluate(facts, layout, usable))["fits"]),
-                None)
+def _first_fit(facts: ModelFacts, job: RunConfig, choose: bool, world: int, usable: float) -> dict | None:
+    return next((e for layout in _layouts(facts, job, choose, world)
+                 if (e := _evaluate(facts, layout, usable))["fits"]), None)
 
 
 def largest_fitting_micro_batch(facts: ModelFacts, layout: Layout, per_rank: int, usable: float) -> int:
@@ -70,25 +65,26 @@ def _gpu_counts(cluster: ClusterSpec) -> list[int]:
     return within + [cluster.gpus_per_node * k for k in range(1, cluster.nodes + 1)]
 
 
-def plan(config: dict, request: JobCreate, cluster: ClusterSpec, facts: ModelFacts | None = None) -> dict:
-    """The plan of `request` on `cluster` as JSON-ready data; one GPU per worker."""
-    spec = resolve_spec(request)
-    facts = facts or model_facts(config, spec)
+def plan(config: dict, job: RunConfig, cluster: ClusterSpec, choose_checkpointing: bool = False,
+         facts: ModelFacts | None = None) -> dict:
+    """The plan of `job` on `cluster` as JSON-ready data; one GPU per worker. `choose_checkpointing`: the request
+    left activation checkpointing to the plan (its submitted layout then recomputes only if that is what fits)."""
+    facts = facts or model_facts(config, job)
     usable = USABLE_FRACTION * cluster.gpu_memory_bytes
-    par = spec.parallelism
-    world, sequences = par.num_workers, sequences_per_example(spec.method)
-    for checkpointing in _checkpointing_options(spec.training):  # "auto": recomputation only if that is what fits
-        layout = Layout(world, par.expert_parallel_size, par.zero_stage, checkpointing, _micro_batch(spec.training),
+    par, choose = job.parallelism, choose_checkpointing
+    world, sequences = par.num_workers, sequences_per_example(job.method)
+    for checkpointing in _checkpointing_options(job, choose):
+        layout = Layout(world, par.expert_parallel_size, par.zero_stage, checkpointing, job.training.micro_batch_size,
                         sequences)
         if (submitted := _evaluate(facts, layout, usable))["fits"]:
             break
-    recommended = _first_fit(facts, spec, world, usable)
+    recommended = _first_fit(facts, job, choose, world, usable)
     if recommended is not None:
         best = Layout(world, recommended["expert_parallel_size"], recommended["zero_stage"],
                       recommended["activation_checkpointing"], 1, sequences)
-        per_rank = spec.training.global_batch_size // world
+        per_rank = job.training.global_batch_size // world
         recommended["tuner_start_micro_batch"] = largest_fitting_micro_batch(facts, best, per_rank, usable)
-    fewest = next((fit for n in _gpu_counts(cluster) if (fit := _first_fit(facts, spec, n, usable))), None)
+    fewest = next((fit for n in _gpu_counts(cluster) if (fit := _first_fit(facts, job, choose, n, usable))), None)
     ep = (recommended or fewest or submitted)["expert_parallel_size"]
     per_rank_bytes = facts.load_bytes(ep)
     node_bytes = per_rank_bytes * min(cluster.gpus_per_node, world)
@@ -118,15 +114,3 @@ def plan(config: dict, request: JobCreate, cluster: ClusterSpec, facts: ModelFac
                        "ZeRO-3 the loader partitions each parameter as it loads it); load time = the bytes a node's "
                        "ranks stream over its NIC (no cache)",
     }
-
-
-def needs_activation_checkpointing(config: dict, spec: JobCreate, device_memory_bytes: float) -> bool:
-    """`training.activation_checkpointing: "auto"` resolved: True when the job's layout does not fit one device
-    of `device_memory_bytes` without recomputation (and the workers' setting otherwise)."""
-    if spec.training.activation_checkpointing != "auto":
-        return spec.training.activation_checkpointing
-    par = spec.parallelism
-    facts = model_facts(config, spec)
-    layout = Layout(par.num_workers, par.expert_parallel_size, par.zero_stage, False, _micro_batch(spec.training),
-                    sequences_per_example(spec.method))
-    return total(breakdown(facts, layout)) > USABLE_FRACTION * device_memory_bytes

@@ -54,9 +54,9 @@ def _mean(values: list[float]) -> float:
 
 
 def _evaluation(run: JobRunSpec, summary: dict, history: list[dict]) -> dict | None:
-    if run.spec.evaluation is None:
+    if run.config.evaluation is None:
         return None
-    metrics = list(run.spec.evaluation.metrics)
+    metrics = list(run.config.evaluation.metrics)
     evaluated = [r for r in history if f"{EVAL_PREFIX}{metrics[0]}" in r]
     base = summary.get("base_evaluation")
     return {"metrics": metrics, "steps": [r["step"] for r in evaluated],
@@ -74,8 +74,8 @@ def build_report(run: JobRunSpec, lora_coverage: list[dict], summary: dict, hist
     layers = list(with_load[0]["expert_imbalance"]) if with_load else []
     valid = [r["valid_loss"] for r in history if r.get("valid_loss") is not None]
     return AdaptationReport.model_validate({
-        "job_id": run.job_id, "model": run.spec.model, "created_at": time.time(),
-        "versions": versions(run.spec.parallelism.gpus_per_worker),
+        "job_id": run.job_id, "model": run.config.model, "created_at": time.time(),
+        "versions": versions(run.config.parallelism.gpus_per_worker),
         "alignment": summary.get("alignment"), "lora_coverage": lora_coverage, "steps": history,
         "throughput": {"tokens_per_second": _mean([r["tokens_per_second"] for r in history]),
                        "step_seconds": _mean(train),
@@ -94,8 +94,7 @@ def build_report(run: JobRunSpec, lora_coverage: list[dict], summary: dict, hist
         "resumes": [r["resumed_from_step"] for r in history if r.get("resumed_from_step")],
         "first_train_loss": history[0]["train_loss"], "last_train_loss": history[-1]["train_loss"],
         "last_valid_loss": valid[-1] if valid else None,
-        "reproduce": {"job": {**run.spec.model_dump(mode="json", exclude_none=True), "seed": run.seed},
-                      "seed": run.seed},
+        "reproduce": {"job": run.config.request_body(), "seed": run.config.seed},
     })
 
 

@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 
 from moetune.api import storage
-from moetune.api.models.job_create import JobCreate
 from moetune.api.models.job_run import JobRunSpec
 from moetune.api.errors import ErrorCode
 from moetune.api.models.responses import ErrorInfo
-from moetune.api.models.training import TrainingSpec
+from moetune.api.models.run_config import session_run_config
 from moetune.api.models.training_sessions import (
     Forward,
     ForwardBackward,
@@ -66,14 +65,9 @@ class CallError(Exception):
 
 
 def job_shape(run: SessionRunSpec) -> JobRunSpec:
-    """The session as the job worker's loader sees it: base, LoRA, parallelism; one sequence per rank per micro-batch
-    (the session's batches are whatever each call sends, so no training file or schedule)."""
-    par = run.spec.parallelism
-    training = TrainingSpec(global_batch_size=par.num_workers, micro_batch_size=1, activation_checkpointing=False,
-                            alignment_check=False)
-    spec = JobCreate.model_construct(model=run.spec.model, training_file=None, lora=run.spec.lora,
-                                     training=training, parallelism=par, evaluation=None)
-    return JobRunSpec.model_construct(job_id=run.session_id, spec=spec, seed=run.seed, output_uri=run.output_uri)
+    """The session as the job worker's loader sees it: its run config (base, LoRA, parallelism; no training file)."""
+    return JobRunSpec(job_id=run.session_id, output_uri=run.output_uri,
+                      config=session_run_config(run.spec.model, run.spec.lora, run.spec.parallelism, run.seed))
 
 
 class SessionWorker(_Worker):
@@ -90,12 +84,12 @@ class SessionWorker(_Worker):
     def start(self) -> None:
         self.load()
         self.head = install_loss_head(self.model, TokenLogprobHead)  # logprobs without [tokens, vocab] logits
-        self.engine, _ = build_engine(self.model, self.spec.training, self.spec.parallelism, self.world, total_steps=1,
+        self.engine, _ = build_engine(self.model, self.job.training, self.job.parallelism, self.world, total_steps=1,
                                       bf16=self.device.type == "cuda")
         self.engine.train()
         (memory,) = self.collectives.all_min(memory_budget_bytes(self.device, self.t.memory_budget_mb))
         self.sample_refusal = whole_weights_refusal(partitioned_bytes(self.model), int(memory))  # same on all ranks
-        self.lockstep = self.spec.parallelism.collective_forward
+        self.lockstep = self.job.parallelism.collective_forward
         if self.session.restore:  # this group replaces a failed one: it resumes where the session last saved
             step = self.load_state(LoadState(name=self.session.restore))["step"]
             log.info("session %s: resumed from state %r (step %d)", self.session.session_id, self.session.restore,
@@ -202,7 +196,7 @@ class SessionWorker(_Worker):
         wanted = [(i, p) for i, p in enumerate(prompts) for _ in range(call.n)]
         share = wanted[self.rank :: self.world]
         rows = share + [wanted[0]] * (math.ceil(len(wanted) / self.world) - len(share)) if self.lockstep else share
-        seed = call.seed if call.seed is not None else step_rng_seed(self.run.seed, self.call_number, 0) % 2**31
+        seed = call.seed if call.seed is not None else step_rng_seed(self.job.seed, self.call_number, 0) % 2**31
         # generate_batch seeds row i with seed + i: every sequence of the call its own draw
         params = SamplingParams(call.max_tokens, temperature=call.temperature, seed=seed + self.rank * len(rows),
                                 top_p=call.top_p)
@@ -229,7 +223,7 @@ class SessionWorker(_Worker):
 
     def save_state(self, call: SaveState) -> dict:
         local = os.path.join(self.node_dir, "state")
-        save_checkpoint(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
+        save_checkpoint(self.engine, local, is_writer=self.chief, base_model=self.job.model)
         return {"uri": self._upload(local, state_uri(self.run.output_uri, call.name)),
                 "step": int(self.engine.global_steps)}
 
@@ -254,7 +248,7 @@ class SessionWorker(_Worker):
 
     def save_weights(self, call: SaveWeights) -> dict:
         local = os.path.join(self.node_dir, "weights")
-        save_adapter(self.engine, local, is_writer=self.chief, base_model=self.spec.model)
+        save_adapter(self.engine, local, is_writer=self.chief, base_model=self.job.model)
         self.snapshots.keep(call.name, self.engine.module)  # what a sample naming these weights draws from
         return {"uri": self._upload(local, weights_uri(self.run.output_uri, call.name, self.call_number))}
 
@@ -269,7 +263,7 @@ class SessionWorker(_Worker):
             batch["weights"].zero_()
         # dropout masks follow the optimizer step, so a group resumed from a state draws the same ones (and a
         # forward the same ones as the forward_backward after it)
-        torch.manual_seed(step_rng_seed(self.run.seed, self.engine.global_steps, self.rank))
+        torch.manual_seed(step_rng_seed(self.job.seed, self.engine.global_steps, self.rank))
         return mine, batch, token_logprobs(self.engine, batch["tokens"], self.head, batch["targets"])
 
     def _gathered(self, data: list, mine: list[int], logprobs: torch.Tensor) -> list[list[float]]:

@@ -22,10 +22,9 @@ import pytest
 
 from moetune.api import storage
 from moetune.api.models.job_create import JobCreate
-from moetune.api.models.job_run import JobRunSpec
 from bench.support.proxy import FaultProxy
 from moetune.api.environment import ENV_S3_ENDPOINT_URL
-from tests.support.jobs import adapter_valid_loss, run_in_process
+from tests.support.jobs import job_run, adapter_valid_loss, run_in_process
 
 pytestmark = pytest.mark.ray_job
 STEPS, CHECKPOINT_EVERY, PAUSE_AT, KILL_AFTER, OUTAGE_AT = 10, 3, 2, 5, 9
@@ -77,7 +76,7 @@ def test_pause_resume_worker_loss_and_storage_outage(assets, ray_head, receiver,
                      training={"max_steps": STEPS, "checkpoint_every": CHECKPOINT_EVERY, "learning_rate": 3e-3,
                                "global_batch_size": 4, "micro_batch_size": 2, "seq_len": 64},
                      parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2})
-    run = JobRunSpec(job_id="ftjob-interrupted", spec=spec, seed=5, output_uri=f"{assets}/out/ftjob-interrupted")
+    run = job_run("ftjob-interrupted", spec, 5, f"{assets}/out/ftjob-interrupted")
 
     # 1. pause
     receiver.control_for = _asks_pause_at(PAUSE_AT)

@@ -18,7 +18,7 @@ from moetune.workers.settings import WorkerSettings
 from moetune.workers.entry.driver import root_cause, run_job
 from moetune.workers.errors import JobError
 from moetune.workers.reporting.reporter import Reporter
-from tests.support.jobs import adapter_valid_loss, driver_env, expected_first_loss, run_in_process
+from tests.support.jobs import job_run, adapter_valid_loss, driver_env, expected_first_loss, run_in_process
 
 TRAINING = {"learning_rate": 3e-3, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 128}
 
@@ -29,7 +29,7 @@ def _run_spec(base: str, job_id: str, training: dict, zero_stage: int, lora: dic
         model=f"{base}/models/tiny", training_file=f"{base}/data/train.jsonl",
         validation_file=f"{base}/data/valid.jsonl", lora={"rank": 8, "alpha": 16, "dropout": 0.0, **(lora or {})},
         training={**TRAINING, **training}, parallelism={"num_workers": 2, "zero_stage": zero_stage}, **spec)
-    return JobRunSpec(job_id=job_id, spec=create, seed=3, output_uri=f"{base}/out/{job_id}")
+    return job_run(job_id, create, 3, f"{base}/out/{job_id}")
 
 
 # ------------------------------------------------------------------ fail fast
@@ -58,7 +58,7 @@ def test_malformed_row_fails_before_any_worker_starts(assets, receiver):
 
 def test_missing_model_fails_fast(assets, receiver):
     run = _run_spec(assets, "ftjob-nomodel", {"max_steps": 2}, zero_stage=2).model_copy()
-    run.spec.model = f"{assets}/models/absent"
+    run.config.model = f"{assets}/models/absent"
     assert not run_job(run, Reporter(run.job_id, callback_url=receiver.url, token="t"), WorkerSettings())
     (result,) = receiver.of_kind("result")
     assert (result.error.code, result.error.param) == ("model_not_found", "model")
@@ -128,7 +128,7 @@ def test_zero3_job_resumes_exactly(assets, ray_head, receiver, tiny_checkpoint, 
     assert adapter_valid_loss(run, tiny_checkpoint, tmp_path) == pytest.approx(metrics[-1]["valid_loss"], abs=1e-3)
     # the exported config names its base by URI (what PEFT, vLLM and `moetune models download` read)
     config = json.loads(storage.read_text(f"{run.output_uri}/adapter/adapter_config.json"))
-    assert config["base_model_name_or_path"] == run.spec.model
+    assert config["base_model_name_or_path"] == run.config.model
 
     # Resubmitted without its step-4 checkpoint, the job resumes from step 2 (this stage's optimizer and LoRA
     # state) and repeats steps 3 and 4 exactly.
@@ -161,7 +161,7 @@ def test_workers_ray_cannot_place_fail_the_job_after_the_placement_timeout(asset
     wait, and retry, forever; the job fails once the placement timeout has passed, naming it."""
     monkeypatch.setenv("MOETUNE_PLACEMENT_TIMEOUT_S", "2")
     run = _run_spec(assets, "ftjob-unplaced", {"max_steps": 2, "global_batch_size": 64}, zero_stage=2)
-    run.spec.parallelism.num_workers = 64
+    run.config.parallelism.num_workers = 64
     started = time.monotonic()
     assert not run_in_process(run, ray_head, receiver, monkeypatch)
     (result,) = receiver.of_kind("result")

@@ -15,6 +15,7 @@ from moetune.workers.families import REGISTRY
 from moetune.workers.settings import WorkerSettings
 from moetune.workers.tiny import solid_png, write_tiny_multimodal_checkpoint
 from tests.support.images import data_url, image_row
+from tests.support.jobs import job_run
 
 
 def test_a_row_over_seq_len_with_its_image_tokens_is_refused_with_its_number(s3_bucket, tmp_path):
@@ -29,7 +30,7 @@ def test_a_row_over_seq_len_with_its_image_tokens_is_refused_with_its_number(s3_
     def run(seq_len: int) -> JobRunSpec:
         spec = JobCreate(model=f"{base}/model", training_file=f"{base}/train.jsonl",
                          training={"seq_len": seq_len, "global_batch_size": 2})
-        return JobRunSpec(job_id="ftjob-1", spec=spec, seed=0, output_uri=f"{base}/out/ftjob-1")
+        return job_run("ftjob-1", spec, 0, f"{base}/out/ftjob-1")
 
     with pytest.raises(DatasetError) as err:
         validate(run(24), WorkerSettings())

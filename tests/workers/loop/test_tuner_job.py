@@ -16,7 +16,6 @@ import torch
 
 from moetune.api import storage
 from moetune.api.models.job_create import JobCreate
-from moetune.api.models.job_run import JobRunSpec
 from moetune.api.models.lora import LoraSpec
 from moetune.api.models.training import TrainingSpec
 from moetune.api.environment import ENV_INJECT_FAULTS
@@ -26,7 +25,7 @@ from moetune.workers.loop.tuner import MemoryProbe
 from moetune.workers.methods.sft import SupervisedMethod, tokenize_rows
 from moetune.workers.model import trainable_model
 from moetune.workers.tiny import tiny_rows, write_tiny_checkpoint
-from tests.support.jobs import run_in_process
+from tests.support.jobs import job_run, run_in_process
 
 pytestmark = pytest.mark.ray_job
 SEQ_LEN, STEPS, GLOBAL_BATCH = 32, 5, 16  # 8 examples per rank: sizes 1, 2, 4, 8
@@ -74,7 +73,7 @@ def _run(base: str, job_id: str, training: dict, receiver, monkeypatch, ray_head
     spec = JobCreate(model=f"{base}/model", training_file=f"{base}/train.jsonl", lora=LORA,
                      training={**TRAINING, **training},
                      parallelism={"num_workers": 2, "zero_stage": 2, "expert_parallel_size": expert_parallel_size})
-    run = JobRunSpec(job_id=job_id, spec=spec, seed=3, output_uri=f"{base}/out/{job_id}")
+    run = job_run(job_id, spec, 3, f"{base}/out/{job_id}")
     receiver.reports.clear()
     ok = run_in_process(run, ray_head, receiver, monkeypatch, worker_env)
     (result,) = receiver.of_kind("result")

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from moetune.api.models.base import SpecError
-from moetune.api.models.job_create import JobCreate, resolve_spec
+from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import resolve_run_config
 from moetune.workers.loop.tuner import MemoryProbe, MicroBatchTuner
 
 
@@ -87,17 +88,18 @@ BASE = {"model": "s3://models/tiny", "training_file": "s3://data/train.jsonl"}
 
 
 def test_auto_spec_rules():
-    auto = resolve_spec(JobCreate.model_validate({**BASE, "training": {
+    auto = resolve_run_config(JobCreate.model_validate({**BASE, "training": {
         "micro_batch_size": "auto", "memory_budget_mb": 1.5, "global_batch_size": 6},
-        "parallelism": {"num_workers": 2}}))
-    assert (auto.training.micro_batch_size, auto.training.memory_budget_mb) == ("auto", 1.5)
+        "parallelism": {"num_workers": 2}}), 0)
+    t = auto.training  # tuned from 1: the run config holds the start, the tuner the live size
+    assert (t.tune_micro_batch, t.micro_batch_size, t.memory_budget_mb) == (True, 1, 1.5)
     for fields, param in (
         ({"training": {"micro_batch_size": "auto", "global_batch_size": 5}, "parallelism": {"num_workers": 2}},
          "training.global_batch_size"),
         ({"training": {"micro_batch_size": 2, "memory_budget_mb": 100}}, "training.memory_budget_mb"),
     ):
         with pytest.raises(SpecError) as err:
-            resolve_spec(JobCreate.model_validate({**BASE, **fields}))
+            resolve_run_config(JobCreate.model_validate({**BASE, **fields}), 0)
         assert err.value.param == param
     with pytest.raises(ValueError, match="must be >= 1 or \"auto\""):
         JobCreate.model_validate({**BASE, "training": {"micro_batch_size": 0}})

@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import RunConfig, RunTraining
 from moetune.workers.families import apply_kernel_swaps
 from moetune.workers.loop.step import RankPlace, StepRunner
 from moetune.workers.methods import method_for
@@ -41,11 +41,11 @@ def preference_rows() -> list[dict]:
     return rows
 
 
-def _job(pairs: int) -> JobCreate:
-    return JobCreate(model="file:///unused", training_file="file:///unused", lora=LORA,
+def _job(pairs: int) -> RunConfig:
+    """A run config as such (5 pairs in micro-batches of 2: no request would pass the batch rule)."""
+    return RunConfig(model="file:///unused", seed=0, lora=LORA,
                      method={"type": "dpo", "dpo": {"hyperparameters": {"beta": BETA}}},
-                     training={"seq_len": 128, "global_batch_size": pairs, "micro_batch_size": MICRO,
-                               "max_steps": 1})
+                     training=RunTraining(seq_len=128, global_batch_size=pairs, micro_batch_size=MICRO, max_steps=1))
 
 
 class _OneProcessEngine:
@@ -130,7 +130,7 @@ def _moetune(checkpoint, rows):
     assert len(pairs) == len(rows) and not dropped
     method.prepare(model)
     assert method.head is not None and method.pack  # the fused per-sequence head, packed micro-batches
-    runner = StepRunner(_OneProcessEngine(model), method, job.training, RankPlace(0, 1, 0, torch.device("cpu")),
+    runner = StepRunner(_OneProcessEngine(model), method, job, RankPlace(0, 1, 0, torch.device("cpu")),
                         _OneRank(), lambda *args, **kwargs: None, total_steps=1)
     loss_sum, pair_count, _ = runner.run(1, pairs)
     assert pair_count == len(rows)

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import RunConfig
 from bench.support.harness import launch, spec
 from tests.workers.experts.cases import DPO_CASES
 
@@ -31,7 +31,7 @@ def _pairs(rank: int) -> list:
     return random_pairs(100 + rank, PAIRS_PER_RANK)
 
 
-def _model(family_name: str, job: JobCreate):
+def _model(family_name: str, job: RunConfig):
     """The job's model (LoRA B random, the method's output layer in) before the engine wraps it, and the method."""
     from moetune.workers.experts.placement import job_placement
     from moetune.workers.families import REGISTRY
@@ -64,12 +64,12 @@ def run_dpo(rank: int, world: int, family_name: str, spec_json: str, out_dir: st
     from moetune.workers.methods.dpo import lora_off
     from tests.workers.methods.test_dpo import random_lora_b
 
-    job = JobCreate.model_validate_json(spec_json)
+    job = RunConfig.model_validate_json(spec_json)
     cpu = torch.device("cpu")
     model, method = _model(family_name, job)
     engine, _ = build_engine(model, job.training, job.parallelism, world, job.training.max_steps, bf16=False)
     engine.step = lambda: None  # the optimizer is not under test: the gradients stay
-    runner = StepRunner(engine, method, job.training, RankPlace(rank, world, 0, cpu, collective_forward=True),
+    runner = StepRunner(engine, method, job, RankPlace(rank, world, 0, cpu, collective_forward=True),
                         Collectives(cpu), lambda *args, **kwargs: None, total_steps=1)
     pairs = [p for r in range(world) for p in _pairs(r)]
     loss_sum, count, _ = runner.run(1, pairs)
@@ -86,7 +86,7 @@ def run_dpo(rank: int, world: int, family_name: str, spec_json: str, out_dir: st
     fresh, fresh_method = _model(family_name, job)
     resumed, _ = build_engine(fresh, job.training, job.parallelism, world, job.training.max_steps, bf16=False)
     load_checkpoint(resumed, state)
-    again = StepRunner(resumed, fresh_method, job.training, RankPlace(rank, world, 0, cpu, collective_forward=True),
+    again = StepRunner(resumed, fresh_method, job, RankPlace(rank, world, 0, cpu, collective_forward=True),
                        Collectives(cpu), lambda *args, **kwargs: None, total_steps=1)
     result["resumed"] = [again.run(step, pairs)[0] for step in (2, 3)]
 

@@ -12,9 +12,8 @@ import pytest
 from moetune.api import storage
 from moetune.api.layout import adapter_uri
 from moetune.api.models.job_create import JobCreate
-from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.tiny import write_tiny_checkpoint
-from tests.support.jobs import run_in_process
+from tests.support.jobs import job_run, run_in_process
 
 pytestmark = pytest.mark.ray_job
 STEPS = 6
@@ -46,7 +45,7 @@ def test_a_dpo_job_raises_the_reward_margin(s3_bucket, tmp_path, ray_head, recei
                                "learning_rate": 1e-2, "warmup_ratio": 0.0, "eval_every": STEPS,
                                "checkpoint_every": 3},
                      parallelism={"num_workers": 2, "zero_stage": 2, "expert_parallel_size": 2})
-    run = JobRunSpec(job_id="ftjob-dpo", spec=spec, seed=3, output_uri=f"{base}/out/ftjob-dpo")
+    run = job_run("ftjob-dpo", spec, 3, f"{base}/out/ftjob-dpo")
     ok = run_in_process(run, ray_head, receiver, monkeypatch)
     (result,) = receiver.of_kind("result")
     assert ok, result.error

@@ -13,14 +13,13 @@ import torch
 from moetune.api import storage
 from moetune.api.layout import adapter_uri
 from moetune.api.models.job_create import JobCreate
-from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.data.rows import load_rows
 from moetune.workers.families import REGISTRY
 from moetune.workers.experts.lora_layout import b_from_peft
 from moetune.workers.methods.sft import token_loss_sum
 from moetune.workers.tiny import tiny_image_rows, tiny_rows, write_tiny_multimodal_checkpoint
 from bench.support.image_batches import image_method
-from tests.support.jobs import run_in_process
+from tests.support.jobs import job_run, run_in_process
 
 pytestmark = pytest.mark.ray_job
 SEQ_LEN = 128
@@ -70,7 +69,7 @@ def test_job_trains_on_image_rows_and_its_adapter_loads_in_peft(s3_bucket, ray_h
                      training={"max_steps": 4, "checkpoint_every": 2, "learning_rate": 1e-2, "global_batch_size": 8,
                                "micro_batch_size": 4, "seq_len": SEQ_LEN},
                      parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2})
-    run = JobRunSpec(job_id="ftjob-images", spec=spec, seed=5, output_uri=f"{base}/out")
+    run = job_run("ftjob-images", spec, 5, f"{base}/out")
     assert run_in_process(run, ray_head, receiver, monkeypatch), receiver.of_kind("result")
 
     assert any("expert parallel 2" in e.message for e in receiver.of_kind("event"))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import RunConfig, resolve_run_config
 from moetune.workers.families import REGISTRY
 from moetune.workers.loop.tuner import MemoryProbe
 from moetune.workers.methods import method_for
@@ -25,21 +26,22 @@ from bench.support.tiny_models import plain_model
 FAMILIES = ("kimi_linear", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
-def _spec(seq_len: int = 64, train_experts: bool = False, targets="all-linear", checkpointing=False) -> JobCreate:
-    return JobCreate(model="file:///unused", training_file="file:///unused",
-                     lora={"rank": 8, "target_modules": targets, "train_experts": train_experts},
-                     training={"seq_len": seq_len, "activation_checkpointing": checkpointing},
-                     parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 1})
+def _spec(seq_len: int = 64, train_experts: bool = False, targets="all-linear", checkpointing=False) -> RunConfig:
+    return resolve_run_config(JobCreate(
+        model="file:///unused", training_file="file:///unused",
+        lora={"rank": 8, "target_modules": targets, "train_experts": train_experts},
+        training={"seq_len": seq_len, "activation_checkpointing": checkpointing},
+        parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 1}), 0)
 
 
-def _worker_model(name: str, spec: JobCreate, ep: int):
+def _worker_model(name: str, spec: RunConfig, ep: int):
     """The model a rank trains, built as the workers build it (kernel swaps, LoRA, its share of the experts)."""
     model = plain_model(REGISTRY[name])
     REGISTRY[name].apply_kernel_swaps(model)
     return trainable_model(model, spec.lora, spec.training, placement_at(model.config.to_dict(), ep, 0)).train()
 
 
-def _facts(name: str, spec: JobCreate):
+def _facts(name: str, spec: RunConfig):
     return model_facts(REGISTRY[name].tiny_config().to_dict(), spec, torch.float32)
 
 
@@ -73,7 +75,7 @@ def test_optimizer_state_is_adamw_state_plus_the_fp32_master(name):
     assert parts["optimizer_state"] == moments + master
 
 
-def _saved_by_forward(name: str, spec: JobCreate) -> tuple[float, tuple[float, ...]]:
+def _saved_by_forward(name: str, spec: RunConfig) -> tuple[float, tuple[float, ...]]:
     """What the tuner's CPU measure (MemoryProbe) sees in the forward of the worker's model, the loss computed by
     its output layer as the step computes it; and each decoder layer's share, counted the same way."""
     model = _worker_model(name, spec, 1)

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import RunConfig, resolve_run_config
 from moetune.api.models.method import Method
 from moetune.api.plans import parse_cluster
 from moetune.api.quantization import quantization_of
 from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
 from moetune.workers.families import REGISTRY
-from moetune.workers.planner import needs_activation_checkpointing, plan
+from moetune.workers.planner import plan
 from moetune.workers.planner.memory import Layout, breakdown, total
 from moetune.workers.planner.model import model_facts
 from moetune.workers.planner.weights import quantized_bytes
@@ -39,7 +40,7 @@ def test_quantized_bytes_are_what_kernels_quant_stores(qc, quantize):
 def test_quantized_experts_are_planned_at_their_stored_size():
     """An INT4 checkpoint of deepseek_v3: the routed experts at INT4, everything its `ignore` names dense."""
     config = {**REGISTRY["deepseek_v3"].tiny_config().to_dict(), "quantization_config": INT4_CONFIG}
-    spec = JobCreate(model="file:///unused", training_file="file:///unused")
+    spec = resolve_run_config(JobCreate(model="file:///unused", training_file="file:///unused"), 0)
     dense = model_facts({k: v for k, v in config.items() if k != "quantization_config"}, spec)
     facts = model_facts(config, spec)
     expert_bytes = {t.name: t.nbytes for t in facts.tensors if t.expert}
@@ -74,9 +75,11 @@ def test_the_seed_model_is_planned_in_seconds_within_2_gib():
     code = ("import json, sys, time, yaml; from moetune.api.models.job_create import JobCreate; "
             "from moetune.workers.reporting.system import peak_rss_bytes; "
             "from moetune.api.plans import parse_cluster; from moetune.workers.planner import plan; "
+            "from moetune.api.models.run_config import resolve_run_config; "
             f"spec = JobCreate.model_validate(yaml.safe_load(open({str(SEED_JOB)!r}))); "
             f"config = json.load(open({str(REPO / 'examples' / 'seed-model.config.json')!r})); t = time.time(); "
-            f"p = plan(config, spec, parse_cluster({H200S!r})); "
+            f"p = plan(config, resolve_run_config(spec, 0), parse_cluster({H200S!r}), "
+            "spec.training.activation_checkpointing == 'auto'); "
             "print(json.dumps({'seconds': time.time() - t, 'rss': peak_rss_bytes(), 'plan': p}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -92,10 +95,26 @@ def test_the_seed_model_is_planned_in_seconds_within_2_gib():
         "`COLUMNS=120 moetune plan examples/seed-plan.job.yaml --cluster " + H200S + "`")
 
 
-def _tiny_job(**training) -> JobCreate:
+def _tiny_request(**training) -> JobCreate:
     return JobCreate(model="file:///unused", training_file="file:///unused",
                      training={"global_batch_size": 16, "micro_batch_size": "auto", "seq_len": 4096, **training},
                      parallelism={"num_workers": 4, "gpus_per_worker": 1})
+
+
+def _tiny_job(**training) -> RunConfig:
+    return resolve_run_config(_tiny_request(**training), 0)
+
+
+def _cluster(gpu_memory_bytes: float):
+    return parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={gpu_memory_bytes:.0f}B")
+
+
+def _checkpointing(config: dict, request: JobCreate, gpu_memory_bytes: float) -> bool:
+    """What submission resolves the request's `activation_checkpointing` to with the plan on 4 GPUs of that
+    memory (api.models.run_config.resolve_run_config)."""
+    choose = request.training.activation_checkpointing == "auto"
+    planned = plan(config, resolve_run_config(request, 0), _cluster(gpu_memory_bytes), choose)
+    return resolve_run_config(request, 0, planned).training.activation_checkpointing
 
 
 def test_layout_search_takes_the_smallest_fitting_layout_and_the_tuner_start():
@@ -105,11 +124,10 @@ def test_layout_search_takes_the_smallest_fitting_layout_and_the_tuner_start():
     four = total(breakdown(facts, Layout(4, 1, 1, False, 4)))
     # room for two sequences without recomputation, not for four: the tuner starts at 2 of the 4 per rank
     memory = (one + (four - one) / 2) / 0.9
-    p = plan(config, _tiny_job(), parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={memory:.0f}B"), facts)
+    p = plan(config, _tiny_job(), _cluster(memory), True, facts)
     assert p["submitted"]["fits"] and p["recommended"]["expert_parallel_size"] == 1
     assert p["recommended"]["zero_stage"] == 1 and p["recommended"]["tuner_start_micro_batch"] == 2
-    tight = plan(config, _tiny_job(), parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={one * 0.98 / 0.9:.0f}B"),
-                 facts)
+    tight = plan(config, _tiny_job(), _cluster(one * 0.98 / 0.9), True, facts)
     assert tight["recommended"]["activation_checkpointing"] is True
 
 
@@ -121,22 +139,22 @@ def test_a_dpo_pair_is_planned_as_its_two_sequences():
     assert breakdown(facts, Layout(4, 1, 1, False, 1, sequences=2)) == breakdown(facts, Layout(4, 1, 1, False, 2))
     one = total(breakdown(facts, Layout(4, 1, 1, False, 1)))
     four = total(breakdown(facts, Layout(4, 1, 1, False, 4)))
-    cluster = parse_cluster(f"nodes=1,gpus_per_node=4,gpu_memory={(one + (four - one) / 2) / 0.9:.0f}B")
+    cluster = _cluster((one + (four - one) / 2) / 0.9)
     dpo = _tiny_job().model_copy(update={"method": Method(type="dpo")})
     per_sequence = model_facts(config, dpo).activation_bytes(1, False)  # measured on a pair, per sequence
     assert per_sequence == pytest.approx(facts.activation_bytes(1, False), rel=0.05)
-    assert plan(config, _tiny_job(), cluster, facts)["recommended"]["tuner_start_micro_batch"] == 2
-    assert plan(config, dpo, cluster, facts)["recommended"]["tuner_start_micro_batch"] == 1
+    assert plan(config, _tiny_job(), cluster, True, facts)["recommended"]["tuner_start_micro_batch"] == 2
+    assert plan(config, dpo, cluster, True, facts)["recommended"]["tuner_start_micro_batch"] == 1
     two = total(breakdown(facts, Layout(4, 1, 1, False, 2)))
-    assert not needs_activation_checkpointing(config, _tiny_job(micro_batch_size=1), two / 0.9 * 1.01)
-    assert needs_activation_checkpointing(config, dpo.model_copy(update={"training": _tiny_job(
-        micro_batch_size=1).training}), one / 0.9 * 1.01)
+    assert not _checkpointing(config, _tiny_request(micro_batch_size=1), two / 0.9 * 1.01)
+    assert _checkpointing(config, _tiny_request(micro_batch_size=1).model_copy(update={"method": Method(type="dpo")}),
+                          one / 0.9 * 1.01)
 
 
 def test_auto_checkpointing_is_needed_only_when_the_job_does_not_fit_without():
     config = REGISTRY["kimi_linear"].tiny_config().to_dict()
-    job = _tiny_job(micro_batch_size=4)
-    without = total(breakdown(model_facts(config, job), Layout(4, 1, 2, False, 4)))
-    assert not needs_activation_checkpointing(config, job, without / 0.9 * 1.01)
-    assert needs_activation_checkpointing(config, job, without / 0.9 * 0.99)
-    assert needs_activation_checkpointing(config, _tiny_job(micro_batch_size=4, activation_checkpointing=True), 1e15)
+    request = _tiny_request(micro_batch_size=4)
+    without = total(breakdown(model_facts(config, resolve_run_config(request, 0)), Layout(4, 1, 2, False, 4)))
+    assert not _checkpointing(config, request, without / 0.9 * 1.01)
+    assert _checkpointing(config, request, without / 0.9 * 0.99)
+    assert _checkpointing(config, _tiny_request(micro_batch_size=4, activation_checkpointing=True), 1e12)

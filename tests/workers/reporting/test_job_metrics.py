@@ -22,7 +22,7 @@ from moetune.workers.evaluation.metrics import token_f1
 from moetune.workers.reporting.expert_load import HOT_EXPERTS, LOAD_RATIO_BUCKETS
 from moetune.workers.tiny import tiny_rows, write_tiny_checkpoint, write_tiny_dataset
 from tests.support import REPO
-from tests.support.jobs import adapter_valid_loss, run_in_process
+from tests.support.jobs import job_run, adapter_valid_loss, run_in_process
 from tests.support.prometheus import SCRAPE_INTERVAL_S
 
 pytestmark = pytest.mark.ray_job
@@ -70,7 +70,7 @@ def _run_ep2_job(ray_head, receiver, monkeypatch, bucket: str, tmp_path: Path) -
                                "select_checkpoint": "best:token_f1"},
                      parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2},
                      evaluation=evaluation)
-    run = JobRunSpec(job_id="ftjob-metrics", spec=spec, seed=3, output_uri=f"{base}/out/ftjob-metrics")
+    run = job_run("ftjob-metrics", spec, 3, f"{base}/out/ftjob-metrics")
     assert run_in_process(run, ray_head, receiver, monkeypatch)
     return run
 
@@ -183,7 +183,7 @@ def test_every_dashboard_panel_has_data_from_a_real_ep2_job(prometheus, s3_bucke
     valid = {s["step"]: s["valid_loss"] for s in report["steps"] if s.get("valid_loss") is not None}
     assert abs(valid[best] - valid[STEPS]) > 1e-2, valid  # the two states are told apart
     assert adapter_valid_loss(run, str(tmp_path / "model"), tmp_path) == pytest.approx(valid[best], abs=1e-3)
-    rows = [json.loads(line) for line in storage.read_text(run.spec.evaluation.file).splitlines()]
+    rows = [json.loads(line) for line in storage.read_text(run.config.evaluation.file).splitlines()]
     assert _adapter_token_f1(run, tmp_path, rows) == pytest.approx(f1[best])
 
     # The shipped alert rules loaded and evaluated without error; the training group's only name metrics the

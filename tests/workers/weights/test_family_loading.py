@@ -48,7 +48,8 @@ def test_a_kimi_k2_release_streams_into_transformers_deepseek_v3(tmp_path):
     from transformers import DeepseekV3ForCausalLM
 
     from moetune.api.families import check_model_spec
-    from moetune.api.models.job_create import JobCreate, resolve_spec
+    from moetune.api.models.job_create import JobCreate
+    from moetune.api.models.run_config import resolve_run_config
     from moetune.workers.weights.push import inspect
 
     release, renamed = tmp_path / "kimi-k2", tmp_path / "as-deepseek-v3"
@@ -63,9 +64,9 @@ def test_a_kimi_k2_release_streams_into_transformers_deepseek_v3(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
 
-    spec = resolve_spec(JobCreate(model=f"file://{release}", training_file="file:///t.jsonl",
-                                  lora={"target_modules": ["q_a_proj", "kv_b_proj"]},
-                                  parallelism={"num_workers": 2, "expert_parallel_size": 2}))
+    spec = resolve_run_config(JobCreate(model=f"file://{release}", training_file="file:///t.jsonl",
+                                        lora={"target_modules": ["q_a_proj", "kv_b_proj"]},
+                                        parallelism={"num_workers": 2, "expert_parallel_size": 2}), 0)
     check_model_spec(config, spec.lora, spec.parallelism)
     report = inspect(f"file://{release}", ep=2)
     assert report["model_type"] == "kimi_k2" and report["experts_per_layer"] == config["n_routed_experts"]

@@ -10,10 +10,9 @@ import torch
 from moetune.api import storage
 from moetune.api.layout import adapter_uri
 from moetune.api.models.job_create import JobCreate
-from moetune.api.models.job_run import JobRunSpec
 from moetune.workers.families import REGISTRY
 from moetune.workers.tiny import write_tiny_dataset, write_tiny_tokenizer
-from tests.support.jobs import run_in_process, valid_loss
+from tests.support.jobs import job_run, run_in_process, valid_loss
 from bench.support.tiny_models import plain_model
 from bench.support.quantized import FAMILY_OF, quantize_checkpoint
 
@@ -75,7 +74,7 @@ def test_jobs_train_on_fp8_int4_and_mxfp4_bases_kept_quantized(s3_bucket, ray_he
                          training={"max_steps": 3, "learning_rate": 3e-3, "global_batch_size": 4,
                                    "micro_batch_size": 2, "seq_len": 64},
                          parallelism={"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 2})
-        run = JobRunSpec(job_id=f"ftjob-{fmt}", spec=spec, seed=5, output_uri=f"{base}/out/{fmt}")
+        run = job_run(f"ftjob-{fmt}", spec, 5, f"{base}/out/{fmt}")
         receiver.reports.clear()
         assert run_in_process(run, ray_head, receiver, monkeypatch), receiver.of_kind("result")
         (loaded,) = [e for e in receiver.of_kind("event") if e.message.startswith("Weights streamed")]
