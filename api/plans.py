@@ -1,13 +1,16 @@
-"""The memory planner's wire contract (torch-free): a cluster description and a plan request. The plan itself is
-the planner's JSON (moetune.workers.planner; `moetune plan`, POST /v1/fine_tuning/plans)."""
+"""The memory planner's wire contract (torch-free): a cluster description, a plan request and the plan, whose
+layouts are the request's own ParallelDims with activation checkpointing and a micro-batch
+(moetune.workers.planner answers it; `moetune plan`, POST /v1/fine_tuning/plans, submission's fit check)."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.parallelism import ParallelDims
 
 GIB = 2**30
 # A GPU's memory in GiB, as the device reports it (torch's total_memory, nvidia-smi's MiB / 1024: an H200's 141 GB
@@ -81,3 +84,66 @@ class PlanRequest(BaseModel):
 
     job: JobCreate
     cluster: ClusterSpec
+
+
+class PlannedLayout(BaseModel):
+    """One layout's memory per GPU (bytes): in training (`bytes` by part) and at load."""
+
+    parallelism: ParallelDims
+    activation_checkpointing: bool
+    micro_batch_size: int
+    bytes: dict[str, Any]  # part -> bytes, or a part's own parts -> bytes
+    total_bytes: float
+    load_bytes: dict[str, Any]
+    load_total_bytes: float
+    fits: bool
+    tuner_start_micro_batch: int | None = None  # the recommended layout's: the largest micro-batch that fits
+    gpus_available: bool | None = None  # the submitted layout's: the cluster has that many GPUs
+
+    def describe(self) -> str:
+        """The layout in the words of the request's fields (submission's 422 names it)."""
+        par = self.parallelism
+        return (f"{par.num_workers} GPUs, expert_parallel_size {par.expert_parallel_size}, zero_stage "
+                f"{par.zero_stage}, activation_checkpointing {str(self.activation_checkpointing).lower()}")
+
+
+class PlannedModel(BaseModel):
+    model_type: str | None
+    parameters: int
+    quantization: str | None
+    routed_experts: int
+    experts_per_token: int
+    lora_parameters: int
+    expert_lora_parameters: int
+
+
+class PlannedCluster(BaseModel):
+    nodes: int
+    gpus_per_node: int
+    gpus: int
+    gpu_memory: float  # bytes, as every size in a plan
+    gpu_memory_gib: float  # as the request's gpu_memory takes it
+    nic: float
+    usable_bytes_per_gpu: float
+
+
+class PlannedLoad(BaseModel):
+    """Streaming the base at the start: what a rank and a node read, and how long a node's NIC takes."""
+
+    bytes_per_rank: float
+    bytes_per_node: float
+    seconds: float
+    expert_parallel_size: int
+
+
+class Plan(BaseModel):
+    model: PlannedModel
+    cluster: PlannedCluster
+    seq_len: int
+    compute_dtype_bytes: int
+    activation_bytes_per_token: dict[str, float]
+    submitted: PlannedLayout
+    recommended: PlannedLayout | None  # the smallest layout of the submitted workers that fits
+    fewest_gpus: PlannedLayout | None  # the fewest GPUs any layout fits on
+    load: PlannedLoad
+    assumptions: str

@@ -18,7 +18,7 @@ import yaml
 
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.run_config import resolve_run_config
-from moetune.api.plans import parse_cluster
+from moetune.api.plans import PlannedLayout, parse_cluster
 from moetune.workers.planner import plan
 from moetune.workers.planner.model import model_facts
 
@@ -29,12 +29,12 @@ SEQ_LENS = (4096, 32768, 131072)
 GIB = 2**30
 
 
-def _layout(fit: dict | None) -> str:
+def _layout(fit: PlannedLayout | None) -> str:
     if fit is None:
         return "none fits"
-    ckpt = "on" if fit["activation_checkpointing"] else "off"
-    return (f"{fit['world']} GPUs, EP={fit['expert_parallel_size']}, ZeRO-{fit['zero_stage']}, checkpointing "
-            f"{ckpt}: {fit['total_bytes'] / GIB:.1f} GiB, {fit['load_total_bytes'] / GIB:.1f} GiB at load")
+    par, ckpt = fit.parallelism, "on" if fit.activation_checkpointing else "off"
+    return (f"{par.num_workers} GPUs, EP={par.expert_parallel_size}, ZeRO-{par.zero_stage}, checkpointing "
+            f"{ckpt}: {fit.total_bytes / GIB:.1f} GiB, {fit.load_total_bytes / GIB:.1f} GiB at load")
 
 
 def main() -> None:
@@ -49,9 +49,9 @@ def main() -> None:
         print(f"seq_len {seq_len:,}: model facts in {time.perf_counter() - start:.0f} s", flush=True)
         for gpu, cluster in CLUSTERS.items():
             p = plan(config, job, parse_cluster(cluster), choose, facts)
-            rows.append(f"| {gpu} | {seq_len // 1024}K | {_layout(p['recommended'])} | {_layout(p['fewest_gpus'])} |")
+            rows.append(f"| {gpu} | {seq_len // 1024}K | {_layout(p.recommended)} | {_layout(p.fewest_gpus)} |")
             key = f"{gpu.lower()}_{seq_len // 1024}k_fewest_gpus"
-            result[key] = p["fewest_gpus"]["world"] if p["fewest_gpus"] else 0
+            result[key] = p.fewest_gpus.parallelism.num_workers if p.fewest_gpus else 0
     print(f"\nkimi_k3, {facts.parameters:,} parameters; usable = 90 % of a GPU\n")
     print("| GPU | seq_len | recommended (64 GPUs) | fewest GPUs |\n|---|---|---|---|")
     print("\n".join(rows))

@@ -17,6 +17,7 @@ from moetune.api.models.lora import LoraSpec
 from moetune.api.models.method import Method
 from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.training import TrainingSpec
+from moetune.api.plans import Plan
 
 
 class RunTraining(TrainingSpec):
@@ -48,7 +49,7 @@ class RunConfig(StrictModel):
         return body
 
 
-def resolve_run_config(request: JobCreate, seed: int, plan: dict | None = None) -> RunConfig:
+def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None) -> RunConfig:
     """`request` (its inputs already URIs) as a run config; raises SpecError naming the field. The one place that
     turns a request's `"auto"` into values.
 
@@ -72,7 +73,7 @@ def resolve_run_config(request: JobCreate, seed: int, plan: dict | None = None) 
     if tuned:
         training.update(micro_batch_size=1, tune_micro_batch=True)
     if training["activation_checkpointing"] == "auto":
-        training["activation_checkpointing"] = (plan["submitted"]["activation_checkpointing"] if plan is not None
+        training["activation_checkpointing"] = (plan.submitted.activation_checkpointing if plan is not None
                                                 else par.gpus_per_worker > 0)
     return RunConfig(model=request.model, training_file=request.training_file,
                      validation_file=request.validation_file, seed=seed, lora=request.lora, parallelism=par,

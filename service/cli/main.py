@@ -20,7 +20,9 @@ from rich.table import Column, Table
 from moetune.api.client import APIError, Client
 from moetune.api import storage
 from moetune.api.model_names import derive_base_name
+from moetune.api.models.base import SpecError
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import resolve_run_config
 from moetune.api.models.responses import JobStatus
 from moetune.api.plans import ClusterSpec, parse_cluster
 from moetune.service.cli import serve as serve_commands, up as up_commands
@@ -273,12 +275,16 @@ def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
         from moetune.workers.planner.plan import plan as plan_job
 
         try:
+            job = resolve_run_config(spec, spec.seed or 0)  # the seed changes no byte of the plan
             config = json.loads(storage.read_text(storage.join(spec.model, "config.json")))
-            result = plan_job(config, spec, cluster)
-        except (OSError, ValueError, JobError) as e:  # storage, config.json not JSON, the spec, the model
+            result = plan_job(config, job, cluster, spec.training.activation_checkpointing == "auto")
+        except SpecError as e:  # the message names its field, or is about the field in `param`
+            where = "" if e.message.startswith(e.param) else f"{e.param}: "
+            raise click.ClickException(f"{spec_file}: {where}{e.message}") from None
+        except (OSError, ValueError, JobError) as e:  # storage, config.json not JSON, the model
             raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(result))
+        click.echo(result.model_dump_json())
         return
     console.print(plan_table(result))
     for line in plan_summary(result):

@@ -15,7 +15,7 @@ from moetune.api.models.base import SpecError
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.run_config import resolve_run_config
 from moetune.api.models.responses import Checkpoint, Job, JobEvent, ListPage
-from moetune.api.plans import PlanRequest
+from moetune.api.plans import Plan, PlanRequest
 from moetune.api.report import AdaptationReport
 from moetune.service import lifecycle
 from moetune.service.errors import APIException, invalid_request, job_not_found, documented_errors
@@ -178,7 +178,7 @@ def get_report_page(job_id: str, request: Request, tenant: Tenant, store: StoreD
 
 
 @plans.post("", responses=documented_errors((503, "The memory planner did not answer")))
-def create_plan(request: Request, body: PlanRequest, tenant: Tenant, store: StoreDep) -> dict:
+def create_plan(request: Request, body: PlanRequest, tenant: Tenant, store: StoreDep) -> Plan:
     """Per-GPU memory of a job on a described cluster and the smallest layout that fits (workers.planner)."""
     settings = request.app.state.settings
     job = resolve_inputs(body.job, store, tenant, request.app.state.base_models)  # names and file ids

@@ -11,7 +11,7 @@ import sys
 
 from moetune.api.errors import ErrorCode
 from moetune.api.models.run_config import RunConfig
-from moetune.api.plans import ClusterSpec, parse_cluster
+from moetune.api.plans import ClusterSpec, Plan, PlannedLayout, parse_cluster
 from moetune.service.errors import APIException, invalid_request
 from moetune.service.settings import Settings
 
@@ -24,7 +24,7 @@ class PlannerUnavailable(Exception):
 
 
 def run_planner(config: dict, job: RunConfig, choose_checkpointing: bool, cluster: ClusterSpec,
-                timeout_s: float = TIMEOUT_S) -> dict:
+                timeout_s: float = TIMEOUT_S) -> Plan:
     """The plan of `job` (`choose_checkpointing`: the request left activation checkpointing to the plan); an
     APIException (422) for what the planner refuses in the request, PlannerUnavailable when it gives no answer."""
     body = json.dumps({"config": config, "job": job.model_dump(mode="json"), "cluster": cluster.model_dump(),
@@ -42,10 +42,10 @@ def run_planner(config: dict, job: RunConfig, choose_checkpointing: bool, cluste
     if "error" in answer:
         error = answer["error"]
         raise invalid_request(error["message"], error.get("param"))
-    return answer["plan"]
+    return Plan.model_validate(answer["plan"])
 
 
-def plan_or_error(config: dict, job: RunConfig, choose_checkpointing: bool, cluster: ClusterSpec) -> dict:
+def plan_or_error(config: dict, job: RunConfig, choose_checkpointing: bool, cluster: ClusterSpec) -> Plan:
     """For the plans route: a planner that gives no answer is a 503 saying why."""
     try:
         return run_planner(config, job, choose_checkpointing, cluster)
@@ -57,21 +57,16 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-def _layout(fit: dict) -> str:
-    return (f"{fit['world']} GPUs, expert_parallel_size {fit['expert_parallel_size']}, zero_stage "
-            f"{fit['zero_stage']}, activation_checkpointing {str(fit['activation_checkpointing']).lower()}")
-
-
-def _breakdown(fit: dict) -> str:
+def _breakdown(fit: PlannedLayout) -> str:
     parts = []
-    for name, value in fit["bytes"].items():
+    for name, value in fit.bytes.items():
         amount = sum(value.values()) if isinstance(value, dict) else value
         if amount:
             parts.append(f"{name.replace('_', ' ')} {_gib(amount)}")
     return ", ".join(parts)
 
 
-def check_fits(config: dict, job: RunConfig, choose_checkpointing: bool, settings: Settings) -> dict | None:
+def check_fits(config: dict, job: RunConfig, choose_checkpointing: bool, settings: Settings) -> Plan | None:
     """The plan of a GPU job on the configured cluster's GPUs (None for CPU jobs, without MOETUNE_CLUSTER, or when
     the planner gave no answer: the job is left to the workers); a 422 (param `parallelism`) when it cannot fit,
     with the plan's breakdown and the smallest layout that would fit."""
@@ -82,13 +77,13 @@ def check_fits(config: dict, job: RunConfig, choose_checkpointing: bool, setting
     except PlannerUnavailable as e:
         log.warning("memory plan skipped for a submission: %s", e)
         return None
-    submitted = plan["submitted"]
-    if submitted["fits"]:
+    submitted = plan.submitted
+    if submitted.fits:
         return plan
-    fit = plan["recommended"] or plan["fewest_gpus"]
-    fix = (f"the smallest layout that fits is {_layout(fit)} ({_gib(fit['total_bytes'])} per GPU)" if fit
+    fit = plan.recommended or plan.fewest_gpus
+    fix = (f"the smallest layout that fits is {fit.describe()} ({_gib(fit.total_bytes)} per GPU)" if fit
            else "no layout on this cluster fits it")
     raise invalid_request(
-        f"parallelism: the job needs {_gib(submitted['total_bytes'])} per GPU, more than the usable "
-        f"{_gib(plan['cluster']['usable_bytes_per_gpu'])} of the cluster's GPUs ({_layout(submitted)}: "
+        f"parallelism: the job needs {_gib(submitted.total_bytes)} per GPU, more than the usable "
+        f"{_gib(plan.cluster.usable_bytes_per_gpu)} of the cluster's GPUs ({submitted.describe()}: "
         f"{_breakdown(submitted)}); {fix}", "parallelism")

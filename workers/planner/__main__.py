@@ -31,7 +31,7 @@ def _answer(body: dict) -> dict:
         job, cluster = RunConfig.model_validate(body["job"]), ClusterSpec.model_validate(body["cluster"])
         from moetune.workers.planner.plan import plan
 
-        result = {"plan": plan(body["config"], job, cluster, body["choose_checkpointing"])}
+        result = {"plan": plan(body["config"], job, cluster, body["choose_checkpointing"]).model_dump(mode="json")}
     except ValidationError as e:
         error = e.errors()[0]
         result = {"error": {"code": ErrorCode.invalid_request, "param": ".".join(map(str, error["loc"])),

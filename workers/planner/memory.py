@@ -1,4 +1,4 @@
-"""Bytes one rank holds for a layout (world size, EP, ZeRO stage, activation checkpointing, micro-batch), from the
+"""Bytes one rank holds for a layout (the parallel layout, activation checkpointing, micro-batch), from the
 model's facts (planner.model). What DeepSpeed holds follows the engine's configuration (workers.engine.deepspeed):
 torch AdamW as the client optimizer under ZeRO 1/2/3 with DeepSpeed's defaults, so each optimizer group keeps an
 fp32 master copy and AdamW's two fp32 moments of its partition; a group's flat size is padded to a multiple of
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moetune.api.models.parallelism import ParallelDims
 from moetune.workers.weights.batches import greedy_batches
 
 # Stated allowances (not measured): the CUDA context with PyTorch's kernels loaded, NCCL communicators of the
@@ -25,9 +26,7 @@ OPTIMIZER_BYTES_PER_ELEMENT = 12  # fp32 master + exp_avg + exp_avg_sq
 
 @dataclass(frozen=True)
 class Layout:
-    world: int
-    ep: int
-    zero: int
+    dims: ParallelDims
     checkpointing: bool
     micro_batch: int  # examples
     sequences: int = 1  # per example (api.preference.sequences_per_example: DPO's chosen and rejected)
@@ -43,7 +42,8 @@ def partition(numel: int, dp: int) -> int:
 
 def breakdown(model, layout: Layout) -> dict[str, object]:
     """Bytes per rank by part; `model` is a planner.model.ModelFacts."""
-    w, ep, z, m = layout.world, layout.ep, layout.zero, layout.micro_batch * layout.sequences
+    w, ep, z = layout.dims.num_workers, layout.dims.expert_parallel_size, layout.dims.zero_stage
+    m = layout.micro_batch * layout.sequences
     replicas = w // ep
     frozen = _frozen(model, layout)
     dense, experts = model.lora_dense, model.lora_experts // ep
@@ -69,10 +69,10 @@ def breakdown(model, layout: Layout) -> dict[str, object]:
 def _frozen(model, layout: Layout) -> dict[str, float]:
     """Frozen bytes one rank holds by label: the routed experts at its 1/EP; under ZeRO-3 each parameter's
     partition (experts over the ranks holding the same ones, the rest over all ranks)."""
-    w, ep = layout.world, layout.ep
+    w, ep = layout.dims.num_workers, layout.dims.expert_parallel_size
     frozen: dict[str, float] = {}
     for t in model.tensors:
-        partitions = (w // ep if t.expert else w) if layout.zero == 3 and t.partitionable else 1
+        partitions = (w // ep if t.expert else w) if layout.dims.zero_stage == 3 and t.partitionable else 1
         frozen[t.label] = frozen.get(t.label, 0.0) + t.nbytes / (ep if t.expert else 1) / partitions
     return frozen
 
@@ -82,7 +82,7 @@ def _zero3_load_excess(model, layout: Layout) -> float:
     (workers.weights.loader): the held buffers and quantized weights first, then the partitioned parameters in the
     model's order, in workers.weights.batches' batches; while a batch's first parameter is partitioned, the rank
     holds the partitions made so far, the whole batch and that partition."""
-    w, ep = layout.world, layout.ep
+    w, ep = layout.dims.num_workers, layout.dims.expert_parallel_size
     held = sum(t.nbytes / (ep if t.expert else 1) for t in model.tensors if not t.partitionable)
     whole = [t.nbytes / (ep if t.expert else 1) for t in model.tensors if t.partitionable]
     part = [t.nbytes / (ep if t.expert else 1) / (w // ep if t.expert else w) for t in model.tensors
@@ -100,10 +100,10 @@ def load_breakdown(model, layout: Layout) -> dict[str, float]:
     the largest parameter, and partitions each as soon as it is filled: the frozen weights as in training (quantized
     ones are held buffers, whole at 1/EP), plus what its worst batch holds whole beyond them. PEFT adds the LoRA
     parameters whole (DeepSpeed's initialize partitions them)."""
-    lora = model.lora_dense + model.lora_experts // layout.ep
+    lora = model.lora_dense + model.lora_experts // layout.dims.expert_parallel_size
     return {"frozen_weights": sum(_frozen(model, layout).values()),
             "lora_parameters": lora * model.compute_bytes,
-            "load_batch": _zero3_load_excess(model, layout) if layout.zero == 3 else 0.0,
+            "load_batch": _zero3_load_excess(model, layout) if layout.dims.zero_stage == 3 else 0.0,
             "cuda_context": CUDA_CONTEXT_BYTES}
 
 

@@ -1,13 +1,14 @@
 """A job's plan on a cluster: the per-GPU breakdown of the job as submitted, the smallest layout that fits its
 workers (EP dividing the expert count and the worker count, then ZeRO stage, then activation checkpointing), the
-tuner's starting micro-batch, the fewest GPUs any layout fits on, and the load time."""
+tuner's starting micro-batch, the fewest GPUs any layout fits on, and the load time (api.plans.Plan)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.run_config import RunConfig
-from moetune.api.plans import ClusterSpec
+from moetune.api.plans import ClusterSpec, Plan, PlannedCluster, PlannedLayout, PlannedLoad, PlannedModel
 from moetune.api.preference import sequences_per_example
 from moetune.workers.planner.memory import (
     CUDA_CONTEXT_BYTES,
@@ -24,33 +25,38 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _checkpointing_options(job: RunConfig, choose: bool) -> tuple[bool, ...]:
-    """`choose`: the request left activation checkpointing to the plan ("auto"): off unless only on fits."""
-    return (False, True) if choose else (job.training.activation_checkpointing,)
+def _checkpointing_options(run: RunConfig, choose_checkpointing: bool) -> tuple[bool, ...]:
+    return (False, True) if choose_checkpointing else (run.training.activation_checkpointing,)
 
 
-def _layouts(facts: ModelFacts, job: RunConfig, choose: bool, world: int):
+def _layout(run: RunConfig, dims: ParallelDims, checkpointing: bool, micro_batch: int | None = None) -> Layout:
+    return Layout(dims, checkpointing, run.training.micro_batch_size if micro_batch is None else micro_batch,
+                  sequences_per_example(run.method))
+
+
+def _layouts(facts: ModelFacts, run: RunConfig, world: int, choose_checkpointing: bool):
     """Layouts in the order a plan prefers them: smallest EP, then ZeRO stage, then no recomputation."""
     eps = [d for d in _divisors(world) if not facts.num_experts or facts.num_experts % d == 0]
     for ep in eps:
         for zero in (1, 2, 3):
-            for checkpointing in _checkpointing_options(job, choose):
-                yield Layout(world, ep, zero, checkpointing, job.training.micro_batch_size,
-                             sequences_per_example(job.method))
+            dims = run.parallelism.model_copy(update={"num_workers": world, "expert_parallel_size": ep,
+                                                      "zero_stage": zero})
+            for checkpointing in _checkpointing_options(run, choose_checkpointing):
+                yield _layout(run, dims, checkpointing)
 
 
-def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> dict:
+def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> PlannedLayout:
     parts, at_load = breakdown(facts, layout), load_breakdown(facts, layout)
     used, loading = total(parts), total(at_load)
-    return {"world": layout.world, "expert_parallel_size": layout.ep, "zero_stage": layout.zero,
-            "activation_checkpointing": layout.checkpointing, "micro_batch_size": layout.micro_batch,
-            "bytes": parts, "total_bytes": used, "load_bytes": at_load, "load_total_bytes": loading,
-            "fits": used <= usable and loading <= usable}
+    return PlannedLayout(parallelism=layout.dims, activation_checkpointing=layout.checkpointing,
+                         micro_batch_size=layout.micro_batch, bytes=parts, total_bytes=used, load_bytes=at_load,
+                         load_total_bytes=loading, fits=used <= usable and loading <= usable)
 
 
-def _first_fit(facts: ModelFacts, job: RunConfig, choose: bool, world: int, usable: float) -> dict | None:
-    return next((e for layout in _layouts(facts, job, choose, world)
-                 if (e := _evaluate(facts, layout, usable))["fits"]), None)
+def _first_fit(facts: ModelFacts, run: RunConfig, world: int, usable: float,
+               choose_checkpointing: bool) -> PlannedLayout | None:
+    return next((e for layout in _layouts(facts, run, world, choose_checkpointing)
+                 if (e := _evaluate(facts, layout, usable)).fits), None)
 
 
 def largest_fitting_micro_batch(facts: ModelFacts, layout: Layout, per_rank: int, usable: float) -> int:
@@ -65,52 +71,49 @@ def _gpu_counts(cluster: ClusterSpec) -> list[int]:
     return within + [cluster.gpus_per_node * k for k in range(1, cluster.nodes + 1)]
 
 
-def plan(config: dict, job: RunConfig, cluster: ClusterSpec, choose_checkpointing: bool = False,
-         facts: ModelFacts | None = None) -> dict:
-    """The plan of `job` on `cluster` as JSON-ready data; one GPU per worker. `choose_checkpointing`: the request
-    left activation checkpointing to the plan (its submitted layout then recomputes only if that is what fits)."""
-    facts = facts or model_facts(config, job)
+def plan(config: dict, run: RunConfig, cluster: ClusterSpec, choose_checkpointing: bool = False,
+         facts: ModelFacts | None = None) -> Plan:
+    """The plan of `run` on `cluster`, one GPU per worker; `choose_checkpointing`: the request left activation
+    checkpointing "auto", so the plan turns it on only where nothing fits without it."""
+    facts = facts or model_facts(config, run)
     usable = USABLE_FRACTION * cluster.gpu_memory_bytes
-    par, choose = job.parallelism, choose_checkpointing
-    world, sequences = par.num_workers, sequences_per_example(job.method)
-    for checkpointing in _checkpointing_options(job, choose):
-        layout = Layout(world, par.expert_parallel_size, par.zero_stage, checkpointing, job.training.micro_batch_size,
-                        sequences)
-        if (submitted := _evaluate(facts, layout, usable))["fits"]:
+    par = run.parallelism
+    world = par.num_workers
+    for checkpointing in _checkpointing_options(run, choose_checkpointing):
+        if (submitted := _evaluate(facts, _layout(run, par, checkpointing), usable)).fits:
             break
-    recommended = _first_fit(facts, job, choose, world, usable)
+    recommended = _first_fit(facts, run, world, usable, choose_checkpointing)
     if recommended is not None:
-        best = Layout(world, recommended["expert_parallel_size"], recommended["zero_stage"],
-                      recommended["activation_checkpointing"], 1, sequences)
-        per_rank = job.training.global_batch_size // world
-        recommended["tuner_start_micro_batch"] = largest_fitting_micro_batch(facts, best, per_rank, usable)
-    fewest = next((fit for n in _gpu_counts(cluster) if (fit := _first_fit(facts, job, choose, n, usable))), None)
-    ep = (recommended or fewest or submitted)["expert_parallel_size"]
+        best = _layout(run, recommended.parallelism, recommended.activation_checkpointing, micro_batch=1)
+        per_rank = run.training.global_batch_size // par.data_parallel_size
+        recommended.tuner_start_micro_batch = largest_fitting_micro_batch(facts, best, per_rank, usable)
+    fewest = next((fit for n in _gpu_counts(cluster) if (fit := _first_fit(facts, run, n, usable,
+                                                                           choose_checkpointing))), None)
+    ep = (recommended or fewest or submitted).parallelism.expert_parallel_size
     per_rank_bytes = facts.load_bytes(ep)
     node_bytes = per_rank_bytes * min(cluster.gpus_per_node, world)
-    return {
-        "model": {"model_type": facts.model_type, "parameters": facts.parameters, "quantization": facts.quantization,
-                  "routed_experts": facts.num_experts, "experts_per_token": facts.top_k,
-                  "lora_parameters": facts.lora_dense + facts.lora_experts,
-                  "expert_lora_parameters": facts.lora_experts},
-        # bytes, as every size in the plan; gpu_memory_gib as the request's gpu_memory takes it
-        "cluster": cluster.model_dump() | {"gpu_memory": cluster.gpu_memory_bytes,
-                                           "gpu_memory_gib": cluster.gpu_memory, "gpus": cluster.gpus,
-                                           "usable_bytes_per_gpu": usable},
-        "seq_len": facts.seq_len,
-        "compute_dtype_bytes": facts.compute_bytes,
-        "activation_bytes_per_token": {
+    return Plan(
+        model=PlannedModel(model_type=facts.model_type, parameters=facts.parameters,
+                           quantization=facts.quantization, routed_experts=facts.num_experts,
+                           experts_per_token=facts.top_k, lora_parameters=facts.lora_dense + facts.lora_experts,
+                           expert_lora_parameters=facts.lora_experts),
+        cluster=PlannedCluster(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node, gpus=cluster.gpus,
+                               gpu_memory=cluster.gpu_memory_bytes, gpu_memory_gib=cluster.gpu_memory,
+                               nic=cluster.nic, usable_bytes_per_gpu=usable),
+        seq_len=facts.seq_len,
+        compute_dtype_bytes=facts.compute_bytes,
+        activation_bytes_per_token={
             "without_checkpointing": facts.activation_bytes(ep, False) / facts.seq_len,
             "with_checkpointing": facts.activation_bytes(ep, True) / facts.seq_len,
             "logits": facts.activations.loss / facts.seq_len},
-        "submitted": submitted | {"gpus_available": world <= cluster.gpus},
-        "recommended": recommended,
-        "fewest_gpus": fewest,
-        "load": {"bytes_per_rank": per_rank_bytes, "bytes_per_node": node_bytes,
-                 "seconds": node_bytes * 8 / cluster.nic, "expert_parallel_size": ep},
-        "assumptions": "one GPU per worker; every sequence seq_len tokens; an even routing; fits = at most "
-                       f"{USABLE_FRACTION:.0%} of a GPU's memory with a stated {CUDA_CONTEXT_BYTES / 2**30:g} GiB for "
-                       "the CUDA context and communicators, both in training and at load (load_total_bytes; under "
-                       "ZeRO-3 the loader partitions each parameter as it loads it); load time = the bytes a node's "
-                       "ranks stream over its NIC (no cache)",
-    }
+        submitted=submitted.model_copy(update={"gpus_available": world <= cluster.gpus}),
+        recommended=recommended,
+        fewest_gpus=fewest,
+        load=PlannedLoad(bytes_per_rank=per_rank_bytes, bytes_per_node=node_bytes,
+                         seconds=node_bytes * 8 / cluster.nic, expert_parallel_size=ep),
+        assumptions="one GPU per worker; every sequence seq_len tokens; an even routing; fits = at most "
+                    f"{USABLE_FRACTION:.0%} of a GPU's memory with a stated {CUDA_CONTEXT_BYTES / 2**30:g} GiB for "
+                    "the CUDA context and communicators, both in training and at load (load_total_bytes; under "
+                    "ZeRO-3 the loader partitions each parameter as it loads it); load time = the bytes a node's "
+                    "ranks stream over its NIC (no cache)",
+    )

@@ -208,7 +208,8 @@ export async function render() {
 }
 
 function layoutText(fit) {
-  return `${fit.world} GPUs, EP=${fit.expert_parallel_size}, ZeRO-${fit.zero_stage}, checkpointing ${fit.activation_checkpointing ? "on" : "off"}, micro-batch ${fit.micro_batch_size}`;
+  const par = fit.parallelism;
+  return `${par.num_workers} GPUs, EP=${par.expert_parallel_size}, ZeRO-${par.zero_stage}, checkpointing ${fit.activation_checkpointing ? "on" : "off"}, micro-batch ${fit.micro_batch_size}`;
 }
 
 function planView(plan) {

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import resolve_run_config
 from moetune.workers.engine.deepspeed import deepspeed_config
 
 
@@ -12,9 +13,9 @@ from moetune.workers.engine.deepspeed import deepspeed_config
 def test_bf16_jobs_accumulate_and_reduce_gradients_in_fp32(zero_stage):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    spec = JobCreate(model="file:///m", training_file="file:///t.jsonl",
-                     training={"global_batch_size": 8, "micro_batch_size": 2},
-                     parallelism={"num_workers": 1, "zero_stage": zero_stage})
+    spec = resolve_run_config(JobCreate(model="file:///m", training_file="file:///t.jsonl",
+                                        training={"global_batch_size": 8, "micro_batch_size": 2},
+                                        parallelism={"num_workers": 1, "zero_stage": zero_stage}), 0)
     # no process group here: DeepSpeed checks the batch sizes against a world of one rank
     parsed = DeepSpeedConfig(deepspeed_config(spec.training, spec.parallelism, world_size=1, bf16=True))
     assert parsed.bfloat16_config.enabled and parsed.zero_optimization_stage == zero_stage

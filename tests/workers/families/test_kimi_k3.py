@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from moetune.api.families import check_model_spec
 from moetune.api.models.job_create import JobCreate
+from moetune.api.models.run_config import resolve_run_config
 from moetune.api.models.lora import LoraSpec
 from moetune.api.models.training import TrainingSpec
 from moetune.api.plans import ClusterSpec
@@ -246,7 +247,8 @@ def test_the_planner_counts_the_packed_experts_the_loader_keeps(reference, ep):
     spec = JobCreate(model="file:///unused", training_file="file:///unused.jsonl", lora={"rank": 4},
                      training={"seq_len": 64, "global_batch_size": 2, "micro_batch_size": 1},
                      parallelism={"expert_parallel_size": ep, "num_workers": 2})
-    frozen = plan(config, spec, ClusterSpec(nodes=1, gpus_per_node=2, gpu_memory="80GB"))["submitted"]["bytes"]
+    frozen = plan(config, resolve_run_config(spec, 0), ClusterSpec(nodes=1, gpus_per_node=2,
+                                                                   gpu_memory="80GB")).submitted.bytes
     kept = _stream(f"{workdir}/mxfp4", "quantized").quantized_bytes
     assert frozen["frozen_weights"]["mxfp4-pack-quantized"] == kept / ep
 

@@ -17,10 +17,11 @@ from moetune.workers.methods.batch import Batch
 from moetune.workers.methods.sft import token_loss_sum
 from moetune.workers.model import trainable_model
 from moetune.workers.experts.placement import placement_at
-from moetune.workers.planner.memory import Layout, breakdown
+from moetune.workers.planner.memory import breakdown
 from moetune.workers.planner.activations import _Recorder
 from moetune.workers.planner.model import model_facts
 from moetune.workers.planner.saved import SavedBytes
+from tests.support.layouts import layout
 from bench.support.tiny_models import plain_model
 
 FAMILIES = ("kimi_linear", "qwen3_moe", "deepseek_v3", "gpt_oss")
@@ -51,7 +52,7 @@ def _facts(name: str, spec: RunConfig):
 def test_lora_parameters_and_gradients_are_exact(name, train_experts, targets, ep):
     spec = _spec(train_experts=train_experts, targets=targets)
     model = _worker_model(name, spec, ep)
-    parts = breakdown(_facts(name, spec), Layout(world=ep, ep=ep, zero=1, checkpointing=False, micro_batch=1))
+    parts = breakdown(_facts(name, spec), layout(ep, ep, 1, False, 1))
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert parts["lora_parameters"] == sum(p.nbytes for p in trainable)
     if ep == 1:  # a backward at EP=2 needs the other rank's all-to-all
@@ -71,7 +72,7 @@ def test_optimizer_state_is_adamw_state_plus_the_fp32_master(name):
     optimizer.step()
     moments = sum(state[k].nbytes for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
     master = sum(p.numel() * 4 for p in trainable)
-    parts = breakdown(_facts(name, spec), Layout(world=1, ep=1, zero=1, checkpointing=False, micro_batch=1))
+    parts = breakdown(_facts(name, spec), layout(1, 1, 1, False, 1))
     assert parts["optimizer_state"] == moments + master
 
 

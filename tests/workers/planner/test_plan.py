@@ -11,14 +11,15 @@ import torch
 from moetune.api.models.job_create import JobCreate
 from moetune.api.models.run_config import RunConfig, resolve_run_config
 from moetune.api.models.method import Method
-from moetune.api.plans import parse_cluster
+from moetune.api.plans import Plan, parse_cluster
 from moetune.api.quantization import quantization_of
 from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
 from moetune.workers.families import REGISTRY
 from moetune.workers.planner import plan
-from moetune.workers.planner.memory import Layout, breakdown, total
+from moetune.workers.planner.memory import breakdown, total
 from moetune.workers.planner.model import model_facts
 from moetune.workers.planner.weights import quantized_bytes
+from tests.support.layouts import layout
 from tests.support import REPO
 from bench.support.quantized import FP8_CONFIG, INT4_CONFIG, MXFP4_CONFIG
 
@@ -80,16 +81,17 @@ def test_the_seed_model_is_planned_in_seconds_within_2_gib():
             f"config = json.load(open({str(REPO / 'examples' / 'seed-model.config.json')!r})); t = time.time(); "
             f"p = plan(config, resolve_run_config(spec, 0), parse_cluster({H200S!r}), "
             "spec.training.activation_checkpointing == 'auto'); "
-            "print(json.dumps({'seconds': time.time() - t, 'rss': peak_rss_bytes(), 'plan': p}))")
+            "print(json.dumps({'seconds': time.time() - t, 'rss': peak_rss_bytes(), "
+            "'plan': p.model_dump(mode='json')}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["rss"] < 2 * 2**30 and result["seconds"] < 60
-    p = result["plan"]
-    assert p["model"]["parameters"] == 2_783_166_526_912 and p["model"]["lora_parameters"] == 31_590_400
-    assert not p["submitted"]["fits"]  # EP=1: every rank would hold all 5.5 TB of experts
-    fit = p["recommended"]
-    assert fit["fits"] and fit["expert_parallel_size"] > 1 and 896 % fit["expert_parallel_size"] == 0
-    assert fit["tuner_start_micro_batch"] >= 1 and p["load"]["seconds"] > 0
+    p = Plan.model_validate(result["plan"])  # the wire form the CLI and the console read
+    assert p.model.parameters == 2_783_166_526_912 and p.model.lora_parameters == 31_590_400
+    assert not p.submitted.fits  # EP=1: every rank would hold all 5.5 TB of experts
+    fit, ep = p.recommended, p.recommended.parallelism.expert_parallel_size
+    assert fit.fits and ep > 1 and 896 % ep == 0
+    assert fit.tuner_start_micro_batch >= 1 and p.load.seconds > 0
     assert _as_printed(p) == _readme_seed_plan(), (
         "docs/parallelism.md's seed plan is not what the planner gives now: replace its block with the output of "
         "`COLUMNS=120 moetune plan examples/seed-plan.job.yaml --cluster " + H200S + "`")
@@ -120,15 +122,15 @@ def _checkpointing(config: dict, request: JobCreate, gpu_memory_bytes: float) ->
 def test_layout_search_takes_the_smallest_fitting_layout_and_the_tuner_start():
     config = REGISTRY["kimi_linear"].tiny_config().to_dict()
     facts = model_facts(config, _tiny_job())
-    one = total(breakdown(facts, Layout(4, 1, 1, False, 1)))
-    four = total(breakdown(facts, Layout(4, 1, 1, False, 4)))
+    one = total(breakdown(facts, layout(4, 1, 1, False, 1)))
+    four = total(breakdown(facts, layout(4, 1, 1, False, 4)))
     # room for two sequences without recomputation, not for four: the tuner starts at 2 of the 4 per rank
     memory = (one + (four - one) / 2) / 0.9
     p = plan(config, _tiny_job(), _cluster(memory), True, facts)
-    assert p["submitted"]["fits"] and p["recommended"]["expert_parallel_size"] == 1
-    assert p["recommended"]["zero_stage"] == 1 and p["recommended"]["tuner_start_micro_batch"] == 2
+    assert p.submitted.fits and p.recommended.parallelism.expert_parallel_size == 1
+    assert p.recommended.parallelism.zero_stage == 1 and p.recommended.tuner_start_micro_batch == 2
     tight = plan(config, _tiny_job(), _cluster(one * 0.98 / 0.9), True, facts)
-    assert tight["recommended"]["activation_checkpointing"] is True
+    assert tight.recommended.activation_checkpointing is True
 
 
 def test_a_dpo_pair_is_planned_as_its_two_sequences():
@@ -136,16 +138,16 @@ def test_a_dpo_pair_is_planned_as_its_two_sequences():
     logits, so where the tuner starts SFT at 2 examples it starts DPO at 1 pair, and "auto" checkpointing sees it."""
     config = REGISTRY["kimi_linear"].tiny_config().to_dict()
     facts = model_facts(config, _tiny_job())
-    assert breakdown(facts, Layout(4, 1, 1, False, 1, sequences=2)) == breakdown(facts, Layout(4, 1, 1, False, 2))
-    one = total(breakdown(facts, Layout(4, 1, 1, False, 1)))
-    four = total(breakdown(facts, Layout(4, 1, 1, False, 4)))
+    assert breakdown(facts, layout(4, 1, 1, False, 1, sequences=2)) == breakdown(facts, layout(4, 1, 1, False, 2))
+    one = total(breakdown(facts, layout(4, 1, 1, False, 1)))
+    four = total(breakdown(facts, layout(4, 1, 1, False, 4)))
     cluster = _cluster((one + (four - one) / 2) / 0.9)
     dpo = _tiny_job().model_copy(update={"method": Method(type="dpo")})
     per_sequence = model_facts(config, dpo).activation_bytes(1, False)  # measured on a pair, per sequence
     assert per_sequence == pytest.approx(facts.activation_bytes(1, False), rel=0.05)
-    assert plan(config, _tiny_job(), cluster, True, facts)["recommended"]["tuner_start_micro_batch"] == 2
-    assert plan(config, dpo, cluster, True, facts)["recommended"]["tuner_start_micro_batch"] == 1
-    two = total(breakdown(facts, Layout(4, 1, 1, False, 2)))
+    assert plan(config, _tiny_job(), cluster, True, facts).recommended.tuner_start_micro_batch == 2
+    assert plan(config, dpo, cluster, True, facts).recommended.tuner_start_micro_batch == 1
+    two = total(breakdown(facts, layout(4, 1, 1, False, 2)))
     assert not _checkpointing(config, _tiny_request(micro_batch_size=1), two / 0.9 * 1.01)
     assert _checkpointing(config, _tiny_request(micro_batch_size=1).model_copy(update={"method": Method(type="dpo")}),
                           one / 0.9 * 1.01)
@@ -154,7 +156,7 @@ def test_a_dpo_pair_is_planned_as_its_two_sequences():
 def test_auto_checkpointing_is_needed_only_when_the_job_does_not_fit_without():
     config = REGISTRY["kimi_linear"].tiny_config().to_dict()
     request = _tiny_request(micro_batch_size=4)
-    without = total(breakdown(model_facts(config, resolve_run_config(request, 0)), Layout(4, 1, 2, False, 4)))
+    without = total(breakdown(model_facts(config, resolve_run_config(request, 0)), layout(4, 1, 2, False, 4)))
     assert not _checkpointing(config, request, without / 0.9 * 1.01)
     assert _checkpointing(config, request, without / 0.9 * 0.99)
     assert _checkpointing(config, _tiny_request(micro_batch_size=4, activation_checkpointing=True), 1e12)

@@ -93,17 +93,18 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def test_peak_at_load_under_zero3_is_the_planners_load_figure(model_dir, tmp_path):
-    from moetune.workers.planner.memory import Layout, breakdown, load_breakdown, total
+    from moetune.workers.planner.memory import breakdown, load_breakdown, total
+    from tests.support.layouts import layout
     from moetune.workers.planner.model import model_facts
 
     launch(_load_rank, WORLD, model_dir, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     with open(os.path.join(model_dir, "config.json")) as f:
         facts = model_facts(json.load(f), spec(ep=EP, zero=3, train_experts=True), torch.float32)
-    layout = Layout(WORLD, EP, 3, False, 1)
-    at_load = load_breakdown(facts, layout)
+    planned = layout(WORLD, EP, 3, False, 1)
+    at_load = load_breakdown(facts, planned)
     figure = total(at_load) - at_load["cuda_context"]
-    partitions = sum(breakdown(facts, layout)["frozen_weights"].values())
+    partitions = sum(breakdown(facts, planned)["frozen_weights"].values())
     for r in ranks:
         assert 0.9 * figure <= r["peak"] <= 1.1 * figure, (r, figure)
         assert r["peak"] < 0.75 * facts.load_bytes(EP)  # never the whole share
