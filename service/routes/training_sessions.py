@@ -29,6 +29,7 @@ from moetune.service.auth import bearer_token, job_token_matches, unauthorized
 from moetune.service import quotas
 from moetune.service.cluster import deployments as recorded_deployments, serve_deploy
 from moetune.service.cluster.ray_jobs import RayUnavailable
+from moetune.api.models.base import SpecError
 from moetune.service.errors import APIException, invalid_request, documented_errors
 from moetune.service.routes.deps import StoreDep, Tenant
 from moetune.service.sessions import launch, records
@@ -186,6 +187,10 @@ def create(spec: SessionCreate, request: Request, tenant: Tenant, store: StoreDe
         raise invalid_request(f"model: no registered base model is named {spec.model!r} (GET /v1/models lists "
                               f"them; a checkpoint folder's URI works too)", "model")
     par = spec.parallelism
+    try:  # the layout's rules, as a job's (its config.json's are the driver's: a session reads no data first)
+        par.check_world()
+    except SpecError as e:
+        raise invalid_request(e.message, e.param) from None
     session_id = records.new_id("ts")
     with store.slots_locked():  # checked and inserted as one: two creates at once cannot both take the last place
         quotas.check_session(store, settings.tenant_quotas, tenant, par, settings.max_running_jobs)

@@ -29,7 +29,7 @@ log = logging.getLogger("moetune.step")
 class RankPlace:
     """Where this rank sits in the data-parallel world, and the job's seed (data order, dropout masks)."""
 
-    rank: int
+    world_rank: int
     world: int
     seed: int
     device: object
@@ -126,8 +126,8 @@ class StepRunner:
         """
         p, t = self.place, self.t
         self._context_stage(step)
-        torch.manual_seed(step_rng_seed(p.seed, step, p.rank))
-        indices = step_examples(len(train_set), step - 1, t.global_batch_size, p.rank, p.world, p.seed)
+        torch.manual_seed(step_rng_seed(p.seed, step, p.world_rank))
+        indices = step_examples(len(train_set), step - 1, t.global_batch_size, p.world_rank, p.world, p.seed)
         examples = [train_set[i].truncated(self.seq_len) for i in indices]
         (loss_tokens,) = self.collectives.all_sum(sum(e.loss_tokens for e in examples))
         loss_tokens = max(loss_tokens, 1)  # an early stage can cut a batch's every answer: a zero loss, no NaN

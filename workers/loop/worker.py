@@ -52,13 +52,13 @@ class _Worker:
         self.job, self.t = self.run.config, self.run.config.training
         torch.manual_seed(self.job.seed)  # same LoRA init on every rank and in every rerun of the job
         ctx = ray.train.get_context()
-        self.rank, self.world, self.local_rank = ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank()
-        self.chief, self.node_leader = self.rank == 0, self.local_rank == 0
+        self.world_rank, self.world, self.local_rank = ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank()
+        self.chief, self.node_leader = self.world_rank == 0, self.local_rank == 0
         self.device = ray.train.torch.get_device()
         self.collectives = Collectives(self.device)
         self.reporter = (Reporter(self.run.job_id, self.settings.callback_url, self.settings.job_token)
                          if self.chief else None)
-        self.metrics = WorkerMetrics(self.run.job_id, self.rank, self.local_rank, self.device, self.event,
+        self.metrics = WorkerMetrics(self.run.job_id, self.world_rank, self.local_rank, self.device, self.event,
                                      self.settings)
         self.node_dir = os.path.join(tempfile.gettempdir(), "moetune", self.run.job_id)
         self.attempt = config["attempt"]  # this driver run's id (see workers.checkpoints.run_state)
@@ -220,13 +220,13 @@ class _Worker:
         return asked > 0
 
     def _record_oom(self, step: int, micro_batch_size: int) -> None:
-        run_state.record_oom(self.run.output_uri, self.attempt, self.rank, step, micro_batch_size)
+        run_state.record_oom(self.run.output_uri, self.attempt, self.world_rank, step, micro_batch_size)
 
     def generation_eval(self) -> dict[str, float]:
         """{"eval_<metric>": score} of the model now on the evaluation rows (every rank: a collective). Expert-
         parallel and ZeRO-3 forwards are collectives, so ranks then generate in lockstep."""
         scores = evaluate_generation(self.engine.module, self.tokenizer, self.eval_rows, self.job.evaluation,
-                                     self.rank, self.world, self.collectives.all_sum, self.job.seed,
+                                     self.world_rank, self.world, self.collectives.all_sum, self.job.seed,
                                      lockstep=self.job.parallelism.collective_forward)
         self.metrics.evaluated(scores)
         return {f"{EVAL_PREFIX}{metric}": score for metric, score in scores.items()}
@@ -235,7 +235,7 @@ class _Worker:
         """Before step 1: the swapped operators and the first loss against their references on this rank's first
         micro-batch (workers.evaluation.alignment); beyond tolerance the job fails naming the operators."""
         t, started = self.t, time.perf_counter()
-        indices = step_examples(len(self.train_set), 0, t.global_batch_size, self.rank, self.world, self.job.seed)
+        indices = step_examples(len(self.train_set), 0, t.global_batch_size, self.world_rank, self.world, self.job.seed)
         first_stage = t.seq_len_schedule[0].seq_len if t.seq_len_schedule else t.seq_len
         examples = [self.train_set[i].truncated(first_stage) for i in indices[:self.steps.micro_batch_size]]
         batch = self.method.collate(examples).to(self.device)
@@ -256,11 +256,11 @@ class _Worker:
         self.method.prepare(self.model)
         self.engine, scheduler = build_engine(self.model, t, self.job.parallelism, self.world, steps,
                                               bf16=self.device.type == "cuda")
-        place = RankPlace(self.rank, self.world, self.job.seed, self.device,
+        place = RankPlace(self.world_rank, self.world, self.job.seed, self.device,
                           collective_forward=self.job.parallelism.collective_forward)
         self.steps = StepRunner(self.engine, self.method, self.job, place,
                                 self.collectives, self.event, steps,
-                                fault_hook(self.settings.inject_faults, self.rank), self._record_oom)
+                                fault_hook(self.settings.inject_faults, self.world_rank), self._record_oom)
         self.memory_budget_mb = memory_budget_bytes(self.device, t.memory_budget_mb) / 1e6
         self.event(f"Training started: {steps} steps on {self.world} workers, {self.steps.describe()}",
                    data={"total_steps": steps, "train_examples": len(self.train_set), "workers": self.world})
@@ -286,14 +286,14 @@ class _Worker:
                 record["resumed_from_step"] = done
             if self.valid_set and ((t.eval_every and step % t.eval_every == 0) or step == steps):
                 record["valid_loss"] = evaluate(self.engine, self.method, self.valid_set, self.steps.micro_batch_size,
-                                                self.rank, self.world, self.device, self.collectives)
+                                                self.world_rank, self.world, self.device, self.collectives)
             every = (self.job.evaluation.every or t.checkpoint_every) if self.eval_rows else None
             if self.eval_rows and ((every and step % every == 0) or step == steps):
                 record.update(self.generation_eval())
             moe = self.metrics.step_end(record, time.perf_counter() - started, self.steps.micro_batch_size,
                                         self.steps.grad_accum_steps)
-            record.update(step_figures(moe, train_seconds, time.perf_counter() - started - train_seconds, self.rank,
-                                       self.world, self.device, self.collectives.all_sum))
+            record.update(step_figures(moe, train_seconds, time.perf_counter() - started - train_seconds,
+                                       self.world_rank, self.world, self.device, self.collectives.all_sum))
             record["memory_budget_mb"] = self.memory_budget_mb
             if self.chief:
                 self.reporter.metrics(**record)

@@ -111,12 +111,3 @@ def apply_lora(model, spec: LoraSpec):
     )
     with _no_v4_target_conversion(model):
         return get_peft_model(model, config)
-
-
-def lora_spec_of(peft_config, train_experts: bool) -> LoraSpec:
-    """The `lora` section a model wrapped by apply_lora was built from, read back from PEFT's config (its targets
-    resolved to names); `train_experts`: whether its routed experts carry their own LoRA, which PEFT does not see."""
-    targets = peft_config.target_modules
-    return LoraSpec(rank=peft_config.r, alpha=peft_config.lora_alpha, dropout=peft_config.lora_dropout,
-                    target_modules=targets if isinstance(targets, str) else sorted(targets),
-                    train_experts=train_experts)

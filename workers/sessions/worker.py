@@ -194,11 +194,11 @@ class SessionWorker(_Worker):
             raise CallError("top_k needs the model's plain output layer; this model has another", "call.top_k")
         stops = set(self._stop_tokens(call.stop)) | set(_ids(self.tokenizer.eos_token_id))
         wanted = [(i, p) for i, p in enumerate(prompts) for _ in range(call.n)]
-        share = wanted[self.rank :: self.world]
+        share = wanted[self.world_rank :: self.world]
         rows = share + [wanted[0]] * (math.ceil(len(wanted) / self.world) - len(share)) if self.lockstep else share
         seed = call.seed if call.seed is not None else step_rng_seed(self.job.seed, self.call_number, 0) % 2**31
         # generate_batch seeds row i with seed + i: every sequence of the call its own draw
-        params = SamplingParams(call.max_tokens, temperature=call.temperature, seed=seed + self.rank * len(rows),
+        params = SamplingParams(call.max_tokens, temperature=call.temperature, seed=seed + self.world_rank * len(rows),
                                 top_p=call.top_p)
 
         def ends(t: list[int]) -> bool:  # stop tokens end a row here, so that the row keeps the one it drew
@@ -218,7 +218,7 @@ class SessionWorker(_Worker):
                  "stop_logprob": lp[len(p) + len(t)] if stop is not None else None,
                  **({"prompt_logprobs": lp[:len(p)]} if call.prompt_logprobs else {})}
                 for (i, p), (t, text), (_, stop, reason), lp in zip(share, cut, ended, logprobs)]
-        return {"sequences": _in_order(list(range(self.rank, len(wanted), self.world)), mine, self.world,
+        return {"sequences": _in_order(list(range(self.world_rank, len(wanted), self.world)), mine, self.world,
                                        len(wanted))}
 
     def save_state(self, call: SaveState) -> dict:
@@ -257,13 +257,13 @@ class SessionWorker(_Worker):
     def _forward(self, data: list) -> tuple[list[int], dict, torch.Tensor]:
         """This rank's share of the call's sequences (their indices), as a batch, and their per-token logprobs."""
         self._check_tokens([d.tokens for d in data], "call.data")
-        mine = list(range(self.rank, len(data), self.world))
+        mine = list(range(self.world_rank, len(data), self.world))
         batch = padded([data[i] for i in mine] or [data[0]], self.device)  # a rank without a datum meets its peers
         if not mine:
             batch["weights"].zero_()
         # dropout masks follow the optimizer step, so a group resumed from a state draws the same ones (and a
         # forward the same ones as the forward_backward after it)
-        torch.manual_seed(step_rng_seed(self.job.seed, self.engine.global_steps, self.rank))
+        torch.manual_seed(step_rng_seed(self.job.seed, self.engine.global_steps, self.world_rank))
         return mine, batch, token_logprobs(self.engine, batch["tokens"], self.head, batch["targets"])
 
     def _gathered(self, data: list, mine: list[int], logprobs: torch.Tensor) -> list[list[float]]:
