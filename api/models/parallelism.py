@@ -100,11 +100,6 @@ class ParallelDims(StrictModel):
         return self.stage_size // self.context_parallel_size
 
     @property
-    def expert_replicas(self) -> int:
-        """Ranks of a stage that hold the same experts."""
-        return self.stage_size // self.expert_parallel_size
-
-    @property
     def expert_group_name(self) -> str:
         return expert_group_name(self.expert_parallel_size)
 

@@ -12,7 +12,7 @@ import pytest
 
 from moetune.api.models.job_create import JobCreate
 from moetune.workers.errors import JobError
-from moetune.workers.entry.checks import check_supported
+from moetune.workers.model_config import check_supported
 from moetune.workers.families import REGISTRY
 from moetune.workers.tiny import write_tiny_tokenizer
 from tests.support.control_plane import API_TOKENS, run_service
@@ -163,7 +163,7 @@ def test_the_driver_checks_the_tokenizer_and_the_output_again(control_plane, tmp
 def test_the_driver_names_a_malformed_config_field_as_submission_does(control_plane):
     """The driver reads config.json again before any worker starts (the control plane skips what storage cannot
     answer): the same words, not transformers' validation error or a traceback."""
-    from moetune.workers.entry.checks import read_remote_config
+    from moetune.workers.model_config import read_remote_config
 
     _, bucket = control_plane
     for name, (_, words) in MALFORMED.items():

@@ -4,7 +4,6 @@ location and every data row (training, validation and evaluation files), with ev
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from functools import partial
@@ -13,21 +12,19 @@ from moetune.api import storage
 from moetune.api.data_rows import evaluation_row_problem, training_row_problem
 from moetune.api.checkpoint_files import check_tokenizer_files, check_tokenizer_size
 from moetune.api.errors import ErrorCode
-from moetune.api.families import check_model_spec, facts_of, images_refusal
+from moetune.api.families import images_refusal
 from moetune.api.models.base import SpecError
-from moetune.api.models.lora import LoraSpec
-from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.job_run import JobRunSpec
 from moetune.api.preference import method_type
 from moetune.workers.data.images import ImageCheck
 from moetune.workers.data.rows import load_rows
 from moetune.workers.errors import JobError
-from moetune.workers.families import hf_config
 from moetune.workers.lora.coverage import Coverage
 from moetune.workers.lora.peft_lora import check_targets_on_config
 from moetune.workers.methods import method_for
 from moetune.workers.methods.multimodal import SupervisedImageMethod
 from moetune.workers.model import load_tokenizer
+from moetune.workers.model_config import check_supported, read_remote_config
 from moetune.workers.settings import WorkerSettings
 from moetune.workers.weights.loader import streamed_or_unused
 
@@ -74,33 +71,3 @@ def check_output(output_uri: str) -> None:
     except (FileNotFoundError, PermissionError) as e:
         raise JobError(ErrorCode.invalid_request, f"output_uri: {output_uri} is not writable ({e})",
                        "output_uri") from None
-
-
-def check_supported(config: dict, lora: LoraSpec, parallelism: ParallelDims) -> None:
-    """The submission-time rules that need config.json, again here: the control plane skips them when it
-    cannot read storage at submission."""
-    try:
-        check_model_spec(config, lora, parallelism)
-    except SpecError as e:
-        raise JobError(ErrorCode.invalid_request, e.message, e.param) from None
-
-
-def read_remote_config(model_uri: str) -> dict:
-    """config.json of the checkpoint at `model_uri`, checked to be a model transformers can build."""
-    uri = storage.join(model_uri, "config.json")
-    try:
-        config = json.loads(storage.read_text(uri))
-    except FileNotFoundError:
-        raise JobError(ErrorCode.model_not_found, f"model {model_uri}: no config.json there", "model") from None
-    except (OSError, ValueError) as e:
-        raise JobError(ErrorCode.invalid_model, f"model {model_uri}: config.json cannot be read ({e})",
-                       "model") from None
-    try:
-        facts_of(config)  # a malformed field or an unsupported model_type in moetune's words, before transformers'
-    except SpecError as e:
-        raise JobError(ErrorCode.invalid_model, e.message, e.param) from None
-    try:
-        hf_config(config)
-    except (KeyError, ValueError, TypeError) as e:
-        raise JobError(ErrorCode.invalid_model, f"model {model_uri}: unsupported config.json ({e})", "model") from None
-    return config

@@ -7,7 +7,6 @@ usual variables (moetune.api.environment).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -16,14 +15,12 @@ import tempfile
 import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 
-from moetune.api import storage
 from moetune.api.errors import ErrorCode
-from moetune.api.families import check_model_spec
-from moetune.api.models.base import SpecError
 from moetune.api.models.responses import ErrorInfo
 from moetune.api.models.training_sessions import SessionRunSpec
 from moetune.workers.errors import JobError
 from moetune.workers.loop.trainer import TrainerWithoutRayData
+from moetune.workers.model_config import check_supported, read_remote_config
 from moetune.workers.sessions.control import SessionLink
 from moetune.workers.sessions.worker import session_loop_per_worker
 from moetune.workers.settings import WorkerSettings, worker_env
@@ -31,19 +28,10 @@ from moetune.workers.settings import WorkerSettings, worker_env
 log = logging.getLogger("moetune.session")
 
 
-def _check_layout(session: SessionRunSpec) -> None:
-    """The layout against the model (routed experts, decoder layers), before any worker is held: the control plane
-    checked it against the workers only (a job's driver checks the same, workers.entry.checks)."""
-    config = json.loads(storage.read_text(storage.join(session.spec.model, "config.json")))
-    try:
-        check_model_spec(config, session.spec.lora, session.spec.parallelism)
-    except SpecError as e:
-        raise JobError(ErrorCode.invalid_request, e.message, e.param) from None
-
-
 def run_session(session: SessionRunSpec) -> bool:
     par = session.spec.parallelism
-    _check_layout(session)
+    # the layout against the model (routed experts, layers): the control plane checked it against the workers only
+    check_supported(read_remote_config(session.spec.model), session.spec.lora, par)
     resources = par.worker_resources()
     trainer = TrainerWithoutRayData(
         session_loop_per_worker,
