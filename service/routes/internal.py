@@ -91,12 +91,20 @@ def _report_key(header: str | None) -> ReportKey | None:
 
 
 def _check_complete(job: JobRow, report: CheckpointReport, s3_endpoint_url: str | None) -> None:
-    """Only a complete checkpoint of this job is listed: its own step directory, manifest present."""
+    """Only a complete checkpoint of this job is listed: its own step directory, manifest present. While storage
+    cannot be read the answer is a 503, which the worker retries: a 409 would make it drop the report for good, and
+    the checkpoint would never be listed (reports queued through a control-plane outage meet a storage one so)."""
     expected = checkpoint_uri(job.output_uri, report.step_number)
     if report.uri.rstrip("/") != expected:
         raise invalid_request(f"checkpoint uri must be {expected}", "report.uri")
-    manifest = read_json(manifest_uri(expected), s3_endpoint_url)
-    if manifest is None or manifest.get("step") != report.step_number:
+    try:
+        manifest = read_json(manifest_uri(expected), s3_endpoint_url, raise_missing=True)
+    except FileNotFoundError:
+        manifest = {}
+    if manifest is None:
+        raise APIException(503, ErrorCode.storage_unavailable, f"storage cannot be read now to check that checkpoint "
+                           f"{expected} is complete; retry")
+    if manifest.get("step") != report.step_number:
         raise APIException(409, ErrorCode.checkpoint_incomplete, f"checkpoint {expected} is not complete: no "
                            f"{CHECKPOINT_MANIFEST} for step {report.step_number}", "report.uri")
 

@@ -50,10 +50,11 @@ def missing_input(job: RunConfig, s3_endpoint_url: str | None) -> ErrorInfo | No
     return None
 
 
-def read_json(uri: str, s3_endpoint_url: str | None) -> dict | None:
-    """A small JSON object from storage, or None when it cannot be read now (missing, unreachable, not JSON)."""
+def read_json(uri: str, s3_endpoint_url: str | None, raise_missing: bool = False) -> dict | None:
+    """A small JSON object from storage, or None when it cannot be read now (unreachable, not JSON; missing too
+    unless `raise_missing`: then FileNotFoundError, for callers that must tell "not there" from "not now")."""
     try:
-        return _read_object(uri, s3_endpoint_url)
+        return _read_object(uri, s3_endpoint_url, raise_missing)
     except SpecError:
         return None
 

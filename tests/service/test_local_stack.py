@@ -253,6 +253,8 @@ def test_up_brings_back_each_killed_component_and_the_job_resumes_losing_nothing
             return me.jobs.retrieve(job).progress.step or 0
 
         def checkpointed() -> int:
+            state = me.jobs.retrieve(job)
+            assert state.status not in ("failed", "cancelled"), (state.status, _messages(me, job)[-15:])
             return max((c.step_number for c in me.jobs.checkpoints(job).data), default=0)
 
         def up_says(*actions: str) -> None:
@@ -282,7 +284,10 @@ def test_up_brings_back_each_killed_component_and_the_job_resumes_losing_nothing
 
         # 3. The Ray head, after a checkpoint written since S3 came back: the job is requeued, not failed, and its
         # next attempt on the restarted head resumes from that checkpoint.
-        resume_step = wait_for(lambda: (c := checkpointed()) > first and c, 300, "a checkpoint after the S3 restart")
+        try:
+            resume_step = wait_for(lambda: (c := checkpointed()) > first and c, 300, "a checkpoint after the S3 restart")
+        except AssertionError as timeout:  # what the job said is what tells a stall from a slow restart
+            raise AssertionError(f"{timeout}; step {step()}, events: {_messages(me, job)[-15:]}") from None
         os.kill(_pids()["ray"], signal.SIGKILL)
         up_says("ray restarted", "s3 adopted")
         done = me.jobs.wait(job, timeout=600, poll_interval=2)
@@ -295,7 +300,9 @@ def test_up_brings_back_each_killed_component_and_the_job_resumes_losing_nothing
         assert resumed and int(resumed[-1].split("step-")[1].split()[0]) >= resume_step, messages
         assert [s.submission_id for s in JobSubmissionClient(stack.ray_address).list_jobs()] == [f"moetune-{job}-2"]
 
-        # Nothing lost or duplicated: one job, every file listed and readable, the adapter in storage.
+        # Nothing lost or duplicated: every checkpoint listed (those reported while S3 was down too), one job,
+        # every file listed and readable, the adapter in storage.
+        assert sorted(c.step_number for c in me.jobs.checkpoints(job).data) == list(range(6, 37, 6))
         assert [j.id for j in me.jobs.list().data] == [job, walked.id]
         assert sorted(f.id for f in me.files.list().data) == sorted(files)
         assert {f: me.files.content(f) for f in files} == files

@@ -1,10 +1,14 @@
 """The internal report route: per-job tokens; events, progress, checkpoints and results reach the job."""
 
+import json
 import time
 
+import boto3
 import pytest
 
+from moetune.api.layout import CHECKPOINT_MANIFEST
 from moetune.api.models.job_run import REPORT_PATH
+from moetune.service.local import embedded
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -102,6 +106,30 @@ def test_only_complete_checkpoints_of_the_job_are_listed(service, running):
     elsewhere = service.report(job_id, token, {**partial, "uri": "s3://other-bucket/step-5"})
     assert elsewhere.status_code == 422 and elsewhere.json()["error"]["param"] == "report.uri"
     assert service.http().get(f"{JOBS}/{job_id}/checkpoints").json()["data"] == []
+
+
+def test_a_checkpoint_reported_while_storage_is_unreachable_is_retried_not_refused(service, running):
+    """A worker drops a report refused with a 4xx for good: storage that does not answer (here a closed port) must
+    get a 503, which it retries, so the checkpoint is listed once storage is back."""
+    job_id, token = running
+    settings = service.app.state.settings
+    assert service.report_checkpoint(job_id, token, 5).status_code == 200  # writes step 5's manifest too
+    report = {"kind": "checkpoint", "step_number": 10, "uri": service.checkpoint_uri(job_id, 10),
+              "metrics": {"step": 10}}
+    manifest = f"{service.checkpoint_uri(job_id, 10)}/{CHECKPOINT_MANIFEST}".removeprefix("s3://")
+    bucket, _, key = manifest.partition("/")
+    boto3.client("s3", endpoint_url=settings.s3_endpoint_url).put_object(Bucket=bucket, Key=key,
+                                                                         Body=json.dumps({"step": 10}))
+    service.app.state.settings = settings.model_copy(update={"s3_endpoint_url":
+                                                            f"http://127.0.0.1:{embedded.free_port()}"})
+    try:
+        reply = service.report(job_id, token, report)
+    finally:
+        service.app.state.settings = settings
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "storage_unavailable", reply.text
+    assert service.report(job_id, token, report).status_code == 200
+    listed = service.http().get(f"{JOBS}/{job_id}/checkpoints").json()["data"]
+    assert [c["step_number"] for c in listed] == [10, 5]
 
 
 def test_a_success_result_finishes_the_job(service, running):
