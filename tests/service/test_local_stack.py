@@ -285,7 +285,8 @@ def test_up_brings_back_each_killed_component_and_the_job_resumes_losing_nothing
         # 3. The Ray head, after a checkpoint written since S3 came back: the job is requeued, not failed, and its
         # next attempt on the restarted head resumes from that checkpoint.
         try:
-            resume_step = wait_for(lambda: (c := checkpointed()) > first and c, 300, "a checkpoint after the S3 restart")
+            resume_step = wait_for(lambda: (c := checkpointed()) > first and c, 300,
+                                   "a checkpoint after the S3 restart")
         except AssertionError as timeout:  # what the job said is what tells a stall from a slow restart
             raise AssertionError(f"{timeout}; step {step()}, events: {_messages(me, job)[-15:]}") from None
         os.kill(_pids()["ray"], signal.SIGKILL)
