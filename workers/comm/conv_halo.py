@@ -2,8 +2,8 @@
 `width − 1` inputs (its halo). One differentiable all-gather of every rank's last inputs (the backward returns each
 halo's gradient to its owner); fla's CP conv sends them point to point instead, on CUDA.
 
-Next: the KDA layer's CP path (workers/families) prepends `previous_tokens` to its slice's conv inputs and keeps the
-conv's last T_slice outputs, as its cached-window path already does."""
+The KDA swap's short conv prepends `previous_tokens` to its slice's inputs in a CP forward
+(workers/families/context.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Collectives inside the autograd graph (context parallelism's: kda_context, conv_halo), through `checked`.
+"""Collectives inside the autograd graph (context parallelism's: kda_context, conv_halo, mla_context), through
+`checked`.
 
 A collective's backward is itself a collective, which every rank of the group must reach: a rank whose loss does
 not depend on what it gathered (CP rank 0 reads no earlier rank's state) still has to run it, so the callers keep

@@ -1,9 +1,7 @@
 """KDA / Gated DeltaNet over a context-parallel group on moetune's own kernels (CPU, and CUDA wherever fla's
 `cp_context` cannot serve): each rank summarises its slice (kernels.kda.context_state), one differentiable
-all-gather shares the summaries, and each rank runs its slice from the state carried into it.
-
-Next: the KDA layer's CP path (workers/families, with the run config's CP size and the parallel layout's CP group)
-calls `context_parallel_kda` with its slice of q, k, v, g, β, and fla's cp_context on CUDA."""
+all-gather shares the summaries, and each rank runs its slice from the state carried into it. The KDA swap's core
+calls it in a CP forward (workers/families/context.py); fla's cp_context on CUDA is not wired yet."""
 
 from __future__ import annotations
 

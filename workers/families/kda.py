@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from moetune.kernels.kda import chunk_gated_delta_rule, chunk_kda
+from moetune.workers.comm.conv_halo import previous_tokens
+from moetune.workers.comm.kda_context import context_parallel_kda
+from moetune.workers.families.context import context_slice
 
 # the swapped layer whose forward is running (None outside one)
 _swapped_layer = contextvars.ContextVar("moetune_kda_swapped", default=None)
@@ -24,16 +27,26 @@ _swapped_layer = contextvars.ContextVar("moetune_kda_swapped", default=None)
 def _kda_core(stock, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
     """transformers' chunk_kimi_delta_attention contract, computed by `kernels.kda.chunk_kda`; packed sequences
-    (`cu_seq_lens_q`, workers.families.segments) keep their own states."""
-    return chunk_kda(query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=kwargs.get("cu_seq_lens_q"),
-                     lower_bound=_swapped_layer.get()._moetune_gate_lower_bound)
+    (`cu_seq_lens_q`, workers.families.segments) keep their own states. In a CP forward (workers.families.context)
+    the state comes from the earlier ranks' slices."""
+    layer = _swapped_layer.get()
+    kda = functools.partial(chunk_kda, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            lower_bound=layer._moetune_gate_lower_bound)
+    if (part := context_slice(layer)) is not None:
+        if output_final_state:
+            raise ValueError("a context-parallel forward keeps no cache")
+        return context_parallel_kda(query, key, value, g, beta, part.layout, part.group,
+                                    initial_state=initial_state, kda=kda), None
+    return kda(query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+               cu_seqlens=kwargs.get("cu_seq_lens_q"))
 
 
 def _gated_delta_core(stock, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                       use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """transformers' torch_chunk_gated_delta_rule contract (the layer hands `cu_seq_lens_q` as `cu_seqlens`),
     computed by `kernels.kda.chunk_gated_delta_rule`."""
+    if context_slice(_swapped_layer.get()) is not None:  # never a slice run as if it began its row
+        raise NotImplementedError("Gated DeltaNet layers have no context-parallel path yet")
     return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
                                   output_final_state=output_final_state,
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
@@ -48,11 +61,14 @@ def _short_conv(stock, hidden_states, weight, bias=None, activation=None, cu_seq
     The taps run over [B, T, D], the layout the callers' [B, D, T] is a transposed view of, and the result goes back
     as the same kind of view: the multiply-adds and the activation (and their backward) then stream along
     contiguous channels. Over [B, D, T] they took 2.6 against 1.6 ms fwd+bwd with the SiLU at that shape."""
-    if cu_seq_lens_q is None and hidden_states.device.type == "cuda":
+    part = context_slice(_swapped_layer.get())
+    if cu_seq_lens_q is None and part is None and hidden_states.device.type == "cuda":
         return stock(hidden_states, weight, bias=bias, activation=activation, **kwargs)
     width = weight.shape[-1]
     x = hidden_states.transpose(1, 2).to(weight.dtype)
-    if cu_seq_lens_q is None:
+    if part is not None:  # a CP slice: its first taps read the previous rank's last inputs
+        x, at = torch.cat([previous_tokens(x, width, part.layout, part.group), x], dim=1), None
+    elif cu_seq_lens_q is None:
         x, at = F.pad(x, (0, 0, width - 1, 0)), None
     else:
         x, at = _spaced(x, cu_seq_lens_q, width - 1)
