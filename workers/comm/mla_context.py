@@ -9,20 +9,24 @@ every rank's gradient for its own slice (workers/comm/differentiable.all_gather)
 get the unsplit gradient once the group's ranks sum theirs, as every parameter of a CP group does. An all-gather has
 one shape on every rank (NCCL's rule, held on gloo by `checked`), so the slices are equal.
 
-A family whose keys carry positions (RoPE) computes them from its slice's global positions before `update`, so the
-gathered keys are as the unsplit layer makes them."""
+`attend_over_row` then runs one SDPA per sequence of the slice, its queries over that sequence's keys up to them:
+causal aligned to the bottom right (`causal_lower_right`), which no kernel needs as a mask, where a [T_slice, T]
+mask would be 8 GB in fp32 for a 128K row over 8 ranks. A family whose keys carry positions (RoPE) computes them
+from its slice's global positions before `update`, so the gathered keys are as the unsplit layer makes them."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from moetune.kernels.kda.context_slices import SliceLayout
 from moetune.workers.comm.differentiable import all_gather
 
 
 class GatheredKeys:
-    """The cache of one CP forward: `update` returns the whole row's keys and values, every rank's slice in order,
-    for this rank's queries, which `slice_attention_mask` then keeps causal."""
+    """The cache of one CP forward: `update` returns the whole row's keys and values, every rank's slice in
+    order."""
 
     def __init__(self, layout: SliceLayout, group=None):
         sizes = {e - b for b, e in zip(layout.bounds, layout.bounds[1:])}
@@ -39,14 +43,24 @@ def _whole_row(x: torch.Tensor, group) -> torch.Tensor:
     return all_gather(x, group).movedim(0, 2).flatten(2, 3)  # (R, B, H, T_slice, D) → (B, H, R · T_slice, D)
 
 
-def slice_attention_mask(layout: SliceLayout, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """(1, 1, T_slice, T) additive mask (0 where seen, the dtype's lowest value elsewhere) for the slice's queries
-    over the whole row's keys: causal at the slice's place in the row and, with packed sequences, within each one."""
-    queries = torch.arange(layout.start, layout.end, device=device)[:, None]
-    keys = torch.arange(layout.bounds[-1], device=device)[None, :]
-    seen = keys <= queries
-    if layout.cu_seqlens is not None:
-        cuts = torch.tensor(layout.cu_seqlens[1:-1], device=device)
-        seen &= torch.bucketize(keys, cuts, right=True) == torch.bucketize(queries, cuts, right=True)
-    mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, torch.finfo(dtype).min)
-    return mask[None, None]
+def sequence_spans(layout: SliceLayout) -> list[tuple[int, int, int]]:
+    """(first key, first query, end) in the row of each sequence part the slice holds: its queries [first query,
+    end) see the keys [first key, end), first key where the sequence begins (an earlier rank's slice, maybe)."""
+    cuts = layout.cu_seqlens or (0, layout.bounds[-1])
+    return [(b, max(b, layout.start), min(e, layout.end)) for b, e in zip(cuts, cuts[1:])
+            if e > layout.start and b < layout.end and e > b]
+
+
+def attend_over_row(query, key, value, layout: SliceLayout, scaling: float | None = None) -> torch.Tensor:
+    """query (B, H, T_slice, Dk), key (B, H, T, Dk) and value (B, H, T, Dv), the whole row's: the slice's attention
+    output (B, T_slice, H, Dv), each query over its own sequence's keys up to itself."""
+    width = value.shape[-1]
+    if width < key.shape[-1]:  # MLA's value is narrower than its key: one width for the fused kernels
+        value = F.pad(value, (0, key.shape[-1] - width))
+    outs = []
+    for first_key, first_query, end in sequence_spans(layout):
+        q = query[:, :, first_query - layout.start:end - layout.start]
+        mask = causal_lower_right(end - first_query, end - first_key)
+        outs.append(F.scaled_dot_product_attention(q, key[:, :, first_key:end], value[:, :, first_key:end],
+                                                   attn_mask=mask, scale=scaling))
+    return torch.cat(outs, dim=2)[..., :width].transpose(1, 2)

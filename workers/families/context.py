@@ -4,14 +4,15 @@ labels shifted before the cut), and the layers that mix tokens reach the rest of
 - KDA / Gated DeltaNet (the KDA swap's layers): the recurrent state carried across the ranks
   (workers/comm/kda_context) and the short convs' `width − 1` halo (workers/comm/conv_halo);
 - softmax attention (the segment swap's modules) whose keys go through its `cache` argument, as Kimi K3's MLA
-  passes its compressed latent: the whole row's keys gathered (workers/comm/mla_context) under the slice's causal
-  mask.
+  passes its compressed latent: the whole row's keys gathered (workers/comm/mla_context), each query attending
+  over its sequence's keys up to itself.
 Everything else (embeddings, norms, Attention Residuals, routers, experts, the loss head) is per token and runs on
 the slice unchanged. Each rank's parameter gradients are its part: the CP group sums them.
 
 The slice is kept on the layers themselves, not in a context variable, because the backward may run on another
-thread and recomputes checkpointed layers there: the forward and the backward both run inside the context.
-Rows are unpacked for now (packed CP needs each rank's local offsets in the swaps)."""
+thread and recomputes checkpointed layers there: the forward and the backward both run inside the context. A
+packed row's slice goes in with its own offsets (`layout.local_offsets` as `cu_seq_lens_q`), as the swaps read
+them."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moetune.kernels.kda.context_slices import SliceLayout
-from moetune.workers.comm.mla_context import GatheredKeys, slice_attention_mask
+from moetune.workers.comm.mla_context import GatheredKeys
 
 _SLICE = "_moetune_context_slice"  # the attribute the layers of a CP forward carry
 
@@ -43,8 +44,6 @@ def context_slice(module: torch.nn.Module) -> ContextSlice | None:
 def context_parallel(model: torch.nn.Module, layout: SliceLayout, group=None) -> Iterator[None]:
     """Runs `model`'s forward and backward inside on this rank's slice (`layout`) of its rows. Raises before
     anything changes when a layer that mixes tokens has no CP path."""
-    if layout.cu_seqlens is not None:
-        raise NotImplementedError("context parallelism over packed sequences is not wired yet")
     kda = [m for m in model.modules() if getattr(m, "_moetune_kda", False)]
     attention = [m for m in model.modules() if getattr(m, "_moetune_segments", False)]
     if not kda and not attention:
@@ -54,7 +53,7 @@ def context_parallel(model: torch.nn.Module, layout: SliceLayout, group=None) ->
             raise ValueError(f"{type(module).__name__} passes its keys through no `cache` argument: it has no "
                              "context-parallel path")
     part = ContextSlice(layout, group)
-    hooks = [m.register_forward_pre_hook(_attend_over_the_row, with_kwargs=True) for m in attention]
+    hooks = [m.register_forward_pre_hook(_gather_keys, with_kwargs=True) for m in attention]
     for module in (*kda, *attention):
         setattr(module, _SLICE, part)
     try:
@@ -66,9 +65,6 @@ def context_parallel(model: torch.nn.Module, layout: SliceLayout, group=None) ->
             delattr(module, _SLICE)
 
 
-def _attend_over_the_row(module, args, kwargs):
-    """The attention's keys gathered from the whole row, its mask causal at the slice's place."""
+def _gather_keys(module, args, kwargs):
     part = context_slice(module)
-    hidden = args[0] if args else kwargs["hidden_states"]
-    mask = slice_attention_mask(part.layout, hidden.dtype, hidden.device)
-    return args, {**kwargs, "cache": GatheredKeys(part.layout, part.group), "attention_mask": mask}
+    return args, {**kwargs, "cache": GatheredKeys(part.layout, part.group)}

@@ -66,12 +66,14 @@ def _short_conv(stock, hidden_states, weight, bias=None, activation=None, cu_seq
         return stock(hidden_states, weight, bias=bias, activation=activation, **kwargs)
     width = weight.shape[-1]
     x = hidden_states.transpose(1, 2).to(weight.dtype)
-    if part is not None:  # a CP slice: its first taps read the previous rank's last inputs
-        x, at = torch.cat([previous_tokens(x, width, part.layout, part.group), x], dim=1), None
-    elif cu_seq_lens_q is None:
+    # a CP slice: the taps before its first token read the previous rank's last inputs (zeros before its own row)
+    halo = None if part is None else previous_tokens(x, width, part.layout, part.group)
+    if cu_seq_lens_q is None:
         x, at = F.pad(x, (0, 0, width - 1, 0)), None
     else:
         x, at = _spaced(x, cu_seq_lens_q, width - 1)
+    if halo is not None:  # in place of the first sequence's leading zeros
+        x = torch.cat([halo, x[:, width - 1:]], dim=1)
     length = x.shape[1] - (width - 1)
     taps = weight.t()  # [width, D]
     out = taps[0] * x[:, :length] if bias is None else torch.addcmul(bias, taps[0], x[:, :length])

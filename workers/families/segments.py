@@ -22,13 +22,21 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from moetune.kernels.kda import offsets_on_host
+from moetune.workers.comm.mla_context import attend_over_row
+from moetune.workers.families.context import context_slice
 from moetune.workers.families.mla import sdpa_at_key_width
 
 ATTN_IMPLEMENTATION = "moetune_segments"
 
 
 def _segments_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention-interface signature: query/key/value [B, H, T, D]; returns ([B, T, H, Dv], None)."""
+    """transformers attention-interface signature: query/key/value [B, H, T, D]; returns ([B, T, H, Dv], None).
+    In a CP forward (workers.families.context) the keys are the whole row's and the slice's layout says which of
+    them each query sees."""
+    if (part := context_slice(module)) is not None:
+        if attention_mask is not None or dropout:
+            raise ValueError("a context-parallel attention takes no padding mask and no attention dropout")
+        return attend_over_row(query, key, value, part.layout, scaling), None
     offsets = kwargs.pop("cu_seq_lens_q", None)
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)

@@ -1,71 +1,55 @@
-"""comm.mla_context on 2 and 4 gloo ranks: Kimi K3's own MLA attention module, unchanged, with LoRA on every
-projection, run on each rank's slice with the gathered keys and the slice's mask: each rank's output and its
-slice's input gradient equal the unsplit module's, and the ranks' LoRA gradients sum to the unsplit ones, with and
-without packed sequences (the unsplit reference runs each packed sequence on its own)."""
+"""comm.mla_context on 2 and 4 gloo ranks: keys and values gathered from every rank's slice, then each rank's
+queries attending over their own sequence's keys up to themselves: each rank's output and the gradients of its
+slice's queries, keys and values equal the unsplit causal attention's (each packed sequence on its own), with and
+without packed sequences, the value narrower than the key as in MLA."""
 
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bench.support.harness import launch
 from moetune.kernels.kda.context_slices import SliceLayout
 
-T = 16
+T, H, DK, DV = 16, 2, 8, 6
 PACKINGS = {"unpacked": None, "packed": (0, 3, 9, 9, 16)}  # sequences across both cuts of 4 ranks, one empty
-TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "o_proj"]
-
-
-def attention():
-    """K3's MLA layer of the tiny released shape, LoRA on every projection (B random too, so every factor has a
-    gradient); the same weights in every process."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    from moetune.workers.families.kimi_k3.modeling import KimiK3Attention
-    from moetune.workers.families.kimi_k3.tiny import tiny_config
-
-    config = tiny_config().text_config
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    module = KimiK3Attention(config, layer_idx=1)
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False), module)
-    return module
 
 
 def case(cu):
-    torch.manual_seed(1)
+    torch.manual_seed(0)
     batch = 1 if cu else 2
-    return torch.randn(batch, T, 64), torch.randn(batch, T, 64)  # hidden states, the loss's probe
-
-
-def lora_grads(module) -> dict:
-    return {name: p.grad.clone() for name, p in module.named_parameters() if "lora_" in name}
+    return (torch.randn(batch, H, T, DK), torch.randn(batch, H, T, DK), torch.randn(batch, H, T, DV),
+            torch.randn(batch, T, H, DV))  # query, key, value, the loss's probe
 
 
 def _ranks(rank: int, world: int, out_dir: str) -> None:
-    from moetune.workers.comm.mla_context import GatheredKeys, slice_attention_mask
+    from moetune.workers.comm.mla_context import GatheredKeys, attend_over_row
 
     results = {}
     for name, cu in PACKINGS.items():
-        module = attention()
         layout = SliceLayout.even(T, world, rank, cu)
         mine = slice(layout.start, layout.end)
-        hidden, probe = case(cu)
-        hidden = hidden[:, mine].clone().requires_grad_()
-        out = module(hidden, attention_mask=slice_attention_mask(layout, hidden.dtype), cache=GatheredKeys(layout))
+        *tensors, probe = case(cu)
+        leaves = [x[:, :, mine].clone().requires_grad_() for x in tensors]
+        key, value = GatheredKeys(layout).update(leaves[1], leaves[2], layer_idx=0)
+        out = attend_over_row(leaves[0], key, value, layout, scaling=0.3)
         (out * probe[:, mine]).sum().backward()
-        results[name] = {"out": out.detach(), "hidden": hidden.grad, "lora": lora_grads(module)}
+        results[name] = {"out": out.detach(), "grads": [x.grad for x in leaves]}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _unsplit(cu):
-    module = attention()
-    hidden, probe = case(cu)
-    hidden.requires_grad_()
+    *leaves, probe = case(cu)
+    for x in leaves:
+        x.requires_grad_()
+    query, key, value = leaves
     cuts = cu or (0, T)
-    out = torch.cat([module(hidden[:, b:e]) for b, e in zip(cuts, cuts[1:]) if b < e], dim=1)
+    out = torch.cat([F.scaled_dot_product_attention(query[:, :, b:e], key[:, :, b:e], value[:, :, b:e],
+                                                    is_causal=True, scale=0.3)
+                     for b, e in zip(cuts, cuts[1:]) if b < e], dim=2).transpose(1, 2)
     (out * probe).sum().backward()
-    return out.detach(), hidden.grad, lora_grads(module)
+    return out.detach(), [x.grad for x in leaves]
 
 
 def close(got, want):
@@ -74,18 +58,16 @@ def close(got, want):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 4])
-def test_each_rank_s_slice_of_k3_attention_equals_the_unsplit_layer(tmp_path, world):
+def test_each_rank_attends_over_the_gathered_row_as_the_unsplit_attention(tmp_path, world):
     launch(_ranks, world, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for name, cu in PACKINGS.items():
-        want_out, want_hidden, want_lora = _unsplit(cu)
+        want_out, want_grads = _unsplit(cu)
         for r, result in enumerate(rank[name] for rank in ranks):
             mine = slice(r * T // world, (r + 1) * T // world)
             assert close(result["out"], want_out[:, mine]), (name, r)
-            assert close(result["hidden"], want_hidden[:, mine]), (name, r)
-        assert len(want_lora) == 2 * len(TARGETS)
-        for key, want in want_lora.items():
-            assert close(sum(rank[name]["lora"][key] for rank in ranks), want), (name, key)
+            for i, (got, want) in enumerate(zip(result["grads"], want_grads)):
+                assert close(got, want[:, :, mine]), (name, r, i)
 
 
 def test_keys_are_gathered_only_from_equal_slices():

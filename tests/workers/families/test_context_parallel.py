@@ -1,7 +1,8 @@
 """Kimi K3 split over 2 and 4 gloo context-parallel ranks (workers.families.context): the tiny model of the
 released shape (KDA and gated MLA layers, Attention Residuals, a latent MoE), with its kernel swaps and LoRA on
 every projection, run on each rank's contiguous slice of the rows: each rank's logits equal the unsplit model's for
-its tokens, and the ranks' LoRA gradients sum to the unsplit ones (of a loss over every token)."""
+its tokens, and the ranks' LoRA gradients sum to the unsplit ones (of a loss over every token), with rows of one
+sequence and with one packed row whose sequences cross the ranks' cuts."""
 
 import os
 
@@ -11,7 +12,8 @@ import torch
 from bench.support.harness import launch
 from moetune.kernels.kda.context_slices import SliceLayout
 
-T, BATCH = 16, 2
+T = 16
+PACKINGS = {"unpacked": None, "packed": (0, 3, 9, 9, 16)}  # one packed row: sequences across every cut, one empty
 TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "o_proj", "q_proj", "k_proj",
            "v_proj", "f_a_proj", "f_b_proj", "b_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -33,9 +35,27 @@ def k3():
     return model
 
 
-def case():
+def case(cu):
+    """The whole rows' model inputs (token ids; packed: the positions restarting per sequence and the offsets, as
+    methods.sft.collate_packed makes them) and the loss's probe."""
     torch.manual_seed(2)
-    return torch.randint(3, 272, (BATCH, T)), torch.randn(BATCH, T, 272)  # token ids, the loss's probe
+    batch = 1 if cu else 2
+    inputs = {"input_ids": torch.randint(3, 272, (batch, T))}
+    if cu:
+        inputs["position_ids"] = torch.cat([torch.arange(e - b) for b, e in zip(cu, cu[1:])])[None]
+        inputs["cu_seq_lens_q"] = torch.tensor(cu)
+    return inputs, torch.randn(batch, T, 272)
+
+
+def slice_inputs(inputs: dict, layout: SliceLayout) -> dict:
+    """A rank's part: its tokens and positions (global ones for unpacked rows), its slice's own offsets."""
+    mine = slice(layout.start, layout.end)
+    batch = inputs["input_ids"].shape[0]
+    positions = inputs.get("position_ids", torch.arange(T).expand(batch, -1))
+    part = {"input_ids": inputs["input_ids"][:, mine], "position_ids": positions[:, mine]}
+    if layout.cu_seqlens is not None:
+        part["cu_seq_lens_q"] = torch.tensor(layout.local_offsets)
+    return part
 
 
 def lora_grads(model) -> dict:
@@ -47,15 +67,16 @@ def lora_grads(model) -> dict:
 def _ranks(rank: int, world: int, out_dir: str) -> None:
     from moetune.workers.families.context import context_parallel
 
-    model = k3()
-    layout = SliceLayout.even(T, world, rank)
-    mine = slice(layout.start, layout.end)
-    ids, probe = case()
-    positions = torch.arange(layout.start, layout.end).expand(BATCH, -1)
-    with context_parallel(model, layout):
-        logits = model(input_ids=ids[:, mine], position_ids=positions).logits
-        (logits * probe[:, mine]).sum().backward()
-    torch.save({"logits": logits.detach(), "lora": lora_grads(model)}, os.path.join(out_dir, f"rank{rank}.pt"))
+    results = {}
+    for name, cu in PACKINGS.items():
+        model = k3()
+        layout = SliceLayout.even(T, world, rank, cu)
+        inputs, probe = case(cu)
+        with context_parallel(model, layout):
+            logits = model(**slice_inputs(inputs, layout)).logits
+            (logits * probe[:, layout.start:layout.end]).sum().backward()
+        results[name] = {"logits": logits.detach(), "lora": lora_grads(model)}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def close(got, want, tolerance=5e-5):  # fp32: the worst, KDA's gate factors, 2.2e-5
@@ -67,24 +88,21 @@ def close(got, want, tolerance=5e-5):  # fp32: the worst, KDA's gate factors, 2.
 def test_k3_split_over_context_parallel_ranks_equals_the_unsplit_model(tmp_path, world):
     launch(_ranks, world, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    model = k3()
-    ids, probe = case()
-    logits = model(input_ids=ids).logits
-    (logits * probe).sum().backward()
-    for r, rank in enumerate(ranks):
-        mine = slice(r * T // world, (r + 1) * T // world)
-        assert close(rank["logits"], logits[:, mine]), r
-    for key, want in lora_grads(model).items():
-        assert close(sum(rank["lora"][key] for rank in ranks), want), key
+    for name, cu in PACKINGS.items():
+        model = k3()
+        inputs, probe = case(cu)
+        logits = model(**inputs).logits
+        (logits * probe).sum().backward()
+        for r, result in enumerate(rank[name] for rank in ranks):
+            mine = slice(r * T // world, (r + 1) * T // world)
+            assert close(result["logits"], logits[:, mine]), (name, r)
+        for key, want in lora_grads(model).items():
+            assert close(sum(rank[name]["lora"][key] for rank in ranks), want), (name, key)
 
 
 def test_a_layer_without_a_context_parallel_path_is_refused_before_the_forward():
     from moetune.workers.families.context import context_parallel
 
-    model = k3()
-    with pytest.raises(NotImplementedError, match="packed"):
-        with context_parallel(model, SliceLayout.even(T, 2, 0, cu_seqlens=(0, 5, T))):
-            pass
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="kernel swaps"):
         with context_parallel(plain, SliceLayout.even(T, 2, 0)):
