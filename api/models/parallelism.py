@@ -82,10 +82,11 @@ class ParallelDims(StrictModel):
                                                                   f"layers (got {self.pipeline_parallel_size})")
 
     def check_sequence(self, seq_len: int) -> None:
-        """Context parallelism cuts each sequence into 2 x context_parallel_size equal chunks (load-balanced)."""
-        chunks = 2 * self.context_parallel_size
-        if self.context_parallel_size > 1 and seq_len % chunks:
-            raise SpecError("training.seq_len", f"must be a multiple of 2 x context_parallel_size = {chunks}")
+        """Context parallelism cuts each row into context_parallel_size equal contiguous slices, in rank order
+        (workers.families.context: KDA's state passes from slice to slice, as fla's CP does)."""
+        cp = self.context_parallel_size
+        if cp > 1 and seq_len % cp:
+            raise SpecError("training.seq_len", f"must be a multiple of context_parallel_size = {cp}")
 
     # -------------------------------------------------------------- derived sizes
 

@@ -32,8 +32,9 @@ def test_a_layout_that_cannot_divide_the_model_names_the_field():
              "parallelism.expert_parallel_size", "the model's 8 routed experts")
     _refused(lambda: ParallelDims(num_workers=8, pipeline_parallel_size=8).check_model(8, 4),
              "parallelism.pipeline_parallel_size", "the model's 4 decoder layers")
-    _refused(lambda: ParallelDims(num_workers=4, context_parallel_size=2).check_sequence(102),
-             "training.seq_len", "multiple of 2 x context_parallel_size = 4")
+    _refused(lambda: ParallelDims(num_workers=4, context_parallel_size=2).check_sequence(101),
+             "training.seq_len", "multiple of context_parallel_size = 2")
+    ParallelDims(num_workers=4, context_parallel_size=2).check_sequence(102)
     ParallelDims(num_workers=8, expert_parallel_size=4, pipeline_parallel_size=2).check_model(8, 4)
 
 
