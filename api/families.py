@@ -35,6 +35,7 @@ class FamilyFacts:
     absent_linears: Callable[[dict], tuple[str, ...]] = _none
     # model_types of released checkpoints of this family's architecture that transformers does not know
     release_model_types: tuple[str, ...] = ()
+    context_parallel: bool = False  # every layer that mixes tokens has a CP path (workers.families.context)
 
     def text_config(self, config: dict) -> dict:
         """The part of config.json that configures the text model (all of it, unless the family nests it)."""
@@ -143,6 +144,10 @@ def check_model_spec(config: dict, lora: LoraSpec, parallelism: ParallelDims) ->
     start."""
     facts = facts_of(config)  # a malformed field or an unsupported model before the family's own rules
     parallelism.check_model(facts.num_experts(config), facts.num_layers(config))
+    if parallelism.context_parallel_size > 1 and not facts.context_parallel:
+        able = sorted(name for name, f in FAMILIES.items() if f.context_parallel)
+        raise SpecError("parallelism.context_parallel_size", f"a {facts.model_type} model has no context-parallel "
+                                                             f"path yet; the families that have one: {', '.join(able)}")
     if lora.vision != "none" and (why := images_refusal(config)):
         raise SpecError("lora.vision", f"{lora.vision!r} puts LoRA on the model's vision tower, but {why}; "
                                        f"use \"none\" (the default)")

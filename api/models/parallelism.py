@@ -19,8 +19,9 @@ from pydantic import Field
 from moetune.api.models.base import SpecError, StrictModel
 
 # Sizes the workers can run today; the request takes any positive value and says which are not available yet, so
-# the field exists once (its issues, context and pipeline parallelism, lift these).
-_AVAILABLE = {"context_parallel_size": 1, "pipeline_parallel_size": 1}
+# the field exists once (its issue, pipeline parallelism, lifts this). Context parallelism's rules against the model
+# and the method are api.families.check_model_spec's and resolve_run_config's.
+_AVAILABLE = {"pipeline_parallel_size": 1}
 
 
 def expert_group_name(expert_parallel_size: int) -> str:
@@ -127,6 +128,11 @@ class ParallelDims(StrictModel):
         """The world ranks of `world_rank`'s expert-parallel group."""
         first = world_rank - self.coordinates(world_rank).ep_rank
         return list(range(first, first + self.expert_parallel_size))
+
+    def context_group_ranks(self, world_rank: int) -> list[int]:
+        """The world ranks that share `world_rank`'s sequences, one contiguous slice each, in slice order."""
+        first = world_rank - self.coordinates(world_rank).context_rank
+        return list(range(first, first + self.context_parallel_size))
 
     def expert_replica_ranks(self, world_rank: int) -> list[int]:
         """The world ranks of its stage that hold the same experts as `world_rank`."""

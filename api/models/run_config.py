@@ -70,6 +70,13 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None) 
     if training["memory_budget_mb"] is not None and not tuned:
         raise SpecError("training.memory_budget_mb", "only applies to micro_batch_size \"auto\"")
     par.check_sequence(training["seq_len"])
+    if par.context_parallel_size > 1:  # the step cuts a supervised micro-batch's rows; the swaps run the CP path
+        if request.method is not None and request.method.type != "supervised":
+            raise SpecError("parallelism.context_parallel_size",
+                            f"context parallelism runs supervised jobs only, not {request.method.type!r}")
+        if not training["custom_kernels"]:
+            raise SpecError("training.custom_kernels", "must be true with context_parallel_size > 1: the custom "
+                                                       "kernels carry the context-parallel path")
     if tuned:
         training.update(micro_batch_size=1, tune_micro_batch=True)
     if training["activation_checkpointing"] == "auto":

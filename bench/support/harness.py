@@ -24,7 +24,7 @@ SAVE_AFTER, STEPS = 2, 4  # checkpoint tests: save after step 2 of 4
 
 def spec(ep: int, zero: int, train_experts: bool = False, world: int = 2, steps: int = 1, micro: int | str = 2,
          lr: float = 1e-2, targets="all-linear", kernels: bool = True, checkpointing: bool = False,
-         global_batch: int | None = None) -> RunConfig:
+         global_batch: int | None = None, cp: int = 1) -> RunConfig:
     """The run config of a harness job (its model built in memory, its batches made here); global_batch:
     micro * world by default."""
     request = JobCreate(model="file:///unused", training_file="file:///unused",
@@ -33,7 +33,8 @@ def spec(ep: int, zero: int, train_experts: bool = False, world: int = 2, steps:
                                   "micro_batch_size": micro,
                                   "learning_rate": lr, "warmup_ratio": 0.0, "lr_scheduler": "constant",
                                   "custom_kernels": kernels, "activation_checkpointing": checkpointing},
-                        parallelism={"num_workers": world, "expert_parallel_size": ep, "zero_stage": zero})
+                        parallelism={"num_workers": world, "expert_parallel_size": ep, "zero_stage": zero,
+                                     "context_parallel_size": cp})
     return resolve_run_config(request, seed=0)
 
 
@@ -124,17 +125,24 @@ def wide_config(family_name: str):
     return REGISTRY[family_name].tiny_config(moe_intermediate_size=512)
 
 
-def make_engine(rank: int, world: int, family_name: str, job: RunConfig, skew: bool = False, config=None):
+def make_engine(rank: int, world: int, family_name: str, job: RunConfig, skew: bool = False, config=None,
+                method=None):
     """The moetune engine of this rank, built exactly as a job builds it (same seeds on every rank).
-    `family_name`: or a checkpoint folder (base_model)."""
+    `family_name`: or a checkpoint folder (base_model). With a training `method`, the family's kernel swaps go in
+    first and the method prepares the model before the engine wraps it, as a job's worker does."""
     from moetune.workers.engine.deepspeed import build_engine
+    from moetune.workers.families import family_for
     from moetune.workers.model import trainable_model
     from moetune.workers.experts.placement import job_placement
 
     model = base_model(family_name, skew, config, job)
+    if method is not None:
+        family_for(model.config).apply_kernel_swaps(model)
     torch.manual_seed(1)
     placement = job_placement(model.config.to_dict(), job.parallelism, job.lora)
     model = trainable_model(model, job.lora, job.training, placement)
+    if method is not None:
+        method.prepare(model)
     engine, _ = build_engine(model, job.training, job.parallelism, world, job.training.max_steps, bf16=False)
     return engine
 

@@ -191,6 +191,10 @@ def create(spec: SessionCreate, request: Request, tenant: Tenant, store: StoreDe
         par.check_world()
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
+    if par.context_parallel_size > 1:
+        raise invalid_request("parallelism.context_parallel_size: a training session runs each call's batch whole "
+                              "on its ranks; context parallelism is for supervised jobs",
+                              "parallelism.context_parallel_size")
     session_id = records.new_id("ts")
     with store.slots_locked():  # checked and inserted as one: two creates at once cannot both take the last place
         quotas.check_session(store, settings.tenant_quotas, tenant, par, settings.max_running_jobs)

@@ -19,7 +19,7 @@ def _refused(check, param: str, words: str) -> None:
 
 @pytest.mark.parametrize("dims, param, words", [
     (dict(num_workers=6, expert_parallel_size=4), "parallelism.expert_parallel_size", "must divide"),
-    (dict(num_workers=2, context_parallel_size=2), "parallelism.context_parallel_size", "only 1 is available"),
+    (dict(num_workers=3, context_parallel_size=2), "parallelism.num_workers", "context_parallel_size = 2"),
     (dict(num_workers=2, pipeline_parallel_size=2), "parallelism.pipeline_parallel_size", "only 1 is available"),
     (dict(num_workers=2, gpus_per_worker=4), "parallelism.gpus_per_worker", "num_workers: 8"),
 ])
@@ -46,7 +46,21 @@ def test_each_rank_has_one_place_and_its_groups_tile_the_world():
     assert [p.context_rank for p in places[:4]] == [0, 1, 0, 1] and dims.data_parallel_size == 4
     assert dims.expert_group_ranks(5) == [4, 5, 6, 7] and places[5].ep_rank == 1
     assert dims.expert_replica_ranks(5) == [1, 5] and dims.expert_replica_ranks(13) == [9, 13]
-    for world_rank in range(16):  # every EP group and replica group holds its own rank, within its stage
-        for group in (dims.expert_group_ranks(world_rank), dims.expert_replica_ranks(world_rank)):
+    assert dims.context_group_ranks(5) == [4, 5] and dims.context_group_ranks(12) == [12, 13]
+    for world_rank in range(16):  # every EP, replica and CP group holds its own rank, within its stage
+        for group in (dims.expert_group_ranks(world_rank), dims.expert_replica_ranks(world_rank),
+                      dims.context_group_ranks(world_rank)):
             assert world_rank in group and {dims.coordinates(r).stage for r in group} == {places[world_rank].stage}
     assert dims.expert_group_name == "ep_size_4"
+
+
+def test_context_parallelism_is_refused_for_a_family_without_its_path():
+    from moetune.api.families import check_model_spec
+    from moetune.api.models.lora import LoraSpec
+
+    dims = ParallelDims(num_workers=2, context_parallel_size=2)
+    _refused(lambda: check_model_spec({"model_type": "qwen3_moe", "num_experts": 8, "num_hidden_layers": 2},
+                                      LoraSpec(), dims),
+             "parallelism.context_parallel_size", "the families that have one: kimi_k3")
+    check_model_spec({"model_type": "kimi_k3", "text_config": {"num_experts": 8, "num_hidden_layers": 4}},
+                     LoraSpec(), dims)

@@ -68,7 +68,10 @@ def test_what_storage_confirmed_is_remembered_and_what_it_refused_is_not(service
     # the layout's rules (api.models.parallelism.ParallelDims): sizes that cannot divide, sizes not available yet
     ({"parallelism": {"num_workers": 3, "expert_parallel_size": 2}, "training": {"global_batch_size": 6}},
      "parallelism.expert_parallel_size"),
-    ({"parallelism": {"num_workers": 2, "context_parallel_size": 2}}, "parallelism.context_parallel_size"),
+    ({"parallelism": {"num_workers": 2, "context_parallel_size": 2}, "method": {"type": "dpo"}},
+     "parallelism.context_parallel_size"),
+    ({"parallelism": {"num_workers": 2, "context_parallel_size": 2}, "training": {"custom_kernels": False}},
+     "training.custom_kernels"),
     ({"parallelism": {"num_workers": 2, "pipeline_parallel_size": 2}}, "parallelism.pipeline_parallel_size"),
     ({"parallelism": {"num_workers": 2, "gpus_per_worker": 2}}, "parallelism.gpus_per_worker"),
     ({"model": "http://example.com/model"}, "model"),

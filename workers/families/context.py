@@ -65,6 +65,14 @@ def context_parallel(model: torch.nn.Module, layout: SliceLayout, group=None) ->
             delattr(module, _SLICE)
 
 
+def min_slice_tokens(model: torch.nn.Module) -> int:
+    """The fewest tokens a CP slice may hold: the widest short conv's halo (`width − 1`) of the swapped KDA
+    layers, which only the previous rank's slice supplies."""
+    widths = [conv.kernel_size[0] for m in model.modules() if getattr(m, "_moetune_kda", False)
+              for conv in m.modules() if isinstance(conv, torch.nn.Conv1d)]
+    return max([1, *(w - 1 for w in widths)])
+
+
 def _gather_keys(module, args, kwargs):
     part = context_slice(module)
     return args, {**kwargs, "cache": GatheredKeys(part.layout, part.group)}

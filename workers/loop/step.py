@@ -9,6 +9,7 @@ the collectives, an event callback, the fault hook (tests) and a callback for OO
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from moetune.api.models.run_config import RunConfig
 from moetune.workers.data.sampling import step_examples, step_rng_seed
 from moetune.workers.engine.deepspeed import set_micro_batch_size
 from moetune.workers.loop.collectives import Collectives
+from moetune.workers.loop.context_split import ContextSplit
 from moetune.workers.loop.faults import NO_FAULTS, FaultHook
 from moetune.workers.loop.tuner import GPU_DEFAULT_BUDGET, MemoryProbe, MicroBatchTuner
 
@@ -36,6 +38,20 @@ class RankPlace:
     # The forward itself runs collectives (expert all-to-all at EP > 1, ZeRO-3 parameter gathers): a rank whose
     # forward fails cannot meet its peers in the next collective, so an OOM there must take the group down.
     collective_forward: bool = False
+    context: ContextSplit | None = None  # context parallelism: its CP group shares each micro-batch's rows
+
+    @property
+    def context_size(self) -> int:
+        return self.context.size if self.context else 1
+
+    @property
+    def data_rank(self) -> int:
+        """Which examples it trains on: the ranks of a CP group train on the same ones."""
+        return self.world_rank // self.context_size
+
+    @property
+    def data_world(self) -> int:
+        return self.world // self.context_size
 
 
 class StepRunner:
@@ -50,7 +66,7 @@ class StepRunner:
         self.engine, self.method, self.t, self.place = engine, method, training, place
         self.total_steps, self.seq_len = total_steps, None  # the context length in use (seq_len_schedule)
         self.collectives, self.event, self.faults, self.on_uncaught_oom = collectives, event, faults, on_uncaught_oom
-        self.per_rank = training.global_batch_size // place.world
+        self.per_rank = training.global_batch_size // place.data_world
         self.tuner, self.figures = None, {}  # figures: the method's own metrics of the last step run
         if training.tune_micro_batch:
             sequences = method.sequences_per_example if method else 1  # a harness that only plans has no method
@@ -127,9 +143,9 @@ class StepRunner:
         p, t = self.place, self.t
         self._context_stage(step)
         torch.manual_seed(step_rng_seed(p.seed, step, p.world_rank))
-        indices = step_examples(len(train_set), step - 1, t.global_batch_size, p.world_rank, p.world, p.seed)
+        indices = step_examples(len(train_set), step - 1, t.global_batch_size, p.data_rank, p.data_world, p.seed)
         examples = [train_set[i].truncated(self.seq_len) for i in indices]
-        (loss_tokens,) = self.collectives.all_sum(sum(e.loss_tokens for e in examples))
+        (loss_tokens,) = self.collectives.all_sum(sum(e.loss_tokens for e in examples) / p.context_size)
         loss_tokens = max(loss_tokens, 1)  # an early stage can cut a batch's every answer: a zero loss, no NaN
         scale = p.world / loss_tokens  # DeepSpeed averages gradients over ranks: this makes it a global token mean
         loss_sum = tokens = fixed = per_token = 0.0
@@ -137,17 +153,17 @@ class StepRunner:
         while done < len(examples):
             chunk = examples[done : done + self.micro_batch_size]
             last = done + len(chunk) == len(examples)
-            batch = self.method.collate(chunk).to(p.device)
-            if self.tuner:
-                self.probe.begin()
-            loss = self._forward(batch, step, last)
-            if self.tuner and self.collectives.all_max(float(loss is None))[0]:
-                self.probe.end()
-                del loss  # ranks that did not fail drop their graph too
-                self._back_off(step)
-                continue
-            self.engine.set_gradient_accumulation_boundary(last)
-            self._backward(loss * scale, step)
+            with self._micro_batch(chunk) as batch:
+                if self.tuner:
+                    self.probe.begin()
+                loss = self._forward(batch, step, last)
+                if self.tuner and self.collectives.all_max(float(loss is None))[0]:
+                    self.probe.end()
+                    del loss  # ranks that did not fail drop their graph too
+                    self._back_off(step)
+                    continue
+                self.engine.set_gradient_accumulation_boundary(last)
+                self._backward(loss * scale, step)
             self.engine.step()  # the optimizer steps only at the boundary
             if self.tuner:
                 self.probe.end()
@@ -160,9 +176,20 @@ class StepRunner:
             done += len(chunk)
         if self.tuner:
             self._tune(step, *self.collectives.all_max(fixed, per_token))
-        loss_sum, tokens, *figure_sums = self.collectives.all_sum(loss_sum, tokens, *figure_sums)
+        loss_sum, tokens, *figure_sums = self.collectives.all_sum(loss_sum, tokens / p.context_size, *figure_sums)
         self.figures = self.method.figures(figure_sums)
         return loss_sum, loss_tokens, tokens
+
+    @contextlib.contextmanager
+    def _micro_batch(self, chunk: list):
+        """The examples' micro-batch on this rank's device (its slice, inside a CP forward, with context
+        parallelism): the forward and the backward run inside."""
+        batch = self.method.collate(chunk)
+        if self.place.context is None:
+            yield batch.to(self.place.device)
+        else:
+            with self.place.context.running(batch, self.place.device) as part:
+                yield part
 
     def _context_stage(self, step: int) -> None:
         """The context length of `step`; a new stage of training.seq_len_schedule is announced, and the tuner

@@ -34,6 +34,7 @@ from moetune.workers.evaluation.generation import evaluate_generation, load_eval
 from moetune.workers.loop.collectives import Collectives
 from moetune.workers.loop.evaluate import evaluate
 from moetune.workers.loop.faults import fault_hook
+from moetune.workers.loop.context_split import ContextSplit
 from moetune.workers.loop.step import RankPlace, StepRunner
 from moetune.workers.methods import method_for
 from moetune.workers.model import TRAIN, WeightsSource, build_model, load_tokenizer
@@ -256,8 +257,11 @@ class _Worker:
         self.method.prepare(self.model)
         self.engine, scheduler = build_engine(self.model, t, self.job.parallelism, self.world, steps,
                                               bf16=self.device.type == "cuda")
+        par = self.job.parallelism
+        context = None if par.context_parallel_size == 1 else ContextSplit(
+            self.engine.module, par, self.world_rank, self.tokenizer.pad_token_id)
         place = RankPlace(self.world_rank, self.world, self.job.seed, self.device,
-                          collective_forward=self.job.parallelism.collective_forward)
+                          collective_forward=par.collective_forward, context=context)
         self.steps = StepRunner(self.engine, self.method, self.job, place,
                                 self.collectives, self.event, steps,
                                 fault_hook(self.settings.inject_faults, self.world_rank), self._record_oom)

@@ -11,7 +11,9 @@ PACKED_OFFSETS = "cu_seq_lens_q"  # where each packed sequence starts (workers.f
 @dataclass
 class Batch:
     inputs: dict  # tensors the model is called with: input_ids, attention_mask, and whatever a method adds
-    labels: object  # [B, T] token ids, IGNORE where no loss is taken (the loss shifts them by one)
+    # [B, T] token ids, IGNORE where no loss is taken (the loss shifts them by one); [B, T + 1] for a
+    # context-parallel slice (methods.context_cut: its last token's target is the next rank's first token)
+    labels: object
     tokens: int  # real (non-padding) tokens, for throughput
 
     def to(self, device) -> Batch:

@@ -109,9 +109,12 @@ class LossHead(torch.nn.Module):
     def forward(self, hidden):
         if self.labels is None:
             return F.linear(hidden, self.weight)
-        targets = self.labels[:, 1:].flatten()  # the model shifts nothing here: position t predicts label t+1
-        keep = targets != IGNORE
-        return linear_cross_entropy_sum(hidden[:, :-1].flatten(0, 1)[keep], self.weight, targets[keep])
+        # the model shifts nothing here: position t predicts label t+1, for every position with a label after it
+        # (all of them in a context-parallel slice, whose labels run one token past it: methods.context_cut)
+        targets = self.labels[:, 1:]
+        keep = targets.flatten() != IGNORE
+        scored = hidden[:, :targets.shape[1]].flatten(0, 1)
+        return linear_cross_entropy_sum(scored[keep], self.weight, targets.flatten()[keep])
 
     @contextlib.contextmanager
     def armed(self, labels):

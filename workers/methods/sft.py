@@ -143,11 +143,13 @@ def collate_packed(examples: list[Example]) -> Batch:
 
 
 def token_loss_sum(logits, labels):
-    """Cross-entropy summed over the positions that carry loss (labels shifted by one)."""
+    """Cross-entropy summed over the positions that carry loss (labels shifted by one; a context-parallel slice's
+    run one token past its logits)."""
     import torch.nn.functional as F
 
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
-                           reduction="sum")
+    targets = labels[:, 1:]
+    return F.cross_entropy(logits[:, :targets.shape[1]].flatten(0, 1).float(), targets.flatten(),
+                           ignore_index=IGNORE, reduction="sum")
 
 
 class SupervisedMethod:
