@@ -1,7 +1,7 @@
 """Context parallelism inside a family's forward: within `context_parallel(model, layout, group)` the model runs
-this rank's contiguous slice of each row (input ids, position ids and the loss's labels cut from the whole row, the
-labels shifted before the cut), and the layers that mix tokens reach the rest of the row through the CP group:
-- KDA / Gated DeltaNet (the KDA swap's layers): the recurrent state carried across the ranks
+this rank's contiguous slice of each row (its tokens, global positions and own packed offsets, cut by
+workers.methods.context_cut), and the layers that mix tokens reach the rest of the row through the CP group:
+- KDA (the KDA swap's layers; Gated DeltaNet's refuse for now): the recurrent state carried across the ranks
   (workers/comm/kda_context) and the short convs' `width − 1` halo (workers/comm/conv_halo);
 - softmax attention (the segment swap's modules) whose keys go through its `cache` argument, as Kimi K3's MLA
   passes its compressed latent: the whole row's keys gathered (workers/comm/mla_context), each query attending
