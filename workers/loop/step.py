@@ -40,19 +40,6 @@ class RankPlace:
     collective_forward: bool = False
     context: ContextSplit | None = None  # context parallelism: its CP group shares each micro-batch's rows
 
-    @property
-    def context_size(self) -> int:
-        return self.context.size if self.context else 1
-
-    @property
-    def data_rank(self) -> int:
-        """Which examples it trains on: the ranks of a CP group train on the same ones."""
-        return self.world_rank // self.context_size
-
-    @property
-    def data_world(self) -> int:
-        return self.world // self.context_size
-
 
 class StepRunner:
     """Runs every optimizer step of a worker; `micro_batch_size` / `grad_accum_steps` are the sizes in use."""
@@ -66,7 +53,12 @@ class StepRunner:
         self.engine, self.method, self.t, self.place = engine, method, training, place
         self.total_steps, self.seq_len = total_steps, None  # the context length in use (seq_len_schedule)
         self.collectives, self.event, self.faults, self.on_uncaught_oom = collectives, event, faults, on_uncaught_oom
-        self.per_rank = training.global_batch_size // place.data_world
+        # which examples it trains on (a CP group's ranks train on the same ones), and how often a CP group counts
+        # each of them
+        par = job.parallelism
+        self.data_rank, self.data_world = par.coordinates(place.world_rank).data_rank, par.data_parallel_size
+        self.context_size = par.context_parallel_size
+        self.per_rank = training.global_batch_size // self.data_world
         self.tuner, self.figures = None, {}  # figures: the method's own metrics of the last step run
         if training.tune_micro_batch:
             sequences = method.sequences_per_example if method else 1  # a harness that only plans has no method
@@ -143,9 +135,10 @@ class StepRunner:
         p, t = self.place, self.t
         self._context_stage(step)
         torch.manual_seed(step_rng_seed(p.seed, step, p.world_rank))
-        indices = step_examples(len(train_set), step - 1, t.global_batch_size, p.data_rank, p.data_world, p.seed)
+        indices = step_examples(len(train_set), step - 1, t.global_batch_size, self.data_rank, self.data_world,
+                               p.seed)
         examples = [train_set[i].truncated(self.seq_len) for i in indices]
-        (loss_tokens,) = self.collectives.all_sum(sum(e.loss_tokens for e in examples) / p.context_size)
+        (loss_tokens,) = self.collectives.all_sum(sum(e.loss_tokens for e in examples) / self.context_size)
         loss_tokens = max(loss_tokens, 1)  # an early stage can cut a batch's every answer: a zero loss, no NaN
         scale = p.world / loss_tokens  # DeepSpeed averages gradients over ranks: this makes it a global token mean
         loss_sum = tokens = fixed = per_token = 0.0
@@ -176,7 +169,8 @@ class StepRunner:
             done += len(chunk)
         if self.tuner:
             self._tune(step, *self.collectives.all_max(fixed, per_token))
-        loss_sum, tokens, *figure_sums = self.collectives.all_sum(loss_sum, tokens / p.context_size, *figure_sums)
+        loss_sum, tokens, *figure_sums = self.collectives.all_sum(loss_sum, tokens / self.context_size,
+                                                                  *figure_sums)
         self.figures = self.method.figures(figure_sums)
         return loss_sum, loss_tokens, tokens
 
