@@ -30,6 +30,7 @@ from moetune.service.local.demo_chat import chat_with_tuned_model, start_serving
 from moetune.service.local.embedded import (
     control_plane_in_thread,
     free_port,
+    listening_socket,
     local_ray_head,
     local_s3_server,
     s3_env,
@@ -108,7 +109,8 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
         console.print(f"Generated a tiny {what}; uploaded to s3://{BUCKET}/")
         with local_ray_head(num_cpus=max(4, os.cpu_count() or 1), env=env) as head:
             console.print(f"[bold]Ray head[/] {head.gcs_address} (Jobs API {head.dashboard_url})")
-            port = free_port()
+            listener = listening_socket()  # held from here: the callback URL names it before the server starts
+            port = listener.getsockname()[1]
             settings = Settings(
                 database_url=f"sqlite:///{work / 'moetune.db'}",
                 api_tokens=f"{TOKEN}:demo",
@@ -120,7 +122,7 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
                 serve_url=f"http://127.0.0.1:{free_port()}",
             )
             served = False
-            with control_plane_in_thread(create_app(settings), port) as url:
+            with control_plane_in_thread(create_app(settings), listener) as url:
                 console.print(f"[bold]Control plane[/] {url} (token {TOKEN})")
                 console.print(f"[bold]Web console[/] {url}/console (sign in with the token; open while the demo runs)")
                 client = Client(url, TOKEN)

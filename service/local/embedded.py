@@ -283,22 +283,39 @@ def local_ray_head(num_cpus: int, env: dict[str, str] | None = None):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def listening_socket(port: int = 0, host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket bound to `port` (0: any free one) and held: no other program can take the port between its
+    choice and the server's start, and a port already taken fails here, in the caller, with the OS's error."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart on the port of a server just stopped
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 @contextmanager
-def control_plane_in_thread(app, port: int, host: str = "127.0.0.1"):
-    """Serves the FastAPI app with uvicorn on `host` (loopback unless other machines' workers report to it) from a
-    background thread; yields its base URL."""
+def control_plane_in_thread(app, listener: int | socket.socket, host: str = "127.0.0.1"):
+    """Serves the FastAPI app with uvicorn from a background thread on `listener`: a socket from
+    listening_socket, or a port bound here on `host` (loopback unless other machines' workers report to it);
+    yields its base URL."""
     import threading
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, name="moetune-control-plane", daemon=True)
+    sock = listener if isinstance(listener, socket.socket) else listening_socket(listener, host)
+    bound_host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="moetune-control-plane",
+                              daemon=True)
     thread.start()
-    url = f"http://{host}:{port}"
+    url = f"http://{bound_host}:{port}"
     try:
         wait_http(f"{url}/healthz", 30)
         yield url
     finally:
         server.should_exit = True
         thread.join(15)
+        sock.close()

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from moetune.api.errors import ErrorCode
 from moetune.api.layout import CHECKPOINT_MANIFEST, checkpoint_uri, manifest_uri, step_dir
+from moetune.api.models.base import SpecError
 from moetune.api.models.job_run import REPORT_PATH, CheckpointReport, EventReport, ReportAck, WorkerReport
 from moetune.api.models.responses import JobStatus, Progress
 from moetune.service.auth import bearer_token, job_token_matches, unauthorized
@@ -98,8 +99,8 @@ def _check_complete(job: JobRow, report: CheckpointReport, s3_endpoint_url: str 
     if report.uri.rstrip("/") != expected:
         raise invalid_request(f"checkpoint uri must be {expected}", "report.uri")
     try:
-        manifest = read_json(manifest_uri(expected), s3_endpoint_url, raise_missing=True)
-    except FileNotFoundError:
+        manifest = read_json(manifest_uri(expected), s3_endpoint_url, strict=True)
+    except (FileNotFoundError, SpecError):  # storage answered: no manifest, or one no writer of ours made
         manifest = {}
     if manifest is None:
         raise APIException(503, ErrorCode.storage_unavailable, f"storage cannot be read now to check that checkpoint "

@@ -50,12 +50,15 @@ def missing_input(job: RunConfig, s3_endpoint_url: str | None) -> ErrorInfo | No
     return None
 
 
-def read_json(uri: str, s3_endpoint_url: str | None, raise_missing: bool = False) -> dict | None:
-    """A small JSON object from storage, or None when it cannot be read now (unreachable, not JSON; missing too
-    unless `raise_missing`: then FileNotFoundError, for callers that must tell "not there" from "not now")."""
+def read_json(uri: str, s3_endpoint_url: str | None, strict: bool = False) -> dict | None:
+    """A small JSON object from storage, or None when it cannot be read now. Not there and not a JSON object are
+    None too, unless `strict`: then FileNotFoundError and SpecError, for callers that must tell "not there" and
+    "never readable" from "not now"."""
     try:
-        return _read_object(uri, s3_endpoint_url, raise_missing)
+        return _read_object(uri, s3_endpoint_url, raise_missing=strict)
     except SpecError:
+        if strict:
+            raise
         return None
 
 

@@ -353,3 +353,25 @@ def test_a_server_whose_port_was_taken_before_it_bound_starts_on_a_fresh_one(tmp
         with embedded.local_s3_server(port) as endpoint:
             assert endpoint != f"http://127.0.0.1:{port}"
             assert httpx.get(f"{endpoint}/").status_code == 200
+
+
+def test_the_in_process_control_plane_holds_its_port_from_the_moment_its_url_is_known(tmp_path):
+    """`make demo` names the control plane's URL (its workers' callback) before the server starts: the socket is
+    bound then and handed to uvicorn, so nothing can take the port in between; a port already taken fails at once
+    with the OS's error, not after the 30 s wait for /healthz."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    app.get("/healthz")(lambda: {"ok": True})
+    listener = embedded.listening_socket()
+    port = listener.getsockname()[1]
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    with embedded.control_plane_in_thread(app, listener) as url:
+        assert url == f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/healthz").json() == {"ok": True}
+        started = time.monotonic()
+        with pytest.raises(OSError, match="in use"), embedded.control_plane_in_thread(app, port):
+            pass
+        assert time.monotonic() - started < 5
+    assert listener.fileno() == -1  # closed with the server

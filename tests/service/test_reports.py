@@ -103,6 +103,11 @@ def test_only_complete_checkpoints_of_the_job_are_listed(service, running):
                "metrics": {"step": 5}}
     reply = service.report(job_id, token, partial)  # no manifest written: upload not finished
     assert reply.status_code == 409 and reply.json()["error"]["code"] == "checkpoint_incomplete"
+    bucket, _, key = f"{partial['uri']}/{CHECKPOINT_MANIFEST}".removeprefix("s3://").partition("/")
+    s3 = boto3.client("s3", endpoint_url=service.app.state.settings.s3_endpoint_url)
+    s3.put_object(Bucket=bucket, Key=key, Body=b"not json")  # storage answers, with what no writer of ours makes
+    garbled = service.report(job_id, token, partial)
+    assert garbled.status_code == 409 and garbled.json()["error"]["code"] == "checkpoint_incomplete", garbled.text
     elsewhere = service.report(job_id, token, {**partial, "uri": "s3://other-bucket/step-5"})
     assert elsewhere.status_code == 422 and elsewhere.json()["error"]["param"] == "report.uri"
     assert service.http().get(f"{JOBS}/{job_id}/checkpoints").json()["data"] == []

@@ -22,7 +22,7 @@ from moetune.api.models.job_run import REPORT_PATH
 from moetune.api.models.responses import JobStatus
 from moetune.service.app import create_app
 from moetune.service.auth import hash_token, new_job_token
-from moetune.service.local.embedded import control_plane_in_thread, free_port, s3_env
+from moetune.service.local.embedded import control_plane_in_thread, listening_socket, s3_env
 from moetune.service.settings import Settings
 from moetune.service.store import Store
 
@@ -83,7 +83,7 @@ class RunningService:
 @contextmanager
 def run_service(settings: Settings) -> Iterator[RunningService]:
     app = create_app(settings)
-    with control_plane_in_thread(app, free_port()) as url:
+    with control_plane_in_thread(app, listening_socket()) as url:
         yield RunningService(url=url, app=app)
 
 
