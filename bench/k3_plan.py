@@ -1,15 +1,17 @@
 """The planner's answer for Kimi K3 as released (examples/kimi-k3/config.json: MXFP4 routed experts, bf16 the rest)
-with the seed recipe (examples/kimi-k3.job.yaml), on 64 H200s and 64 B200s (140 and 179 GiB: their memory as the
-device reports it, nvidia-smi's 143,771 and 183,359 MiB; sold as 141 and 192 GB), at 4K, 32K and 128K tokens: the
-recommended layout and the fewest GPUs any layout fits on, per GPU in training and at load. Prints docs/parallelism.md's table
-(markdown) and a RESULT line. The model facts are measured once per length (the meta-device pass is the cost; the
-clusters share it).
+with the seed recipe (examples/kimi-k3.job.yaml), on up to 256 H200s and 256 B200s (32 nodes of 8; 140 and 179 GiB:
+their memory as the device reports it, nvidia-smi's 143,771 and 183,359 MiB; sold as 141 and 192 GB), at 4K, 32K,
+128K and 1M tokens: the recommended layout for the recipe's 64 workers and the fewest GPUs any layout fits on
+(context parallelism included), per GPU in training and at load, and what the fewest layout's memory goes to.
+Prints docs/parallelism.md's table (markdown) and a RESULT line. The model facts are measured once per length (the
+meta-device passes, one per context-parallel size, are the cost; the clusters share them).
 
-    python bench/k3_plan.py
+    python bench/k3_plan.py [--lengths 4096,32768,131072,1048576]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -23,9 +25,9 @@ from moetune.workers.planner import plan
 from moetune.workers.planner.model import model_facts
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-CLUSTERS = {"H200": "nodes=8,gpus_per_node=8,gpu_memory=140GiB,nic=400Gbps",
-            "B200": "nodes=8,gpus_per_node=8,gpu_memory=179GiB,nic=400Gbps"}
-SEQ_LENS = (4096, 32768, 131072)
+CLUSTERS = {"H200": "nodes=32,gpus_per_node=8,gpu_memory=140GiB,nic=400Gbps",
+            "B200": "nodes=32,gpus_per_node=8,gpu_memory=179GiB,nic=400Gbps"}
+SEQ_LENS = (4096, 32768, 131072, 1048576)
 GIB = 2**30
 
 
@@ -33,15 +35,29 @@ def _layout(fit: PlannedLayout | None) -> str:
     if fit is None:
         return "none fits"
     par, ckpt = fit.parallelism, "on" if fit.activation_checkpointing else "off"
-    return (f"{par.num_workers} GPUs, EP={par.expert_parallel_size}, ZeRO-{par.zero_stage}, checkpointing "
-            f"{ckpt}: {fit.total_bytes / GIB:.1f} GiB, {fit.load_total_bytes / GIB:.1f} GiB at load")
+    return (f"{par.num_workers} GPUs, EP={par.expert_parallel_size}, CP={par.context_parallel_size}, "
+            f"ZeRO-{par.zero_stage}, checkpointing {ckpt}: {fit.total_bytes / GIB:.1f} GiB, "
+            f"{fit.load_total_bytes / GIB:.1f} GiB at load")
+
+
+def _parts(fit: PlannedLayout) -> str:
+    """Where a layout's memory goes: its largest parts in GiB."""
+    parts = {k: sum(v.values()) if isinstance(v, dict) else v for k, v in fit.bytes.items()}
+    return ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:4])
+
+
+def _length(tokens: int) -> str:
+    return f"{tokens // 2**20}M" if tokens % 2**20 == 0 else f"{tokens // 1024}K"
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default=",".join(map(str, SEQ_LENS)))
+    lengths = [int(n) for n in parser.parse_args().lengths.split(",")]
     config = json.loads((EXAMPLES / "kimi-k3" / "config.json").read_text())
     request = yaml.safe_load((EXAMPLES / "kimi-k3.job.yaml").read_text())
-    rows, result = [], {}
-    for seq_len in SEQ_LENS:
+    rows, result, why = [], {}, []
+    for seq_len in lengths:
         spec = JobCreate.model_validate({**request, "training": {**request["training"], "seq_len": seq_len}})
         job, choose = resolve_run_config(spec, 0), spec.training.activation_checkpointing == "auto"
         start = time.perf_counter()
@@ -49,12 +65,18 @@ def main() -> None:
         print(f"seq_len {seq_len:,}: model facts in {time.perf_counter() - start:.0f} s", flush=True)
         for gpu, cluster in CLUSTERS.items():
             p = plan(config, job, parse_cluster(cluster), choose, facts)
-            rows.append(f"| {gpu} | {seq_len // 1024}K | {_layout(p.recommended)} | {_layout(p.fewest_gpus)} |")
-            key = f"{gpu.lower()}_{seq_len // 1024}k_fewest_gpus"
-            result[key] = p.fewest_gpus.parallelism.num_workers if p.fewest_gpus else 0
+            rows.append(f"| {gpu} | {_length(seq_len)} | {_layout(p.recommended)} | {_layout(p.fewest_gpus)} |")
+            result[f"{gpu.lower()}_{_length(seq_len).lower()}_fewest_gpus"] = (
+                p.fewest_gpus.parallelism.num_workers if p.fewest_gpus else 0)
+            if p.fewest_gpus:
+                why.append(f"{gpu} {_length(seq_len)}, fewest GPUs (GiB): {_parts(p.fewest_gpus)}")
+            else:
+                why.append(f"{gpu} {_length(seq_len)}: none fits; at 64 workers as submitted (GiB): "
+                           f"{_parts(p.submitted)}")
     print(f"\nkimi_k3, {facts.parameters:,} parameters; usable = 90 % of a GPU\n")
     print("| GPU | seq_len | recommended (64 GPUs) | fewest GPUs |\n|---|---|---|---|")
     print("\n".join(rows))
+    print("\n" + "\n".join(why))
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
 
 

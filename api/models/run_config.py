@@ -70,13 +70,9 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None) 
     if training["memory_budget_mb"] is not None and not tuned:
         raise SpecError("training.memory_budget_mb", "only applies to micro_batch_size \"auto\"")
     par.check_sequence(training["seq_len"])
-    if par.context_parallel_size > 1:  # the step cuts a supervised micro-batch's rows; the swaps run the CP path
-        if request.method is not None and request.method.type != "supervised":
-            raise SpecError("parallelism.context_parallel_size",
-                            f"context parallelism runs supervised jobs only, not {request.method.type!r}")
-        if not training["custom_kernels"]:
-            raise SpecError("training.custom_kernels", "must be true with context_parallel_size > 1: the custom "
-                                                       "kernels carry the context-parallel path")
+    if par.context_parallel_size > 1 and (refusal := context_parallel_refusal(request.method,
+                                                                              training["custom_kernels"])):
+        raise refusal
     if tuned:
         training.update(micro_batch_size=1, tune_micro_batch=True)
     if training["activation_checkpointing"] == "auto":
@@ -86,6 +82,18 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None) 
                      validation_file=request.validation_file, seed=seed, lora=request.lora, parallelism=par,
                      training=RunTraining.model_validate(training), method=request.method,
                      evaluation=request.evaluation)
+
+
+def context_parallel_refusal(method: Method | None, custom_kernels: bool) -> SpecError | None:
+    """Why a job of this method and kernels cannot be split over context-parallel ranks, None when it can: the step
+    cuts a supervised micro-batch's rows, and the kernel swaps run the CP path."""
+    if method is not None and method.type != "supervised":
+        return SpecError("parallelism.context_parallel_size",
+                         f"context parallelism runs supervised jobs only, not {method.type!r}")
+    if not custom_kernels:
+        return SpecError("training.custom_kernels", "must be true with context_parallel_size > 1: the custom kernels "
+                                                    "carry the context-parallel path")
+    return None
 
 
 def _apply_hyperparameters(request: JobCreate) -> dict:

@@ -18,7 +18,8 @@ def _gib(n: float) -> str:
 
 def _heading(name: str, fit: PlannedLayout) -> str:
     par, checkpointing = fit.parallelism, "on" if fit.activation_checkpointing else "off"
-    return (f"{name}\n{par.num_workers} GPUs, EP={par.expert_parallel_size}, ZeRO-{par.zero_stage}\n"
+    context = f", CP={par.context_parallel_size}" if par.context_parallel_size > 1 else ""
+    return (f"{name}\n{par.num_workers} GPUs, EP={par.expert_parallel_size}{context}, ZeRO-{par.zero_stage}\n"
             f"checkpointing {checkpointing}, micro-batch {fit.micro_batch_size}")
 
 

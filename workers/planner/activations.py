@@ -8,21 +8,32 @@ Each decoder layer's share is recorded, which gives the figure with activation c
 keeps only its input hidden states, and the backward reruns one layer at a time with all of its activations. Up to
 MEASURED_UP_TO tokens the forward runs at `seq_len` itself; beyond, bytes are the quadratic through three measured
 lengths, so a term that grows with T² (a [T, T] mask) is extrapolated as one.
+
+With context parallelism over `context` ranks the forward is the CP one of the group's last rank (planner.context):
+its slice of seq_len / context tokens, the whole row's gathered MLA keys, the KDA state summaries of every rank.
+At a fixed group size its bytes are a polynomial of the slice's length too (the slice's own grow with it, the
+gathered keys with the row, size × slice; the summaries with the size alone), fitted the same way through shorter
+slices: the meta forward's cost is the KDA kernel's loop over the slice's chunks, and a plan may try six sizes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from unittest import mock
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 from moetune.workers.methods.batch import Batch
+from moetune.workers.planner.context import last_context_rank
 from moetune.workers.planner.saved import SavedBytes
 from moetune.workers.recompute import decoder_layers
 
 MEASURED_UP_TO = 16384
 _FIT_LENGTHS = (4096, 8192, 16384)
+CONTEXT_MEASURED_UP_TO = 4096  # tokens of a CP rank's slice
+_CONTEXT_FIT_LENGTHS = (1024, 2048, 4096)
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,10 @@ def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                      enable_gqa=False):
     """SDPA as a device runs it (a flash kernel: saves q, k, v, the output and its log-sum-exp), where the meta
     device would take the math path (which saves the [T, T] attention weights). Values narrower than the queries
-    (MLA) are padded to their width, as a fused kernel holds them."""
+    (MLA) are padded to their width, as a fused kernel holds them. A causal bias (a CP rank's queries over the
+    whole row's keys) is the kernel's own causal flag, no tensor."""
+    if isinstance(attn_mask, CausalBias):
+        attn_mask, is_causal = None, True
     if enable_gqa:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
@@ -105,14 +119,16 @@ def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0][..., :width]
 
 
-def _measure(model, method, seq_len: int) -> Activations:
-    """One example of the method (DPO's: a pair, both answers in one batch as its loss needs), per sequence."""
+def _measure(model, method, seq_len: int, context: int) -> Activations:
+    """One example of the method (DPO's: a pair, both answers in one batch as its loss needs), per sequence, on
+    the last of `context` CP ranks (`seq_len` tokens of each row: its slice)."""
     sequences = method.sequences_per_example
     ids = torch.zeros((sequences, seq_len), dtype=torch.long, device="meta")
     counter = SavedBytes(model)
     recorder = _Recorder(model, counter)
+    split = last_context_rank(model, seq_len, context) if context > 1 else contextlib.nullcontext()
     try:
-        with counter.counting(), _no_packed_sequence_check(), torch.fx.experimental._config.patch(
+        with split, counter.counting(), _no_packed_sequence_check(), torch.fx.experimental._config.patch(
                 meta_nonzero_assume_all_nonzero=True), mock.patch(  # top-k selections (DSA) keep every candidate
                 "torch.nn.functional.scaled_dot_product_attention", _flash_attention):
             method.loss_sum(model, Batch({"input_ids": ids}, ids, sequences * seq_len))
@@ -124,12 +140,15 @@ def _measure(model, method, seq_len: int) -> Activations:
     return example.combine((1 / sequences,), ())
 
 
-def activations(model, method, seq_len: int) -> Activations:
-    """Saved bytes of one `seq_len`-token sequence through `model` (with its stand-ins installed)."""
-    if seq_len <= MEASURED_UP_TO:
-        return _measure(model, method, seq_len)
-    a, b, c = (_measure(model, method, t) for t in _FIT_LENGTHS)
-    return a.combine(_lagrange(_FIT_LENGTHS, seq_len), (b, c))
+def activations(model, method, seq_len: int, context: int = 1) -> Activations:
+    """Saved bytes of one `seq_len`-token sequence through `model` (with its stand-ins installed), on one of
+    `context` CP ranks (the one that holds most)."""
+    slice_tokens = seq_len // context
+    up_to, fit = (MEASURED_UP_TO, _FIT_LENGTHS) if context == 1 else (CONTEXT_MEASURED_UP_TO, _CONTEXT_FIT_LENGTHS)
+    if slice_tokens <= up_to:
+        return _measure(model, method, slice_tokens, context)
+    a, b, c = (_measure(model, method, t, context) for t in fit)
+    return a.combine(_lagrange(fit, slice_tokens), (b, c))
 
 
 def _lagrange(xs: tuple[int, ...], x: int) -> tuple[float, ...]:

@@ -41,25 +41,24 @@ def partition(numel: int, dp: int) -> int:
 
 
 def breakdown(model, layout: Layout) -> dict[str, object]:
-    """Bytes per rank by part; `model` is a planner.model.ModelFacts."""
+    """Bytes per rank by part; `model` is a planner.model.ModelFacts. With context parallelism the activations,
+    logits and all-to-all buffers are those of the rank's slice (the last rank's: it gathers the most keys); the
+    LoRA, its gradients and the optimizer state partition as without (CP ranks reduce like data-parallel ones)."""
     w, ep, z = layout.dims.num_workers, layout.dims.expert_parallel_size, layout.dims.zero_stage
     m = layout.micro_batch * layout.sequences
     replicas = w // ep
     frozen = _frozen(model, layout)
     dense, experts = model.lora_dense, model.lora_experts // ep
     parts = partition(dense, w) + partition(experts, replicas)
-    cd = model.compute_bytes
-    seq = model.seq_len
-    act = model.activation_bytes(ep, layout.checkpointing)
-    slots = seq * model.top_k * m
+    cd, cp = model.compute_bytes, layout.dims.context_parallel_size
     return {
         "frozen_weights": frozen,
         "lora_parameters": (parts if z == 3 else dense + experts) * cd,
         "lora_gradients": (dense + experts if z == 1 else parts) * cd,
         "optimizer_state": parts * OPTIMIZER_BYTES_PER_ELEMENT,
-        "activations": act * m,
-        "logits": model.activations.loss * m,
-        "all_to_all": 2 * slots * model.expert_width * cd if ep > 1 else 0,
+        "activations": model.activation_bytes(ep, layout.checkpointing, cp) * m,
+        "logits": model.loss_bytes(cp) * m,
+        "all_to_all": model.all_to_all_bytes(ep, cp) * m,
         "zero_buckets": REDUCE_BUCKET_ELEMENTS * cd * (2 if z == 3 else 1),
         "zero3_gather": (model.largest_layer_bytes(ep) + PREFETCH_BUCKET_ELEMENTS * cd) if z == 3 else 0,
         "cuda_context": CUDA_CONTEXT_BYTES,

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from moetune.api.models.run_config import RunConfig
+from moetune.api.families import known_facts
+from moetune.api.models.run_config import RunConfig, context_parallel_refusal
 from moetune.api.quantization import quantization_of
 from moetune.workers.families.spec import Family
 from moetune.workers.lora.coverage import ROUTED_EXPERTS, Coverage, coverage, modules
@@ -19,6 +22,10 @@ from moetune.workers.planner.experts import ExpertBytes, expert_bytes, input_wid
 from moetune.workers.planner.weights import Tensor, frozen_tensors
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+# Context-parallel sizes a plan tries beyond the job's own: slices shorter than a few fla chunks spend the step
+# exchanging state, and 64 ranks hold a 1M-token row in 16K-token slices.
+MAX_CONTEXT_PARALLEL = 64
+MIN_SLICE_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -35,22 +42,44 @@ class ModelFacts:
     moe_layers: frozenset[int]
     expert_saved: dict[bool, ExpertBytes]  # by "the expert-parallel module runs them"
     expert_module_at_ep1: bool  # expert LoRA or a quantized base: the expert-parallel module even at EP=1
-    activations: Activations
+    context_sizes: tuple[int, ...]  # the context-parallel sizes a plan may choose (context_sizes)
     seq_len: int
     compute_bytes: int
+    measure: Callable[[int], Activations]  # what one rank of a CP group of that size saves (planner.activations)
+    _profiles: dict[int, Activations] = field(default_factory=dict, repr=False, compare=False)
 
-    def layer_bytes(self, ep: int) -> tuple[float, ...]:
-        """Each decoder layer's saved bytes for one sequence, with its experts' share at EP=`ep`."""
-        layers = self.activations.layers
+    def activations(self, context: int = 1) -> Activations:
+        """One sequence's saved bytes on one of `context` CP ranks, measured on first use: a plan reaches few of
+        the sizes it may choose, and each costs a meta-device forward."""
+        if context not in self._profiles:
+            self._profiles[context] = self.measure(context)
+        return self._profiles[context]
+
+    def slice_tokens(self, context: int) -> int:
+        return self.seq_len // context
+
+    def layer_bytes(self, ep: int, context: int = 1) -> tuple[float, ...]:
+        """Each decoder layer's saved bytes for one sequence, with its experts' share at EP=`ep`, on one of
+        `context` CP ranks (its slice's tokens routed)."""
+        layers = self.activations(context).layers
         if not self.moe_layers:
             return layers
         saved = self.expert_saved[ep > 1 or self.expert_module_at_ep1]
-        block = saved.of(self.num_experts // ep, self.seq_len * self.top_k)
+        block = saved.of(self.num_experts // ep, self.slice_tokens(context) * self.top_k)
         return tuple(b + (block if i in self.moe_layers else 0) for i, b in enumerate(layers))
 
-    def activation_bytes(self, ep: int, checkpointing: bool) -> float:
-        """Saved bytes of one sequence at `seq_len` (the loss's excepted) with the experts' share at EP=`ep`."""
-        return self.activations.saved(self.layer_bytes(ep), checkpointing)
+    def activation_bytes(self, ep: int, checkpointing: bool, context: int = 1) -> float:
+        """Saved bytes of one sequence at `seq_len` (the loss's excepted) with the experts' share at EP=`ep`, on
+        one of `context` CP ranks."""
+        return self.activations(context).saved(self.layer_bytes(ep, context), checkpointing)
+
+    def loss_bytes(self, context: int = 1) -> float:
+        """What the output layer and the loss save for one sequence's slice."""
+        return self.activations(context).loss
+
+    def all_to_all_bytes(self, ep: int, context: int = 1) -> float:
+        """The expert all-to-all's send and receive buffers for one sequence's slice (none without EP)."""
+        return 2 * self.slice_tokens(context) * self.top_k * self.expert_width * self.compute_bytes if ep > 1 else 0
 
     def largest_layer_bytes(self, ep: int) -> float:
         """One decoder layer's ZeRO-3-partitioned parameters as gathered on one rank (its experts' share)."""
@@ -84,8 +113,22 @@ def _read_base(model, family: Family, config: dict, job: RunConfig, dtype: torch
                  getattr(blocks[0][1], family.experts) if blocks else None)
 
 
+def context_sizes(config: dict, job: RunConfig) -> tuple[int, ...]:
+    """The context-parallel sizes a plan may choose: the job's own, and where the job can be split (a family with a
+    CP path, a supervised job on the custom kernels) the powers of two up to MAX_CONTEXT_PARALLEL whose slices
+    hold at least MIN_SLICE_TOKENS tokens."""
+    sizes = {1, job.parallelism.context_parallel_size}
+    facts = known_facts(config)
+    if facts is not None and facts.context_parallel and not context_parallel_refusal(job.method,
+                                                                                     job.training.custom_kernels):
+        sizes.update(c for c in (2**i for i in range(1, MAX_CONTEXT_PARALLEL.bit_length()))
+                     if job.training.seq_len % c == 0 and job.training.seq_len // c >= MIN_SLICE_TOKENS)
+    return tuple(sorted(sizes))
+
+
 def model_facts(config: dict, job: RunConfig, dtype: torch.dtype = torch.bfloat16) -> ModelFacts:
-    """Builds the model on the meta device (any size, in seconds); `dtype`: the compute dtype (bf16 on GPUs)."""
+    """Builds the model on the meta device (any size, in seconds; it stays there for the activations' measures);
+    `dtype`: the compute dtype (bf16 on GPUs)."""
     built = build_model(META, config, job, dtype=dtype,
                         read_base=lambda model, family: _read_base(model, family, config, job, dtype))
     base, family, quantization = built.base, built.family, quantization_of(config)
@@ -101,5 +144,5 @@ def model_facts(config: dict, job: RunConfig, dtype: torch.dtype = torch.bfloat1
     return ModelFacts(config.get("model_type"), base.parameters, quantization.format if quantization else None,
                       base.tensors, found.trainable - routed, routed, experts.num_experts if experts else 0,
                       getattr(text, "num_experts_per_tok", 0) or 0, input_width(experts) if experts else 0,
-                      base.moe_layers, saved, at_ep1, activations(built.model, method, job.training.seq_len),
-                      job.training.seq_len, dtype.itemsize)
+                      base.moe_layers, saved, at_ep1, context_sizes(config, job), job.training.seq_len,
+                      dtype.itemsize, partial(activations, built.model, method, job.training.seq_len))

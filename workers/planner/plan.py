@@ -1,11 +1,13 @@
 """A job's plan on a cluster: the per-GPU breakdown of the job as submitted, the smallest layout that fits its
-workers (EP dividing the expert count and the worker count, then ZeRO stage, then activation checkpointing), the
-tuner's starting micro-batch, the fewest GPUs any layout fits on, and the load time (api.plans.Plan)."""
+workers (context parallelism only where nothing fits without, EP dividing the expert count and the worker count,
+then ZeRO stage, then activation checkpointing), the tuner's starting micro-batch, the fewest GPUs any layout fits
+on, and the load time (api.plans.Plan)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from moetune.api.models.base import SpecError
 from moetune.api.models.parallelism import ParallelDims
 from moetune.api.models.run_config import RunConfig
 from moetune.api.plans import ClusterSpec, Plan, PlannedCluster, PlannedLayout, PlannedLoad, PlannedModel
@@ -35,14 +37,28 @@ def _layout(run: RunConfig, dims: ParallelDims, checkpointing: bool, micro_batch
 
 
 def _layouts(facts: ModelFacts, run: RunConfig, world: int, choose_checkpointing: bool):
-    """Layouts in the order a plan prefers them: smallest EP, then ZeRO stage, then no recomputation."""
+    """Layouts in the order a plan prefers them: the fewest context-parallel ranks (each CP rank exchanges state
+    and keys every layer, so 1 where it fits), then the smallest EP, then ZeRO stage, then no recomputation; only
+    those the run config's rules accept (the worker count and the global batch divide)."""
     eps = [d for d in _divisors(world) if not facts.num_experts or facts.num_experts % d == 0]
-    for ep in eps:
-        for zero in (1, 2, 3):
-            dims = run.parallelism.model_copy(update={"num_workers": world, "expert_parallel_size": ep,
-                                                      "zero_stage": zero})
-            for checkpointing in _checkpointing_options(run, choose_checkpointing):
-                yield _layout(run, dims, checkpointing)
+    for cp in facts.context_sizes:
+        for ep in eps:
+            for zero in (1, 2, 3):
+                dims = run.parallelism.model_copy(update={"num_workers": world, "expert_parallel_size": ep,
+                                                          "context_parallel_size": cp, "zero_stage": zero})
+                if not _accepted(run, dims):
+                    break
+                for checkpointing in _checkpointing_options(run, choose_checkpointing):
+                    yield _layout(run, dims, checkpointing)
+
+
+def _accepted(run: RunConfig, dims: ParallelDims) -> bool:
+    try:
+        dims.check_world()
+    except SpecError:
+        return False
+    micro = 1 if run.training.tune_micro_batch else run.training.micro_batch_size
+    return run.training.global_batch_size % (dims.data_parallel_size * micro) == 0
 
 
 def _evaluate(facts: ModelFacts, layout: Layout, usable: float) -> PlannedLayout:
@@ -85,7 +101,7 @@ def plan(config: dict, run: RunConfig, cluster: ClusterSpec, choose_checkpointin
     recommended = _first_fit(facts, run, world, usable, choose_checkpointing)
     if recommended is not None:
         best = _layout(run, recommended.parallelism, recommended.activation_checkpointing, micro_batch=1)
-        per_rank = run.training.global_batch_size // par.data_parallel_size
+        per_rank = run.training.global_batch_size // recommended.parallelism.data_parallel_size
         recommended.tuner_start_micro_batch = largest_fitting_micro_batch(facts, best, per_rank, usable)
     fewest = next((fit for n in _gpu_counts(cluster) if (fit := _first_fit(facts, run, n, usable,
                                                                            choose_checkpointing))), None)
@@ -105,7 +121,7 @@ def plan(config: dict, run: RunConfig, cluster: ClusterSpec, choose_checkpointin
         activation_bytes_per_token={
             "without_checkpointing": facts.activation_bytes(ep, False) / facts.seq_len,
             "with_checkpointing": facts.activation_bytes(ep, True) / facts.seq_len,
-            "logits": facts.activations.loss / facts.seq_len},
+            "logits": facts.loss_bytes() / facts.seq_len},
         submitted=submitted.model_copy(update={"gpus_available": world <= cluster.gpus}),
         recommended=recommended,
         fewest_gpus=fewest,
@@ -115,5 +131,7 @@ def plan(config: dict, run: RunConfig, cluster: ClusterSpec, choose_checkpointin
                     f"{USABLE_FRACTION:.0%} of a GPU's memory with a stated {CUDA_CONTEXT_BYTES / 2**30:g} GiB for "
                     "the CUDA context and communicators, both in training and at load (load_total_bytes; under "
                     "ZeRO-3 the loader partitions each parameter as it loads it); load time = the bytes a node's "
-                    "ranks stream over its NIC (no cache)",
+                    "ranks stream over its NIC (no cache); with context parallelism, a rank's activations are those of "
+                    "the group's last rank (its slice, the whole row's gathered MLA keys, every rank's KDA state "
+                    "summary)",
     )

@@ -7,14 +7,15 @@ from moetune.api.models.run_config import RunConfig
 
 
 def sequence_bytes(model, job: RunConfig) -> float:
-    """Planned bytes one more sequence of `training.seq_len` tokens adds: saved activations, the loss's logits
-    and, with EP > 1, the all-to-all buffers."""
+    """Planned bytes one more sequence of `training.seq_len` tokens adds on this rank (its slice with context
+    parallelism): saved activations, the loss's logits and, with EP > 1, the all-to-all buffers."""
     from moetune.workers.planner.model import model_facts
 
-    training, ep = job.training, job.parallelism.expert_parallel_size
+    par = job.parallelism
+    ep, cp = par.expert_parallel_size, par.context_parallel_size
     facts = model_facts(model.config.to_dict(), job, model.dtype)
-    a2a = 2 * training.seq_len * facts.top_k * facts.expert_width * facts.compute_bytes if ep > 1 else 0
-    return facts.activation_bytes(ep, training.activation_checkpointing) + facts.activations.loss + a2a
+    return (facts.activation_bytes(ep, job.training.activation_checkpointing, cp) + facts.loss_bytes(cp)
+            + facts.all_to_all_bytes(ep, cp))
 
 
 def starting_micro_batch(model, job: RunConfig, per_rank: int, free_bytes: float, sequences: int = 1) -> int:

@@ -39,7 +39,7 @@ function summaryRows(job, baseName) {
     ["Tuned model", h("span", { class: "mono", id: "tuned-model" }, job.fine_tuned_model || "–")],
     ["Progress", progressCell(job)], ["ETA", job.status === "running" ? eta(job.estimated_finish) : "–"],
     ["Train / valid loss", `${fmt(job.progress?.train_loss)} / ${fmt(job.progress?.valid_loss)}`],
-    ["Parallelism", `${job.parallelism.num_workers} workers × ${job.parallelism.gpus_per_worker} GPU, ZeRO-${job.parallelism.zero_stage}, EP ${job.parallelism.expert_parallel_size ?? 1}`],
+    ["Parallelism", `${job.parallelism.num_workers} workers × ${job.parallelism.gpus_per_worker} GPU, ZeRO-${job.parallelism.zero_stage}, EP ${job.parallelism.expert_parallel_size ?? 1}${job.parallelism.context_parallel_size > 1 ? `, CP ${job.parallelism.context_parallel_size}` : ""}`],
     ["LoRA", `rank ${job.lora.rank}, ${Array.isArray(job.lora.target_modules) ? job.lora.target_modules.join(", ") : job.lora.target_modules}`],
     ["Created", when(job.created_at)], ["Finished", when(job.finished_at)],
   ];

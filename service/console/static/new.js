@@ -209,7 +209,8 @@ export async function render() {
 
 function layoutText(fit) {
   const par = fit.parallelism;
-  return `${par.num_workers} GPUs, EP=${par.expert_parallel_size}, ZeRO-${par.zero_stage}, checkpointing ${fit.activation_checkpointing ? "on" : "off"}, micro-batch ${fit.micro_batch_size}`;
+  const context = par.context_parallel_size > 1 ? `, CP=${par.context_parallel_size}` : "";
+  return `${par.num_workers} GPUs, EP=${par.expert_parallel_size}${context}, ZeRO-${par.zero_stage}, checkpointing ${fit.activation_checkpointing ? "on" : "off"}, micro-batch ${fit.micro_batch_size}`;
 }
 
 function planView(plan) {

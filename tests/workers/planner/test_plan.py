@@ -160,3 +160,51 @@ def test_auto_checkpointing_is_needed_only_when_the_job_does_not_fit_without():
     assert not _checkpointing(config, request, without / 0.9 * 1.01)
     assert _checkpointing(config, request, without / 0.9 * 0.99)
     assert _checkpointing(config, _tiny_request(micro_batch_size=4, activation_checkpointing=True), 1e12)
+
+
+def _k3_request(**training) -> JobCreate:
+    return JobCreate(model="file:///unused", training_file="file:///unused",
+                     training={"global_batch_size": 16, "micro_batch_size": 1, "seq_len": 4096,
+                               "activation_checkpointing": True, **training},
+                     parallelism={"num_workers": 4, "gpus_per_worker": 1})
+
+
+def _smallest(facts, world: int, context: int) -> float:
+    """The fewest bytes any layout of `world` GPUs at that CP size holds (EP and ZeRO stage as the plan tries)."""
+    return min(total(breakdown(facts, layout(world, ep, zero, True, 1, context=context)))
+               for ep in (1, 2, 4) if world % (ep * context) == 0 or ep == 1 for zero in (1, 2, 3))
+
+
+def test_context_parallelism_is_chosen_only_where_nothing_fits_without():
+    """Kimi K3 has a context-parallel path: where no layout of the job's 4 GPUs holds a whole 4K sequence, the plan
+    splits it (CP=2 before 4) and says the fewest GPUs with CP; kimi_linear, which has none, is never split."""
+    config = REGISTRY["kimi_k3"].tiny_config().to_dict()
+    job = resolve_run_config(_k3_request(), 0)
+    facts = model_facts(config, job)
+    assert facts.context_sizes == (1, 2, 4)  # slices of at least 1,024 tokens
+    whole, halves = _smallest(facts, 4, 1), _smallest(facts, 4, 2)  # DeepSpeed's buckets dominate both
+    assert halves < whole
+    p = plan(config, job, _cluster(halves / 0.9 * 1.001), False, facts)
+    assert not p.submitted.fits and p.recommended.fits
+    assert p.recommended.parallelism.context_parallel_size == 2
+    assert p.fewest_gpus.parallelism.context_parallel_size > 1
+    assert plan(config, job, _cluster(whole / 0.9 * 1.001), False, facts).recommended.parallelism \
+        .context_parallel_size == 1
+    linear = REGISTRY["kimi_linear"].tiny_config().to_dict()
+    assert model_facts(linear, job).context_sizes == (1,)
+    dpo = job.model_copy(update={"method": Method(type="dpo")})  # CP runs supervised jobs only
+    assert model_facts(config, dpo).context_sizes == (1,)
+
+
+def test_a_context_parallel_rank_s_bytes_past_the_measured_slices_are_its_measured_bytes():
+    """Beyond 4K-token slices a CP rank's bytes are fitted through three shorter slices (the measure's cost grows
+    with the slice): the fit gives what a forward of the longer slice saves, layer by layer."""
+    from moetune.workers.planner.activations import _measure
+
+    config = REGISTRY["kimi_k3"].tiny_config().to_dict()
+    facts = model_facts(config, resolve_run_config(_k3_request(seq_len=16384), 0))
+    model, method, _ = facts.measure.args
+    fitted, measured = facts.activations(2), _measure(model, method, 8192, 2)
+    assert fitted.layers == pytest.approx(measured.layers, rel=0.01)
+    assert fitted.loss == pytest.approx(measured.loss, rel=0.01)
+    assert fitted.layers != pytest.approx(facts.activations(4).layers, rel=0.1)
