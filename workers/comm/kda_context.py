@@ -6,6 +6,7 @@ calls it in a CP forward (workers/families/context.py); fla's cp_context on CUDA
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from moetune.kernels.kda.chunked import chunk_kda_torch
 from moetune.kernels.kda.context_slices import SliceLayout
@@ -21,7 +22,10 @@ def context_parallel_kda(q, k, v, g, beta, layout: SliceLayout, group=None, scal
     if (layout.world, layout.rank) != (dist.get_world_size(group), dist.get_rank(group)):
         raise ValueError(f"slice layout of rank {layout.rank} of {layout.world} on rank {dist.get_rank(group)} of "
                          f"a {dist.get_world_size(group)}-rank CP group")
-    summaries = all_gather(slice_summary(k, v, g, beta, layout, kda), group)
+    # The summary's kernel run is as wide as the state (K + V values): kept for the backward it would save more than
+    # the slice's own run. It is recomputed there instead, from the inputs that run keeps anyway.
+    summary = checkpoint(slice_summary, k, v, g, beta, layout, kda, use_reentrant=False)
+    summaries = all_gather(summary, group)
     state = slice_initial_state(summaries, layout, initial_state)
     o = run_slice(q, k, v, g, beta, layout, state, scale, kda)
     return o if layout.carried_from is not None else entangled(o, summaries)

@@ -9,8 +9,8 @@ every rank's gradient for its own slice (workers/comm/differentiable.all_gather)
 get the unsplit gradient once the group's ranks sum theirs, as every parameter of a CP group does. An all-gather has
 one shape on every rank (NCCL's rule, held on gloo by `checked`), so the slices are equal.
 
-`attend_over_row` then runs one SDPA per sequence of the slice, its queries over that sequence's keys up to them:
-causal aligned to the bottom right (`causal_lower_right`), which no kernel needs as a mask, where a [T_slice, T]
+`attend_over_row` then runs one attention per sequence of the slice, its queries over that sequence's keys up to
+them: causal aligned to the bottom right (kernels.attention.trailing_causal), with no mask, where a [T_slice, T]
 mask would be 8 GB in fp32 for a 128K row over 8 ranks. A family whose keys carry positions (RoPE) computes them
 from its slice's global positions before `update`, so the gathered keys are as the unsplit layer makes them."""
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
+from moetune.kernels.attention.trailing_causal import trailing_causal_attention
 from moetune.kernels.kda.context_slices import SliceLayout
 from moetune.workers.comm.differentiable import all_gather
 
@@ -60,7 +60,5 @@ def attend_over_row(query, key, value, layout: SliceLayout, scaling: float | Non
     outs = []
     for first_key, first_query, end in sequence_spans(layout):
         q = query[:, :, first_query - layout.start:end - layout.start]
-        mask = causal_lower_right(end - first_query, end - first_key)
-        outs.append(F.scaled_dot_product_attention(q, key[:, :, first_key:end], value[:, :, first_key:end],
-                                                   attn_mask=mask, scale=scaling))
+        outs.append(trailing_causal_attention(q, key[:, :, first_key:end], value[:, :, first_key:end], scaling))
     return torch.cat(outs, dim=2)[..., :width].transpose(1, 2)
