@@ -13,6 +13,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -28,6 +30,7 @@ from moetune.service.app import create_app
 from moetune.service.cli.progress import follow
 from moetune.service.local.demo_chat import chat_with_tuned_model, start_serving
 from moetune.service.local.embedded import (
+    RayHead,
     control_plane_in_thread,
     free_port,
     listening_socket,
@@ -94,12 +97,11 @@ def demo_job_spec(images: bool = False) -> JobCreate:
     )
 
 
-def run_demo(timeout: float = 600, images: bool = False) -> int:
-    """Returns the process exit code: 0 only if the job succeeded."""
-    console = Console()
-    start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="moetune-demo-") as tmp, local_s3_server() as s3_url:
-        work = Path(tmp)
+@contextmanager
+def demo_stack(work: Path, images: bool, console: Console) -> Iterator[tuple[Settings, str, RayHead]]:
+    """The demo's stack up to its first request: the S3-compatible server holding the generated checkpoint and
+    dataset, a Ray head, the control plane served from this process; yields (its settings, its URL, the head)."""
+    with local_s3_server() as s3_url:
         env = s3_env(s3_url)
         os.environ.update(env)
         console.print(f"[bold]S3-compatible server[/] {s3_url}")
@@ -121,25 +123,34 @@ def run_demo(timeout: float = 600, images: bool = False) -> int:
                 base_models={MODELS[images]: f"s3://{BUCKET}/models/{MODELS[images]}"},
                 serve_url=f"http://127.0.0.1:{free_port()}",
             )
-            served = False
             with control_plane_in_thread(create_app(settings), listener) as url:
                 console.print(f"[bold]Control plane[/] {url} (token {TOKEN})")
                 console.print(f"[bold]Web console[/] {url}/console (sign in with the token; open while the demo runs)")
-                client = Client(url, TOKEN)
-                job = client.jobs.create(demo_job_spec(images))
-                submitted = time.monotonic()
-                if not images:
-                    start_serving(settings, MODELS[images])
-                console.print(f"Submitted [bold]{job.id}[/]: 2 workers, ZeRO-2{', EP=2' if images else ''}, LoRA r=8 "
-                              f"on all linear layers{' of the text model' if images else ''}")
-                job, follower = follow(client, job.id, timeout=timeout, console=console)
-                job_seconds = time.monotonic() - submitted
-                if job.status == JobStatus.succeeded:
-                    shutil.rmtree(ADAPTER_COPY, ignore_errors=True)
-                    storage.download_dir(job.fine_tuned_model_uri, str(ADAPTER_COPY), endpoint_url=s3_url)
-                    # the demo ends by talking to the tuned model (the serving engine takes text models)
-                    served = images or chat_with_tuned_model(client, job, MODELS[images], head.dashboard_url,
-                                                             TOKEN, work / "valid.jsonl", console)
+                yield settings, url, head
+
+
+def run_demo(timeout: float = 600, images: bool = False) -> int:
+    """Returns the process exit code: 0 only if the job succeeded."""
+    console = Console()
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="moetune-demo-") as tmp, \
+            demo_stack(Path(tmp), images, console) as (settings, url, head):
+        served = False
+        client = Client(url, TOKEN)
+        job = client.jobs.create(demo_job_spec(images))
+        submitted = time.monotonic()
+        if not images:
+            start_serving(settings, MODELS[images])
+        console.print(f"Submitted [bold]{job.id}[/]: 2 workers, ZeRO-2{', EP=2' if images else ''}, LoRA r=8 "
+                      f"on all linear layers{' of the text model' if images else ''}")
+        job, follower = follow(client, job.id, timeout=timeout, console=console)
+        job_seconds = time.monotonic() - submitted
+        if job.status == JobStatus.succeeded:
+            shutil.rmtree(ADAPTER_COPY, ignore_errors=True)
+            storage.download_dir(job.fine_tuned_model_uri, str(ADAPTER_COPY), endpoint_url=settings.s3_endpoint_url)
+            # the demo ends by talking to the tuned model (the serving engine takes text models)
+            served = images or chat_with_tuned_model(client, job, MODELS[images], head.dashboard_url,
+                                                     TOKEN, Path(tmp) / "valid.jsonl", console)
     elapsed = time.monotonic() - start
     console.print(f"\nstatus: [bold]{job.status}[/]  (job {job_seconds:.0f}s, demo {elapsed:.0f}s)")
     if follower.losses:
