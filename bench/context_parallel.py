@@ -5,7 +5,7 @@ on one rank and split over 2 and 4 context-parallel ranks (workers.families.cont
 Per rank: the bytes autograd saves for the backward (planner.saved's count: what context parallelism divides; the
 whole row's gathered MLA keys and every rank's KDA state summary included) and the time of a forward and backward
 (the second of two; the slowest rank's). Then the longest length each CP size fits in one memory budget (the
-unsplit rank's saved bytes at --length), on a doubling ladder. Every rank runs one thread; 4 ranks on a 2-core
+unsplit rank's saved bytes at --length), on a ladder of steps of √2. Every rank runs one thread; 4 ranks on a 2-core
 machine share its cores, so CP=4's step time says little there.
 
     python bench/context_parallel.py [--length 8192] [--ladder-max 65536]
@@ -24,6 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: bench.support
 
+LADDER_GRAIN = 4096
 TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "o_proj", "q_proj", "k_proj",
            "v_proj", "f_a_proj", "f_b_proj", "b_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -78,11 +79,13 @@ def _step(world: int, tokens: int) -> dict:
 
 
 def _longest(world: int, budget: float, start: int, ladder_max: int, known: dict) -> int:
+    """The longest length on a ladder of steps of √2 (multiples of 4,096 tokens) whose largest rank saves at most
+    `budget` bytes."""
     best, tokens = 0, start
     while tokens <= ladder_max:
         if (known.get(tokens) or _step(world, tokens))["saved"] > budget:
             break
-        best, tokens = tokens, tokens * 2
+        best, tokens = tokens, max(tokens + LADDER_GRAIN, round(tokens * 2**0.5 / LADDER_GRAIN) * LADDER_GRAIN)
     return best
 
 
@@ -99,7 +102,7 @@ def main() -> None:
                for world in (1, 4)}
     print(f"CP=1 {longest[1]:,} tokens, CP=4 {longest[4]:,} tokens")
     print(f"RESULT cp2_peak_ratio={at[2]['saved'] / budget:.3f} cp4_peak_ratio={at[4]['saved'] / budget:.3f} "
-          f"cp4_max_len_ratio={longest[4] / longest[1]:.1f} "
+          f"cp4_max_len_ratio={longest[4] / longest[1]:.2f} "
           f"cp2_step_ratio={at[2]['seconds'] / at[1]['seconds']:.3f}")
 
 

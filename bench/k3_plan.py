@@ -4,7 +4,7 @@ their memory as the device reports it, nvidia-smi's 143,771 and 183,359 MiB; sol
 128K and 1M tokens: the recommended layout for the recipe's 64 workers and the fewest GPUs any layout fits on
 (context parallelism included), per GPU in training and at load, and what the fewest layout's memory goes to.
 Prints docs/parallelism.md's table (markdown) and a RESULT line. The model facts are measured once per length (the
-meta-device passes, one per context-parallel size, are the cost; the clusters share them).
+meta-device passes, one per context-parallel size a plan reaches, are the cost; the clusters share them).
 
     python bench/k3_plan.py [--lengths 4096,32768,131072,1048576]
 """
@@ -22,6 +22,7 @@ from moetune.api.models.job_create import JobCreate
 from moetune.api.models.run_config import resolve_run_config
 from moetune.api.plans import PlannedLayout, parse_cluster
 from moetune.workers.planner import plan
+from moetune.workers.planner.memory import Layout, breakdown, total
 from moetune.workers.planner.model import model_facts
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -40,10 +41,24 @@ def _layout(fit: PlannedLayout | None) -> str:
             f"{fit.load_total_bytes / GIB:.1f} GiB at load")
 
 
-def _parts(fit: PlannedLayout) -> str:
+def _parts(parts: dict) -> str:
     """Where a layout's memory goes: its largest parts in GiB."""
-    parts = {k: sum(v.values()) if isinstance(v, dict) else v for k, v in fit.bytes.items()}
+    parts = {k: sum(v.values()) if isinstance(v, dict) else v for k, v in parts.items()}
     return ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:4])
+
+
+def _most_split(facts, job, gpus: int) -> str:
+    """Where nothing fits: the breakdown of the most split layout on all the cluster's GPUs (its largest CP size,
+    the largest EP dividing the experts, ZeRO-3, recomputation), with the largest layer's rerun, which the
+    activations include."""
+    ep = max(d for d in range(1, gpus + 1) if gpus % d == 0 and facts.num_experts % d == 0)
+    cp = max(c for c in facts.context_sizes if gpus % c == 0)
+    dims = job.parallelism.model_copy(update={"num_workers": gpus, "expert_parallel_size": ep,
+                                              "context_parallel_size": cp, "zero_stage": 3})
+    parts = breakdown(facts, Layout(dims, True, 1))
+    rerun = max(facts.layer_bytes(ep, cp))
+    return (f"at {gpus} GPUs, EP={ep}, CP={cp}, ZeRO-3, checkpointing on: {total(parts) / GIB:.1f} GiB "
+            f"({_parts(parts)}; the largest layer's rerun {rerun / GIB:.1f} of the activations)")
 
 
 def _length(tokens: int) -> str:
@@ -62,17 +77,18 @@ def main() -> None:
         job, choose = resolve_run_config(spec, 0), spec.training.activation_checkpointing == "auto"
         start = time.perf_counter()
         facts = model_facts(config, job)
-        print(f"seq_len {seq_len:,}: model facts in {time.perf_counter() - start:.0f} s", flush=True)
         for gpu, cluster in CLUSTERS.items():
             p = plan(config, job, parse_cluster(cluster), choose, facts)
             rows.append(f"| {gpu} | {_length(seq_len)} | {_layout(p.recommended)} | {_layout(p.fewest_gpus)} |")
             result[f"{gpu.lower()}_{_length(seq_len).lower()}_fewest_gpus"] = (
                 p.fewest_gpus.parallelism.num_workers if p.fewest_gpus else 0)
             if p.fewest_gpus:
-                why.append(f"{gpu} {_length(seq_len)}, fewest GPUs (GiB): {_parts(p.fewest_gpus)}")
+                why.append(f"{gpu} {_length(seq_len)}, fewest GPUs (GiB): {_parts(p.fewest_gpus.bytes)}")
             else:
-                why.append(f"{gpu} {_length(seq_len)}: none fits; at 64 workers as submitted (GiB): "
-                           f"{_parts(p.submitted)}")
+                why.append(f"{gpu} {_length(seq_len)}: none fits within {p.cluster.usable_bytes_per_gpu / GIB:.1f} "
+                           f"GiB; {_most_split(facts, job, p.cluster.gpus)}")
+        print(f"seq_len {seq_len:,}: planned in {time.perf_counter() - start:.0f} s, the activations of CP sizes "
+              f"{list(facts.measured_contexts)} measured", flush=True)
     print(f"\nkimi_k3, {facts.parameters:,} parameters; usable = 90 % of a GPU\n")
     print("| GPU | seq_len | recommended (64 GPUs) | fewest GPUs |\n|---|---|---|---|")
     print("\n".join(rows))

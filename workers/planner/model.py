@@ -55,6 +55,11 @@ class ModelFacts:
             self._profiles[context] = self.measure(context)
         return self._profiles[context]
 
+    @property
+    def measured_contexts(self) -> tuple[int, ...]:
+        """The context-parallel sizes whose activations were measured so far."""
+        return tuple(sorted(self._profiles))
+
     def slice_tokens(self, context: int) -> int:
         return self.seq_len // context
 
