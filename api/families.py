@@ -127,14 +127,18 @@ def facts_of(config: dict) -> FamilyFacts:
     return facts
 
 
-def images_refusal(config: dict) -> str | None:
-    """Why this checkpoint cannot train on rows with images, phrased to follow "but"; None when it can."""
+def images_refusal(config: dict, context_parallel_size: int = 1) -> str | None:
+    """Why a job on this checkpoint cannot train on rows with images, phrased to follow "but"; None when it can.
+    Context parallelism cuts token rows only: the vision tower's image tokens would have to be split with them."""
     model_type = config.get("model_type")
     facts = known_facts(config)
     if facts is None or not facts.images:
         return f"moetune trains {model_type!r} models on text only (no image input for this family)"
     if "vision_config" not in config:
         return "the model has no vision tower (its config.json has no vision_config)"
+    if context_parallel_size > 1:
+        return (f"a job with parallelism.context_parallel_size = {context_parallel_size} trains on text only "
+                "(context parallelism splits token rows, not images); use context_parallel_size 1 for image rows")
     return None
 
 
@@ -148,7 +152,7 @@ def check_model_spec(config: dict, lora: LoraSpec, parallelism: ParallelDims) ->
         able = sorted(name for name, f in FAMILIES.items() if f.context_parallel)
         raise SpecError("parallelism.context_parallel_size", f"a {facts.model_type} model has no context-parallel "
                                                              f"path yet; the families that have one: {', '.join(able)}")
-    if lora.vision != "none" and (why := images_refusal(config)):
+    if lora.vision != "none" and (why := images_refusal(config, parallelism.context_parallel_size)):
         raise SpecError("lora.vision", f"{lora.vision!r} puts LoRA on the model's vision tower, but {why}; "
                                        f"use \"none\" (the default)")
     if isinstance(lora.target_modules, list):

@@ -61,9 +61,10 @@ def _scanned(uri: str, settings: Settings) -> _Scan | None:
 def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, settings: Settings,
                       facts: StorageFacts | None = None) -> dict[str, int]:
     """Raises SpecError at the first image URL refused before reading (api.chat_content.image_url_refusal): outside
-    the tenant's storage, or any image when the model (`config`; None: storage could not give it) takes none.
+    the tenant's storage, or any image when the model (`config`; None: storage could not give it) or the job's context
+    parallelism takes none.
     Returns the number of rows of each file scanned, by field (the submission limits' dataset size)."""
-    refusal = images_refusal(config) if config is not None else None
+    refusal = images_refusal(config, spec.parallelism.context_parallel_size) if config is not None else None
     rows: dict[str, int] = {}
     for param in _DATA_FIELDS:
         uri = getattr(spec, param)

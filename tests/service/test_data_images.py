@@ -25,7 +25,8 @@ TEXT_PARTS = {"messages": [{"role": "user", "content": [{"type": "text", "text":
 
 @pytest.fixture(scope="module")
 def buckets(s3_endpoint, tmp_path_factory):
-    """Tenant a's bucket (a text-only kimi_linear checkpoint with its tokenizer, a PNG) and tenant b's (a PNG)."""
+    """Tenant a's bucket (the configs and tokenizers of a text-only kimi_linear and of a Kimi K3 with its vision
+    tower, a PNG) and tenant b's (a PNG)."""
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     a, b = "images-tenant-a", "images-tenant-b"
     for bucket in (a, b):
@@ -33,9 +34,10 @@ def buckets(s3_endpoint, tmp_path_factory):
         s3.put_object(Bucket=bucket, Key="img/red.png", Body=image_bytes())
     tokenizer = tmp_path_factory.mktemp("tokenizer")
     write_tiny_tokenizer(str(tokenizer))
-    for name in os.listdir(tokenizer):
-        s3.put_object(Bucket=a, Key=f"kimi/{name}", Body=(tokenizer / name).read_bytes())
-    s3.put_object(Bucket=a, Key="kimi/config.json", Body=REGISTRY["kimi_linear"].tiny_config().to_json_string())
+    for folder, family in (("kimi", "kimi_linear"), ("k3", "kimi_k3")):
+        for name in os.listdir(tokenizer):
+            s3.put_object(Bucket=a, Key=f"{folder}/{name}", Body=(tokenizer / name).read_bytes())
+        s3.put_object(Bucket=a, Key=f"{folder}/config.json", Body=REGISTRY[family].tiny_config().to_json_string())
     return a, b
 
 
@@ -47,10 +49,10 @@ def submit(start_service, buckets, s3_endpoint):
     service = start_service(s3_endpoint_url=s3_endpoint, uri_allow_list={"tenant-a": [f"s3://{a}"]},
                             default_output_uri=f"s3://{a}/out")
 
-    def post(rows: list[dict], model: str = "kimi"):
+    def post(rows: list[dict], model: str = "kimi", **fields):
         s3.put_object(Bucket=a, Key="train.jsonl", Body="".join(json.dumps(r) + "\n" for r in rows))
         return service.http("tenant-a").post("/v1/fine_tuning/jobs", json={
-            "model": f"s3://{a}/{model}", "training_file": f"s3://{a}/train.jsonl"})
+            "model": f"s3://{a}/{model}", "training_file": f"s3://{a}/train.jsonl", **fields})
 
     post.service = service
     return post
@@ -78,6 +80,19 @@ def test_image_rows_for_a_model_without_image_input_are_422(submit, buckets):
     assert submit([TEXT_PARTS]).status_code == 200  # text-only parts train on every family
     # a file that passed is not read again for seconds (a run of creates): new bytes within them are the driver's
     assert submit([TEXT_PARTS, image_row(data_url(image_bytes()))]).status_code == 200
+
+
+def test_image_rows_of_a_context_parallel_job_are_422(submit, buckets):
+    """Kimi K3 takes images, but not when its rows are split over context-parallel ranks: the refusal says why and
+    what to change; the same rows at context_parallel_size 1 are accepted."""
+    a, _ = buckets
+    rows = [TEXT_PARTS, image_row(data_url(image_bytes()))]
+    split = {"parallelism": {"num_workers": 2, "context_parallel_size": 2}}
+    assert _error(submit(rows, "k3", **split)) == ("training_file", (
+        f"training_file s3://{a}/train.jsonl row 2: '{URL}' is an image, but a job with "
+        "parallelism.context_parallel_size = 2 trains on text only (context parallelism splits token rows, not "
+        "images); use context_parallel_size 1 for image rows"))
+    assert submit(rows, "k3").status_code == 200
 
 
 def test_the_driver_gets_the_tenants_access_and_refuses_what_submission_did_not_scan(start_service, buckets,

@@ -39,3 +39,21 @@ def test_a_row_over_seq_len_with_its_image_tokens_is_refused_with_its_number(s3_
     assert tokens > 24 and err.value.message.endswith(
         "tokens with its image tokens, over training.seq_len 24; rows are never cut through an image")
     assert validate(run(tokens), WorkerSettings())[0] == 3  # it fits exactly at its count
+
+
+def test_image_rows_of_a_context_parallel_job_are_refused_before_any_worker(s3_bucket, tmp_path):
+    """What submission did not scan (a file too large, storage away) the driver refuses: context parallelism splits
+    token rows, and Kimi K3's image rows would have to be split with their image tokens."""
+    base = f"s3://{s3_bucket}"
+    storage.upload_dir(write_tiny_multimodal_checkpoint(str(tmp_path / "k3"), REGISTRY["kimi_k3"].tiny_config),
+                       f"{base}/model")
+    rows = [{"text": "plain text"}, image_row(data_url(solid_png("red", 32)), question="colour?", answer="red")]
+    storage.write_bytes(f"{base}/train.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    spec = JobCreate(model=f"{base}/model", training_file=f"{base}/train.jsonl", training={"global_batch_size": 2},
+                     parallelism={"num_workers": 2, "context_parallel_size": 2})
+    with pytest.raises(DatasetError) as err:
+        validate(job_run("ftjob-1", spec, 0, f"{base}/out/ftjob-1"), WorkerSettings())
+    assert err.value.message == (
+        f"training_file {base}/train.jsonl row 2: 'messages[0].content[1].image_url.url' is an image, but a job with "
+        "parallelism.context_parallel_size = 2 trains on text only (context parallelism splits token rows, not "
+        "images); use context_parallel_size 1 for image rows")
