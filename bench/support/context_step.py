@@ -1,6 +1,7 @@
 """One optimizer step of a supervised job through the step runner as a job's rank runs it (SFT's packed
 micro-batches, its loss head, gradient accumulation over two micro-batches), with context parallelism or without:
-the summed loss and token counts, and every trainable parameter's gradient at the accumulation boundary."""
+the summed loss and token counts, every trainable parameter's gradient at the accumulation boundary, and then the
+validation loss on five of the examples."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def run_context_step(rank: int, world: int, family_name: str, spec_json: str, ou
     from bench.support.harness import make_engine
     from moetune.workers.loop.collectives import Collectives
     from moetune.workers.loop.context_split import ContextSplit
+    from moetune.workers.loop.evaluate import evaluate
     from moetune.workers.loop.step import RankPlace, StepRunner
     from moetune.workers.methods.sft import SupervisedMethod
 
@@ -51,6 +53,7 @@ def run_context_step(rank: int, world: int, family_name: str, spec_json: str, ou
 
     engine.step = step
     loss_sum, loss_tokens, tokens = runner.run(1, train_set())
+    valid_loss = evaluate(runner, train_set()[:5])
     os.makedirs(out_dir, exist_ok=True)
-    torch.save({"loss_sum": loss_sum, "loss_tokens": loss_tokens, "tokens": tokens, "grads": grads},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"loss_sum": loss_sum, "loss_tokens": loss_tokens, "tokens": tokens, "grads": grads,
+                "valid_loss": valid_loss}, os.path.join(out_dir, f"rank{rank}.pt"))

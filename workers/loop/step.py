@@ -146,7 +146,7 @@ class StepRunner:
         while done < len(examples):
             chunk = examples[done : done + self.micro_batch_size]
             last = done + len(chunk) == len(examples)
-            with self._micro_batch(chunk) as batch:
+            with self.micro_batch(chunk) as batch:
                 if self.tuner:
                     self.probe.begin()
                 loss = self._forward(batch, step, last)
@@ -175,7 +175,7 @@ class StepRunner:
         return loss_sum, loss_tokens, tokens
 
     @contextlib.contextmanager
-    def _micro_batch(self, chunk: list):
+    def micro_batch(self, chunk: list):
         """The examples' micro-batch on this rank's device (its slice, inside a CP forward, with context
         parallelism): the forward and the backward run inside."""
         batch = self.method.collate(chunk)

@@ -289,8 +289,7 @@ class _Worker:
             if step == done + 1 and done:
                 record["resumed_from_step"] = done
             if self.valid_set and ((t.eval_every and step % t.eval_every == 0) or step == steps):
-                record["valid_loss"] = evaluate(self.engine, self.method, self.valid_set, self.steps.micro_batch_size,
-                                                self.world_rank, self.world, self.device, self.collectives)
+                record["valid_loss"] = evaluate(self.steps, self.valid_set)
             every = (self.job.evaluation.every or t.checkpoint_every) if self.eval_rows else None
             if self.eval_rows and ((every and step % every == 0) or step == steps):
                 record.update(self.generation_eval())

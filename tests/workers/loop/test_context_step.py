@@ -1,7 +1,8 @@
 """A supervised job's step at context_parallel_size 2 on two gloo ranks (bench.support.context_step): Kimi K3's tiny
 model of the released shape, SFT's packed micro-batches, two of them accumulated, cut into two slices each and run
 through the CP forward, with expert parallelism off and on. The summed loss, the token counts and every LoRA
-gradient the optimizer applies equal one process's step over the same examples without CP."""
+gradient the optimizer applies equal one process's step over the same examples without CP; so does the validation
+loss after the step, each rank scoring its slice of the rows."""
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ def test_a_context_parallel_step_equals_the_unsplit_step(tmp_path):
         for rank in (torch.load(tmp_path / name / f"rank{r}.pt") for r in range(2)):
             assert (rank["loss_tokens"], rank["tokens"]) == (want["loss_tokens"], want["tokens"]), name
             assert rank["loss_sum"] == pytest.approx(want["loss_sum"], rel=1e-5), name
+            assert rank["valid_loss"] == pytest.approx(want["valid_loss"], rel=1e-5), name
             assert rank["grads"].keys() == want["grads"].keys()
             for key, expected in want["grads"].items():
                 assert (rank["grads"][key] - expected).abs().max() <= 5e-5 * expected.abs().max(), (name, key)
