@@ -11,12 +11,21 @@ from moetune.workers.comm.lockstep import hold_in_lockstep
 from moetune.workers.engine.schedule import lr_scheduler
 
 
+def deepspeed_batch_size(global_batch_size: int, parallelism: ParallelDims) -> int:
+    """The batch DeepSpeed counts in an optimizer step. It takes every rank for a data-parallel one, while the ranks
+    of a context-parallel group run the same examples, each its slice: to DeepSpeed the global batch is seen once
+    per rank of a data-parallel replica. Only its bookkeeping reads it: StepRunner marks the accumulation boundary and
+    scales the loss itself."""
+    return global_batch_size * (parallelism.num_workers // parallelism.data_parallel_size)
+
+
 def deepspeed_config(t: RunTraining, parallelism: ParallelDims, world_size: int, bf16: bool) -> dict:
     micro_batch_size = t.micro_batch_size  # tuned: the tuner's start, which StepRunner sets
+    batch_size = deepspeed_batch_size(t.global_batch_size, parallelism)
     return {
-        "train_batch_size": t.global_batch_size,
+        "train_batch_size": batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": t.global_batch_size // (micro_batch_size * world_size),
+        "gradient_accumulation_steps": batch_size // (micro_batch_size * world_size),
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": parallelism.zero_stage},
         "bf16": {"enabled": bf16},
@@ -74,11 +83,11 @@ def build_engine(model, training: RunTraining, parallelism: ParallelDims, world_
     return engine, scheduler
 
 
-def set_micro_batch_size(engine, micro_batch_size: int, global_batch_size: int) -> None:
+def set_micro_batch_size(engine, micro_batch_size: int, global_batch_size: int, parallelism: ParallelDims) -> None:
     """Keeps DeepSpeed's batch bookkeeping (samples counted, saved config) in step with a tuner decision;
     the global batch stays the same, gradient accumulation absorbs the change."""
     engine.set_train_micro_batch_size(micro_batch_size)
-    engine.set_train_batch_size(global_batch_size)
+    engine.set_train_batch_size(deepspeed_batch_size(global_batch_size, parallelism))
 
 
 def gathered(params):

@@ -57,7 +57,7 @@ class StepRunner:
         # each of them
         par = job.parallelism
         self.data_rank, self.data_world = par.coordinates(place.world_rank).data_rank, par.data_parallel_size
-        self.context_size = par.context_parallel_size
+        self.parallelism, self.context_size = par, par.context_parallel_size
         self.per_rank = training.global_batch_size // self.data_world
         self.tuner, self.figures = None, {}  # figures: the method's own metrics of the last step run
         if training.tune_micro_batch:
@@ -228,7 +228,7 @@ class StepRunner:
 
     def _switch(self, size: int) -> None:
         self.micro_batch_size = size
-        set_micro_batch_size(self.engine, size, self.t.global_batch_size)
+        set_micro_batch_size(self.engine, size, self.t.global_batch_size, self.parallelism)
 
     def _back_off(self, step: int) -> None:
         failed = self.micro_batch_size

@@ -1,6 +1,7 @@
-"""A supervised job's step at context_parallel_size 2 on two gloo ranks (bench.support.context_step): Kimi K3's tiny
+"""A supervised job's step at context_parallel_size 2 on gloo ranks (bench.support.context_step): Kimi K3's tiny
 model of the released shape, SFT's packed micro-batches, two of them accumulated, cut into two slices each and run
-through the CP forward, with expert parallelism off and on. The summed loss, the token counts and every LoRA
+through the CP forward: alone, with expert parallelism, under ZeRO-3, and on four ranks as two data-parallel CP
+groups whose two ranks also share the experts (EP=2 x CP=2). The summed loss, the token counts and every LoRA
 gradient the optimizer applies equal one process's step over the same examples without CP; so does the validation
 loss after the step, each rank scoring its slice of the rows."""
 
@@ -10,8 +11,11 @@ import torch
 from bench.support.context_step import run_context_step
 from bench.support.harness import launch, spec
 
-CASES = {"cp2": spec(ep=1, zero=2, world=2, cp=2, global_batch=4), "cp2-ep2": spec(ep=2, zero=2, world=2, cp=2,
-                                                                                    global_batch=4)}
+# case -> its run config, by the number of ranks it runs on
+CASES = {2: {"cp2": spec(ep=1, zero=2, world=2, cp=2, global_batch=4),
+             "cp2-ep2": spec(ep=2, zero=2, world=2, cp=2, global_batch=4),
+             "cp2-zero3": spec(ep=1, zero=3, world=2, cp=2, global_batch=4)},
+         4: {"cp2-ep2-dp2": spec(ep=2, zero=2, world=4, cp=2, global_batch=4)}}
 
 
 def _runs(rank, world, cases, out_dir):
@@ -21,13 +25,14 @@ def _runs(rank, world, cases, out_dir):
 
 @pytest.mark.timeout(600)
 def test_a_context_parallel_step_equals_the_unsplit_step(tmp_path):
-    launch(_runs, 2, [(name, job.model_dump_json()) for name, job in CASES.items()], str(tmp_path))
+    for world, cases in CASES.items():
+        launch(_runs, world, [(name, job.model_dump_json()) for name, job in cases.items()], str(tmp_path))
     reference = spec(ep=1, zero=2, world=1, global_batch=4)
     launch(_runs, 1, [("reference", reference.model_dump_json())], str(tmp_path))
     want = torch.load(tmp_path / "reference" / "rank0.pt")
     assert want["grads"] and all(g.abs().max() > 0 for n, g in want["grads"].items() if "lora_B" in n)
-    for name in CASES:
-        for rank in (torch.load(tmp_path / name / f"rank{r}.pt") for r in range(2)):
+    for world, cases in CASES.items():
+        for name, rank in ((name, torch.load(tmp_path / name / f"rank{r}.pt")) for name in cases for r in range(world)):
             assert (rank["loss_tokens"], rank["tokens"]) == (want["loss_tokens"], want["tokens"]), name
             assert rank["loss_sum"] == pytest.approx(want["loss_sum"], rel=1e-5), name
             assert rank["valid_loss"] == pytest.approx(want["valid_loss"], rel=1e-5), name
