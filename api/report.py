@@ -46,6 +46,7 @@ class StepRecord(_Report):
     train_seconds: float | None = None  # forward, backward and optimizer of every micro-batch
     eval_seconds: float | None = None  # the validation pass, when the step had one
     alltoall_share: float | None = None  # the slowest rank's token all-to-all seconds over train_seconds
+    context_share: float | None = None  # the slowest rank's context-parallel exchange seconds over train_seconds
     memory_peak_mb: list[float] | None = None  # per rank
     memory_budget_mb: float | None = None
     expert_imbalance: dict[str, float] | None = None  # MoE layer -> max / mean expert load of the step
@@ -66,6 +67,7 @@ class Throughput(_Report):
     step_seconds: float  # mean time of a step's training part
     eval_share: float  # evaluation time over all step time
     alltoall_share: float  # token all-to-all time over training time (0 without expert parallelism)
+    context_share: float | None = None  # context-parallel exchange time over training time (None without CP)
 
 
 class Memory(_Report):

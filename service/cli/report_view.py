@@ -44,6 +44,7 @@ def compare_rows(a: AdaptationReport, b: AdaptationReport) -> list[tuple[str, ob
         ("tokens/s", a.throughput.tokens_per_second, b.throughput.tokens_per_second),
         ("seconds per step", a.throughput.step_seconds, b.throughput.step_seconds),
         ("all-to-all share", a.throughput.alltoall_share, b.throughput.alltoall_share),
+        ("context-parallel share", a.throughput.context_share, b.throughput.context_share),
         ("peak memory MB (max rank)", max(a.memory.peak_mb_per_rank, default=None),
          max(b.memory.peak_mb_per_rank, default=None)),
         ("alignment", _alignment(a), _alignment(b)),

@@ -28,15 +28,17 @@ ALIGNMENT = [{"op": "kda", "rmse_ratio": 2e-7, "tolerance": 1e-3, "ok": True},
               "ok": True}]
 
 
-def _history(steps: int, start_loss: float) -> list[dict]:
-    """Step records with every figure the workers log (two ranks, two MoE layers, checkpoints every 4)."""
+def _history(steps: int, start_loss: float, context: bool) -> list[dict]:
+    """Step records with every figure the workers log (two ranks, two MoE layers, checkpoints every 4; `context`:
+    the context-parallel share of a CP job)."""
     records = []
     for step in range(1, steps + 1):
         record = {"step": step, "total_steps": steps, "train_loss": start_loss * math.exp(-step / 5),
                   "learning_rate": 1e-3, "tokens_per_second": 900.0 + step, "trained_tokens": 256 * step,
                   "train_seconds": 0.5, "eval_seconds": 0.1 if step % 4 == 0 else 0.0, "alltoall_share": 0.2,
                   "memory_peak_mb": [1000.0 + step, 1100.0], "memory_budget_mb": 4000.0,
-                  "expert_imbalance": {"1": 1.0 + step / 10, "2": 2.0 - step / 20}}
+                  "expert_imbalance": {"1": 1.0 + step / 10, "2": 2.0 - step / 20},
+                  **({"context_share": 0.1} if context else {})}
         if step % 4 == 0:
             record |= {"valid_loss": record["train_loss"] + 0.1, "checkpoint": f"step-{step}",
                        "eval_exact_match": step / steps, "eval_chrf": 0.5}
@@ -44,12 +46,12 @@ def _history(steps: int, start_loss: float) -> list[dict]:
     return records
 
 
-def _write(service, steps: int, start_loss: float) -> tuple[str, JobRunSpec]:
+def _write(service, steps: int, start_loss: float, context: bool = False) -> tuple[str, JobRunSpec]:
     evaluation = {"file": "s3://outputs/eval.jsonl", "metrics": ["exact_match", "chrf"]}
     row = service.store.get_job(service.create_job(evaluation=evaluation)["id"])
     run = JobRunSpec(job_id=row.id, config=RunConfig.model_validate(row.run_config), output_uri=row.output_uri)
     storage.write_bytes(metrics_uri(run.output_uri),
-                        "".join(json.dumps(r) + "\n" for r in _history(steps, start_loss)).encode())
+                        "".join(json.dumps(r) + "\n" for r in _history(steps, start_loss, context)).encode())
     summary = {"alignment": ALIGNMENT, "base_evaluation": {"eval_exact_match": 0.0, "eval_chrf": 0.25},
                "selected_step": steps}
     write_report(run, [{"layer_type": "linear attention", "layers": 2}], summary, kept_steps={steps - steps % 4})
@@ -58,7 +60,7 @@ def _write(service, steps: int, start_loss: float) -> tuple[str, JobRunSpec]:
 
 @pytest.fixture(scope="module")
 def two_reports(service):
-    return _write(service, 12, 3.0), _write(service, 8, 4.0)
+    return _write(service, 12, 3.0, context=True), _write(service, 8, 4.0)
 
 
 def test_a_job_without_report_is_a_404_naming_it(service):
@@ -78,6 +80,7 @@ def test_report_is_served_and_downloaded_by_the_cli(service, two_reports, tmp_pa
     assert report.expert_imbalance.layers == ["1", "2"] and len(report.expert_imbalance.ratio[0]) == 12
     assert report.memory.peak_mb_per_rank == [1012.0, 1100.0]
     assert report.throughput.alltoall_share == pytest.approx(0.2)
+    assert report.throughput.context_share == pytest.approx(0.1) and report.steps[0].context_share == 0.1
     assert report.evaluation.steps == [4, 8, 12] and report.evaluation.base == {"exact_match": 0.0, "chrf": 0.25}
     assert report.evaluation.scores["exact_match"] == [4 / 12, 8 / 12, 1.0] and report.selected_step == 12
 
@@ -105,6 +108,7 @@ def test_compare_prints_both_reports_figures_side_by_side(service, two_reports):
     assert rows["last valid loss"] == [f"{r.last_valid_loss:.4g}" for r in (left, right)]
     assert rows["exact_match @ step 0"] == ["0", "0"] and rows["exact_match (last)"] == ["1", "1"]
     assert rows["tokens/s"] == [f"{r.throughput.tokens_per_second:.4g}" for r in (left, right)]
+    assert rows["context-parallel share"] == ["0.1", "-"] and right.throughput.context_share is None
 
 
 def test_the_report_page_draws_every_plot_in_chromium_without_any_request(service, two_reports, tmp_path):
@@ -120,6 +124,7 @@ def test_the_report_page_draws_every_plot_in_chromium_without_any_request(servic
     for name, figure in plots.items():
         assert figure.startswith("<svg") and figure.count("<path") > 10, name  # axes, ticks and the drawn data
     assert "<image" in plots["plot-expert-load"]  # the heatmap: a raster embedded as a data: URI
+    assert "all-to-all 20.0% of training time, context-parallel exchanges 10.0%; loss" in opened.dom
     reproduce = re.search(r'<pre id="reproduce">(.*?)</pre>', opened.dom, re.S).group(1)
     body = json.loads(html.unescape(reproduce))  # posted again, it is the same run
     assert resolve_run_config(JobCreate.model_validate(body), body["seed"]) == run.config

@@ -7,10 +7,17 @@ the gathered tensor in their graph with `entangled`."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from moetune.workers.comm import checked
+from moetune.workers.comm.exchange_stats import ExchangeStats
+
+# This process's context-parallel exchanges (every CP path gathers through _AllGather), drained once a step by
+# workers.reporting.metrics into the job's Prometheus series and step figures.
+CONTEXT_EXCHANGES = ExchangeStats()
 
 
 class _AllGather(torch.autograd.Function):
@@ -18,7 +25,9 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = x.new_empty(dist.get_world_size(group), *x.shape)
-        checked.all_gather(out, x.contiguous(), group=group)
+        x = x.contiguous()
+        with _recorded(x[None].expand(len(out), *x.shape), dist.get_rank(group)):  # x itself to every other rank
+            checked.all_gather(out, x, group=group)
         return out
 
     @staticmethod
@@ -26,8 +35,16 @@ class _AllGather(torch.autograd.Function):
         # a reduce-scatter: rank i's gradient for part j goes to rank j, which sums what it receives (as an
         # all-to-all and a sum, one code path on gloo, which has no reduce-scatter, and NCCL)
         received = torch.empty_like(d_out, memory_format=torch.contiguous_format)
-        checked.all_to_all_single(received, d_out.contiguous(), group=ctx.group)
+        d_out = d_out.contiguous()
+        with _recorded(d_out, dist.get_rank(ctx.group)):  # part j to rank j
+            checked.all_to_all_single(received, d_out, group=ctx.group)
         return received.sum(0), None
+
+
+def _recorded(parts: torch.Tensor, me: int):
+    """Times an exchange that sends parts[r] to rank r, into CONTEXT_EXCHANGES; the planner's meta forwards (in a
+    worker too, for the tuner's start) move nothing and are not counted."""
+    return contextlib.nullcontext() if parts.is_meta else CONTEXT_EXCHANGES.timed(parts, [1] * len(parts), me)
 
 
 def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:

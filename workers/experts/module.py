@@ -18,7 +18,7 @@ from moetune.kernels.quant import held, held_names, hold
 from moetune.workers.engine.deepspeed import full_shape, gathered, partitioned
 from moetune.workers.engine.experts import as_moe_layer, tag_expert_param
 from moetune.workers.comm import checked
-from moetune.workers.experts.alltoall import AllToAllStats
+from moetune.workers.comm.exchange_stats import ExchangeStats
 from moetune.workers.experts.compute import (
     ExpertLoraFactors,
     GatedActivation,
@@ -76,7 +76,7 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single whose backward sends the gradients back the way the tokens came."""
 
     @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, stats: AllToAllStats):
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, stats: ExchangeStats):
         ctx.splits, ctx.group, ctx.stats = (out_splits, in_splits), group, stats
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         with stats.timed(x, in_splits, dist.get_rank(group)):
@@ -89,7 +89,7 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group, ctx.stats), None, None, None, None
 
 
-def _exchange(x, out_splits, in_splits, ep: ExpertPlacement, stats: AllToAllStats):
+def _exchange(x, out_splits, in_splits, ep: ExpertPlacement, stats: ExchangeStats):
     return x if ep.size == 1 else _AllToAll.apply(x, out_splits, in_splits, ep.group, stats)
 
 
@@ -158,7 +158,7 @@ class ExpertParallelExperts(nn.Module):
         # as zero-initialised and never moves it (a host buffer would stay on the host).
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long,
                                                               device=self.device), persistent=False)
-        self.comm = AllToAllStats()  # this layer's token exchanges (read by workers.metrics)
+        self.comm = ExchangeStats()  # this layer's token exchanges (read by workers.metrics)
 
     def _init_lora(self, local: slice) -> None:
         """A like PEFT's kaiming-uniform init (this rank's experts only, see init_expert_lora_a), B = 0."""

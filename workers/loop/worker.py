@@ -344,7 +344,7 @@ def train_loop_per_worker(config: dict) -> None:
     worker = _Worker(config)
     try:
         worker.load()
-        worker.metrics.training_started(worker.model)
+        worker.metrics.training_started(worker.model, worker.job.parallelism.context_parallel_size > 1)
         worker.load_data()
         if worker.train():
             worker.finish()

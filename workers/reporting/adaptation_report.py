@@ -69,6 +69,7 @@ def build_report(run: JobRunSpec, lora_coverage: list[dict], summary: dict, hist
     train = [r.get("train_seconds", 0.0) for r in history]
     evaluation = [r.get("eval_seconds", 0.0) for r in history]
     alltoall = [r.get("alltoall_share", 0.0) * r.get("train_seconds", 0.0) for r in history]
+    context = [r["context_share"] * r.get("train_seconds", 0.0) for r in history if "context_share" in r]
     peaks = [r["memory_peak_mb"] for r in history if r.get("memory_peak_mb")]
     with_load = [r for r in history if r.get("expert_imbalance")]
     layers = list(with_load[0]["expert_imbalance"]) if with_load else []
@@ -80,7 +81,8 @@ def build_report(run: JobRunSpec, lora_coverage: list[dict], summary: dict, hist
         "throughput": {"tokens_per_second": _mean([r["tokens_per_second"] for r in history]),
                        "step_seconds": _mean(train),
                        "eval_share": sum(evaluation) / max(sum(train) + sum(evaluation), 1e-9),
-                       "alltoall_share": sum(alltoall) / max(sum(train), 1e-9)},
+                       "alltoall_share": sum(alltoall) / max(sum(train), 1e-9),
+                       "context_share": sum(context) / max(sum(train), 1e-9) if context else None},
         "memory": {"peak_mb_per_rank": [max(p[rank] for p in peaks) for rank in range(len(peaks[0]))] if peaks
                    else [], "budget_mb": history[-1].get("memory_budget_mb")},
         "expert_imbalance": {"layers": layers, "steps": [r["step"] for r in with_load],

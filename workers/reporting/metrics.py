@@ -1,4 +1,5 @@
-"""Per-worker Prometheus metrics: node resources, all-to-all traffic, expert load and training progress.
+"""Per-worker Prometheus metrics: node resources, all-to-all and context-parallel traffic, expert load and training
+progress.
 
 Every series carries job_id, node and rank labels ("job" would clash with the scrape job label Prometheus
 adds itself). Node series (network, memory) come from the node's first worker only; global numbers
@@ -11,6 +12,7 @@ import socket
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
+from moetune.workers.comm.differentiable import CONTEXT_EXCHANGES
 from moetune.workers.reporting.exporter import Exporter
 from moetune.workers.reporting.moe import MoEMetrics
 from moetune.workers.reporting.system import NodeCollector, ProcessCollector
@@ -63,7 +65,7 @@ class WorkerMetrics:
                                  settings.metrics_port, settings.metrics_targets_dir)
         for warning in self.exporter.warnings:
             event(f"Rank {rank}: {warning}", level="warn")
-        self.moe = None
+        self.moe, self.context = None, None
 
     def _gauge(self, name: str, doc: str, *extra: str) -> Gauge:
         return Gauge(name, doc, [*self.labels, *extra], registry=self.registry)
@@ -75,20 +77,34 @@ class WorkerMetrics:
         for p in PHASES:
             self.phase.labels(*self.labels.values(), p).set(1 if p == phase else 0)
 
-    def training_started(self, model) -> None:
-        """Hooks the model's expert-parallel MoE layers (call before the first forward)."""
+    def training_started(self, model, context_parallel: bool) -> None:
+        """Hooks the model's expert-parallel MoE layers and, with `context_parallel`, counts this rank's CP exchanges
+        (call before the first forward)."""
         self.moe = MoEMetrics(model, self.registry, self.labels, export_load=self.chief)
+        if context_parallel:
+            self.context = (self._counter("moetune_context_exchange_sent_bytes", "Context-parallel bytes this rank "
+                                          "sent to its CP group (gathered keys and states, their gradients)"),
+                            self._counter("moetune_context_exchange_seconds",
+                                          "Time this rank spent in context-parallel exchanges"))
+            CONTEXT_EXCHANGES.drain()  # from the first step on
+            for counter in self.context:
+                counter.labels(*self.labels.values())
         self.set_phase("training")
         self.exporter.await_scrape()  # the counters' zeros, so that rate() and increase() count the first step
 
     def step_end(self, record: dict, seconds: float, micro_batch_size: int, grad_accum_steps: int) -> dict:
         """After each optimizer step, on every rank (the expert-load sum is a collective), with the micro-batch
-        sizes the step ran with. Returns the MoE layers' figures of the step (MoEMetrics.step_end), {} without."""
+        sizes the step ran with. Returns the step's figures: the MoE layers' (MoEMetrics.step_end) and this rank's
+        context-parallel seconds."""
         labels = self.labels.values()
         self.step_seconds.labels(*labels).set(seconds)
         self.micro_batch.labels(*labels).set(micro_batch_size)
         self.grad_accum.labels(*labels).set(grad_accum_steps)
         figures = self.moe.step_end() if self.moe else {}
+        if self.context:
+            sent, figures["context_seconds"] = CONTEXT_EXCHANGES.drain()
+            self.context[0].labels(*labels).inc(sent)
+            self.context[1].labels(*labels).inc(figures["context_seconds"])
         if not self.chief:
             return figures
         self.step.labels(*labels).set(record["step"])

@@ -1,6 +1,6 @@
 """The figures of one step that the adaptation report plots beyond its loss (they travel in the step's metrics
-event and metrics.jsonl): the step's time split, the all-to-all share of it, each rank's peak memory against its
-budget, and each MoE layer's expert-load imbalance (max / mean load)."""
+event and metrics.jsonl): the step's time split, the all-to-all and context-parallel shares of it, each rank's peak
+memory against its budget, and each MoE layer's expert-load imbalance (max / mean load)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,16 @@ def memory_budget_bytes(device, memory_budget_mb: float | None) -> int:
 
 def step_figures(moe: dict, train_seconds: float, eval_seconds: float, rank: int, world: int, device,
                  all_sum: Callable[..., list[float]]) -> dict:
-    """Every rank (one collective): `moe` is this rank's MoE figures of the step (WorkerMetrics.step_end)."""
-    mine = [0.0] * (2 * world)
+    """Every rank (one collective): `moe` is this rank's figures of the step (WorkerMetrics.step_end)."""
+    mine = [0.0] * (3 * world)
     mine[rank], mine[world + rank] = peak_memory_bytes(device), moe.get("alltoall_seconds", 0.0)
+    mine[2 * world + rank] = moe.get("context_seconds", 0.0)
     summed = all_sum(*mine)
     figures = {"train_seconds": train_seconds, "eval_seconds": eval_seconds,
-               "alltoall_share": max(summed[world:]) / max(train_seconds, 1e-9),
+               "alltoall_share": max(summed[world:2 * world]) / max(train_seconds, 1e-9),
                "memory_peak_mb": [b / 1e6 for b in summed[:world]]}
+    if "context_seconds" in moe:  # every rank of a context-parallel job
+        figures["context_share"] = max(summed[2 * world:]) / max(train_seconds, 1e-9)
     if "expert_imbalance" in moe:
         figures["expert_imbalance"] = moe["expert_imbalance"]
     return figures

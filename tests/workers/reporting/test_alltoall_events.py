@@ -8,7 +8,7 @@ Sabotage noted: without the MAX_PENDING bound in `_fold`, the lagging case holds
 
 import torch
 
-from moetune.workers.experts.alltoall import MAX_PENDING, AllToAllStats, HostEvent
+from moetune.workers.comm.exchange_stats import MAX_PENDING, ExchangeStats, HostEvent
 
 EXCHANGES = 1000
 ROWS = torch.zeros(6, 8)  # 6 tokens of 32 bytes
@@ -27,7 +27,7 @@ class LaggingEvent(HostEvent):
         self.waited = True
 
 
-def _exchanges(stats: AllToAllStats) -> list[int]:
+def _exchanges(stats: ExchangeStats) -> list[int]:
     pending = []
     for _ in range(EXCHANGES):
         with stats.timed(ROWS, SPLITS, 0):
@@ -37,7 +37,7 @@ def _exchanges(stats: AllToAllStats) -> list[int]:
 
 
 def test_completed_exchanges_are_folded_at_once():
-    stats = AllToAllStats()
+    stats = ExchangeStats()
     assert max(_exchanges(stats)) == 0
     sent, seconds = stats.drain()
     assert sent == EXCHANGES * 4 * 32 and seconds > 0
@@ -50,7 +50,7 @@ def test_exchanges_the_device_has_not_finished_stay_bounded_and_each_counts_once
         made.append((LaggingEvent(), LaggingEvent()))
         return made[-1]
 
-    stats = AllToAllStats(events)
+    stats = ExchangeStats(events)
     pending = _exchanges(stats)
     assert max(pending) == MAX_PENDING and pending[-1] == MAX_PENDING
     folded = stats.seconds

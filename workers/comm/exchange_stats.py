@@ -1,10 +1,11 @@
-"""Bytes and seconds of one MoE layer's token all-to-all exchanges (forward and backward).
+"""Bytes and seconds of a series of exchanges, forward and backward: one MoE layer's token all-to-alls, a rank's
+context-parallel gathers.
 
 On CUDA the collective only enqueues work, so host time would measure the launch: the exchange is timed with CUDA
 events. Each exchange folds the pairs that have completed into the seconds (`query` does not wait), and at most
-MAX_PENDING pairs stay unresolved: a session never ends a step (MoEMetrics.step_end drains), so without the fold its
-events would pile up by hundreds per call for as long as it lives. gloo's all-to-all is synchronous: host "events"
-time it, complete once recorded, through the same accounting.
+MAX_PENDING pairs stay unresolved: a session never ends a step (WorkerMetrics.step_end drains), so without the fold
+its events would pile up by hundreds per call for as long as it lives. gloo's collectives are synchronous: host
+"events" time them, complete once recorded, through the same accounting.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def timing_events(x) -> tuple:
     return HostEvent(), HostEvent()
 
 
-class AllToAllStats:
+class ExchangeStats:
     def __init__(self, events=timing_events):
         self.sent_bytes = 0  # to other ranks only: the part of the exchange that crosses the network
         self.row_bytes = 0  # one token's bytes in the last exchange (a latent MoE's tokens travel at latent width)
@@ -52,6 +53,7 @@ class AllToAllStats:
 
     @contextmanager
     def timed(self, x, in_splits: list[int], me: int):
+        """Times the exchange inside, which sends in_splits[r] of x's rows to rank r (me: this rank)."""
         self.row_bytes = row_bytes = math.prod(x.shape[1:]) * x.element_size()  # also when x has no row
         self.sent_bytes += (sum(in_splits) - in_splits[me]) * row_bytes
         start, end = self._events(x)
