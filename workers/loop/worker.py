@@ -283,6 +283,7 @@ class _Worker:
             loss_sum, loss_tokens, tokens = self.steps.run(step, self.train_set)
             trained_tokens += int(tokens)
             train_seconds = time.perf_counter() - started
+            self.metrics.training_part_done()
             record = {"step": step, "total_steps": steps, "train_loss": loss_sum / loss_tokens,
                       "learning_rate": learning_rate, "tokens_per_second": tokens / train_seconds,
                       "trained_tokens": trained_tokens, **self.steps.figures}

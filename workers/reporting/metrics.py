@@ -65,7 +65,7 @@ class WorkerMetrics:
                                  settings.metrics_port, settings.metrics_targets_dir)
         for warning in self.exporter.warnings:
             event(f"Rank {rank}: {warning}", level="warn")
-        self.moe, self.context = None, None
+        self.moe, self.context, self.context_in_training = None, None, (0, 0.0)
 
     def _gauge(self, name: str, doc: str, *extra: str) -> Gauge:
         return Gauge(name, doc, [*self.labels, *extra], registry=self.registry)
@@ -92,6 +92,12 @@ class WorkerMetrics:
         self.set_phase("training")
         self.exporter.await_scrape()  # the counters' zeros, so that rate() and increase() count the first step
 
+    def training_part_done(self) -> None:
+        """Between a step's training and its validation: the step figures' context-parallel seconds are its
+        training's (the report's shares are of training time); the counters take both."""
+        if self.context:
+            self.context_in_training = CONTEXT_EXCHANGES.drain()
+
     def step_end(self, record: dict, seconds: float, micro_batch_size: int, grad_accum_steps: int) -> dict:
         """After each optimizer step, on every rank (the expert-load sum is a collective), with the micro-batch
         sizes the step ran with. Returns the step's figures: the MoE layers' (MoEMetrics.step_end) and this rank's
@@ -102,9 +108,10 @@ class WorkerMetrics:
         self.grad_accum.labels(*labels).set(grad_accum_steps)
         figures = self.moe.step_end() if self.moe else {}
         if self.context:
-            sent, figures["context_seconds"] = CONTEXT_EXCHANGES.drain()
-            self.context[0].labels(*labels).inc(sent)
-            self.context[1].labels(*labels).inc(figures["context_seconds"])
+            (sent, seconds), (validation_sent, validation_seconds) = self.context_in_training, CONTEXT_EXCHANGES.drain()
+            self.context[0].labels(*labels).inc(sent + validation_sent)
+            self.context[1].labels(*labels).inc(seconds + validation_seconds)
+            figures["context_seconds"], self.context_in_training = seconds, (0, 0.0)
         if not self.chief:
             return figures
         self.step.labels(*labels).set(record["step"])

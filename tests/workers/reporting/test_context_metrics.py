@@ -1,10 +1,12 @@
 """Context-parallel traffic in a worker's metrics: every CP exchange (comm.differentiable's all-gather and its
 gradient's all-to-all) is counted with the bytes it sends to the other ranks, on two gloo ranks; WorkerMetrics
-exports a step's count as Prometheus counters and hands the step figures its seconds."""
+exports a step's count as Prometheus counters (validation's exchanges too) and hands the step figures the seconds of
+its training."""
 
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -45,12 +47,15 @@ def test_worker_metrics_export_a_steps_exchanges(monkeypatch):
         metrics.training_started(torch.nn.Linear(2, 2), context_parallel=True)
         labels = {"job_id": "ftjob-cp", "node": metrics.labels["node"], "rank": "1"}
         assert metrics.registry.get_sample_value("moetune_context_exchange_sent_bytes_total", labels) == 0
-        with CONTEXT_EXCHANGES.timed(torch.zeros(2, 8), [1, 1], 0):  # 32 bytes to rank 1
+        with CONTEXT_EXCHANGES.timed(torch.zeros(2, 8), [1, 1], 0):  # the step's training: 32 bytes to rank 1
             pass
+        metrics.training_part_done()
+        with CONTEXT_EXCHANGES.timed(torch.zeros(2, 4), [1, 1], 0):  # its validation: 16 bytes
+            time.sleep(0.01)  # longer than the training's exchange: the figure must not take it
         figures = metrics.step_end({}, 1.0, 1, 1)
-        assert metrics.registry.get_sample_value("moetune_context_exchange_sent_bytes_total", labels) == 32
+        assert metrics.registry.get_sample_value("moetune_context_exchange_sent_bytes_total", labels) == 48
         seconds = metrics.registry.get_sample_value("moetune_context_exchange_seconds_total", labels)
-        assert seconds == figures["context_seconds"] > 0
+        assert 0 < figures["context_seconds"] < 0.01 <= seconds  # the report's share is of training time
     finally:
         metrics.close()
 
