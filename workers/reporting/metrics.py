@@ -108,10 +108,10 @@ class WorkerMetrics:
         self.grad_accum.labels(*labels).set(grad_accum_steps)
         figures = self.moe.step_end() if self.moe else {}
         if self.context:
-            (sent, seconds), (validation_sent, validation_seconds) = self.context_in_training, CONTEXT_EXCHANGES.drain()
-            self.context[0].labels(*labels).inc(sent + validation_sent)
-            self.context[1].labels(*labels).inc(seconds + validation_seconds)
-            figures["context_seconds"], self.context_in_training = seconds, (0, 0.0)
+            (sent, exchanged), (after_sent, after_exchanged) = self.context_in_training, CONTEXT_EXCHANGES.drain()
+            self.context[0].labels(*labels).inc(sent + after_sent)  # after: the step's validation
+            self.context[1].labels(*labels).inc(exchanged + after_exchanged)
+            figures["context_seconds"], self.context_in_training = exchanged, (0, 0.0)
         if not self.chief:
             return figures
         self.step.labels(*labels).set(record["step"])

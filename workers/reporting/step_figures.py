@@ -27,18 +27,18 @@ def memory_budget_bytes(device, memory_budget_mb: float | None) -> int:
     return memory_bytes()[0]
 
 
-def step_figures(moe: dict, train_seconds: float, eval_seconds: float, rank: int, world: int, device,
+def step_figures(measured: dict, train_seconds: float, eval_seconds: float, rank: int, world: int, device,
                  all_sum: Callable[..., list[float]]) -> dict:
-    """Every rank (one collective): `moe` is this rank's figures of the step (WorkerMetrics.step_end)."""
+    """Every rank (one collective): `measured` is this rank's figures of the step (WorkerMetrics.step_end)."""
     mine = [0.0] * (3 * world)
-    mine[rank], mine[world + rank] = peak_memory_bytes(device), moe.get("alltoall_seconds", 0.0)
-    mine[2 * world + rank] = moe.get("context_seconds", 0.0)
+    mine[rank], mine[world + rank] = peak_memory_bytes(device), measured.get("alltoall_seconds", 0.0)
+    mine[2 * world + rank] = measured.get("context_seconds", 0.0)
     summed = all_sum(*mine)
     figures = {"train_seconds": train_seconds, "eval_seconds": eval_seconds,
                "alltoall_share": max(summed[world:2 * world]) / max(train_seconds, 1e-9),
                "memory_peak_mb": [b / 1e6 for b in summed[:world]]}
-    if "context_seconds" in moe:  # every rank of a context-parallel job
+    if "context_seconds" in measured:  # every rank of a context-parallel job
         figures["context_share"] = max(summed[2 * world:]) / max(train_seconds, 1e-9)
-    if "expert_imbalance" in moe:
-        figures["expert_imbalance"] = moe["expert_imbalance"]
+    if "expert_imbalance" in measured:
+        figures["expert_imbalance"] = measured["expert_imbalance"]
     return figures
