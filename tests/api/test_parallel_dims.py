@@ -61,6 +61,7 @@ def test_context_parallelism_is_refused_for_a_family_without_its_path():
     dims = ParallelDims(num_workers=2, context_parallel_size=2)
     _refused(lambda: check_model_spec({"model_type": "qwen3_moe", "num_experts": 8, "num_hidden_layers": 2},
                                       LoraSpec(), dims),
-             "parallelism.context_parallel_size", "the families that have one: kimi_k3")
+             "parallelism.context_parallel_size",
+             "the families that have one: deepseek_v3, glm5_next, kimi_k25, kimi_k3, kimi_linear")
     check_model_spec({"model_type": "kimi_k3", "text_config": {"num_experts": 8, "num_hidden_layers": 4}},
                      LoraSpec(), dims)

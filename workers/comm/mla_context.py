@@ -3,8 +3,9 @@ compressed keys (Kimi K3: the normalised latent and the shared key part, kv_lora
 the unsplit layer would cache) and attends over the row up to its own tokens.
 
 The attention modules already pass what they would cache through `cache.update(keys, values, layer_idx)`
-(transformers' cache convention; K3's MLA passes its latent and shared key there), so `GatheredKeys` stands in for
-the cache in a CP forward and the module itself is unchanged. The gather's backward hands each rank the sum of
+(transformers' cache convention; K3's MLA passes its latent and shared key there, a DSA indexer its keys through
+`cache.update_indexer`), so `GatheredKeys` stands in for the cache in a CP forward and the module itself is
+unchanged. The gather's backward hands each rank the sum of
 every rank's gradient for its own slice (workers/comm/differentiable.all_gather): the key projections and their LoRA
 get the unsplit gradient once the group's ranks sum theirs, as every parameter of a CP group does. An all-gather has
 one shape on every rank (NCCL's rule, held on gloo by `checked`), so the slices are equal.
@@ -37,6 +38,10 @@ class GatheredKeys:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """(B, heads, T_slice, D) each → (B, heads, T, D) each."""
         return _whole_row(key_states, self.group), _whole_row(value_states, self.group)
+
+    def update_indexer(self, states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """A DSA indexer's per-token keys (B, T_slice, D) → the whole row's (B, T, D)."""
+        return all_gather(states, self.group).movedim(0, 1).flatten(1, 2)
 
 
 def _whole_row(x: torch.Tensor, group) -> torch.Tensor:

@@ -3,9 +3,10 @@ this rank's contiguous slice of each row (its tokens, global positions and own p
 workers.methods.context_cut), and the layers that mix tokens reach the rest of the row through the CP group:
 - KDA (the KDA swap's layers; Gated DeltaNet's refuse for now): the recurrent state carried across the ranks
   (workers/comm/kda_context) and the short convs' `width − 1` halo (workers/comm/conv_halo);
-- softmax attention (the segment swap's modules) whose keys go through its `cache` argument, as Kimi K3's MLA
-  passes its compressed latent: the whole row's keys gathered (workers/comm/mla_context), each query attending
-  over its sequence's keys up to itself.
+- softmax attention whose keys go through its `cache` argument, as Kimi K3's MLA passes its compressed latent (the
+  modules a swap marked with `GATHERS_KEYS`): the whole row's keys gathered (workers/comm/mla_context); the segment
+  swap's modules attend each query over its sequence's keys up to itself, GLM-5-Next's DSA (the sparse swap) over
+  the row's keys its indexer selects, the indexer's own keys gathered too.
 Everything else (embeddings, norms, Attention Residuals, routers, experts, the loss head) is per token and runs on
 the slice unchanged. Each rank's parameter gradients are its part: the CP group sums them.
 
@@ -27,6 +28,7 @@ from moetune.kernels.kda.context_slices import SliceLayout
 from moetune.workers.comm.mla_context import GatheredKeys
 
 _SLICE = "_moetune_context_slice"  # the attribute the layers of a CP forward carry
+GATHERS_KEYS = "_moetune_gathers_keys"  # a swapped attention module that takes the whole row's keys as its cache
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ def context_parallel(model: torch.nn.Module, layout: SliceLayout, group=None) ->
     """Runs `model`'s forward and backward inside on this rank's slice (`layout`) of its rows. Raises before
     anything changes when a layer that mixes tokens has no CP path."""
     kda = [m for m in model.modules() if getattr(m, "_moetune_kda", False)]
-    attention = [m for m in model.modules() if getattr(m, "_moetune_segments", False)]
+    attention = [m for m in model.modules() if getattr(m, GATHERS_KEYS, False)]
     if not kda and not attention:
         raise ValueError("context parallelism needs the family's kernel swaps applied (custom kernels on)")
     for module in attention:

@@ -23,7 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from moetune.kernels.kda import offsets_on_host
 from moetune.workers.comm.mla_context import attend_over_row
-from moetune.workers.families.context import context_slice
+from moetune.workers.families.context import GATHERS_KEYS, context_slice
 from moetune.workers.families.mla import sdpa_at_key_width
 
 ATTN_IMPLEMENTATION = "moetune_segments"
@@ -66,6 +66,7 @@ def segment_attention_swap(attention_class: str) -> Callable[[torch.nn.Module], 
         for module in modules:
             module.config._attn_implementation = ATTN_IMPLEMENTATION
             module._moetune_segments = True
+            setattr(module, GATHERS_KEYS, True)
         return len(modules)
 
     return apply_segment_attention

@@ -1,8 +1,9 @@
-"""Kimi K3 split over 2 and 4 gloo context-parallel ranks (workers.families.context): the tiny model of the
-released shape (KDA and gated MLA layers, Attention Residuals, a latent MoE), with its kernel swaps and LoRA on
-every projection, run on each rank's contiguous slice of the rows: each rank's logits equal the unsplit model's for
-its tokens, and the ranks' LoRA gradients sum to the unsplit ones (of a loss over every token), with rows of one
-sequence and with one packed row whose sequences cross the ranks' cuts."""
+"""The families with a context-parallel path split over 2 and 4 gloo ranks (workers.families.context): Kimi K3's
+tiny model of the released shape (KDA and gated MLA layers, Attention Residuals, a latent MoE), Kimi-Linear's (KDA
+and NoPE MLA), GLM-5-Next's (KDA and DSA), DeepSeek-V3's and Kimi K2.5's (MLA with RoPE), each with its kernel swaps
+and LoRA on every projection, run on each rank's contiguous slice of the rows: each rank's logits equal the unsplit
+model's for its tokens, and the ranks' LoRA gradients sum to the unsplit ones (of a loss over every token), with
+rows of one sequence and with one packed row whose sequences cross the ranks' cuts."""
 
 import os
 
@@ -15,23 +16,36 @@ from moetune.kernels.kda.context_slices import SliceLayout
 T = 16
 PACKINGS = {"unpacked": None, "packed": (0, 3, 9, 9, 16)}  # one packed row: sequences across every cut, one empty
 TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "o_proj", "q_proj", "k_proj",
-           "v_proj", "f_a_proj", "f_b_proj", "b_proj", "gate_proj", "up_proj", "down_proj"]
+           "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "gate_proj", "up_proj", "down_proj"]
+SWAPS = {"kimi_k3": {"apply_kda_kernels": 2, "apply_segment_attention": 2},
+         "kimi_linear": {"apply_kda_kernels": 3, "apply_segment_attention": 1},
+         "glm5_next": {"apply_kda_kernels": 2, "apply_sparse_attention_kernels": 2},
+         "deepseek_v3": {"apply_segment_attention": 3},
+         "kimi_k25": {"apply_segment_attention": 3}}  # DeepSeek-V3's text model: at 2 ranks only
+# GLM-5-Next's DSA: two indexed layers, the second reusing the first's selection, each query choosing 2 of the
+# 4-token pools it sees (and its own pool's visible tail)
+OVERRIDES = {"glm5_next": {"index_topk": 8, "indexer_types": ["full", "full", "shared", "full"],
+                           "layer_types": ["linear_attention", "indexed_attention", "indexed_attention",
+                                           "linear_attention"]}}
 
 
-def k3():
-    """The tiny K3 with its swaps and LoRA (B random too, so every factor has a gradient): the same weights in every
-    process."""
+def tiny(family_name: str):
+    """The family's tiny model with its swaps and LoRA on its text model, not its vision tower (B random too, so every factor has a
+    gradient): the same weights in every process."""
     from peft import LoraConfig, inject_adapter_in_model
 
     from bench.support.tiny_models import plain_model
     from moetune.workers.families import REGISTRY
 
-    family = REGISTRY["kimi_k3"]
-    model = plain_model(family)
-    assert family.apply_kernel_swaps(model) == {"apply_kda_kernels": 2, "apply_segment_attention": 2}
+    family = REGISTRY[family_name]
+    config = family.tiny_config(**OVERRIDES.get(family_name, {}))
+    config.use_cache = config.get_text_config().use_cache = False  # as workers.model sets it for training
+    model = plain_model(family, config=config)
+    assert family.apply_kernel_swaps(model) == SWAPS[family_name]
     torch.manual_seed(1)
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False),
-                            model.language_model)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, exclude_modules=r".*(vision|visual).*",
+                      init_lora_weights=False)
+    inject_adapter_in_model(lora, model)
     return model
 
 
@@ -64,12 +78,12 @@ def lora_grads(model) -> dict:
     return grads
 
 
-def _ranks(rank: int, world: int, out_dir: str) -> None:
+def _ranks(rank: int, world: int, out_dir: str, family_name: str) -> None:
     from moetune.workers.families.context import context_parallel
 
     results = {}
     for name, cu in PACKINGS.items():
-        model = k3()
+        model = tiny(family_name)
         layout = SliceLayout.even(T, world, rank, cu)
         inputs, probe = case(cu)
         with context_parallel(model, layout):
@@ -84,12 +98,14 @@ def close(got, want, tolerance=5e-5):  # fp32: the worst, KDA's gate factors, 2.
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 4])
-def test_k3_split_over_context_parallel_ranks_equals_the_unsplit_model(tmp_path, world):
-    launch(_ranks, world, str(tmp_path))
+@pytest.mark.filterwarnings("ignore:You have passed exclude_modules")  # a family without a vision tower
+@pytest.mark.parametrize(("family_name", "world"),
+                         [(name, world) for name in SWAPS for world in (2, 4) if name != "kimi_k25" or world == 2])
+def test_a_model_split_over_context_parallel_ranks_equals_the_unsplit_model(tmp_path, family_name, world):
+    launch(_ranks, world, str(tmp_path), family_name)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for name, cu in PACKINGS.items():
-        model = k3()
+        model = tiny(family_name)
         inputs, probe = case(cu)
         logits = model(**inputs).logits
         (logits * probe).sum().backward()

@@ -177,7 +177,9 @@ def _smallest(facts, world: int, context: int) -> float:
 
 def test_context_parallelism_is_chosen_only_where_nothing_fits_without():
     """Kimi K3 has a context-parallel path: where no layout of the job's 4 GPUs holds a whole 4K sequence, the plan
-    splits it (CP=2 before 4) and says the fewest GPUs with CP; kimi_linear, which has none, is never split."""
+    splits it (CP=2 before 4) and says the fewest GPUs with CP. Kimi-Linear and GLM-5-Next (DSA) have one too: a
+    rank of two saves about half of a whole row's activations; Qwen3-Next (Gated DeltaNet), which has none, is never
+    split."""
     config = REGISTRY["kimi_k3"].tiny_config().to_dict()
     job = resolve_run_config(_k3_request(), 0)
     facts = model_facts(config, job)
@@ -190,8 +192,12 @@ def test_context_parallelism_is_chosen_only_where_nothing_fits_without():
     assert p.fewest_gpus.parallelism.context_parallel_size > 1
     assert plan(config, job, _cluster(whole / 0.9 * 1.001), False, facts).recommended.parallelism \
         .context_parallel_size == 1
-    linear = REGISTRY["kimi_linear"].tiny_config().to_dict()
-    assert model_facts(linear, job).context_sizes == (1,)
+    for name in ("kimi_linear", "glm5_next"):
+        other = model_facts(REGISTRY[name].tiny_config().to_dict(), job)
+        assert other.context_sizes == (1, 2, 4)
+        assert sum(other.activations(2).layers) < 0.6 * sum(other.activations(1).layers)
+    gated_delta = REGISTRY["qwen3_next"].tiny_config().to_dict()
+    assert model_facts(gated_delta, job).context_sizes == (1,)
     dpo = job.model_copy(update={"method": Method(type="dpo")})  # CP runs supervised jobs only
     assert model_facts(config, dpo).context_sizes == (1,)
 

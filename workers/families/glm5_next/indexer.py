@@ -5,6 +5,10 @@ and builds a [B, T, T] visibility mask: at 32K tokens that alone runs out of mem
 subclass computes the same selection (same projections, pooling, tail and padding rules; the stock helpers are
 reused) with the kernels' chunked indexer over the pooled keys, one block of queries at a time, sized so each
 block's intermediates (up to 8 bytes an element) fit the indexer's memory budget (kernels.sparse_attention.indexer).
+
+In a context-parallel forward (workers.families.context) its cache is the CP group's `GatheredKeys`: the slice's
+queries select among the whole row's keys, pooled over the row as the unsplit layer pools them, each seeing the
+keys up to its own global position; the indices it returns are positions in the row.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
 
 from moetune.kernels.sparse_attention import select_topk
 from moetune.kernels.sparse_attention.indexer import chunk_rows
+from moetune.workers.comm.mla_context import GatheredKeys
 
 
 class ChunkedGlm5NextIndexer(Glm5NextTextIndexer):
@@ -27,7 +32,10 @@ class ChunkedGlm5NextIndexer(Glm5NextTextIndexer):
         gate_scores = F.linear(hidden_states, self.index_kpool_compress_gate)
         packed = torch.cat([k, gate_scores, attention_mask.to(k.dtype)[..., None]], dim=-1)
         kv_len = current_length = seq_len
-        if cache is not None:
+        if isinstance(cache, GatheredKeys):  # the row's keys; the slice's queries end where the slice ends
+            packed = cache.update_indexer(packed, self.layer_idx)
+            kv_len, current_length = packed.shape[1], cache.layout.end
+        elif cache is not None:
             packed = cache.update_indexer(packed, self.layer_idx)
             kv_len = cache.layers[self.layer_idx].keys.shape[-2]
             current_length = cache.layers[self.layer_idx].get_seq_length()

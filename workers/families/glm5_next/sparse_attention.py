@@ -13,6 +13,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
 
+from moetune.workers.families.context import GATHERS_KEYS
 from moetune.workers.families.glm5_next.indexer import ChunkedGlm5NextIndexer
 from moetune.workers.families.mla import mla_sparse_attention, use_latent_kv
 
@@ -57,5 +58,6 @@ def apply_sparse_attention_kernels(model, backend: str | None = None) -> int:
             module.indexer.__class__ = ChunkedGlm5NextIndexer
         module.sparse_attention_backend = backend
         use_latent_kv(module)
+        setattr(module, GATHERS_KEYS, True)  # its latent and indexer keys go through `cache`: a CP path
         module.config._attn_implementation = ATTN_IMPLEMENTATION
     return len(modules)
