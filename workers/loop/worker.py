@@ -234,15 +234,17 @@ class _Worker:
 
     def check_alignment(self) -> None:
         """Before step 1: the swapped operators and the first loss against their references on this rank's first
-        micro-batch (workers.evaluation.alignment); beyond tolerance the job fails naming the operators."""
-        t, started = self.t, time.perf_counter()
-        indices = step_examples(len(self.train_set), 0, t.global_batch_size, self.world_rank, self.world, self.job.seed)
+        micro-batch (workers.evaluation.alignment), its slice of it in a CP forward with context parallelism; beyond
+        tolerance the job fails naming the operators."""
+        t, steps, started = self.t, self.steps, time.perf_counter()
+        indices = step_examples(len(self.train_set), 0, t.global_batch_size, steps.data_rank, steps.data_world,
+                                self.job.seed)
         first_stage = t.seq_len_schedule[0].seq_len if t.seq_len_schedule else t.seq_len
-        examples = [self.train_set[i].truncated(first_stage) for i in indices[:self.steps.micro_batch_size]]
-        batch = self.method.collate(examples).to(self.device)
+        examples = [self.train_set[i].truncated(first_stage) for i in indices[:steps.micro_batch_size]]
         self.engine.eval()  # no dropout: both forwards see the same network
-        rows = check_alignment(self.engine.module, lambda: self.method.loss_sum(self.engine, batch),
-                               self.model.dtype, lambda values: self.collectives.all_max(*values))
+        with steps.micro_batch(examples) as batch:
+            rows = check_alignment(self.engine.module, lambda: self.method.loss_sum(self.engine, batch),
+                                   self.model.dtype, lambda values: self.collectives.all_max(*values))
         self.engine.train()
         level, message, error = verdict(rows, t.alignment_check, time.perf_counter() - started)
         self.event(message, level=level, data={"alignment": rows})

@@ -1,5 +1,6 @@
 """The precision alignment at job start, in process on the tiny glm5_next (KDA + sparse attention + expert-parallel
-experts): every swapped operator is reached and matches its reference; a perturbed operator is named."""
+experts), and on each rank's slice of its CP forward: every swapped operator is reached and matches its reference;
+a perturbed operator is named."""
 
 from __future__ import annotations
 
@@ -88,3 +89,32 @@ def test_gated_deltanet_is_compared_with_its_reference(monkeypatch):
     assert 0 <= rows[0]["rmse_ratio"] < 1e-4
     monkeypatch.setenv(ENV_PERTURB_OP, "gated_delta")
     assert "gated_delta" in failed_ops(check_alignment(model, lambda: model(**inputs).loss, torch.float32))
+
+
+def _check_a_slice(rank: int, world: int, out_dir: str) -> None:
+    from moetune.kernels.kda.context_slices import SliceLayout
+    from moetune.workers.families.context import context_parallel
+
+    config = REGISTRY["glm5_next"].tiny_config()
+    config.use_cache = config.get_text_config().use_cache = False  # as a training job's model
+    model = plain_model(REGISTRY["glm5_next"], config=config)
+    apply_kernel_swaps(model)
+    ids = batch(0, 0, seq=40, vocab=272)["input_ids"]
+    layout = SliceLayout.even(40, world, rank)
+    part = {"input_ids": ids[:, layout.start:layout.end],
+            "position_ids": torch.arange(layout.start, layout.end).expand(ids.shape[0], -1)}
+    with context_parallel(model, layout):
+        rows = check_alignment(model, lambda: model(**part).logits.square().mean(), torch.float32)
+    torch.save(rows, f"{out_dir}/rank{rank}.pt")
+
+
+def test_a_context_parallel_rank_checks_its_slice(tmp_path):
+    """At context_parallel_size 2 each rank checks the operators of its slice's CP forward: the KDA runs that carry
+    the state across the ranks and the sparse attention over the gathered keys, against the same references."""
+    from bench.support.harness import launch
+
+    launch(_check_a_slice, 2, str(tmp_path))
+    for rank in range(2):
+        rows = torch.load(tmp_path / f"rank{rank}.pt")
+        assert [r["op"] for r in rows] == ["kda", "sparse_attention", FIRST_LOSS] and failed_ops(rows) == [], rows
+        assert all(0 <= r["rmse_ratio"] < 1e-4 for r in rows[:-1]), rows
