@@ -18,6 +18,9 @@ JSON line to stdout and to $OUT/gpu_check.jsonl (when OUT is set) as it finishes
   images_zero3 an image model under ZeRO-3 whose last rank's micro-batch has no image (the blank-image path; two
                ranks where two GPUs are)
   ep2_export   EP=2 adapter export bit for bit against the ranks' own expert factors (two GPUs; skipped on one)
+  context_parallel  KDA over two CP ranks (a packed row whose middle sequence crosses the cut, K3's head size,
+               32K tokens): moetune's state passing over the device's chunk_kda and fla's own `cp_context`, each
+               against the unsplit kernel (output and every input's gradient) and timed (two GPUs; skipped on one)
   sparse_dkv   the sparse attention backward's two dK/dV passes (key-major over the inverted selection,
                query-major with fp32 atomics) over glm5_next's latent at 8K/32K, latest and random top-k keys:
                the time of each, that they agree, and whether triton_impl.dkv_order's choice was the faster
@@ -81,7 +84,7 @@ def _moetune_from_checkout() -> None:
 
 # seconds per stage on one H200 (estimates until a device run shows its own): 8 minutes in all
 PLAN = {"env": 20, "correctness": 140, "syncs": 30, "job_step": 60, "builder_step": 35, "images_zero3": 25,
-        "ep2_export": 20, "sparse_dkv": 50, "bench": 100}
+        "ep2_export": 20, "context_parallel": 30, "sparse_dkv": 50, "bench": 70}
 
 
 class Report:
@@ -571,6 +574,31 @@ def stage_ep2_export(s: Setting) -> dict:
     return {"ranks": 2, "identical": True}
 
 
+def stage_context_parallel(s: Setting) -> dict:
+    """KDA split over two CP ranks against the unsplit kernel (bench.support.context_check): moetune's CP, and fla's
+    where it is installed."""
+    if _gpus(s) < 2:
+        return {"skipped": "needs 2 GPUs (a CP group's ranks each on their own)"}
+    seq, heads, dim = (96, 2, 16) if s.dry else (32768, 16, 128)
+    out = tempfile.mkdtemp()
+    _ranks(s, 2, "bench.support.context_check:context_kda_check", seq, heads, dim, out)
+    ranks = [json.loads(pathlib.Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    tolerance = 1e-4 if s.dry else 2e-2  # fp32 on the CPU rehearsal; bf16 inputs on a device
+    result = {"tokens": seq, "heads": heads, "head_dim": dim, "tolerance": tolerance}
+    for impl, first in ranks[0].items():
+        if "skipped" in first:
+            result[impl] = first
+            continue
+        worst = max(rank[impl]["rmse"] for rank in ranks)
+        result[impl] = {"rmse": worst, "split_ms": max(rank[impl]["split_ms"] for rank in ranks),
+                        "unsplit_ms": ranks[0][impl]["unsplit_ms"]}
+        if worst > tolerance:
+            raise AssertionError(f"{impl}'s context-parallel KDA differs from its unsplit kernel: {result}")
+    if "split_ms" in result.get("fla", {}):
+        result["fla_vs_moetune_speedup"] = result["moetune"]["split_ms"] / result["fla"]["split_ms"]
+    return result
+
+
 def stage_job_step(s: Setting) -> dict:
     missing = [n for n in ("deepspeed", "pydantic") if not _installed(n)]
     if missing:
@@ -780,7 +808,8 @@ def main(argv=None) -> int:
     syncs = report.run("syncs", stage_syncs, s)
     job = report.run("job_step", stage_job_step, s)
     placed = {stage: report.run(stage, fn, s) for stage, fn in (
-        ("builder_step", stage_builder_step), ("images_zero3", stage_images_zero3), ("ep2_export", stage_ep2_export))}
+        ("builder_step", stage_builder_step), ("images_zero3", stage_images_zero3), ("ep2_export", stage_ep2_export),
+        ("context_parallel", stage_context_parallel))}
     dkv = report.run("sparse_dkv", stage_sparse_dkv, s)
     bench = report.run("bench", stage_bench, s, env) if "error" not in env else {}
     summary = {"failed": ",".join(report.failures) or "none", "dry_run": args.dry_run,
@@ -789,6 +818,7 @@ def main(argv=None) -> int:
                "moe_syncs": syncs.get("moe_layer_fwd_bwd"), "kda_syncs": syncs.get("kda_layer_fwd"),
                "sparse_syncs": syncs.get("sparse_attention_fwd_bwd"),
                **{stage: _status(data) for stage, data in (("job_step", job), *placed.items())},
+               "cp_fla_vs_moetune_speedup": placed["context_parallel"].get("fla_vs_moetune_speedup"),
                "moe_triton_vs_grouped_mm": bench.get("moe", {}).get("triton_vs_grouped_mm"),
                **{f"sparse_dkv_{case}_query_major_speedup": row.get("query_major_speedup")
                   for case, row in dkv.items() if isinstance(row, dict) and "backward_ms" in row},

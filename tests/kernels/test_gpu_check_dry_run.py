@@ -96,12 +96,14 @@ def test_gpu_check_dry_run_passes_every_stage_in_a_venv_of_its_list(tmp_path):
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     stages = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
     assert [s["stage"] for s in stages] == ["plan", "env", "correctness", "syncs", "job_step", "builder_step",
-                                             "images_zero3", "ep2_export", "sparse_dkv", "bench"]
+                                             "images_zero3", "ep2_export", "context_parallel", "sparse_dkv",
+                                             "bench"]
     assert not any("error" in s for s in stages), stages
     plan, by_stage = stages[0], {s["stage"]: s for s in stages}
     assert list(plan["budget_seconds"]) == [s["stage"] for s in stages[1:]]
     assert plan["total_seconds"] == sum(plan["budget_seconds"].values()) <= 8 * 60
     assert by_stage["correctness"]["rmse_ratio"] and by_stage["job_step"]["losses"]
+    assert 0 <= by_stage["context_parallel"]["moetune"]["rmse"] <= by_stage["context_parallel"]["tolerance"]
     cases = [row for row in by_stage["sparse_dkv"].values() if isinstance(row, dict)]
     assert cases and {row["chosen"] for row in cases} <= {"key_major", "query_major"}
     result = done.stdout.strip().splitlines()[-1]
