@@ -93,7 +93,9 @@ def _ranks(rank: int, world: int, out_dir: str, family_name: str) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def close(got, want, tolerance=5e-5):  # fp32: the worst, KDA's gate factors, 2.2e-5
+def close(got, want, tolerance=5e-5):
+    """fp32: the worst, K3's KDA forget-gate factors, is 2.0e-5 of the largest entry; so far is the unsplit fp32
+    model itself from its fp64 run (2.0e-5; the split one 1.6e-5): 1e-5 is below fp32's own floor here."""
     return (got - want).abs().max() <= tolerance * want.abs().max()
 
 
