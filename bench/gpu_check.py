@@ -7,7 +7,8 @@ JSON line to stdout and to $OUT/gpu_check.jsonl (when OUT is set) as it finishes
   correctness  every kernel against its reference on the device in fp32 and bf16 (tolerances asserted): MoE
                grouped LoRA GEMM (dense at a fused and an unfused rank, FP8/INT4/MXFP4 weights), KDA and (fla)
                Gated DeltaNet on the dtypes the models hand them (q, k, v, β in the run's dtype, fp32 gates), sparse
-               attention, the fused linear cross-entropy (when liger-kernel is here)
+               attention, the fused linear cross-entropy (when liger-kernel is here); and the bytes fla's KDA keeps
+               for the backward against the planner's count for it (within 10 %)
   syncs        host syncs per MoE layer (the expert-parallel experts module at EP=1), per KDA layer and per sparse
                attention forward + backward over a latent, counted
                with torch.cuda.set_sync_debug_mode("warn")
@@ -322,6 +323,38 @@ DRY_CHECKS = ("moe_dense_r16_float32", "moe_dense_unfused_rank_float32", "moe_in
               "sparse_attention_bfloat16", "linear_cross_entropy_float32")
 
 
+def _kda_saved_bytes(s: Setting) -> dict:
+    """What fla's chunk_kda keeps for the backward against what the planner counts for it (planner.device_ops'
+    stand-in on the meta device), on a 4K-token row of K3's KDA shape."""
+    import torch
+
+    import moetune.kernels.kda as kda
+    from moetune.workers.planner.device_ops import kernels_as_run_on
+    from moetune.workers.planner.saved import SavedBytes
+
+    def saved(device, run) -> int:
+        shapes = [(1, 4096, 16, 128)] * 4 + [(1, 4096, 16)]
+        q, k, v, g, beta = (torch.empty(shape, device=device, dtype=torch.float32 if i == 3 else torch.bfloat16)
+                            for i, shape in enumerate(shapes))
+        if device != "meta":  # values in the ranges the layers give: gates below 0, β in (0, 1)
+            q, k, v, g, beta = (x.normal_() for x in (q, k, v, g, beta))
+            g, beta = -g.abs() * 0.1, beta.sigmoid()
+        inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
+        counter = SavedBytes(torch.nn.Module())
+        with counter.counting():
+            run(*inputs)
+        return counter.total
+
+    with kernels_as_run_on("cuda"):
+        planned = saved("meta", lambda *x: kda.chunk_kda(*x, use_qk_l2norm_in_kernel=True))
+    if not (_installed("fla") and s.device.type == "cuda"):
+        return {"planned": planned, "skipped": "fla's kernel runs on CUDA only, with fla installed"}
+    kept = saved(s.device, lambda *x: _cuda_kda("fla")(*x, use_qk_l2norm_in_kernel=True))
+    if not 0.9 <= planned / kept <= 1.1:
+        raise AssertionError(f"the planner counts {planned} bytes for fla's KDA, which keeps {kept}")
+    return {"planned": planned, "fla": kept, "ratio": round(planned / kept, 3)}
+
+
 def stage_correctness(s: Setting) -> dict:
     import torch
 
@@ -354,7 +387,7 @@ def stage_correctness(s: Setting) -> dict:
             failed.append(name)
     if failed:
         raise AssertionError(f"over tolerance or failed: {failed}; errors {errors}")
-    return {"rmse_ratio": errors, "tolerance": TOLERANCE}
+    return {"rmse_ratio": errors, "tolerance": TOLERANCE, "kda_saved_bytes": _kda_saved_bytes(s)}
 
 
 def _count_syncs(s: Setting, fn) -> int | None:

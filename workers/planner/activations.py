@@ -3,7 +3,7 @@ device (no memory, no compute: only shapes), counted as the tuner's CPU measure 
 
 The forward is the one a job runs, on the model workers.model builds for the meta device: the family's kernel
 swaps, PEFT LoRA, the method's loss, training mode; the routed experts are stand-ins that save nothing
-(planner.experts adds their share). Every sequence is taken as `seq_len` long and unpadded, as the tuner assumes.
+(planner.experts adds their share); attention and KDA save what the workers' kernels save (planner.device_ops). Every sequence is taken as `seq_len` long and unpadded, as the tuner assumes.
 Each decoder layer's share is recorded, which gives the figure with activation checkpointing too: every layer then
 keeps only its input hidden states, and the backward reruns one layer at a time with all of its activations. Up to
 MEASURED_UP_TO tokens the forward runs at `seq_len` itself; beyond, bytes are the quadratic through three measured
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
-from torch.nn.attention.bias import CausalBias
 
 from moetune.workers.methods.batch import Batch
 from moetune.workers.planner.context import last_context_rank
+from moetune.workers.planner.device_ops import kernels_as_run_on
 from moetune.workers.planner.saved import SavedBytes
 from moetune.workers.recompute import decoder_layers
 
@@ -102,26 +102,10 @@ def _no_packed_sequence_check():
     return mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
 
 
-def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False):
-    """SDPA as a device runs it (a flash kernel: saves q, k, v, the output and its log-sum-exp), where the meta
-    device would take the math path (which saves the [T, T] attention weights). Values narrower than the queries
-    (MLA) are padded to their width, as a fused kernel holds them. A causal bias (a CP rank's queries over the
-    whole row's keys) is the kernel's own causal flag, no tensor."""
-    if isinstance(attn_mask, CausalBias):
-        attn_mask, is_causal = None, True
-    if enable_gqa:
-        repeat = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
-    width = value.shape[-1]
-    value = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0][..., :width]
-
-
-def _measure(model, method, seq_len: int, context: int) -> Activations:
+def _measure(model, method, seq_len: int, context: int, device_type: str = "cuda") -> Activations:
     """One example of the method (DPO's: a pair, both answers in one batch as its loss needs), per sequence, on
-    the last of `context` CP ranks (`seq_len` tokens of each row: its slice)."""
+    the last of `context` CP ranks (`seq_len` tokens of each row: its slice), with the kernels of `device_type`
+    workers."""
     sequences = method.sequences_per_example
     ids = torch.zeros((sequences, seq_len), dtype=torch.long, device="meta")
     counter = SavedBytes(model)
@@ -129,8 +113,7 @@ def _measure(model, method, seq_len: int, context: int) -> Activations:
     split = last_context_rank(model, seq_len, context) if context > 1 else contextlib.nullcontext()
     try:
         with split, counter.counting(), _no_packed_sequence_check(), torch.fx.experimental._config.patch(
-                meta_nonzero_assume_all_nonzero=True), mock.patch(  # top-k selections (DSA) keep every candidate
-                "torch.nn.functional.scaled_dot_product_attention", _flash_attention):
+                meta_nonzero_assume_all_nonzero=True), kernels_as_run_on(device_type):  # DSA: top-k keeps all
             method.loss_sum(model, Batch({"input_ids": ids}, ids, sequences * seq_len))
     finally:
         recorder.remove()
@@ -140,14 +123,14 @@ def _measure(model, method, seq_len: int, context: int) -> Activations:
     return example.combine((1 / sequences,), ())
 
 
-def activations(model, method, seq_len: int, context: int = 1) -> Activations:
+def activations(model, method, seq_len: int, device_type: str, context: int = 1) -> Activations:
     """Saved bytes of one `seq_len`-token sequence through `model` (with its stand-ins installed), on one of
-    `context` CP ranks (the one that holds most)."""
+    `context` CP ranks (the one that holds most), on `device_type` workers."""
     slice_tokens = seq_len // context
     up_to, fit = (MEASURED_UP_TO, _FIT_LENGTHS) if context == 1 else (CONTEXT_MEASURED_UP_TO, _CONTEXT_FIT_LENGTHS)
     if slice_tokens <= up_to:
-        return _measure(model, method, slice_tokens, context)
-    a, b, c = (_measure(model, method, t, context) for t in fit)
+        return _measure(model, method, slice_tokens, context, device_type)
+    a, b, c = (_measure(model, method, t, context, device_type) for t in fit)
     return a.combine(_lagrange(fit, slice_tokens), (b, c))
 
 

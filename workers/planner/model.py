@@ -131,9 +131,10 @@ def context_sizes(config: dict, job: RunConfig) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def model_facts(config: dict, job: RunConfig, dtype: torch.dtype = torch.bfloat16) -> ModelFacts:
+def model_facts(config: dict, job: RunConfig, dtype: torch.dtype = torch.bfloat16,
+                device_type: str = "cuda") -> ModelFacts:
     """Builds the model on the meta device (any size, in seconds; it stays there for the activations' measures);
-    `dtype`: the compute dtype (bf16 on GPUs)."""
+    `dtype`: the compute dtype (bf16 on GPUs); `device_type`: the workers' (whose kernels save what is counted)."""
     built = build_model(META, config, job, dtype=dtype,
                         read_base=lambda model, family: _read_base(model, family, config, job, dtype))
     base, family, quantization = built.base, built.family, quantization_of(config)
@@ -150,4 +151,4 @@ def model_facts(config: dict, job: RunConfig, dtype: torch.dtype = torch.bfloat1
                       base.tensors, found.trainable - routed, routed, experts.num_experts if experts else 0,
                       getattr(text, "num_experts_per_tok", 0) or 0, input_width(experts) if experts else 0,
                       base.moe_layers, saved, at_ep1, context_sizes(config, job), job.training.seq_len,
-                      dtype.itemsize, partial(activations, built.model, method, job.training.seq_len))
+                      dtype.itemsize, partial(activations, built.model, method, job.training.seq_len, device_type))

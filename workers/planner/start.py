@@ -13,7 +13,7 @@ def sequence_bytes(model, job: RunConfig) -> float:
 
     par = job.parallelism
     ep, cp = par.expert_parallel_size, par.context_parallel_size
-    facts = model_facts(model.config.to_dict(), job, model.dtype)
+    facts = model_facts(model.config.to_dict(), job, model.dtype, model.device.type)
     return (facts.activation_bytes(ep, job.training.activation_checkpointing, cp) + facts.loss_bytes(cp)
             + facts.all_to_all_bytes(ep, cp))
 

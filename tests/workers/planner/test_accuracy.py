@@ -50,7 +50,7 @@ def _worker_model(name: str, spec: RunConfig, ep: int):
 
 
 def _facts(name: str, spec: RunConfig):
-    return model_facts(REGISTRY[name].tiny_config().to_dict(), spec, torch.float32)
+    return model_facts(REGISTRY[name].tiny_config().to_dict(), spec, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -209,8 +209,8 @@ def test_a_context_parallel_rank_s_bytes_past_the_measured_slices_are_its_measur
 
     config = REGISTRY["kimi_k3"].tiny_config().to_dict()
     facts = model_facts(config, resolve_run_config(_k3_request(seq_len=16384), 0))
-    model, method, _ = facts.measure.args
-    fitted, measured = facts.activations(2), _measure(model, method, 8192, 2)
+    model, method, _, device_type = facts.measure.args
+    fitted, measured = facts.activations(2), _measure(model, method, 8192, 2, device_type)
     assert fitted.layers == pytest.approx(measured.layers, rel=0.01)
     assert fitted.loss == pytest.approx(measured.loss, rel=0.01)
     assert fitted.layers != pytest.approx(facts.activations(4).layers, rel=0.1)

@@ -100,7 +100,7 @@ def test_peak_at_load_under_zero3_is_the_planners_load_figure(model_dir, tmp_pat
     launch(_load_rank, WORLD, model_dir, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     with open(os.path.join(model_dir, "config.json")) as f:
-        facts = model_facts(json.load(f), spec(ep=EP, zero=3, train_experts=True), torch.float32)
+        facts = model_facts(json.load(f), spec(ep=EP, zero=3, train_experts=True), torch.float32, "cpu")
     planned = layout(WORLD, EP, 3, False, 1)
     at_load = load_breakdown(facts, planned)
     figure = total(at_load) - at_load["cuda_context"]
