@@ -1,0 +1,87 @@
+"""A model split into 2 and 4 pipeline stages on gloo ranks (workers.pipeline), run by torch.distributed.pipelining's
+1F1B schedule over four micro-batches, equals the unsplit model on the summed loss and every LoRA gradient: Qwen3-MoE
+(hidden states across each boundary) and Kimi K3 with its kernel swaps (the running Attention-Residual block sum and
+every completed block's across each boundary; at 4 stages the boundaries fall inside its 2-layer blocks too)."""
+
+import os
+
+import pytest
+import torch
+
+from bench.support.harness import launch
+from moetune.workers.pipeline.split import stage_bounds
+
+MICRO_BATCHES, T = 4, 12
+LAYERS = {"qwen3_moe": {"num_hidden_layers": 4}}  # a layer for each of 4 stages (Kimi K3's tiny model has 4)
+TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "o_proj", "q_proj", "k_proj",
+           "v_proj", "f_a_proj", "f_b_proj", "b_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny(family_name: str):
+    """The family's tiny model with its kernel swaps and LoRA on its text model (B random too, so every factor has
+    a gradient): the same weights in every process."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from bench.support.tiny_models import plain_model
+    from moetune.workers.families import REGISTRY
+
+    family = REGISTRY[family_name]
+    config = family.tiny_config(**LAYERS.get(family_name, {}))
+    config.use_cache = config.get_text_config().use_cache = False  # as workers.model sets it for training
+    model = plain_model(family, config=config)
+    family.apply_kernel_swaps(model)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, exclude_modules=r".*(vision|visual).*",
+                      init_lora_weights=False)
+    inject_adapter_in_model(lora, model)
+    return model
+
+
+def rows() -> torch.Tensor:
+    return torch.randint(3, 256, (MICRO_BATCHES, T), generator=torch.Generator().manual_seed(2))
+
+
+def lora_grads(model) -> dict:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if "lora_" in name and p.grad is not None}
+
+
+def _ranks(rank: int, world: int, out_dir: str, family_name: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from moetune.workers.methods.sft import token_loss_sum
+    from moetune.workers.pipeline.stages import stage_module
+
+    model = tiny(family_name)
+    bounds = stage_bounds(model.config.get_text_config().num_hidden_layers, world)
+    stage = PipelineStage(stage_module(model, bounds, rank), rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=token_loss_sum, scale_grads=False)
+    losses = []
+    if rank == 0:
+        schedule.step(rows())
+    elif rank == world - 1:
+        schedule.step(target=rows(), losses=losses)
+    else:
+        schedule.step()
+    torch.save({"grads": lora_grads(model), "loss": float(sum(losses))}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore:You have passed exclude_modules")  # a family without a vision tower
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family_name", ["qwen3_moe", "kimi_k3"])
+def test_a_model_split_into_pipeline_stages_equals_the_unsplit_model(tmp_path, family_name, world):
+    from moetune.workers.methods.sft import token_loss_sum
+
+    launch(_ranks, world, str(tmp_path), family_name)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    model = tiny(family_name)
+    ids = rows()
+    loss = token_loss_sum(model(input_ids=ids).logits, ids)
+    loss.backward()
+    assert ranks[-1]["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    want = lora_grads(model)
+    owners = [name for rank in ranks for name in rank["grads"]]
+    assert sorted(owners) == sorted(want), "each LoRA factor trains on exactly one stage"
+    got = {name: grad for rank in ranks for name, grad in rank["grads"].items()}
+    for name, expected in want.items():
+        assert (got[name] - expected).abs().max() <= 1e-5 * expected.abs().max(), name
