@@ -1,6 +1,6 @@
 """A model split into 2 and 4 pipeline stages on gloo ranks (workers.pipeline), run by torch.distributed.pipelining's
 1F1B schedule over four micro-batches, equals the unsplit model on the summed loss and every LoRA gradient: Qwen3-MoE
-(hidden states across each boundary) and Kimi K3 with its kernel swaps (the running Attention-Residual block sum and
+and Kimi-Linear (hidden states across each boundary) and Kimi K3, each with its kernel swaps (the running Attention-Residual block sum and
 every completed block's across each boundary; at 4 stages the boundaries fall inside its 2-layer blocks too)."""
 
 import os
@@ -68,7 +68,7 @@ def _ranks(rank: int, world: int, out_dir: str, family_name: str) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.filterwarnings("ignore:You have passed exclude_modules")  # a family without a vision tower
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("family_name", ["qwen3_moe", "kimi_k3"])
+@pytest.mark.parametrize("family_name", ["qwen3_moe", "kimi_linear", "kimi_k3"])
 def test_a_model_split_into_pipeline_stages_equals_the_unsplit_model(tmp_path, family_name, world):
     from moetune.workers.methods.sft import token_loss_sum
 
