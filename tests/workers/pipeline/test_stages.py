@@ -1,7 +1,8 @@
 """A model split into 2 and 4 pipeline stages on gloo ranks (workers.pipeline), run by torch.distributed.pipelining's
-1F1B schedule over four micro-batches, equals the unsplit model on the summed loss and every LoRA gradient: Qwen3-MoE
-and Kimi-Linear (hidden states across each boundary) and Kimi K3, each with its kernel swaps (the running Attention-Residual block sum and
-every completed block's across each boundary; at 4 stages the boundaries fall inside its 2-layer blocks too)."""
+1F1B schedule over four micro-batches, equals the unsplit model on the summed loss and every LoRA gradient, each
+with its kernel swaps: Qwen3-MoE and Kimi-Linear (hidden states across each boundary) and Kimi K3 (the running
+Attention-Residual block sum and every completed block's across each boundary; at 4 stages the boundaries fall
+inside its 2-layer blocks too)."""
 
 import os
 
