@@ -93,8 +93,10 @@ class WorkerMetrics:
         self.exporter.await_scrape()  # the counters' zeros, so that rate() and increase() count the first step
 
     def training_part_done(self) -> None:
-        """Between a step's training and its validation: the step figures' context-parallel seconds are its
-        training's (the report's shares are of training time); the counters take both."""
+        """Between a step's training and its validation: the step figures' all-to-all and context-parallel seconds
+        are its training's (the report's shares are of training time); the counters take both."""
+        if self.moe:
+            self.moe.training_part_done()
         if self.context:
             self.context_in_training = CONTEXT_EXCHANGES.drain()
 

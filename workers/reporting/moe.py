@@ -35,6 +35,7 @@ class MoEMetrics:
         for layer in self.load.layers:  # counters start at 0 when training starts: rate() sees the first step
             for c in counters:
                 c.labels(*self.base, layer)
+        self.in_training: list[tuple[int, float]] | None = None  # each layer's exchanges before validation
         if not export_load:
             return
         self.histogram = LoadRatioHistogram(labels, self.load.layers)
@@ -46,15 +47,24 @@ class MoEMetrics:
                                                               "experts in the last step", "expert")
         self.hot_shown: dict[str, list[str]] = {}
 
+    def training_part_done(self) -> None:
+        """Between a step's training and its validation: the step's all-to-all seconds are its training's (the
+        report's share is of training time); the counters take both."""
+        self.in_training = [module.comm.drain() for module in self.load.modules]
+
     def step_end(self) -> dict:
         """Every rank: its traffic, then the collective load sum; rank 0 exports the load. Returns the step's
-        figures for the adaptation report: this rank's all-to-all seconds and (rank 0) each layer's imbalance."""
+        figures for the adaptation report: this rank's all-to-all seconds in training and (rank 0) each layer's
+        imbalance."""
         total_seconds = 0.0
-        for layer, module in zip(self.load.layers, self.load.modules):
-            sent, seconds = module.comm.drain()
+        after = [module.comm.drain() for module in self.load.modules]  # the validation's, once training's is taken
+        training, self.in_training = self.in_training, None
+        if training is None:  # not split: all of it is training's
+            training, after = after, [(0, 0.0)] * len(after)
+        for layer, (sent, seconds), (after_sent, after_seconds) in zip(self.load.layers, training, after):
             total_seconds += seconds
-            self.a2a_bytes.labels(*self.base, layer).inc(sent)
-            self.a2a_seconds.labels(*self.base, layer).inc(seconds)
+            self.a2a_bytes.labels(*self.base, layer).inc(sent + after_sent)
+            self.a2a_seconds.labels(*self.base, layer).inc(seconds + after_seconds)
         figures = {"alltoall_seconds": total_seconds}
         if not self.load.layers:
             return figures

@@ -1,7 +1,7 @@
 """Context-parallel traffic in a worker's metrics: every CP exchange (comm.differentiable's all-gather and its
 gradient's all-to-all) is counted with the bytes it sends to the other ranks, on two gloo ranks; WorkerMetrics
-exports a step's count as Prometheus counters (validation's exchanges too) and hands the step figures the seconds of
-its training."""
+exports a step's count, and its MoE layers' all-to-all, as Prometheus counters (validation's exchanges too) and hands
+the step figures the seconds of its training only."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from bench.support.harness import launch
 from moetune.workers.comm.differentiable import CONTEXT_EXCHANGES
+from moetune.workers.experts.module import ExpertParallelExperts
 
 
 def _gather_twice(rank: int, world: int, out_dir: str) -> None:
@@ -42,22 +43,45 @@ def test_worker_metrics_export_a_steps_exchanges(monkeypatch):
 
     monkeypatch.setenv("MOETUNE_METRICS_PORT", "0")
     metrics = WorkerMetrics("ftjob-cp", 1, 1, torch.device("cpu"), lambda *a, **k: None, WorkerSettings())
+    model = _moe_model()
+    first_moe = next(m for m in model.modules() if isinstance(m, ExpertParallelExperts))
     try:
         CONTEXT_EXCHANGES.sent_bytes += 1000  # an exchange before training: the planner's, not a step's
-        metrics.training_started(torch.nn.Linear(2, 2), context_parallel=True)
+        metrics.training_started(model, context_parallel=True)
         labels = {"job_id": "ftjob-cp", "node": metrics.labels["node"], "rank": "1"}
         assert metrics.registry.get_sample_value("moetune_context_exchange_sent_bytes_total", labels) == 0
-        with CONTEXT_EXCHANGES.timed(torch.zeros(2, 8), [1, 1], 0):  # the step's training: 32 bytes to rank 1
-            pass
+        exchanges = (CONTEXT_EXCHANGES, first_moe.comm)
+        for stats in exchanges:  # the step's training: 32 bytes to rank 1
+            with stats.timed(torch.zeros(2, 8), [1, 1], 0):
+                pass
         metrics.training_part_done()
-        with CONTEXT_EXCHANGES.timed(torch.zeros(2, 4), [1, 1], 0):  # its validation: 16 bytes
-            time.sleep(0.01)  # longer than the training's exchange: the figure must not take it
+        for stats in exchanges:  # its validation: 16 bytes, longer than the training's: no figure may take it
+            with stats.timed(torch.zeros(2, 4), [1, 1], 0):
+                time.sleep(0.01)
         figures = metrics.step_end({}, 1.0, 1, 1)
         assert metrics.registry.get_sample_value("moetune_context_exchange_sent_bytes_total", labels) == 48
         seconds = metrics.registry.get_sample_value("moetune_context_exchange_seconds_total", labels)
         assert 0 < figures["context_seconds"] < 0.01 <= seconds  # the report's share is of training time
+        layer = {**labels, "layer": metrics.moe.load.layers[0]}
+        assert metrics.registry.get_sample_value("moetune_alltoall_sent_bytes_total", layer) == 48
+        seconds = metrics.registry.get_sample_value("moetune_alltoall_seconds_total", layer)
+        assert 0 < figures["alltoall_seconds"] < 0.01 <= seconds
     finally:
         metrics.close()
+
+
+def _moe_model():
+    """The tiny qwen3_moe with its experts in moetune's expert-parallel module (EP=1), as a job trains it."""
+    from bench.support.tiny_models import plain_model
+    from moetune.api.models.lora import LoraSpec
+    from moetune.api.models.training import TrainingSpec
+    from moetune.workers.experts.placement import placement_at
+    from moetune.workers.families import REGISTRY
+    from moetune.workers.model import trainable_model
+
+    model = plain_model(REGISTRY["qwen3_moe"])
+    return trainable_model(model, LoraSpec(rank=4, train_experts=True), TrainingSpec(),
+                           placement_at(model.config.to_dict(), 1, 0))
 
 
 @pytest.mark.parametrize("context", [True, False])
