@@ -129,6 +129,18 @@ class ParallelDims(StrictModel):
         first = world_rank - self.coordinates(world_rank).ep_rank
         return list(range(first, first + self.expert_parallel_size))
 
+    def stage_ranks(self, world_rank: int) -> list[int]:
+        """The world ranks of `world_rank`'s pipeline stage (ZeRO partitions and reduces the stage's parameters
+        over them)."""
+        first = self.coordinates(world_rank).stage * self.stage_size
+        return list(range(first, first + self.stage_size))
+
+    def pipeline_ranks(self, world_rank: int) -> list[int]:
+        """The world ranks in the same place of every pipeline stage as `world_rank`, stage by stage: one
+        micro-batch's path through the model."""
+        within = world_rank % self.stage_size
+        return [stage * self.stage_size + within for stage in range(self.pipeline_parallel_size)]
+
     def context_group_ranks(self, world_rank: int) -> list[int]:
         """The world ranks that share `world_rank`'s sequences, one contiguous slice each, in slice order."""
         first = world_rank - self.coordinates(world_rank).context_rank

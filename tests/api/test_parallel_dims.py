@@ -51,6 +51,12 @@ def test_each_rank_has_one_place_and_its_groups_tile_the_world():
         for group in (dims.expert_group_ranks(world_rank), dims.expert_replica_ranks(world_rank),
                       dims.context_group_ranks(world_rank)):
             assert world_rank in group and {dims.coordinates(r).stage for r in group} == {places[world_rank].stage}
+    assert dims.stage_ranks(5) == list(range(8)) and dims.stage_ranks(12) == list(range(8, 16))
+    assert dims.pipeline_ranks(5) == [5, 13] and dims.pipeline_ranks(13) == [5, 13]
+    for world_rank in range(16):  # a pipeline holds its rank once per stage, at the same place in each
+        pipeline = dims.pipeline_ranks(world_rank)
+        assert world_rank in pipeline and [dims.coordinates(r).stage for r in pipeline] == [0, 1]
+        assert len({(places[r].data_rank, places[r].context_rank, places[r].ep_rank) for r in pipeline}) == 1
     assert dims.expert_group_name == "ep_size_4"
 
 

@@ -12,20 +12,21 @@ from moetune.workers.engine.schedule import lr_scheduler
 
 
 def deepspeed_batch_size(global_batch_size: int, parallelism: ParallelDims) -> int:
-    """The batch DeepSpeed counts in an optimizer step. It takes every rank for a data-parallel one, while the ranks
-    of a context-parallel group run the same examples, each its slice: to DeepSpeed the global batch is seen once
-    per rank of a data-parallel replica. Only its bookkeeping reads it: StepRunner marks the accumulation boundary and
-    scales the loss itself."""
-    return global_batch_size * (parallelism.num_workers // parallelism.data_parallel_size)
+    """The batch DeepSpeed counts in an optimizer step. It takes every rank of its group (the stage's, with
+    pipeline stages) for a data-parallel one, while the ranks of a context-parallel group run the same examples,
+    each its slice: to DeepSpeed the global batch is seen once per rank of a data-parallel replica. Only its
+    bookkeeping reads it: StepRunner marks the accumulation boundary and scales the loss itself."""
+    return global_batch_size * (parallelism.stage_size // parallelism.data_parallel_size)
 
 
 def deepspeed_config(t: RunTraining, parallelism: ParallelDims, world_size: int, bf16: bool) -> dict:
     micro_batch_size = t.micro_batch_size  # tuned: the tuner's start, which StepRunner sets
     batch_size = deepspeed_batch_size(t.global_batch_size, parallelism)
+    group = world_size // parallelism.pipeline_parallel_size  # DeepSpeed's data-parallel group: a stage's ranks
     return {
         "train_batch_size": batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": batch_size // (micro_batch_size * world_size),
+        "gradient_accumulation_steps": batch_size // (micro_batch_size * group),
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": parallelism.zero_stage},
         "bf16": {"enabled": bf16},
@@ -62,9 +63,9 @@ def _param_groups(model) -> list[dict]:
 
 
 def build_engine(model, training: RunTraining, parallelism: ParallelDims, world_size: int, total_steps: int,
-                 bf16: bool):
+                 bf16: bool, groups=None):
     """Returns (engine, lr_scheduler) for the job's `training` and `parallelism` sections; DeepSpeed steps the
-    scheduler at every optimizer step."""
+    scheduler at every optimizer step. `groups`: a pipeline stage's (engine.pipeline.StageGroups)."""
     import deepspeed
     import torch
 
@@ -75,6 +76,7 @@ def build_engine(model, training: RunTraining, parallelism: ParallelDims, world_
         optimizer=optimizer,
         lr_scheduler=scheduler,
         config=deepspeed_config(training, parallelism, world_size, bf16),
+        mpu=groups,
     )
     # every module with partitioned weights below it: a parent may read a child's weight without calling the child
     # (a vision tower's position embeddings), and DeepSpeed gathers it then

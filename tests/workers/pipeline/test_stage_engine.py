@@ -1,0 +1,126 @@
+"""Two pipeline stages on two gloo ranks, each its own DeepSpeed ZeRO-2 engine (workers.engine.pipeline) under
+torch.distributed.pipelining's 1F1B schedule, against one process's engine over the unsplit model, for two optimizer
+steps of four micro-batches: the losses, the first step's LoRA gradients and each step's gradient norm are equal
+(DeepSpeed's, which clipping scales by: every stage must see the whole model's, summed over the stages; the loss is
+summed over tokens, so the norm is above the clip)."""
+
+import os
+
+import pytest
+import torch
+
+from bench.support.harness import launch, spec
+
+MICRO_BATCHES, T, STEPS = 4, 12, 2
+
+
+def _job():
+    job = spec(ep=1, zero=2, world=2, micro=1, global_batch=MICRO_BATCHES)
+    return job, job.parallelism.model_copy(update={"pipeline_parallel_size": 2})
+
+
+def _model():
+    """Qwen3-MoE's tiny model, four layers, with the job's LoRA (B random, so every factor has a gradient)."""
+    from bench.support.tiny_models import plain_model
+    from moetune.workers.experts.placement import job_placement
+    from moetune.workers.families import REGISTRY
+    from moetune.workers.model import trainable_model
+
+    job, _ = _job()
+    family = REGISTRY["qwen3_moe"]
+    config = family.tiny_config(num_hidden_layers=4)
+    config.use_cache = False
+    model = plain_model(family, config=config)
+    torch.manual_seed(1)
+    model = trainable_model(model, job.lora, job.training, job_placement(config.to_dict(), job.parallelism, job.lora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def _rows(step: int) -> torch.Tensor:
+    return torch.randint(3, 256, (MICRO_BATCHES, T), generator=torch.Generator().manual_seed(10 + step))
+
+
+def _full_grads(model, params) -> dict:
+    from deepspeed.utils import safe_get_full_grad
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: safe_get_full_grad(p).clone() for p in params}
+
+
+def _stages(rank: int, world: int, out_dir: str) -> None:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from moetune.workers.engine.deepspeed import build_engine, init_comm
+    from moetune.workers.engine.pipeline import EngineStage, StageGroups
+    from moetune.workers.methods.sft import token_loss_sum
+    from moetune.workers.pipeline.split import stage_bounds
+    from moetune.workers.pipeline.stages import stage_module
+
+    init_comm()
+    job, parallelism = _job()
+    model = _model()
+    module = stage_module(model, stage_bounds(4, world), rank)
+    groups = StageGroups(parallelism, rank)
+    engine, _ = build_engine(module, job.training, parallelism, world, STEPS, bf16=False, groups=groups)
+    stage = EngineStage(engine, rank, world, torch.device("cpu"), group=groups.model)
+    params = [p for p in module.parameters() if p.requires_grad]
+    losses, norms, grads = [], [], None
+    for step in range(STEPS):
+        schedule = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=token_loss_sum, scale_grads=False)
+        micro = []
+        if rank == 0:
+            schedule.step(_rows(step))
+        else:
+            schedule.step(target=_rows(step), losses=micro)
+        grads = grads or _full_grads(model, params)
+        stage.step()
+        losses.append(float(sum(micro)))
+        norms.append(float(engine.get_global_grad_norm()))
+    torch.save({"grads": grads, "losses": losses, "norms": norms}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _unsplit(rank: int, world: int, out_dir: str) -> None:
+    from moetune.workers.engine.deepspeed import build_engine, init_comm
+    from moetune.workers.methods.sft import token_loss_sum
+
+    init_comm()
+    job, _ = _job()
+    one = job.parallelism.model_copy(update={"num_workers": 1})
+    model = _model()
+    engine, _ = build_engine(model, job.training, one, 1, STEPS, bf16=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses, norms, grads = [], [], None
+    for step in range(STEPS):
+        rows, total = _rows(step), 0.0
+        for m in range(MICRO_BATCHES):
+            loss = token_loss_sum(engine(input_ids=rows[m:m + 1]).logits, rows[m:m + 1])
+            engine.set_gradient_accumulation_boundary(m == MICRO_BATCHES - 1)
+            engine.backward(loss, scale_wrt_gas=False)
+            if m == MICRO_BATCHES - 1 and grads is None:
+                grads = _full_grads(model, params)
+            engine.step()
+            total += loss.item()
+        losses.append(total)
+        norms.append(float(engine.get_global_grad_norm()))
+    torch.save({"grads": grads, "losses": losses, "norms": norms}, os.path.join(out_dir, "unsplit.pt"))
+
+
+@pytest.mark.timeout(300)
+def test_stages_under_their_own_engines_step_as_the_unsplit_model(tmp_path):
+    launch(_stages, 2, str(tmp_path))
+    launch(_unsplit, 1, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    want = torch.load(tmp_path / "unsplit.pt")
+    assert ranks[1]["losses"] == pytest.approx(want["losses"], rel=1e-6)
+    assert min(want["norms"]) > 1.0  # above the clip: the steps are scaled by it
+    for rank in ranks:
+        assert rank["norms"] == pytest.approx(want["norms"], rel=1e-5)
+    assert sorted(n for rank in ranks for n in rank["grads"]) == sorted(want["grads"])
+    for rank in ranks:
+        for name, got in rank["grads"].items():
+            expected = want["grads"][name]
+            assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), name
