@@ -1,6 +1,7 @@
-"""Two pipeline stages on two gloo ranks, each its own DeepSpeed ZeRO-2 engine (workers.engine.pipeline) under
-torch.distributed.pipelining's 1F1B schedule, against one process's engine over the unsplit model, for two optimizer
-steps of four micro-batches: the losses, the first step's LoRA gradients and each step's gradient norm are equal
+"""Two pipeline stages, each its own DeepSpeed ZeRO-2 engine (workers.engine.pipeline) under
+torch.distributed.pipelining's 1F1B schedule: on two gloo ranks, and on four as two data-parallel replicas of the
+pipeline (each its own rows; a stage's gradients reduced over its two ranks). Against one process's engine over the
+unsplit model and every replica's rows, for two optimizer steps of four micro-batches per replica: the losses, the first step's LoRA gradients and each step's gradient norm are equal
 (DeepSpeed's, which clipping scales by: every stage must see the whole model's, summed over the stages; the loss is
 summed over tokens, so the norm is above the clip)."""
 
@@ -11,22 +12,22 @@ import torch
 
 from bench.support.harness import launch, spec
 
-MICRO_BATCHES, T, STEPS = 4, 12, 2
+MICRO_BATCHES, T, STEPS, STAGES = 4, 12, 2, 2
 
 
-def _job():
-    job = spec(ep=1, zero=2, world=2, micro=1, global_batch=MICRO_BATCHES)
-    return job, job.parallelism.model_copy(update={"pipeline_parallel_size": 2})
+def _job(world: int):
+    """The run config and its pipelined layout: `world` ranks, two stages, world / 2 data-parallel replicas."""
+    job = spec(ep=1, zero=2, world=world, micro=1, global_batch=MICRO_BATCHES * world // STAGES)
+    return job, job.parallelism.model_copy(update={"pipeline_parallel_size": STAGES})
 
 
-def _model():
+def _model(job):
     """Qwen3-MoE's tiny model, four layers, with the job's LoRA (B random, so every factor has a gradient)."""
     from bench.support.tiny_models import plain_model
     from moetune.workers.experts.placement import job_placement
     from moetune.workers.families import REGISTRY
     from moetune.workers.model import trainable_model
 
-    job, _ = _job()
     family = REGISTRY["qwen3_moe"]
     config = family.tiny_config(num_hidden_layers=4)
     config.use_cache = False
@@ -40,8 +41,9 @@ def _model():
     return model
 
 
-def _rows(step: int) -> torch.Tensor:
-    return torch.randint(3, 256, (MICRO_BATCHES, T), generator=torch.Generator().manual_seed(10 + step))
+def _rows(step: int, replicas: int) -> torch.Tensor:
+    """Every replica's rows of the step, replica after replica."""
+    return torch.randint(3, 256, (replicas * MICRO_BATCHES, T), generator=torch.Generator().manual_seed(10 + step))
 
 
 def _full_grads(model, params) -> dict:
@@ -61,46 +63,52 @@ def _stages(rank: int, world: int, out_dir: str) -> None:
     from moetune.workers.pipeline.stages import stage_module
 
     init_comm()
-    job, parallelism = _job()
-    model = _model()
-    module = stage_module(model, stage_bounds(4, world), rank)
+    job, parallelism = _job(world)
+    place, replicas = parallelism.coordinates(rank), parallelism.data_parallel_size
+    model = _model(job)
+    module = stage_module(model, stage_bounds(4, STAGES), place.stage)
     groups = StageGroups(parallelism, rank)
     engine, _ = build_engine(module, job.training, parallelism, world, STEPS, bf16=False, groups=groups)
-    stage = EngineStage(engine, rank, world, torch.device("cpu"), group=groups.model)
+    stage = EngineStage(engine, place.stage, STAGES, torch.device("cpu"), group=groups.model)
     params = [p for p in module.parameters() if p.requires_grad]
+
+    def loss_fn(logits, target):  # DeepSpeed averages over the replicas: their sum, as the unsplit step takes it
+        return token_loss_sum(logits, target) * replicas
+
     losses, norms, grads = [], [], None
     for step in range(STEPS):
-        schedule = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=token_loss_sum, scale_grads=False)
+        schedule = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn, scale_grads=False)
+        mine = _rows(step, replicas)[place.data_rank * MICRO_BATCHES:(place.data_rank + 1) * MICRO_BATCHES]
         micro = []
-        if rank == 0:
-            schedule.step(_rows(step))
+        if place.stage == 0:
+            schedule.step(mine)
         else:
-            schedule.step(target=_rows(step), losses=micro)
+            schedule.step(target=mine, losses=micro)
         grads = grads or _full_grads(model, params)
         stage.step()
-        losses.append(float(sum(micro)))
+        losses.append(float(sum(micro)) / replicas)
         norms.append(float(engine.get_global_grad_norm()))
     torch.save({"grads": grads, "losses": losses, "norms": norms}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _unsplit(rank: int, world: int, out_dir: str) -> None:
+def _unsplit(rank: int, world: int, pipelined_world: int, out_dir: str) -> None:
     from moetune.workers.engine.deepspeed import build_engine, init_comm
     from moetune.workers.methods.sft import token_loss_sum
 
     init_comm()
-    job, _ = _job()
+    job, parallelism = _job(pipelined_world)
     one = job.parallelism.model_copy(update={"num_workers": 1})
-    model = _model()
+    model = _model(job)
     engine, _ = build_engine(model, job.training, one, 1, STEPS, bf16=False)
     params = [p for p in model.parameters() if p.requires_grad]
     losses, norms, grads = [], [], None
     for step in range(STEPS):
-        rows, total = _rows(step), 0.0
-        for m in range(MICRO_BATCHES):
+        rows, total = _rows(step, parallelism.data_parallel_size), 0.0
+        for m in range(len(rows)):
             loss = token_loss_sum(engine(input_ids=rows[m:m + 1]).logits, rows[m:m + 1])
-            engine.set_gradient_accumulation_boundary(m == MICRO_BATCHES - 1)
+            engine.set_gradient_accumulation_boundary(m == len(rows) - 1)
             engine.backward(loss, scale_wrt_gas=False)
-            if m == MICRO_BATCHES - 1 and grads is None:
+            if m == len(rows) - 1 and grads is None:
                 grads = _full_grads(model, params)
             engine.step()
             total += loss.item()
@@ -110,16 +118,19 @@ def _unsplit(rank: int, world: int, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_stages_under_their_own_engines_step_as_the_unsplit_model(tmp_path):
-    launch(_stages, 2, str(tmp_path))
-    launch(_unsplit, 1, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+@pytest.mark.parametrize("world", [2, 4])
+def test_stages_under_their_own_engines_step_as_the_unsplit_model(tmp_path, world):
+    launch(_stages, world, str(tmp_path))
+    launch(_unsplit, 1, world, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     want = torch.load(tmp_path / "unsplit.pt")
-    assert ranks[1]["losses"] == pytest.approx(want["losses"], rel=1e-6)
+    last_stage = ranks[world // STAGES:]
+    assert [sum(rank["losses"][i] for rank in last_stage) for i in range(STEPS)] == pytest.approx(want["losses"],
+                                                                                                  rel=1e-6)
     assert min(want["norms"]) > 1.0  # above the clip: the steps are scaled by it
     for rank in ranks:
         assert rank["norms"] == pytest.approx(want["norms"], rel=1e-5)
-    assert sorted(n for rank in ranks for n in rank["grads"]) == sorted(want["grads"])
+    assert sorted({n for rank in ranks for n in rank["grads"]}) == sorted(want["grads"])
     for rank in ranks:
         for name, got in rank["grads"].items():
             expected = want["grads"][name]
