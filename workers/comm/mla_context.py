@@ -5,10 +5,10 @@ the unsplit layer would cache) and attends over the row up to its own tokens.
 The attention modules already pass what they would cache through `cache.update(keys, values, layer_idx)`
 (transformers' cache convention; K3's MLA passes its latent and shared key there, a DSA indexer its keys through
 `cache.update_indexer`), so `GatheredKeys` stands in for the cache in a CP forward and the module itself is
-unchanged. The gather's backward hands each rank the sum of
-every rank's gradient for its own slice (workers/comm/differentiable.all_gather): the key projections and their LoRA
-get the unsplit gradient once the group's ranks sum theirs, as every parameter of a CP group does. An all-gather has
-one shape on every rank (NCCL's rule, held on gloo by `checked`), so the slices are equal.
+unchanged. The gather's backward hands each rank the sum of every rank's gradient for its own slice
+(workers/comm/differentiable.all_gather): the key projections and their LoRA get the unsplit gradient once the
+group's ranks sum theirs, as every parameter of a CP group does. An all-gather has one shape on every rank (NCCL's
+rule, held on gloo by `checked`), so the slices are equal.
 
 `attend_over_row` then runs one attention per sequence of the slice, its queries over that sequence's keys up to
 them: causal aligned to the bottom right (kernels.attention.trailing_causal), with no mask, where a [T_slice, T]

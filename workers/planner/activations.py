@@ -1,13 +1,14 @@
 """Activation bytes of one sequence of `seq_len` tokens, from a forward of the job's trainable model on the meta
 device (no memory, no compute: only shapes), counted as the tuner's CPU measure counts them (planner.saved).
 
-The forward is the one a job runs, on the model workers.model builds for the meta device: the family's kernel
-swaps, PEFT LoRA, the method's loss, training mode; the routed experts are stand-ins that save nothing
-(planner.experts adds their share); attention and KDA save what the workers' kernels save (planner.device_ops). Every sequence is taken as `seq_len` long and unpadded, as the tuner assumes.
-Each decoder layer's share is recorded, which gives the figure with activation checkpointing too: every layer then
-keeps only its input hidden states, and the backward reruns one layer at a time with all of its activations. Up to
-MEASURED_UP_TO tokens the forward runs at `seq_len` itself; beyond, bytes are the quadratic through three measured
-lengths, so a term that grows with T² (a [T, T] mask) is extrapolated as one.
+The forward is the one a job runs, on the model workers.model builds for the meta device: the family's kernel swaps,
+PEFT LoRA, the method's loss, training mode; the routed experts are stand-ins that save nothing (planner.experts
+adds their share); attention and KDA save what the workers' kernels save (planner.device_ops). Every sequence is
+taken as `seq_len` long and unpadded, as the tuner assumes. Each decoder layer's share is recorded, which gives the
+figure with activation checkpointing too: every layer then keeps only its input hidden states, and the backward
+reruns one layer at a time with all of its activations. Up to MEASURED_UP_TO tokens the forward runs at `seq_len`
+itself; beyond, bytes are the quadratic through three measured lengths, so a term that grows with T² (a [T, T] mask)
+is extrapolated as one.
 
 With context parallelism over `context` ranks the forward is the CP one of the group's last rank (planner.context):
 its slice of seq_len / context tokens, the whole row's gathered MLA keys, the KDA state summaries of every rank.

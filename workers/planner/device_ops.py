@@ -4,11 +4,12 @@ intermediates a GPU kernel never holds).
 
 - Attention (SDPA): a flash kernel keeps q, k, v, the output and its log-sum-exp (the meta device's math path would
   keep the [T, T] attention weights).
-- KDA (kernels.kda.chunk_kda), for GPU workers: fla 0.6.0's `chunk_kda`, the CUDA path, with its default recomputation: it keeps q
-  and k l2-normalised in their dtype with their fp32 inverse norms, v, β, the gates as given and their chunk-local
-  cumulative sum in fp32, the intra-chunk matrices Aqk and Akk ([T, H, 64] in k's dtype) and the initial state; the
-  inter-chunk states are recomputed in the backward (fla/ops/kda/chunk.py's save_for_backward, chunk_fwd.py's
-  `disable_recompute=False` branch). The CPU path keeps every chunk's fp32 intermediates instead.
+- KDA (kernels.kda.chunk_kda), for GPU workers: fla 0.6.0's `chunk_kda`, the CUDA path, with its default
+  recomputation: it keeps q and k l2-normalised in their dtype with their fp32 inverse norms, v, β, the gates as
+  given and their chunk-local cumulative sum in fp32, the intra-chunk matrices Aqk and Akk ([T, H, 64] in k's dtype)
+  and the initial state; the inter-chunk states are recomputed in the backward (fla/ops/kda/chunk.py's
+  save_for_backward, chunk_fwd.py's `disable_recompute=False` branch). The CPU path keeps every chunk's fp32
+  intermediates instead.
 """
 
 from __future__ import annotations

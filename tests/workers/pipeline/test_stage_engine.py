@@ -1,9 +1,10 @@
 """Two pipeline stages, each its own DeepSpeed ZeRO-2 engine (workers.engine.pipeline) under
 torch.distributed.pipelining's 1F1B schedule: on two gloo ranks, and on four as two data-parallel replicas of the
 pipeline (each its own rows; a stage's gradients reduced over its two ranks). Against one process's engine over the
-unsplit model and every replica's rows, for two optimizer steps of four micro-batches per replica: the losses, the first step's LoRA gradients and each step's gradient norm are equal
-(DeepSpeed's, which clipping scales by: every stage must see the whole model's, summed over the stages; the loss is
-summed over tokens, so the norm is above the clip)."""
+unsplit model and every replica's rows, for two optimizer steps of four micro-batches per replica: the losses, the
+first step's LoRA gradients and each step's gradient norm are equal (DeepSpeed's, which clipping scales by: every
+stage must see the whole model's, summed over the stages; the loss is summed over tokens, so the norm is above the
+clip)."""
 
 import os
 
