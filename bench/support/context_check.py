@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
 
 import torch
 
@@ -26,27 +25,13 @@ def _row(seq: int, heads: int, dim: int, device) -> list[torch.Tensor]:
     return [q, k, v, g, beta]
 
 
-def _timed(fn, device, reps: int) -> float:
-    """Median milliseconds of fn after a warm-up (every rank runs the same number: fn holds collectives)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
-
-
 def context_kda_check(rank: int, world: int, seq: int, heads: int, dim: int, out_dir: str, device=None) -> None:
     """Writes rank<r>.json: per implementation, the worst RMSE ratio against the unsplit kernel on this slice and the
     split run's milliseconds, beside the unsplit kernel's on the whole row."""
     from moetune.kernels.kda import chunk_kda, packed_offsets
     from moetune.kernels.kda.context_slices import SliceLayout
     from moetune.kernels.testing import rmse_ratio
+    from bench.gpu_check import Setting
     from moetune.workers.comm.kda_context import context_parallel_kda
 
     device = device or torch.device("cpu")
@@ -57,7 +42,7 @@ def context_kda_check(rank: int, world: int, seq: int, heads: int, dim: int, out
     offsets = packed_offsets(torch.tensor(cuts), device)
     cotangent = torch.randn(1, seq, heads, dim, generator=torch.Generator(device=device).manual_seed(1),
                             device=device).to(whole[2].dtype)
-    reps, results = (5 if device.type == "cuda" else 1), {}
+    timer, results = Setting(dry=device.type != "cuda"), {}  # every rank times alike: the runs hold collectives
 
     def unsplit(kda=chunk_kda):
         out, _ = kda(*whole, use_qk_l2norm_in_kernel=True, cu_seqlens=offsets)
@@ -74,8 +59,8 @@ def context_kda_check(rank: int, world: int, seq: int, heads: int, dim: int, out
         got_out, got_grads = run()
         errors = [rmse_ratio(got.float(), want[:, mine].float())
                   for got, want in zip((got_out, *got_grads), (want_out, *want_grads))]
-        results[name] = {"rmse": max(errors), "split_ms": _timed(run, device, reps),
-                         "unsplit_ms": _timed(lambda: unsplit(kda), device, reps)}
+        results[name] = {"rmse": max(errors), "split_ms": timer.seconds(run, reps=5) * 1e3,
+                         "unsplit_ms": timer.seconds(lambda: unsplit(kda), reps=5) * 1e3}
 
     kda = functools.partial(chunk_kda, use_qk_l2norm_in_kernel=True)
     compare("moetune", lambda part: context_parallel_kda(*part, layout, kda=kda))

@@ -52,6 +52,8 @@ class Family:
     # rewrites a tiny checkpoint saved by transformers into the family's released format (naming, quantization),
     # where the two differ (workers.tiny)
     as_released: Callable[[str], None] | None = None
+    # its pipeline stage's module, where its layers carry more than hidden states (workers.families.stage)
+    pipeline_stage: type | None = None
 
     @property
     def model_type(self) -> str:

@@ -1,6 +1,7 @@
 from moetune.api.families import FAMILIES
 from moetune.workers.families.kda import kda_swap
 from moetune.workers.families.kimi_k3.release import as_released
+from moetune.workers.families.kimi_k3.stage import KimiK3Stage
 from moetune.workers.families.kimi_k3.tiny import TINY_VISION, tiny_config
 from moetune.workers.families.segments import segment_attention_swap
 from moetune.workers.families.spec import Family
@@ -36,4 +37,4 @@ FAMILY = Family(FAMILIES["kimi_k3"], moe_block="KimiK3MoE", shared_experts="shar
                 model_type_aliases=("kimi_k3_text",), expert_activation=expert_activation,
                 # the Attention Residuals' projections: their weight is the mix's pseudo-query, never called
                 lora_unsupported=("self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj"),
-                demo="seed", as_released=as_released)
+                demo="seed", as_released=as_released, pipeline_stage=KimiK3Stage)
