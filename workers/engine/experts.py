@@ -2,8 +2,8 @@
 (DeepSpeed 0.19.8): its expert and expert-data-parallel process groups, the tags that make ZeRO treat a parameter
 as expert-parallel, and the layer class that switches on its MoE gradient handling.
 
-EP groups are DeepSpeed's: consecutive ranks form an EP group ([0,1],[2,3] for EP=2 of 4); the ranks that hold the
-same experts ([0,2],[1,3]) form the replica ("expert data parallel") group. The job's layout (ParallelDims) derives
+EP groups are DeepSpeed's: consecutive ranks form an EP group ([0,1],[2,3] for EP=2 of 4); the ranks of a pipeline
+stage that hold the same experts ([0,2],[1,3] without pipelining) form the replica ("expert data parallel") group. The job's layout (ParallelDims) derives
 the same members; expert_groups checks that DeepSpeed made those.
 """
 
@@ -27,7 +27,8 @@ def expert_groups(dims: ParallelDims) -> tuple[int, object, object]:
     size, world_rank = dims.expert_parallel_size, dist.get_rank()
     name = expert_group_name(size)
     if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(size)
+        # within each pipeline stage (consecutive blocks of ranks, as in the layout): experts never cross stages
+        groups._create_expert_and_data_parallel(size, pp_size=dims.pipeline_parallel_size)
     group, replica_group = groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name)
     made = (dist.get_process_group_ranks(group), dist.get_process_group_ranks(replica_group))
     wanted = (dims.expert_group_ranks(world_rank), dims.expert_replica_ranks(world_rank))

@@ -1,12 +1,14 @@
 """Two pipeline stages, each its own DeepSpeed ZeRO-2 engine (workers.engine.pipeline) under
 torch.distributed.pipelining's 1F1B schedule: on two gloo ranks, and on four as two data-parallel replicas of the
-pipeline (each its own rows; a stage's gradients reduced over its two ranks). Against one process's engine over the
-unsplit model and every replica's rows, for two optimizer steps of four micro-batches per replica: the losses, the
-first step's LoRA gradients and each step's gradient norm are equal (DeepSpeed's, which clipping scales by: every
-stage must see the whole model's, summed over the stages; the loss is summed over tokens, so the norm is above the
-clip)."""
+pipeline (each its own rows; a stage's gradients reduced over its two ranks) that also split each stage's experts
+(EP=2 inside a stage, with expert LoRA: DeepSpeed's expert groups never cross a stage). Against one process's engine
+over the unsplit model and every replica's rows, for two optimizer steps of four micro-batches per replica: the
+losses, the first step's LoRA gradients (an expert-parallel rank's: its experts' rows) and each step's gradient norm
+are equal (DeepSpeed's, which clipping scales by: every stage must see the whole model's, summed over the stages; the
+loss is summed over tokens, so the norm is above the clip)."""
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -17,13 +19,15 @@ MICRO_BATCHES, T, STEPS, STAGES = 4, 12, 2, 2
 
 
 def _job(world: int):
-    """The run config and its pipelined layout: `world` ranks, two stages, world / 2 data-parallel replicas."""
-    job = spec(ep=1, zero=2, world=world, micro=1, global_batch=MICRO_BATCHES * world // STAGES)
+    """The run config and its pipelined layout: `world` ranks, two stages, world / 2 data-parallel replicas that
+    also share each stage's experts (EP = world / 2)."""
+    job = spec(ep=world // STAGES, zero=2, world=world, train_experts=True, micro=1, global_batch=MICRO_BATCHES * world // STAGES)
     return job, job.parallelism.model_copy(update={"pipeline_parallel_size": STAGES})
 
 
-def _model(job):
-    """Qwen3-MoE's tiny model, four layers, with the job's LoRA (B random, so every factor has a gradient)."""
+def _model(job, parallelism):
+    """Qwen3-MoE's tiny model, four layers, with the job's LoRA (B random, so every factor has a gradient), its
+    experts placed as `parallelism` places them."""
     from bench.support.tiny_models import plain_model
     from moetune.workers.experts.placement import job_placement
     from moetune.workers.families import REGISTRY
@@ -34,12 +38,26 @@ def _model(job):
     config.use_cache = False
     model = plain_model(family, config=config)
     torch.manual_seed(1)
-    model = trainable_model(model, job.lora, job.training, job_placement(config.to_dict(), job.parallelism, job.lora))
+    model = trainable_model(model, job.lora, job.training, job_placement(config.to_dict(), parallelism, job.lora))
+    _random_b(model)
+    return model
+
+
+def _random_b(model) -> None:
+    """Every LoRA B drawn from its own name's seed, an expert-parallel module's its experts' rows of the whole
+    stack's: the same factors at every layout."""
+    from moetune.workers.experts.module import ExpertParallelExperts
+
+    experts = {name: m.ep for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1)
-    return model
+            owner, _, leaf = name.rpartition(".")
+            if "lora_B" not in name and not (leaf.startswith("lora_") and leaf.endswith("_b")):
+                continue
+            ep = experts.get(owner)
+            shape = (ep.num_experts, *p.shape[1:]) if ep else p.shape
+            full = torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * 0.1
+            p.copy_(full[ep.local] if ep else full)
 
 
 def _rows(step: int, replicas: int) -> torch.Tensor:
@@ -66,7 +84,7 @@ def _stages(rank: int, world: int, out_dir: str) -> None:
     init_comm()
     job, parallelism = _job(world)
     place, replicas = parallelism.coordinates(rank), parallelism.data_parallel_size
-    model = _model(job)
+    model = _model(job, parallelism)
     module = stage_module(model, stage_bounds(4, STAGES), place.stage)
     groups = StageGroups(parallelism, rank)
     engine, _ = build_engine(module, job.training, parallelism, world, STEPS, bf16=False, groups=groups)
@@ -98,8 +116,8 @@ def _unsplit(rank: int, world: int, pipelined_world: int, out_dir: str) -> None:
 
     init_comm()
     job, parallelism = _job(pipelined_world)
-    one = job.parallelism.model_copy(update={"num_workers": 1})
-    model = _model(job)
+    one = job.parallelism.model_copy(update={"num_workers": 1, "expert_parallel_size": 1})
+    model = _model(job, one)
     engine, _ = build_engine(model, job.training, one, 1, STEPS, bf16=False)
     params = [p for p in model.parameters() if p.requires_grad]
     losses, norms, grads = [], [], None
@@ -132,7 +150,11 @@ def test_stages_under_their_own_engines_step_as_the_unsplit_model(tmp_path, worl
     for rank in ranks:
         assert rank["norms"] == pytest.approx(want["norms"], rel=1e-5)
     assert sorted({n for rank in ranks for n in rank["grads"]}) == sorted(want["grads"])
-    for rank in ranks:
+    assert any(".experts.lora_down_b" in name for name in want["grads"])
+    ep = world // STAGES
+    for r, rank in enumerate(ranks):
         for name, got in rank["grads"].items():
             expected = want["grads"][name]
+            if ".experts." in name:  # this rank's experts of the stack
+                expected = expected.chunk(ep)[r % ep]
             assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), name
