@@ -1,11 +1,12 @@
 """Two pipeline stages, each its own DeepSpeed ZeRO-2 engine (workers.engine.pipeline) under
-torch.distributed.pipelining's 1F1B schedule: on two gloo ranks, and on four as two data-parallel replicas of the
-pipeline (each its own rows; a stage's gradients reduced over its two ranks) that also split each stage's experts
-(EP=2 inside a stage, with expert LoRA: DeepSpeed's expert groups never cross a stage). Against one process's engine
-over the unsplit model and every replica's rows, for two optimizer steps of four micro-batches per replica: the
-losses, the first step's LoRA gradients (an expert-parallel rank's: its experts' rows) and each step's gradient norm
-are equal (DeepSpeed's, which clipping scales by: every stage must see the whole model's, summed over the stages; the
-loss is summed over tokens, so the norm is above the clip)."""
+torch.distributed.pipelining's 1F1B schedule: Qwen3-MoE's tiny model on two gloo ranks; on four, as two data-parallel
+replicas of the pipeline (each its own rows; a stage's gradients reduced over its two ranks) that also split each
+stage's experts (EP=2 inside a stage, with expert LoRA: DeepSpeed's expert groups never cross a stage), Qwen3-MoE and
+Kimi K3 as released (MXFP4 experts kept packed, its Attention-Residual blocks across the boundary). Against one
+process's engine over the unsplit model and every replica's rows, for two optimizer steps of four micro-batches per
+replica: the losses, the first step's LoRA gradients (an expert-parallel rank's: its experts' rows) and each step's
+gradient norm are equal (DeepSpeed's, which clipping scales by: every stage must see the whole model's, summed over
+the stages; the loss is summed over tokens, so the norm is above the clip)."""
 
 import os
 import zlib
@@ -13,32 +14,40 @@ import zlib
 import pytest
 import torch
 
-from bench.support.harness import launch, spec
+from bench.support.harness import launch, spec, write_released_checkpoint
 
 MICRO_BATCHES, T, STEPS, STAGES = 4, 12, 2, 2
+# the models of each world: Qwen3-MoE's tiny model (four layers), and at four ranks also Kimi K3's tiny model as
+# released (MXFP4 experts kept packed; Attention-Residual blocks across the boundary), streamed as a job streams it
+SOURCES = {2: ["qwen3_moe"], 4: ["qwen3_moe", "kimi_k3-released"]}
 
 
 def _job(world: int):
     """The run config and its pipelined layout: `world` ranks, two stages, world / 2 data-parallel replicas that
     also share each stage's experts (EP = world / 2)."""
-    job = spec(ep=world // STAGES, zero=2, world=world, train_experts=True, micro=1, global_batch=MICRO_BATCHES * world // STAGES)
+    job = spec(ep=world // STAGES, zero=2, world=world, train_experts=True, micro=1,
+               global_batch=MICRO_BATCHES * world // STAGES)
     return job, job.parallelism.model_copy(update={"pipeline_parallel_size": STAGES})
 
 
-def _model(job, parallelism):
-    """Qwen3-MoE's tiny model, four layers, with the job's LoRA (B random, so every factor has a gradient), its
-    experts placed as `parallelism` places them."""
+def _model(source: str, job, parallelism, folder: str):
+    """The model of `source` with the job's LoRA (B random, so every factor has a gradient), its experts placed as
+    `parallelism` places them."""
+    from bench.support.harness import base_model
     from bench.support.tiny_models import plain_model
     from moetune.workers.experts.placement import job_placement
     from moetune.workers.families import REGISTRY
     from moetune.workers.model import trainable_model
 
-    family = REGISTRY["qwen3_moe"]
-    config = family.tiny_config(num_hidden_layers=4)
-    config.use_cache = False
-    model = plain_model(family, config=config)
+    if source in REGISTRY:
+        config = REGISTRY[source].tiny_config(num_hidden_layers=4)
+        model = plain_model(REGISTRY[source], config=config)
+    else:
+        model = base_model(os.path.join(folder, source), job=job.model_copy(update={"parallelism": parallelism}))
+    model.config.use_cache = model.config.get_text_config().use_cache = False
     torch.manual_seed(1)
-    model = trainable_model(model, job.lora, job.training, job_placement(config.to_dict(), parallelism, job.lora))
+    model = trainable_model(model, job.lora, job.training,
+                            job_placement(model.config.to_dict(), parallelism, job.lora))
     _random_b(model)
     return model
 
@@ -73,10 +82,16 @@ def _full_grads(model, params) -> dict:
 
 
 def _stages(rank: int, world: int, out_dir: str) -> None:
+    for source in SOURCES[world]:
+        _stage_run(rank, world, source, out_dir)
+
+
+def _stage_run(rank: int, world: int, source: str, out_dir: str) -> None:
     from torch.distributed.pipelining import Schedule1F1B
 
     from moetune.workers.engine.deepspeed import build_engine, init_comm
     from moetune.workers.engine.pipeline import EngineStage, StageGroups
+    from moetune.workers.experts.module import ExpertParallelExperts
     from moetune.workers.methods.sft import token_loss_sum
     from moetune.workers.pipeline.split import stage_bounds
     from moetune.workers.pipeline.stages import stage_module
@@ -84,8 +99,9 @@ def _stages(rank: int, world: int, out_dir: str) -> None:
     init_comm()
     job, parallelism = _job(world)
     place, replicas = parallelism.coordinates(rank), parallelism.data_parallel_size
-    model = _model(job, parallelism)
-    module = stage_module(model, stage_bounds(4, STAGES), place.stage)
+    model = _model(source, job, parallelism, out_dir)
+    layers = model.config.get_text_config().num_hidden_layers
+    module = stage_module(model, stage_bounds(layers, STAGES), place.stage)
     groups = StageGroups(parallelism, rank)
     engine, _ = build_engine(module, job.training, parallelism, world, STEPS, bf16=False, groups=groups)
     stage = EngineStage(engine, place.stage, STAGES, torch.device("cpu"), group=groups.model)
@@ -107,17 +123,24 @@ def _stages(rank: int, world: int, out_dir: str) -> None:
         stage.step()
         losses.append(float(sum(micro)) / replicas)
         norms.append(float(engine.get_global_grad_norm()))
-    torch.save({"grads": grads, "losses": losses, "norms": norms}, os.path.join(out_dir, f"rank{rank}.pt"))
+    packed = sum(m.quantized for m in module.modules() if isinstance(m, ExpertParallelExperts))
+    torch.save({"grads": grads, "losses": losses, "norms": norms, "packed_expert_layers": packed},
+               os.path.join(out_dir, f"{source}-{rank}.pt"))
 
 
 def _unsplit(rank: int, world: int, pipelined_world: int, out_dir: str) -> None:
+    for source in SOURCES[pipelined_world]:
+        _unsplit_run(source, pipelined_world, out_dir)
+
+
+def _unsplit_run(source: str, pipelined_world: int, out_dir: str) -> None:
     from moetune.workers.engine.deepspeed import build_engine, init_comm
     from moetune.workers.methods.sft import token_loss_sum
 
     init_comm()
     job, parallelism = _job(pipelined_world)
     one = job.parallelism.model_copy(update={"num_workers": 1, "expert_parallel_size": 1})
-    model = _model(job, one)
+    model = _model(source, job, one, out_dir)
     engine, _ = build_engine(model, job.training, one, 1, STEPS, bf16=False)
     params = [p for p in model.parameters() if p.requires_grad]
     losses, norms, grads = [], [], None
@@ -133,28 +156,33 @@ def _unsplit(rank: int, world: int, pipelined_world: int, out_dir: str) -> None:
             total += loss.item()
         losses.append(total)
         norms.append(float(engine.get_global_grad_norm()))
-    torch.save({"grads": grads, "losses": losses, "norms": norms}, os.path.join(out_dir, "unsplit.pt"))
+    torch.save({"grads": grads, "losses": losses, "norms": norms}, os.path.join(out_dir, f"{source}-unsplit.pt"))
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_stages_under_their_own_engines_step_as_the_unsplit_model(tmp_path, world):
+    if "kimi_k3-released" in SOURCES[world]:
+        write_released_checkpoint(str(tmp_path / "kimi_k3-released"), "kimi_k3")
     launch(_stages, world, str(tmp_path))
     launch(_unsplit, 1, world, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    want = torch.load(tmp_path / "unsplit.pt")
-    last_stage = ranks[world // STAGES:]
-    assert [sum(rank["losses"][i] for rank in last_stage) for i in range(STEPS)] == pytest.approx(want["losses"],
-                                                                                                  rel=1e-6)
-    assert min(want["norms"]) > 1.0  # above the clip: the steps are scaled by it
-    for rank in ranks:
-        assert rank["norms"] == pytest.approx(want["norms"], rel=1e-5)
-    assert sorted({n for rank in ranks for n in rank["grads"]}) == sorted(want["grads"])
-    assert any(".experts.lora_down_b" in name for name in want["grads"])
     ep = world // STAGES
-    for r, rank in enumerate(ranks):
-        for name, got in rank["grads"].items():
-            expected = want["grads"][name]
-            if ".experts." in name:  # this rank's experts of the stack
-                expected = expected.chunk(ep)[r % ep]
-            assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), name
+    for source in SOURCES[world]:
+        ranks = [torch.load(tmp_path / f"{source}-{r}.pt") for r in range(world)]
+        want = torch.load(tmp_path / f"{source}-unsplit.pt")
+        last_stage = ranks[world // STAGES:]
+        assert [sum(rank["losses"][i] for rank in last_stage) for i in range(STEPS)] == \
+            pytest.approx(want["losses"], rel=1e-6), source
+        assert min(want["norms"]) > 1.0  # above the clip: the steps are scaled by it
+        for rank in ranks:
+            assert rank["norms"] == pytest.approx(want["norms"], rel=1e-5), source
+        assert sorted({n for rank in ranks for n in rank["grads"]}) == sorted(want["grads"])
+        assert any(".experts.lora_down_b" in name for name in want["grads"])
+        # the released K3's experts stay MXFP4 on every stage
+        assert all(bool(rank["packed_expert_layers"]) == (source != "qwen3_moe") for rank in ranks), source
+        for r, rank in enumerate(ranks):
+            for name, got in rank["grads"].items():
+                expected = want["grads"][name]
+                if ".experts." in name:  # this rank's experts of the stack
+                    expected = expected.chunk(ep)[r % ep]
+                assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), (source, name)
