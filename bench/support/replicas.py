@@ -8,12 +8,14 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import boto3
@@ -66,6 +68,60 @@ class Replica:
 
     def signal(self, sig: signal.Signals) -> None:
         os.killpg(self.proc.pid, sig)
+
+
+class ServiceAddress:
+    """One address in front of the replicas, as a Kubernetes Service is: a request goes to the first replica that
+    accepts its connection (a killed one refuses it), so what calls this address follows the live replicas. A
+    connection lost mid-request is cut here too: the request may have run, and only its sender can tell."""
+
+    _HOP = {"host", "content-length", "transfer-encoding", "connection", "content-encoding"}
+
+    def __init__(self, replicas: list[Replica]):
+        self.replicas = replicas
+        address = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                self._relay()
+
+            def do_POST(self):
+                self._relay()
+
+            def _relay(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ServiceAddress._HOP}
+                for replica in address.replicas:
+                    try:
+                        answer = httpx.request(self.command, replica.url + self.path, content=body, headers=headers,
+                                               timeout=30)
+                    except httpx.ConnectError:
+                        continue
+                    except httpx.HTTPError:
+                        break
+                    self.send_response(answer.status_code)
+                    for key, value in answer.headers.items():
+                        if key.lower() not in ServiceAddress._HOP:
+                            self.send_header(key, value)
+                    self.send_header("Content-Length", str(len(answer.content)))
+                    self.end_headers()
+                    self.wfile.write(answer.content)
+                    return
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 @contextmanager
