@@ -530,13 +530,15 @@ def _outcome(request: Request, future: Future) -> dict | Response | None:
 
 
 @router.post("/retrieve_future")
-def retrieve_future(body: RetrieveFuture, request: Request, tenant: str = Depends(tinker_tenant)):
-    """The future's result, waiting up to _POLL_S for it; `try_again` after that (the SDK polls again)."""
+async def retrieve_future(body: RetrieveFuture, request: Request, tenant: str = Depends(tinker_tenant)):
+    """The future's result, waiting up to _POLL_S for it; `try_again` after that (the SDK polls again). The wait
+    holds no thread: an RL step's samples each have a poll open."""
     future = _state(request).future(tenant, body.request_id)
-    answer = request.app.state.session_changes.wait_for(lambda: _outcome(request, future), _POLL_S)
+    answer = await request.app.state.session_changes.wait_for_async(lambda: _outcome(request, future), _POLL_S)
     if answer is None:  # a long wait in vain: is the group still there to run it?
-        training_sessions.retrieve(future.session_id, request, tenant, request.app.state.store)
-        answer = _outcome(request, future)
+        await run_in_threadpool(training_sessions.retrieve, future.session_id, request, tenant,
+                                request.app.state.store)
+        answer = await run_in_threadpool(_outcome, request, future)
     if answer is None:
         return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
     return answer

@@ -140,6 +140,18 @@ def test_other_sdk_versions_and_unsupported_losses_are_refused_by_name(trainer, 
                 headers={"X-API-Key": "tml-wrong"}).status_code == 401
 
 
+def test_more_samples_at_once_than_the_server_has_threads_are_answered(trainer):
+    """An RL step's samples each keep a retrieve_future poll open: 64 at once, more than the control plane's
+    threadpool (40), whose threads the group's own requests (take a call, report it) need."""
+    sampler = trainer.save_weights_and_get_sampling_client().result(timeout=120)
+    params = types.SamplingParams(max_tokens=1, seed=1)
+    started = time.perf_counter()
+    futures = [sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params)
+               for _ in range(64)]
+    assert all(len(f.result(timeout=60).sequences) == 1 for f in futures)
+    print(f"64 concurrent samples: {time.perf_counter() - started:.1f} s")
+
+
 def test_close_finishes_the_session_and_its_models(service, control_plane):
     """close() finishes the Tinker session: its models' training sessions close (their groups stop)."""
     with httpx.Client(base_url=control_plane, headers={"Authorization": f"Bearer {TOKENS['tenant-a']}"}) as http:
