@@ -20,6 +20,7 @@ from moetune.service.errors import error_response, install_error_handlers
 from moetune.service.metrics import ControlPlaneMetrics, RequestLatencyMiddleware
 from moetune.service.readiness import dependency_status
 from moetune.service.routes import files, internal, jobs, models, training_sessions, webhooks
+from moetune.service.sessions import launch
 from moetune.service.sessions.metrics import SessionsCollector
 from moetune.service.sessions.waiting import Changes
 from moetune.service.settings import Settings
@@ -79,6 +80,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = store
     app.state.scheduler = scheduler
     app.state.session_changes = Changes()  # wakes the training sessions' long polls
+
+    def fail_overdue_sessions() -> int:  # not only when someone reads the session: its workers are held meanwhile
+        return launch.fail_overdue_starts(store, settings, scheduler.ray, app.state.session_changes)
+
+    scheduler.leader_passes.append(fail_overdue_sessions)
     app.state.tinker = TinkerState()
     app.state.tenant_resolver = TenantResolver(settings.tenants_by_token)
     app.state.base_models = BaseModels(settings.base_models)

@@ -102,6 +102,8 @@ class Scheduler:
         self._capacity: list | None = None  # the Ray nodes' totals last seen, and since when (monotonic)
         self._capacity_since = 0.0
         self.deployments = DeploymentRestorer(store, settings)  # brings back what Serve lost
+        # what else the leader does at each pass, from the rooms above (app.py: the sessions' start timeout)
+        self.leader_passes: list[Callable[[], object]] = []
 
     # ------------------------------------------------------------ thread
 
@@ -129,7 +131,8 @@ class Scheduler:
         """One pass under lease `epoch`; a failing step is logged and retried next tick, never ends the thread."""
         self._epoch = epoch
         restore = (self.deployments.restore,) if self.settings.restore_deployments else ()
-        for step in (self.stop_cancelled, self.follow_running, self.validate_files, self.submit_queued, *restore):
+        for step in (self.stop_cancelled, self.follow_running, self.validate_files, self.submit_queued, *restore,
+                     *self.leader_passes):
             try:
                 step()
             except RayUnavailable:

@@ -1,7 +1,8 @@
 """Training sessions: `/v1/training_sessions` for the user's loop (create, calls, close, restart, deploy of saved
 weights) and the internal routes a session's worker group takes its calls from (authenticated by the group's own
 token). A ready group that fails is replaced by one resuming from the newest saved state (`_recover`); one not
-ready within session_start_timeout_s fails the session and is stopped (`_fail_overdue_start`)."""
+ready within session_start_timeout_s fails the session and is stopped (launch.fail_overdue_start: at a read of the
+session here, and at each pass of the leader's scheduler)."""
 
 from __future__ import annotations
 
@@ -86,21 +87,8 @@ def _own(request: Request, store: Store, tenant: str, session_id: str, ask_ray: 
 
 
 def _fail_overdue_start(request: Request, row: SessionRow) -> bool:
-    """Fails the session if its group is past session_start_timeout_s, once its Ray job is stopped (its workers
-    released; while Ray cannot be reached the session waits for the next look)."""
-    why = launch.start_overdue(request.app.state.store, request.app.state.settings, row)
-    if why is None:
-        return False
-    ray = request.app.state.scheduler.ray
-    try:
-        state = ray.state(launch.submission_id(row.id, row.attempt))
-        launch.stop_group(ray, row)
-    except RayUnavailable:
-        return False
-    if state is not None:  # Ray's word on where it got to: PENDING is a driver still waiting for resources
-        why += f" (it was {state.status}: {state.message or 'no message'})"
-    _end(request, row, "failed", ErrorInfo(code=ErrorCode.session_failed, message=f"Not ready in time: {why}."))
-    return True
+    state = request.app.state
+    return launch.fail_overdue_start(state.store, state.settings, state.scheduler.ray, state.session_changes, row)
 
 
 def _stop(request: Request, row: SessionRow, what: str) -> None:
@@ -113,15 +101,7 @@ def _stop(request: Request, row: SessionRow, what: str) -> None:
 
 
 def _end(request: Request, row: SessionRow, reason: str, error: ErrorInfo | None = None) -> None:
-    store, now = request.app.state.store, time.time()
-    status = "failed" if error else "closed"
-    if records.set_session(store, row.id, (*OPEN_STATUSES, "closing"), status=status, closed_at=now,
-                           close_reason=reason, error=error.model_dump() if error else None, token_hash=None,
-                           gpu_seconds=max(0.0, now - row.created_at) * row.gpus):
-        message = error.message if error else f"the session was {reason}"
-        records.fail_calls(store, row.id, (records.PENDING, records.RUNNING),
-                           ErrorInfo(code=ErrorCode.session_not_open, message=f"Not run: {message}").model_dump())
-        request.app.state.session_changes.notify()
+    launch.end_session(request.app.state.store, request.app.state.session_changes, row, reason, error)
 
 
 def _start(request: Request, row: SessionRow, reason: str, restored: tuple[str, int] | None = None) -> None:

@@ -1,5 +1,7 @@
 """The Ray job that holds a session's worker group: submitted on create and on restart (one submission per
-group, `moetune-session-<id>-<attempt>`), stopped on close, and asked after when the group has gone quiet."""
+group, `moetune-session-<id>-<attempt>`), stopped on close, asked after when the group has gone quiet, and stopped
+with its session failed when it is not ready in time (at a read of the session, and at every pass of the leader's
+scheduler: a session nobody reads must not hold its workers)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import os
 import time
 
 from moetune.api.environment import ENV_CALLBACK_URL, ENV_JOB_TOKEN, ENV_RUN_SPEC, ENV_S3_ENDPOINT_URL
-from moetune.api.models.training_sessions import SessionCreate, SessionRunSpec
+from moetune.api.errors import ErrorCode
+from moetune.api.models.responses import ErrorInfo
+from moetune.api.models.training_sessions import OPEN_STATUSES, SessionCreate, SessionRunSpec
 from moetune.service.auth import hash_token, new_job_token
-from moetune.service.cluster.ray_jobs import RayJobs
+from moetune.service.cluster.ray_jobs import RayJobs, RayUnavailable
 from moetune.service.sessions import records
 from moetune.service.settings import Settings
 from moetune.service.store import SessionRow, Store
@@ -61,6 +65,43 @@ def start_overdue(store: Store, settings: Settings, session: SessionRow) -> str 
     return (f"the worker group was not ready {waited:.0f} s after it was submitted (session_start_timeout_s="
             f"{settings.session_start_timeout_s:g}): its workers did not start or its model did not load; its Ray "
             f"job {submission_id(session.id, session.attempt)} was stopped")
+
+
+def fail_overdue_start(store: Store, settings: Settings, ray: RayJobs, changes, session: SessionRow) -> bool:
+    """Fails the session if its group is past session_start_timeout_s, once its Ray job is stopped (its workers
+    released; while Ray cannot be reached the session waits for the next look). `changes` wakes the long polls."""
+    why = start_overdue(store, settings, session)
+    if why is None:
+        return False
+    try:
+        state = ray.state(submission_id(session.id, session.attempt))
+        stop_group(ray, session)
+    except RayUnavailable:
+        return False
+    if state is not None:  # Ray's word on where it got to: PENDING is a driver still waiting for resources
+        why += f" (it was {state.status}: {state.message or 'no message'})"
+    end_session(store, changes, session, "failed", ErrorInfo(code=ErrorCode.session_failed,
+                                                              message=f"Not ready in time: {why}."))
+    return True
+
+
+def fail_overdue_starts(store: Store, settings: Settings, ray: RayJobs, changes) -> int:
+    """fail_overdue_start for every starting session (the leader's pass); how many failed."""
+    return sum(fail_overdue_start(store, settings, ray, changes, row)
+               for row in records.sessions_with_status(store, "starting"))
+
+
+def end_session(store: Store, changes, session: SessionRow, reason: str, error: ErrorInfo | None = None) -> None:
+    """Closes (or, with `error`, fails) the open or closing session; its calls not run fail naming why."""
+    now = time.time()
+    status = "failed" if error else "closed"
+    if records.set_session(store, session.id, (*OPEN_STATUSES, "closing"), status=status, closed_at=now,
+                           close_reason=reason, error=error.model_dump() if error else None, token_hash=None,
+                           gpu_seconds=max(0.0, now - session.created_at) * session.gpus):
+        message = error.message if error else f"the session was {reason}"
+        records.fail_calls(store, session.id, (records.PENDING, records.RUNNING),
+                           ErrorInfo(code=ErrorCode.session_not_open, message=f"Not run: {message}").model_dump())
+        changes.notify()
 
 
 def group_gone(ray: RayJobs, session: SessionRow) -> str | None:

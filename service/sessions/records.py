@@ -43,6 +43,12 @@ def list_sessions(store: Store, tenant: str, limit: int) -> tuple[list[SessionRo
     return store._page(query.order_by(SessionRow.created_at.desc(), SessionRow.id.desc()), limit)
 
 
+def sessions_with_status(store: Store, status: str) -> list[SessionRow]:
+    """Every tenant's sessions in `status`."""
+    with store._sessions() as s:
+        return list(s.scalars(select(SessionRow).where(SessionRow.status == status)))
+
+
 def set_session(store: Store, session_id: str, only_if: tuple[str, ...], group: int | None = None,
                 **values) -> bool:
     """Updates the session if its status is one of `only_if` (and, given, its current group is `group`)."""

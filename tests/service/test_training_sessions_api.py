@@ -318,6 +318,23 @@ def test_a_fresh_restart_starts_a_new_lora_and_later_recoveries_do_not_resume_th
         ray.close()
 
 
+def test_the_leader_fails_an_overdue_start_that_nobody_reads(start_service):
+    """No client looks at a session whose group never gets ready: the leader's scheduler pass fails it and stops its
+    Ray job once session_start_timeout_s has passed (its workers are not held until someone reads it)."""
+    ray = RayJobsAPI()
+    service = start_service(ray_address=ray.url, session_start_timeout_s=1.0, scheduler_enabled=True,
+                            scheduler_interval_s=0.1)
+    try:
+        stuck = Training(service.sdk()).create(SPEC)
+        wait_for(lambda: records.get_session(service.store, stuck.id).status == "failed", 15,
+                 "the leader to fail the overdue session", interval=0.1)
+        row = records.get_session(service.store, stuck.id)
+        assert row.error["code"] == "session_failed" and "session_start_timeout_s=1" in row.error["message"]
+        assert ray.stopped == [f"moetune-{stuck.id}-0"]
+    finally:
+        ray.close()
+
+
 def test_a_group_not_ready_within_the_start_timeout_fails_the_session_and_is_stopped(start_service):
     """A group that never reports ready (no free workers, a model that does not load): once
     session_start_timeout_s has passed since its submission, a look at the session fails it with the cause and
