@@ -83,12 +83,13 @@ def expert_bytes(model) -> int:
 
 def write_released_checkpoint(folder: str, family_name: str) -> str:
     """The family's tiny random model (plain_model) saved in its released format (Family.as_released: Kimi K3's
-    per-expert mxfp4-pack-quantized experts, bf16 elsewhere). Returns the folder."""
+    per-expert mxfp4-pack-quantized experts, bf16 elsewhere; transformers' own without one). Returns the folder."""
     from moetune.workers.families import REGISTRY
 
     family = REGISTRY[family_name]
     plain_model(family).save_pretrained(folder, max_shard_size="100KB")  # sharded: as_released rewrites the index
-    family.as_released(folder)
+    if family.as_released is not None:
+        family.as_released(folder)
     return folder
 
 

@@ -20,3 +20,13 @@ def stage_module(model: nn.Module, bounds: tuple[int, ...], stage: int) -> nn.Mo
     """The module of pipeline stage `stage` of `model`."""
     kind = family_for(model.config).pipeline_stage or DecoderStage
     return kind(model, text_model(model), bounds, stage)
+
+
+def stage_tensor_names(model: nn.Module, bounds: tuple[int, ...], stage: int) -> set[str]:
+    """The names (the model's) of the parameters and persistent buffers stage `stage` runs on: all its rank loads
+    (workers.weights.loader.stream_model's `held`)."""
+    module = stage_module(model, bounds, stage)
+    used = {id(t) for t in (*module.parameters(), *module.buffers())}
+    persistent = model.state_dict(keep_vars=True)
+    return {name for name, p in model.named_parameters() if id(p) in used} | \
+        {name for name, b in model.named_buffers() if id(b) in used and name in persistent}

@@ -213,8 +213,9 @@ def allocated_shapes(model, shares: dict[str, ExpertPlacement]) -> dict[str, tup
 
 
 def plan_for(ckpt: Checkpoint, model, placement: ExpertPlacement | None = None,
-             mapped: MappedCheckpoint | None = None) -> Plan:
-    """`mapped`: the checkpoint's names mapped once for every rank planned (map_checkpoint); None maps them here."""
+             mapped: MappedCheckpoint | None = None, held: set[str] | None = None) -> Plan:
+    """`mapped`: the checkpoint's names mapped once for every rank planned (map_checkpoint); None maps them here.
+    `held`: the parameters and buffers this rank holds (None: all), see stream_model."""
     shares = expert_shares(model, placement)
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     aliases = {name: next(n for n, p in params.items() if p is t)
@@ -222,17 +223,20 @@ def plan_for(ckpt: Checkpoint, model, placement: ExpertPlacement | None = None,
     shapes = allocated_shapes(model, shares)
     persistent = model.state_dict(keep_vars=True)
     shapes.update({name: tuple(b.shape) for name, b in model.named_buffers() if name in persistent})
+    if held is not None:
+        shapes = {name: shape for name, shape in shapes.items() if name in held}
+        params = {name: p for name, p in params.items() if name in held}
     digests = ckpt.manifest["tensors"] if ckpt.manifest else None
     mapped = mapped or map_checkpoint(ckpt.tensors, NameMapper(model), ckpt.quantization)
-    return plan_mapped(mapped, shapes, set(params), shares, aliases, digests, ckpt.quantization)
+    return plan_mapped(mapped, shapes, set(params), shares, aliases, digests, ckpt.quantization, held)
 
 
-def _allocate(model, shapes_of: dict[str, tuple], plan: Plan, device) -> dict:
-    """Replaces every meta parameter by an empty one of its allocated shape (see _allocate_parameters), allocates
-    the buffers and the quantized parts' storage tensors and the staging tensors. Returns the tensors to fill by
-    name."""
-    return {**_allocate_parameters(model, shapes_of, plan, device), **_allocate_buffers(model, plan, device),
-            **_part_tensors({**plan.storage, **plan.staged}, device)}
+def _allocate(model, shapes_of: dict[str, tuple], plan: Plan, device, held: set[str] | None = None) -> dict:
+    """Replaces every meta parameter (of `held`, None: all) by an empty one of its allocated shape (see
+    _allocate_parameters), allocates the buffers and the quantized parts' storage tensors and the staging tensors.
+    Returns the tensors to fill by name."""
+    return {**_allocate_parameters(model, shapes_of, plan, device, held),
+            **_allocate_buffers(model, plan, device, held), **_part_tensors({**plan.storage, **plan.staged}, device)}
 
 
 def _allocate_parameters(model, shapes_of: dict[str, tuple], plan: Plan, device, only: set[str] | None = None):
@@ -259,19 +263,20 @@ def _allocate_parameters(model, shapes_of: dict[str, tuple], plan: Plan, device,
     return targets
 
 
-def _allocate_buffers(model, plan: Plan, device) -> dict:
-    """The persistent buffers, built on meta like the parameters, allocated on `device`; one the checkpoint does
-    not hold keeps its initial value. Returns every buffer by name."""
+def _allocate_buffers(model, plan: Plan, device, held: set[str] | None = None) -> dict:
+    """The persistent buffers (of `held`, None: all), built on meta like the parameters, allocated on `device`; one
+    the checkpoint does not hold keeps its initial value. Returns every allocated buffer by name."""
     import torch
 
     loaded = {p.param for p in plan.pieces}
     for module_name, module in model.named_modules():
-        meta = [attr for attr, buf in module._buffers.items() if buf is not None and buf.device.type == "meta"]
+        meta = [attr for attr, buf in module._buffers.items() if buf is not None and buf.device.type == "meta"
+                and (held is None or f"{module_name}.{attr}".lstrip(".") in held)]
         for attr in meta:
             module._buffers[attr] = torch.empty_like(module._buffers[attr], device=device)
         if any(f"{module_name}.{attr}".lstrip(".") not in loaded for attr in meta):
             model._init_weights(module)
-    return dict(model.named_buffers())
+    return {name: b for name, b in model.named_buffers() if b.device.type != "meta"}
 
 
 def _part_tensors(names: dict[str, tuple], device) -> dict:
@@ -350,9 +355,12 @@ def _install_quantized(model, plan: Plan, targets: dict, shapes_of: dict, quanti
 
 
 def stream_model(uri: str, device, dtype, placement: ExpertPlacement | None = None, cache_dir: str | None = None,
-                 cache_max_bytes: int | None = None, base_weights: str = "quantized", partition=None,
+                 cache_max_bytes: int | None = None, base_weights: str = "quantized", partition=None, held=None,
                  **fetch_options) -> StreamedModel:
     """This rank's model from the checkpoint at `uri`: non-expert tensors in full, experts of its placement.
+    `held(model)`: the names of the parameters and persistent buffers this rank holds (a pipeline stage's:
+    workers.pipeline.stages.stage_tensor_names), asked of the model on the meta device; the others stay there,
+    never read (None: all).
     `cache_dir`: the node's weights cache (None or "": none), bounded by `cache_max_bytes` (None: by free disk).
     A quantized checkpoint's frozen weights stay in their stored format, unless `base_weights` is "dequantized"
     (then each is dequantized once, into a dense parameter of `dtype`). `partition` (ZeRO-3, a
@@ -360,7 +368,7 @@ def stream_model(uri: str, device, dtype, placement: ExpertPlacement | None = No
     as soon as it is loaded (see _stream_partitioned)."""
     with _heap_frozen():
         return _stream_model(uri, device, dtype, placement, cache_dir, cache_max_bytes, base_weights, partition,
-                             **fetch_options)
+                             held, **fetch_options)
 
 
 @contextmanager
@@ -377,18 +385,21 @@ def _heap_frozen():
         gc.unfreeze()
 
 
-def _stream_model(uri: str, device, dtype, placement, cache_dir, cache_max_bytes, base_weights, partition,
+def _stream_model(uri: str, device, dtype, placement, cache_dir, cache_max_bytes, base_weights, partition, held,
                   **fetch_options) -> StreamedModel:
     started = time.perf_counter()
     cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir else None
     ckpt = open_checkpoint(uri, cache)
     model = empty_model(ckpt.config, dtype)
-    plan = plan_for(ckpt, model, placement)
+    held = held(model) if held is not None else None
+    if held is not None and partition is not None:
+        raise ValueError("a pipeline stage's weights are loaded whole (ZeRO-1/2), not ZeRO-3 partitioned")
+    plan = plan_for(ckpt, model, placement, held=held)
     shapes = allocated_shapes(model, expert_shares(model, placement))
     fetcher = RangeFetcher(ckpt.fs, ckpt.sources, cache, **fetch_options)
     dense = dtype if base_weights == "dequantized" else None
     if partition is None:
-        targets = _allocate(model, shapes, plan, device)
+        targets = _allocate(model, shapes, plan, device, held)
         stats = fetcher.load(plan.pieces, targets)
         _run_conversions(model, plan.conversions, targets)
         quantized_bytes = _install_quantized(model, plan, targets, shapes, ckpt.quantization, dense) \
@@ -398,7 +409,9 @@ def _stream_model(uri: str, device, dtype, placement, cache_dir, cache_max_bytes
         stats, quantized_bytes = _stream_partitioned(model, plan, shapes, device, fetcher, ckpt.quantization, dense,
                                                      lambda param, name: partition(param, groups.get(name)))
     stats.bytes_not_cached = cache.skipped_bytes if cache else 0
-    model.to(device)  # the buffers; parameters are there already
+    for module in model.modules():  # the buffers (parameters are there already), but those of other stages
+        module._buffers.update({k: b.to(device) for k, b in module._buffers.items()
+                                if b is not None and b.device.type != "meta"})
     model.eval()  # as from_pretrained returns it
     quantization = ckpt.quantization
     verified = ckpt.manifest is not None and stats.verified_pieces == len(plan.pieces)

@@ -128,15 +128,19 @@ def _entries(mapped: MappedCheckpoint, experts: dict[str, ExpertPlacement], alia
 
 def plan_mapped(mapped: MappedCheckpoint, shapes: dict[str, tuple[int, ...]], required: set[str],
                 experts: dict[str, ExpertPlacement], aliases: dict[str, str], digests: dict | None,
-                quantization: Quantization | None = None) -> Plan:
+                quantization: Quantization | None = None, held: set[str] | None = None) -> Plan:
     """`shapes`: the allocated shape of every parameter/buffer that may be filled (expert parameters hold only
     this rank's share, `experts` says which); `required`: those the checkpoint must cover (the parameters);
     `aliases` maps tied names to the one allocated; `digests`: the manifest's per-tensor checksums;
-    `quantization`: the checkpoint's format (its parameters' parts are planned into storage tensors)."""
+    `quantization`: the checkpoint's format (its parameters' parts are planned into storage tensors); `held`: the
+    parameters and buffers this rank holds (a pipeline stage's), None: all; the others' tensors are not read."""
     raw, quantized = [], defaultdict(set)
     staged, conversions = {}, {}
     for _, shard, info, part, target in _entries(mapped, experts, aliases):
         param = aliases.get(target.param, target.param)
+        filled = target.conversion.targets if target.conversion is not None else (param,)
+        if held is not None and not any(aliases.get(t, t) in held for t in filled):
+            continue
         digest = (digests or {}).get(info.name, {})
         share = experts.get(param)
         if target.conversion is not None:
