@@ -66,11 +66,14 @@ def _loss_on_rows(model, tokenizer, rows: list[dict]) -> float:
 
 def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, control_plane, tiny_assets, tmp_path):
     """Also the whole ZeRO-2 job through Ray's Jobs API as tests/workers/entry checks a job run in its process:
-    step 1's loss recomputed on the plain model, the checkpoints' contents, the result, the adapter's valid loss."""
+    step 1's loss recomputed on the plain model, the checkpoints' contents, the result, the adapter's valid loss.
+    Its two workers split every sequence (context_parallel_size 2: Kimi-Linear's KDA state and MLA keys cross the
+    cut), so a context-parallel job runs here from submission to the exported adapter."""
     from moetune.api import storage
     from tests.support.jobs import adapter_valid_loss, expected_first_loss, job_run
 
     spec = _spec(tiny_assets, eval_every=6, checkpoint_every=4, keep_checkpoints=2)
+    spec = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"context_parallel_size": 2})})
     job = client_a.jobs.create(spec)
     assert job.status in (JobStatus.validating_files, JobStatus.queued)
 
@@ -144,6 +147,7 @@ def test_job_trains_streams_events_and_exports_a_loadable_adapter(client_a, cont
     assert report.last_valid_loss == metrics[-1]["valid_loss"] and len(report.memory.peak_mb_per_rank) == 2
     assert report.reproduce.job["seed"] == 3 and report.versions["transformers"] and report.versions["torch"]
     assert 0 < report.throughput.eval_share < 1 and report.throughput.tokens_per_second > 0
+    assert 0 < report.throughput.context_share < 1  # the slowest rank's share of training in CP exchanges
     page = client_a.jobs.report_html(job.id)
     assert all(f'id="plot-{name}"><svg' in page for name in ("loss", "throughput", "memory")), page[:300]
 

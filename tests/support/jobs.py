@@ -51,7 +51,7 @@ def expected_first_loss(run: JobRunSpec, checkpoint) -> float:
     """Step 1's train loss recomputed on the plain transformers model: token mean over the global batch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t, world = run.config.training, run.config.parallelism.num_workers
+    t, world = run.config.training, run.config.parallelism.data_parallel_size
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     examples, _ = tokenize_rows(tokenizer, load_rows(run.config.training_file, "training_file"), t.seq_len)
