@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml setup.py bench/gpu_check_requirements.txt
 	# as constraints here, a new release of a package nobody pins (httpx2, regex, ...) cannot change what the suite
 	# runs, nor leave the GPU host a version the suite never ran (tests/kernels/test_gpu_check_dry_run.py).
 	$(BIN)/python -m pip install -q -c bench/gpu_check_requirements.txt -e '.[test]'
+	# tinker-cookbook's loops run against the Tinker router (tests/tinker/test_cookbook.py): without its requirements,
+	# as tml-renderers>=0.4.1 is not on the package index (its loops never import it); what they do import is in
+	# the [test] extra.
+	$(BIN)/python -m pip install -q --no-deps tinker-cookbook==0.6.1
 	# fla-core's wheel (the [cuda] extra's pin), downloaded, never installed (transformers dispatches to fla whenever
 	# it is importable): tests/kernels/test_kda_fla.py imports it in a child process to build its launches for sm_90.
 	$(BIN)/python -m pip download -q --no-deps -d $(VENV)/wheels fla-core==0.6.0
