@@ -93,11 +93,11 @@ def write_released_checkpoint(folder: str, family_name: str) -> str:
     return folder
 
 
-def base_model(source: str, skew: bool = False, config=None, job: RunConfig | None = None):
+def base_model(source: str, skew: bool = False, config=None, job: RunConfig | None = None, held=None):
     """A family's tiny random model (`source` a family name; plain_model), or the checkpoint in the folder `source`
     streamed as a job streams it: with `job`, this rank's experts of its placement kept in their stored format and
     the family's kernel swaps where the job asks for them (the engine); without, every expert dequantized to fp32
-    and the stock modules (the one-process reference)."""
+    and the stock modules (the one-process reference). `held`: only these tensors are loaded (stream_model's)."""
     import json
 
     from moetune.workers.experts.placement import job_placement
@@ -112,7 +112,7 @@ def base_model(source: str, skew: bool = False, config=None, job: RunConfig | No
     with open(os.path.join(source, "config.json")) as f:
         checkpoint_config = json.load(f)
     placement = job_placement(checkpoint_config, job.parallelism, job.lora)
-    model = stream_model(uri, cpu, torch.float32, placement, cache_dir="").model.train()
+    model = stream_model(uri, cpu, torch.float32, placement, cache_dir="", held=held).model.train()
     if job.training.custom_kernels:
         family_for(checkpoint_config).apply_kernel_swaps(model)
     return model

@@ -1,12 +1,12 @@
-"""Two pipeline stages, each its own DeepSpeed ZeRO-2 engine (workers.engine.pipeline) under
-torch.distributed.pipelining's 1F1B schedule: Qwen3-MoE's tiny model on two gloo ranks; on four, as two data-parallel
-replicas of the pipeline (each its own rows; a stage's gradients reduced over its two ranks) that also split each
-stage's experts (EP=2 inside a stage, with expert LoRA: DeepSpeed's expert groups never cross a stage), Qwen3-MoE and
-Kimi K3 as released (MXFP4 experts kept packed, its Attention-Residual blocks across the boundary). Against one
+"""Two pipeline stages, each its own DeepSpeed ZeRO-2 engine (workers.engine.pipeline) under torch.distributed.pipelining's
+1F1B schedule: Qwen3-MoE's tiny model on two gloo ranks; on four, as two data-parallel replicas of the pipeline (each
+its own rows; a stage's gradients reduced over its two ranks) that also split each stage's experts (EP=2 inside a stage,
+with expert LoRA: DeepSpeed's expert groups never cross a stage), Qwen3-MoE and Kimi K3 as released (each rank streaming
+only its stage's tensors, MXFP4 experts kept packed, its Attention-Residual blocks across the boundary). Against one
 process's engine over the unsplit model and every replica's rows, for two optimizer steps of four micro-batches per
 replica: the losses, the first step's LoRA gradients (an expert-parallel rank's: its experts' rows) and each step's
-gradient norm are equal (DeepSpeed's, which clipping scales by: every stage must see the whole model's, summed over
-the stages; the loss is summed over tokens, so the norm is above the clip)."""
+gradient norm are equal (DeepSpeed's, which clipping scales by: every stage must see the whole model's, summed over the
+stages; the loss is summed over tokens, so the norm is above the clip)."""
 
 import os
 import zlib
@@ -30,11 +30,14 @@ def _job(world: int):
     return job, job.parallelism.model_copy(update={"pipeline_parallel_size": STAGES})
 
 
-def _model(source: str, job, parallelism, folder: str):
+def _model(source: str, job, parallelism, folder: str, stage: int | None = None):
     """The model of `source` with the job's LoRA (B random, so every factor has a gradient), its experts placed as
-    `parallelism` places them."""
+    `parallelism` places them; a released checkpoint streamed as a job streams it, only `stage`'s tensors where
+    given (the other stages' stay on the meta device)."""
     from bench.support.harness import base_model
     from bench.support.tiny_models import plain_model
+    from moetune.workers.pipeline.split import stage_bounds
+    from moetune.workers.pipeline.stages import stage_tensor_names
     from moetune.workers.experts.placement import job_placement
     from moetune.workers.families import REGISTRY
     from moetune.workers.model import trainable_model
@@ -43,7 +46,10 @@ def _model(source: str, job, parallelism, folder: str):
         config = REGISTRY[source].tiny_config(num_hidden_layers=4)
         model = plain_model(REGISTRY[source], config=config)
     else:
-        model = base_model(os.path.join(folder, source), job=job.model_copy(update={"parallelism": parallelism}))
+        held = None if stage is None else lambda meta: stage_tensor_names(
+            meta, stage_bounds(meta.config.get_text_config().num_hidden_layers, STAGES), stage)
+        model = base_model(os.path.join(folder, source), job=job.model_copy(update={"parallelism": parallelism}),
+                           held=held)
     model.config.use_cache = model.config.get_text_config().use_cache = False
     torch.manual_seed(1)
     model = trainable_model(model, job.lora, job.training,
@@ -99,7 +105,7 @@ def _stage_run(rank: int, world: int, source: str, out_dir: str) -> None:
     init_comm()
     job, parallelism = _job(world)
     place, replicas = parallelism.coordinates(rank), parallelism.data_parallel_size
-    model = _model(source, job, parallelism, out_dir)
+    model = _model(source, job, parallelism, out_dir, place.stage)
     layers = model.config.get_text_config().num_hidden_layers
     module = stage_module(model, stage_bounds(layers, STAGES), place.stage)
     groups = StageGroups(parallelism, rank)
@@ -124,7 +130,10 @@ def _stage_run(rank: int, world: int, source: str, out_dir: str) -> None:
         losses.append(float(sum(micro)) / replicas)
         norms.append(float(engine.get_global_grad_norm()))
     packed = sum(m.quantized for m in module.modules() if isinstance(m, ExpertParallelExperts))
-    torch.save({"grads": grads, "losses": losses, "norms": norms, "packed_expert_layers": packed},
+    mine = {id(p) for p in module.parameters()}
+    outside = [n for n, p in model.named_parameters() if id(p) not in mine and not p.is_meta]
+    torch.save({"grads": grads, "losses": losses, "norms": norms, "packed_expert_layers": packed,
+                "loaded_outside_stage": outside},
                os.path.join(out_dir, f"{source}-{rank}.pt"))
 
 
@@ -178,8 +187,9 @@ def test_stages_under_their_own_engines_step_as_the_unsplit_model(tmp_path, worl
             assert rank["norms"] == pytest.approx(want["norms"], rel=1e-5), source
         assert sorted({n for rank in ranks for n in rank["grads"]}) == sorted(want["grads"])
         assert any(".experts.lora_down_b" in name for name in want["grads"])
-        # the released K3's experts stay MXFP4 on every stage
+        # the released K3's experts stay MXFP4 on every stage, and each rank loaded its stage's tensors only
         assert all(bool(rank["packed_expert_layers"]) == (source != "qwen3_moe") for rank in ranks), source
+        assert all(not rank["loaded_outside_stage"] for rank in ranks) or source == "qwen3_moe"
         for r, rank in enumerate(ranks):
             for name, got in rank["grads"].items():
                 expected = want["grads"][name]
