@@ -115,7 +115,7 @@ def rl_blueprint(model_name: str) -> chz.Blueprint[rl_train.Config]:
         "renderer_name": RENDERER,
         "dataset_builder": AnswerKeyDatasetBuilder,
         "dataset_builder.model_name": model_name,
-        "learning_rate": 4e-2,
+        "learning_rate": 2e-2,
         "max_tokens": 8,
         "lora_rank": 4,
         "eval_every": 0,
