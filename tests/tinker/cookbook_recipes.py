@@ -80,7 +80,7 @@ class AnswerKeyDataset(RLDataset):
 class AnswerKeyDatasetBuilder(RLDatasetBuilder):
     model_name: str
     key_file: str  # a JSON list of token ids
-    batches: int = 6
+    batches: int = 8
     groups_per_batch: int = 8
     group_size: int = 8
 
