@@ -391,15 +391,15 @@ def _stream_model(uri: str, device, dtype, placement, cache_dir, cache_max_bytes
     cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir else None
     ckpt = open_checkpoint(uri, cache)
     model = empty_model(ckpt.config, dtype)
-    held = held(model) if held is not None else None
-    if held is not None and partition is not None:
+    names = held(model) if held is not None else None
+    if names is not None and partition is not None:
         raise ValueError("a pipeline stage's weights are loaded whole (ZeRO-1/2), not ZeRO-3 partitioned")
-    plan = plan_for(ckpt, model, placement, held=held)
+    plan = plan_for(ckpt, model, placement, held=names)
     shapes = allocated_shapes(model, expert_shares(model, placement))
     fetcher = RangeFetcher(ckpt.fs, ckpt.sources, cache, **fetch_options)
     dense = dtype if base_weights == "dequantized" else None
     if partition is None:
-        targets = _allocate(model, shapes, plan, device, held)
+        targets = _allocate(model, shapes, plan, device, names)
         stats = fetcher.load(plan.pieces, targets)
         _run_conversions(model, plan.conversions, targets)
         quantized_bytes = _install_quantized(model, plan, targets, shapes, ckpt.quantization, dense) \
