@@ -115,9 +115,10 @@ class Session:
         token, entry 0 being 0)."""
         return self._call(ForwardBackward(data=data, loss_fn=loss_fn, clip_epsilon=clip_epsilon))
 
-    def forward(self, data: list[Datum | dict]) -> CallFuture:
-        """Result: `logprobs` (per sequence, per token, entry 0 being 0); no gradient is kept."""
-        return self._call(Forward(data=data))
+    def forward(self, data: list[Datum | dict], adapter: bool = True) -> CallFuture:
+        """Result: `logprobs` (per sequence, per token, entry 0 being 0); no gradient is kept. `adapter=False`: the
+        base model's (a reference policy's)."""
+        return self._call(Forward(data=data, adapter=adapter))
 
     def forward_backward_custom(self, data: list[Datum | dict], loss_fn) -> CustomLossFuture:
         """forward_backward with your own loss: `loss_fn(data, logprobs)` gets the data (Datum) and one torch
@@ -137,10 +138,11 @@ class Session:
         return self._call(OptimStep(**adam))
 
     def sample(self, prompts: list[str | list[int]], n: int = 1, max_tokens: int = 16, temperature: float = 1.0,
-               stop: list[str | int] = (), seed: int | None = None) -> CallFuture:
-        """Result: `sequences`, n per prompt in prompt order, each with prompt_tokens, tokens, logprobs, text."""
+               stop: list[str | int] = (), seed: int | None = None, adapter: bool = True) -> CallFuture:
+        """Result: `sequences`, n per prompt in prompt order, each with prompt_tokens, tokens, logprobs, text;
+        `merged_calls`: how many calls drew in the same generation. `adapter=False`: from the base model."""
         return self._call(Sample(prompts=prompts, n=n, max_tokens=max_tokens, temperature=temperature,
-                                 stop=list(stop), seed=seed))
+                                 stop=list(stop), seed=seed, adapter=adapter))
 
     def save_state(self, name: str) -> CallFuture:
         return self._call(SaveState(name=name))

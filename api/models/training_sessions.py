@@ -4,7 +4,7 @@ control plane and a session's group say to each other."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -104,6 +104,7 @@ class Forward(StrictModel):
 
     kind: Literal["forward"] = "forward"
     data: list[Datum] = Field(..., min_length=1)
+    adapter: bool = Field(True, description="False: the base model alone, the adapter off (DPO's reference)")
 
 
 class OptimStep(StrictModel):
@@ -123,7 +124,10 @@ class Sample(StrictModel):
     adapter; stop at the tokenizer's eos, at any of `stop`, or after `max_tokens`. A stop string (as OpenAI's) ends
     the text just before its first occurrence, and the tokens before the first token that reaches into it; a stop
     token id ends the tokens before it. `seed` None: the session's seed and the call's number (reproducible either
-    way)."""
+    way). The k-th sequence of the call draws with seed + k, so a call gets the same tokens whether it ran alone or
+    merged with others (consecutive queued samples that differ only in PER_CALL run as one generation)."""
+
+    PER_CALL: ClassVar[tuple[str, ...]] = ("prompts", "n", "seed", "prompt_logprobs")
 
     kind: Literal["sample"] = "sample"
     prompts: list[str | list[int]] = Field(..., min_length=1)
@@ -137,6 +141,7 @@ class Sample(StrictModel):
     weights: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$",
                                 description="Sample from the adapter as save_weights saved it under this name (a "
                                             "snapshot; refused once the group no longer holds it), not the current")
+    adapter: bool = Field(True, description="False: the base model alone, the adapter off (a reference, a teacher)")
     prompt_logprobs: bool = Field(False, description="Also each prompt token's log-probability")
 
     @field_validator("stop")
@@ -146,6 +151,17 @@ class Sample(StrictModel):
             if s == "" or isinstance(s, int) and s < 0:
                 raise ValueError(f"stop[{i}] is {s!r}: a stop is a non-empty string or a token id")
         return stop
+
+    @model_validator(mode="after")
+    def _weights(self) -> Sample:
+        if self.weights is not None and not self.adapter:
+            raise ValueError("weights names an adapter's snapshot: it cannot go with adapter false")
+        return self
+
+    @classmethod
+    def mergeable(cls, first: dict, other: dict) -> bool:
+        """Whether the stored arguments of two sample calls may run as one generation (alike but for PER_CALL)."""
+        return all(first.get(k) == other.get(k) for k in first.keys() | other.keys() if k not in cls.PER_CALL)
 
 
 class SaveState(StrictModel):
@@ -206,13 +222,18 @@ class SessionRunSpec(BaseModel):
     restore: str | None = None  # a saved state the group loads before it takes calls (it replaces a failed one)
 
 
-class NextCall(BaseModel):
-    """The control plane's answer to the chief's poll: a call to run, `close` (the user closed the session, or a
-    newer group replaced this one), or neither (nothing yet)."""
+class TakenCall(BaseModel):
+    call_id: str
+    number: int  # the call's place in the session (sample's default seed)
+    call: CallArgs = Field(discriminator="kind")
 
-    call_id: str | None = None
-    number: int | None = None  # the call's place in the session (sample's default seed)
-    call: CallArgs | None = Field(None, discriminator="kind")
+
+class NextCall(BaseModel):
+    """The control plane's answer to the chief's poll: calls to run (one, or consecutive samples merged into one
+    generation), `close` (the user closed the session, or a newer group replaced this one), or neither (nothing
+    yet)."""
+
+    calls: list[TakenCall] = Field(default_factory=list)
     close: bool = False
 
 

@@ -24,6 +24,7 @@ from moetune.api.models.training_sessions import (
     NextCall,
     SessionCall,
     SessionCreate,
+    TakenCall,
     TrainingSession,
 )
 from moetune.service.auth import bearer_token, job_token_matches, unauthorized
@@ -319,11 +320,10 @@ def next_call(session_id: str, attempt: int, request: Request, wait_s: float = B
         row = _group(request, session_id, attempt)
         if row.status == "closing":
             return NextCall(close=True)
-        taken = records.take_call(store, session_id, attempt)
-        if taken is None:
+        taken = records.take_calls(store, session_id, attempt)
+        if not taken:
             return None
-        call, number = taken
-        return NextCall(call_id=call.id, number=number, call=call.args)
+        return NextCall(calls=[TakenCall(call_id=call.id, number=number, call=call.args) for call, number in taken])
 
     return request.app.state.session_changes.wait_for(answer, min(max(wait_s, 0.0), _MAX_WAIT_S)) or NextCall()
 

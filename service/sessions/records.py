@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select, update
 
-from moetune.api.models.training_sessions import OPEN_STATUSES
+from moetune.api.models.training_sessions import OPEN_STATUSES, Sample
 from moetune.service.store import CallRow, SessionRow
 
 if TYPE_CHECKING:
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 PENDING, RUNNING, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
 GROUP = "group"  # a worker group's start, recorded among the calls
+MERGED_CALLS = 64  # the most samples taken as one generation, and
+MERGED_SEQUENCES = 256  # the most sequences it draws (vLLM's default batch: max_num_seqs)
 
 
 def new_id(prefix: str) -> str:
@@ -78,17 +80,34 @@ def get_call(store: Store, session_id: str, call_id: str) -> CallRow | None:
     return row if row is not None and row.session_id == session_id else None
 
 
-def take_call(store: Store, session_id: str, attempt: int) -> tuple[CallRow, int] | None:
-    """The oldest pending call, now running on group `attempt`, and its number in the session (1-based)."""
+def take_calls(store: Store, session_id: str, attempt: int) -> list[tuple[CallRow, int]]:
+    """The oldest pending call, now running on group `attempt`, with its number in the session (1-based); a sample
+    takes the samples queued right after it that can run in the same generation (Sample.mergeable), up to
+    MERGED_SEQUENCES sequences: an RL step's many concurrent samples become one call on the group."""
     with store._write() as s:
-        row = s.scalar(select(CallRow).where(CallRow.session_id == session_id, CallRow.status == PENDING)
-                       .order_by(CallRow.seq).limit(1))
-        if row is None:
-            return None
-        row.status, row.attempt = RUNNING, attempt
-        number = s.scalar(select(func.count()).where(CallRow.session_id == session_id, CallRow.seq <= row.seq,
-                                                     CallRow.kind != GROUP))
-    return row, number
+        pending = list(s.scalars(select(CallRow).where(CallRow.session_id == session_id, CallRow.status == PENDING)
+                                 .order_by(CallRow.seq).limit(MERGED_CALLS)))
+        if not pending:
+            return []
+        taken, sequences = pending[:1], _sequences(pending[0])
+        for row in pending[1:] if pending[0].kind == "sample" else ():
+            sequences += _sequences(row)
+            if row.kind != "sample" or not Sample.mergeable(pending[0].args, row.args) or sequences > MERGED_SEQUENCES:
+                break
+            taken.append(row)
+        first = s.scalar(select(func.count()).where(CallRow.session_id == session_id, CallRow.seq <= taken[0].seq,
+                                                    CallRow.kind != GROUP))
+        between = list(s.scalars(select(CallRow.seq).where(CallRow.session_id == session_id, CallRow.kind != GROUP,
+                                                          CallRow.seq > taken[0].seq, CallRow.seq <= taken[-1].seq)
+                                 .order_by(CallRow.seq)))
+        for row in taken:
+            row.status, row.attempt = RUNNING, attempt
+    numbers = [first] + [first + 1 + between.index(row.seq) for row in taken[1:]]
+    return list(zip(taken, numbers))
+
+
+def _sequences(row: CallRow) -> int:
+    return len(row.args["prompts"]) * row.args["n"] if row.kind == "sample" else 0
 
 
 def finish_call(store: Store, call_id: str, attempt: int, result: dict | None, error: dict | None) -> bool:

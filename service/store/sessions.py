@@ -33,7 +33,7 @@ class SessionRow(Base):
 
 
 class CallRow(Base):
-    """One call; `seq` orders a session's calls (the group runs them oldest first, one at a time)."""
+    """One call; `seq` orders a session's calls (the group takes them oldest first: one, or consecutive samples)."""
 
     __tablename__ = "training_session_calls"
     __table_args__ = (Index("ix_training_session_calls_session_status", "session_id", "status", "seq"),)

@@ -12,7 +12,7 @@ import re
 from typing import Any, get_args
 
 from fastapi import APIRouter, Depends, Header, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from moetune.api.errors import ErrorCode
@@ -48,6 +48,7 @@ _POLL_S = 40.0  # under the SDK's 45 s read timeout of retrieve_future
 _CLIP = (0.8, 1.2)  # ppo's and cispo's ratio bounds unless loss_fn_config names them (Tinker's defaults)
 _PROTOBUF = "application/x-protobuf"
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a saved state's or weights' name (SaveState.name)
+_SAMPLE_FIELDS = {"n": "num_samples", "max_tokens": "sampling_params.max_tokens"}  # Sample's names in Tinker's
 
 
 class _Body(BaseModel):
@@ -166,7 +167,7 @@ def _lora(config: LoraConfig) -> LoraSpec:
 
 
 def _new_model(request: Request, tenant: str, session_id: str, model_seq_id: int, base_model: str,
-               lora: LoraSpec, seed: int | None) -> tuple[str, Model]:
+               lora: LoraSpec, seed: int | None, role: str = "train") -> tuple[str, Model]:
     """A moetune training session for Tinker model `<session>:train:<n>` (the id the SDK derives too)."""
     state = _state(request)
     tinker_session = state.session(tenant, session_id)
@@ -174,7 +175,7 @@ def _new_model(request: Request, tenant: str, session_id: str, model_seq_id: int
         raise APIException(409, ErrorCode.session_not_open, f"Tinker session {session_id} has finished.")
     created = training_sessions.create(SessionCreate(model=base_model, lora=lora, seed=seed), request, tenant,
                                        request.app.state.store)
-    model_id = f"{session_id}:train:{model_seq_id}"
+    model_id = f"{session_id}:{role}:{model_seq_id}"
     model = Model(tenant=tenant, session_id=created.id, base_model=base_model, lora_rank=lora.rank)
     state.add_model(tinker_session, model_id, model)
     return model_id, model
@@ -386,14 +387,39 @@ class CreateSamplingSession(_Body):
 @router.post("/create_sampling_session")
 def create_sampling_session(body: CreateSamplingSession, request: Request,
                             tenant: str = Depends(tinker_tenant)) -> dict:
+    """A sampler of saved weights (`model_path`), or of the bare base model: the adapter off on a worker group of
+    this session that holds that base, or on a group of its own (started now) when none does."""
     state = _state(request)
     state.session(tenant, body.session_id)
-    if body.model_path is None:
-        raise invalid_request("model_path is required: sampling runs on a training client's worker group "
-                              "(save_weights_for_sampler), not on the bare base model", "model_path")
-    model_id, name = _tinker_path(body.model_path, "sampler_weights")
-    state.model(tenant, model_id)
-    return {"type": "create_sampling_session", "sampling_session_id": state.add_sampler(model_id, name)}
+    if body.model_path is not None:
+        model_id, name = _tinker_path(body.model_path, "sampler_weights")
+        state.model(tenant, model_id)
+    elif body.base_model is not None:
+        model_id, name = _base_holder(request, tenant, body.session_id, body.sampling_session_seq_id,
+                                      body.base_model), None
+    else:
+        raise invalid_request("model_path or base_model is required", "model_path")
+    sampler_id = state.add_sampler(model_id, name, f"{body.session_id}:sample:{body.sampling_session_seq_id}")
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}  # resent: the same sampler
+
+
+def _base_holder(request: Request, tenant: str, session_id: str, seq_id: int, base_model: str) -> str:
+    """A model of the session on `base_model` whose group is open; else a new one (its adapter never trained, the
+    smallest: it only ever runs with the adapter off)."""
+    state, store = _state(request), request.app.state.store
+    for model_id in state.session(tenant, session_id).models:
+        model = state.models[model_id]
+        row = records.get_session(store, model.session_id, tenant)
+        if model.base_model == base_model and row is not None and records.is_open(row):
+            return model_id
+
+    def submit() -> Future:
+        model_id, model = _new_model(request, tenant, session_id, seq_id, base_model,
+                                     LoraSpec(rank=1, alpha=1.0, dropout=0.0, target_modules="attention",
+                                              train_experts=False), None, role="base")
+        return Future(tenant, "create_model", model.session_id, model_id=model_id)
+
+    return state.futures[state.once(("base", session_id, seq_id), submit)].model_id
 
 
 @router.get("/samplers/{sampler_id}")
@@ -401,10 +427,10 @@ def get_sampler(sampler_id: str, request: Request, tenant: str = Depends(tinker_
     state = _state(request)
     model_id, name = _sampler(state, tenant, sampler_id)
     return {"sampler_id": sampler_id, "base_model": state.models[model_id].base_model,
-            "model_path": tinker_path(model_id, "sampler_weights", name)}
+            "model_path": tinker_path(model_id, "sampler_weights", name) if name else None}
 
 
-def _sampler(state: TinkerState, tenant: str, sampler_id: str) -> tuple[str, str]:
+def _sampler(state: TinkerState, tenant: str, sampler_id: str) -> tuple[str, str | None]:
     found = state.samplers.get(sampler_id)
     if found is None or state.models[found[0]].tenant != tenant:
         raise APIException(404, ErrorCode.not_found, f"No sampler {sampler_id!r} on this server.",
@@ -462,10 +488,16 @@ def asample(body: SampleRequest, request: Request, tenant: str = Depends(tinker_
     params = body.sampling_params
     stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
     asks_prompt = bool(body.prompt_logprobs)
-    args = Sample(prompts=[_prompt(body.prompt)], n=body.num_samples, max_tokens=params.max_tokens or 16,
-                  temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-                  stop=stop, seed=params.seed % 2**31 if params.seed is not None else None, weights=name,
-                  prompt_logprobs=asks_prompt)
+    try:
+        args = Sample(prompts=[_prompt(body.prompt)], n=body.num_samples, max_tokens=params.max_tokens or 16,
+                      temperature=params.temperature, top_p=params.top_p,
+                      top_k=params.top_k if params.top_k > 0 else -1, stop=stop,
+                      seed=params.seed % 2**31 if params.seed is not None else None, weights=name,
+                      adapter=name is not None, prompt_logprobs=asks_prompt)
+    except ValidationError as e:  # beyond what one call draws (num_samples, max_tokens)
+        error = e.errors()[0]
+        field = _SAMPLE_FIELDS.get(str(error["loc"][0]), str(error["loc"][0]))
+        raise invalid_request(f"{field}: {error['msg']}", field) from None
 
     def submit() -> Future:
         return _call(request, tenant, Future(tenant, "sample", model.session_id, model_id=model_id,

@@ -55,7 +55,8 @@ class TinkerState:
         self._turns = threading.Condition()
         self.sessions: dict[str, TinkerSession] = {}
         self.models: dict[str, Model] = {}
-        self.samplers: dict[str, tuple[str, str]] = {}  # sampler id: (model id, the weights' name)
+        self.samplers: dict[str, tuple[str, str | None]] = {}  # sampler id: (model id, the weights' name or
+        # None: the base model, the adapter off)
         self.futures: dict[str, Future] = {}
         self._taken: dict[tuple, str] = {}  # a request's identity: its future's id
 
@@ -116,7 +117,7 @@ class TinkerState:
         self.models[model_id] = model
         tinker_session.models.append(model_id)
 
-    def add_sampler(self, model_id: str, weights: str) -> str:
-        sampler_id = new_id("smp")
+    def add_sampler(self, model_id: str, weights: str | None, sampler_id: str | None = None) -> str:
+        sampler_id = sampler_id or new_id("smp")
         self.samplers[sampler_id] = (model_id, weights)
         return sampler_id

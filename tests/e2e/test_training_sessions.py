@@ -127,6 +127,20 @@ def test_session_calls_recovery_from_a_killed_worker_and_exact_resume(session, c
     assert all(lp <= 0 for s in sequences for lp in s["logprobs"])
     again = session.sample([[5, 17, 33], "ab"], n=3, max_tokens=5, temperature=1.0, seed=11).result(timeout=120)
     assert [s["tokens"] for s in again["sequences"]] == [s["tokens"] for s in sequences]
+    # samples queued behind a running one take one generation together, and each draws what it draws alone
+    session.sample([SEQ_A[:4]], max_tokens=48, temperature=0.0)  # another max_tokens: a generation of its own
+    queued = [session.sample([[5, 17, 33]], n=2, max_tokens=5, seed=21),
+              session.sample(["ab"], n=2, max_tokens=5, seed=22)]
+    merged = [q.result(timeout=120) for q in queued]
+    assert [m["merged_calls"] for m in merged] == [2, 2]
+    alone = session.sample(["ab"], n=2, max_tokens=5, seed=22).result(timeout=120)
+    assert alone["merged_calls"] == 1
+    assert [s["tokens"] for s in alone["sequences"]] == [s["tokens"] for s in merged[1]["sequences"]]
+    # the adapter off: the base model, as it answered before any step
+    assert session.sample(**greedy, adapter=False).result(timeout=120)["sequences"][0]["tokens"] \
+        == base_answer["tokens"]
+    base = session.forward([{"tokens": SEQ_A}], adapter=False).result(timeout=120)["logprobs"][0]
+    assert base == pytest.approx(out["logprobs"][0], abs=1e-5)
 
     assert session.save_state("s1").result(timeout=120)["step"] == 5
     loss_without_restart, logprobs_b = _next_loss(session)
@@ -183,10 +197,13 @@ def test_session_calls_recovery_from_a_killed_worker_and_exact_resume(session, c
 
 
 def test_grpo_example_raises_the_mean_reward(session):
-    """examples/rl_grpo.py's loop at tiny size on the same session (group size 4, ppo's clipped loss)."""
-    means = grpo(session, iterations=8, questions=4, group_size=4, loss_fn="ppo", seed=1)
+    """examples/rl_grpo.py's loop at tiny size on the same session (group size 4, ppo's clipped loss). Twelve
+    iterations of 32 samples, from the state saved as "s1" (what the checks before it leave varies with them): at
+    eight of 16 the rise (+0.01 to +0.15 over seeds) was within a seed's noise."""
+    session.load_state("s1").result(timeout=120)
+    means = grpo(session, iterations=12, questions=8, group_size=4, loss_fn="ppo", seed=2)
     print("grpo mean rewards", [round(m, 3) for m in means])
-    assert sum(means[-3:]) / 3 > means[0] + 0.05, means  # iteration 1 samples before any update
+    assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.05, means  # iteration 1 samples before any update
 
 
 def test_deployed_weights_answer_and_an_idle_group_saves_its_state_and_stops(session, control_plane, s3_endpoint,

@@ -1,7 +1,7 @@
 """The official `tinker` SDK (the version tests pin) against the real control plane and a real session group on
 the tiny kimi_linear: create, forward_backward with three losses adding up, optim_step, save_weights_for_sampler,
-sample, compute_logprobs, a stale sampler, save_state, a new client from that state, close. One training client,
-shared by the checks in order (its worker group is the expensive part)."""
+sample, compute_logprobs, a stale sampler, the base model's sampler, save_state, a new client from that state,
+close. One training client, shared by the checks in order (its worker group is the expensive part)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _raw(control_plane: str, path: str, **kwargs) -> httpx.Response:
     return httpx.post(f"{control_plane}/tinker/api/v1/{path}", headers=headers, timeout=60, **kwargs)
 
 
-def test_the_sdk_trains_samples_and_restores_through_moetune(service, trainer, control_plane):
+def test_the_sdk_trains_samples_and_restores_through_moetune(service, trainer, control_plane, tiny_assets):
     n = len(SEQ) - 1
     # three losses before one step: their gradients add up
     started = time.perf_counter()  # nothing queued before it: the round trip is this call's alone
@@ -91,6 +91,10 @@ def test_the_sdk_trains_samples_and_restores_through_moetune(service, trainer, c
     fresh = trainer.save_weights_and_get_sampling_client().result(timeout=120) \
         .compute_logprobs(types.ModelInput.from_ints(SEQ)).result(timeout=120)
     assert max(abs(a - b) for a, b in zip(fresh[1:], scored[1:])) > 1e-2  # the step moved them
+    # the bare base model (DPO's reference): the trainer's group with its adapter off, as before any step
+    base = service.create_sampling_client(base_model=tiny_assets["model"]) \
+        .compute_logprobs(types.ModelInput.from_ints(SEQ)).result(timeout=120)
+    assert base[1:] == pytest.approx(before, abs=1e-4)
 
     # save_state, and a new training client (its own worker group) from it: the same weights
     path = trainer.save_state("s1").result(timeout=120).path
@@ -136,6 +140,10 @@ def test_other_sdk_versions_and_unsupported_losses_are_refused_by_name(trainer, 
     refused = _raw(control_plane, "forward_backward", headers={"Content-Type": "application/x-protobuf"},
                    content=forward_backward_request_to_proto(request).SerializeToString())
     assert refused.status_code == 422 and "'dro'" in refused.text, refused.text
+    too_many = _raw(control_plane, "asample", json={
+        "num_samples": 200, "prompt": {"chunks": [{"tokens": PROMPT}]}, "sampling_params": {},
+        "model_path": f"tinker://{trainer.model_id}/sampler_weights/any"})
+    assert too_many.status_code == 422 and too_many.json()["error"]["param"] == "num_samples", too_many.text
     assert _raw(control_plane, "client/config", json={"sdk_version": SDK_VERSIONS[-1]},
                 headers={"X-API-Key": "tml-wrong"}).status_code == 401
 

@@ -124,16 +124,18 @@ def new_row(prompt_ids: list[int], params: SamplingParams, eos_token_id, device,
 
 
 def generate_batch(model, prompts: list[list[int]], params: SamplingParams, *, eos_token_id,
-                   lockstep: bool = False, ends: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
+                   lockstep: bool = False, ends: Callable[[list[int]], bool] | None = None,
+                   seeds: list[int] | None = None) -> list[list[int]]:
     """The generated tokens of each prompt (no stop token), on an already built model (a training worker's PEFT
     model, its active adapter). All prompts are prefilled in one forward; rows leave the batch as they finish.
     `lockstep=True` keeps every row in and runs exactly one prefill plus max_new_tokens - 1 decode steps, so that
     ranks whose every forward runs collectives (expert parallelism, ZeRO-3) stay in step. `ends(tokens)`: a row
     also finishes once it is true of its tokens (a session's stop strings on the decoded text; the tokens that
-    made it true are kept, for the caller to cut)."""
+    made it true are kept, for the caller to cut). Row i draws with `seeds[i]`, by default params.seed + i."""
     device = next(model.parameters()).device
-    seeded = params.seed is not None
-    rows = [new_row(p, dataclasses.replace(params, seed=params.seed + i) if seeded else params, eos_token_id, device)
+    if seeds is None and params.seed is not None:
+        seeds = [params.seed + i for i in range(len(prompts))]
+    rows = [new_row(p, dataclasses.replace(params, seed=seeds[i]) if seeds else params, eos_token_id, device)
             for i, p in enumerate(prompts)]
     batch = DecodeBatch(model)
     was_training = model.training

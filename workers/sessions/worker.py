@@ -32,6 +32,7 @@ from moetune.api.models.training_sessions import (
     SaveState,
     SaveWeights,
     SessionRunSpec,
+    TakenCall,
 )
 from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
 from moetune.workers.data.sampling import step_rng_seed
@@ -41,6 +42,7 @@ from moetune.workers.generate import SamplingParams, generate_batch
 from moetune.workers.loop.worker import _Worker
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.reporting.step_figures import memory_budget_bytes
+from moetune.workers.methods.dpo import lora_off
 from moetune.workers.methods.loss_head import install_loss_head
 from moetune.workers.sessions.batch import TokenLogprobHead, padded, padded_tokens, token_logprobs
 from moetune.workers.sessions.control import SessionLink
@@ -79,7 +81,7 @@ class SessionWorker(_Worker):
             if self.chief else None
         self.pending: list[ForwardBackward] = []  # forward_backward calls since the last step (see forward_backward)
         self.snapshots = WeightSnapshots()
-        self.call_number = 0  # the running call's place in the session (sample's default seed)
+        self.call_number = 0  # the running call's place in the session (names saved weights)
 
     def start(self) -> None:
         self.load()
@@ -111,20 +113,31 @@ class SessionWorker(_Worker):
                 return "closed"
             if message is None:
                 continue  # no call yet: every rank comes round again, well within the collectives' timeout
-            call_id, self.call_number, call = message
             started = time.perf_counter()
-            try:
-                result, error = getattr(self, call.kind)(call), None
-                result["worker_ms"] = (time.perf_counter() - started) * 1e3  # the call's cost beyond the API's
-            except CallError as e:
-                result, error = None, ErrorInfo(code=ErrorCode.invalid_request, message=str(e), param=e.param)
+            outcomes = self._run(message)
+            worker_ms = (time.perf_counter() - started) * 1e3  # the calls' cost beyond the API's (merged: together)
             if self.chief:
-                self.link.outcome(call_id, result, error)
+                for taken, outcome in zip(message, outcomes):
+                    if isinstance(outcome, CallError):
+                        error = ErrorInfo(code=ErrorCode.invalid_request, message=str(outcome), param=outcome.param)
+                        self.link.outcome(taken.call_id, None, error)
+                    else:
+                        self.link.outcome(taken.call_id, {**outcome, "worker_ms": worker_ms}, None)
             idle_since = time.monotonic()
 
+    def _run(self, taken: list[TakenCall]) -> list[dict | CallError]:
+        """Each call's result, or the CallError it failed on; several calls are samples merged into one generation."""
+        self.call_number = taken[0].number
+        if taken[0].call.kind == "sample":
+            return self.sample([(t.number, t.call) for t in taken])
+        try:
+            return [getattr(self, taken[0].call.kind)(taken[0].call)]
+        except CallError as e:
+            return [e]
+
     def _next(self, idle_since: float):
-        """The chief's next message for every rank: (call id, number, call), "close", "idle", or None when a poll
-        brought nothing."""
+        """The chief's next message for every rank: the calls taken (TakenCall), "close", "idle", or None when a
+        poll brought nothing."""
         message = [None]
         if self.chief:
             left = self.session.spec.idle_timeout_s - (time.monotonic() - idle_since)
@@ -133,8 +146,8 @@ class SessionWorker(_Worker):
                 message = ["idle"]
             elif answer.close:
                 message = ["close"]
-            elif answer.call is not None:
-                message = [(answer.call_id, answer.number, answer.call)]
+            elif answer.calls:
+                message = [answer.calls]
         dist.broadcast_object_list(message, src=0)
         return message[0]
 
@@ -167,7 +180,7 @@ class SessionWorker(_Worker):
         self.pending = []
 
     def forward(self, call: Forward) -> dict:
-        with torch.no_grad():
+        with torch.no_grad(), nullcontext() if call.adapter else lora_off(self.engine.module):
             mine, _, logprobs = self._forward(call.data)
         return {"logprobs": self._gathered(call.data, mine, logprobs)}
 
@@ -183,43 +196,73 @@ class SessionWorker(_Worker):
         self.snapshots.weights_changed()
         return {"step": int(self.engine.global_steps)}
 
-    def sample(self, call: Sample) -> dict:
+    def sample(self, calls: list[tuple[int, Sample]]) -> list[dict | CallError]:
+        """Samples (each with its number in the session) as one generation: they are alike but for Sample.PER_CALL.
+        A call whose prompts are wrong fails alone."""
+        first = calls[0][1]
         if self.sample_refusal:
-            raise CallError(self.sample_refusal, "call")
+            return [CallError(self.sample_refusal, "call")] * len(calls)
+        if first.top_k > 0 and self.head is None:
+            return [CallError("top_k needs the model's plain output layer; this model has another", "call.top_k")] \
+                * len(calls)
+        outcomes: list[dict | CallError] = [{"sequences": []} for _ in calls]
+        wanted = []  # every sequence to draw: (its call, its prompt's index, the prompt, its seed)
+        for c, (number, call) in enumerate(calls):
+            try:
+                prompts = self._prompts(call)
+            except CallError as e:
+                outcomes[c] = e
+                continue
+            seed = call.seed if call.seed is not None else step_rng_seed(self.job.seed, number, 0) % 2**31
+            rows = [(i, p) for i, p in enumerate(prompts) for _ in range(call.n)]
+            wanted += [(c, i, p, seed + k) for k, (i, p) in enumerate(rows)]
+        if not wanted:
+            return outcomes
+        share = wanted[self.world_rank :: self.world]
+        rows = share + [wanted[0]] * (math.ceil(len(wanted) / self.world) - len(share)) if self.lockstep else share
+        try:
+            mine = self._draw(first, [r[2] for r in rows], [r[3] for r in rows])[:len(share)]
+        except CallError as e:  # the snapshot the calls name (alike on every rank)
+            return [o if isinstance(o, CallError) else e for o in outcomes]
+        drawn = _in_order(list(range(self.world_rank, len(wanted), self.world)), mine, self.world, len(wanted))
+        for (c, i, _, _), sequence in zip(wanted, drawn):
+            if not calls[c][1].prompt_logprobs:
+                del sequence["prompt_logprobs"]
+            outcomes[c]["sequences"].append({"prompt_index": i, **sequence})
+        for outcome in outcomes:
+            if isinstance(outcome, dict):
+                outcome["merged_calls"] = len(calls)
+        return outcomes
+
+    def _prompts(self, call: Sample) -> list[list[int]]:
         prompts = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else p
                    for p in call.prompts]
         self._check_tokens(prompts, "call.prompts")
+        return prompts
+
+    def _draw(self, call: Sample, prompts: list[list[int]], seeds: list[int]) -> list[dict]:
+        """Each prompt's completion drawn with its seed, its logprobs and how it ended (every rank the same rows'
+        count: the forwards of an expert-parallel or ZeRO-3 model meet their peers)."""
         texts = [s for s in call.stop if isinstance(s, str)]
-        if call.top_k > 0 and self.head is None:
-            raise CallError("top_k needs the model's plain output layer; this model has another", "call.top_k")
         stops = set(self._stop_tokens(call.stop)) | set(_ids(self.tokenizer.eos_token_id))
-        wanted = [(i, p) for i, p in enumerate(prompts) for _ in range(call.n)]
-        share = wanted[self.world_rank :: self.world]
-        rows = share + [wanted[0]] * (math.ceil(len(wanted) / self.world) - len(share)) if self.lockstep else share
-        seed = call.seed if call.seed is not None else step_rng_seed(self.job.seed, self.call_number, 0) % 2**31
-        # generate_batch seeds row i with seed + i: every sequence of the call its own draw
-        params = SamplingParams(call.max_tokens, temperature=call.temperature, seed=seed + self.world_rank * len(rows),
-                                top_p=call.top_p)
+        params = SamplingParams(call.max_tokens, temperature=call.temperature, top_p=call.top_p)
 
         def ends(t: list[int]) -> bool:  # stop tokens end a row here, so that the row keeps the one it drew
             return t[-1] in stops or bool(texts) and stop_reached(t, self._decode, texts)
 
-        # ZeRO-3: the weights gathered once for the call, not per token; the snapshot asked for, if any
-        with whole_for_generation(self.engine), self._sampled_weights(call.weights):
+        # ZeRO-3: the weights gathered once for the call, not per token; the snapshot asked for, or none
+        with whole_for_generation(self.engine), self._sampled_weights(call):
             with self.head.keeping_top(call.top_k if call.top_k > 0 else None) if self.head else nullcontext():
-                drawn = generate_batch(self.engine.module, [p for _, p in rows], params, lockstep=self.lockstep,
-                                       eos_token_id=None, ends=ends) if rows else []
+                drawn = generate_batch(self.engine.module, prompts, params, lockstep=self.lockstep,
+                                       eos_token_id=None, ends=ends, seeds=seeds) if prompts else []
             ended = [_ending(t, stops, call.max_tokens) for t in drawn]
             cut = [cut_at_stop(t, self._decode, texts) for t, _, _ in ended]
             scored = [t + ([stop] if stop is not None else []) for (t, _), (_, stop, _) in zip(cut, ended)]
-            logprobs = self._sampled_logprobs([p for _, p in rows], scored) if rows else []
-        mine = [{"prompt_index": i, "prompt_tokens": p, "tokens": t, "text": text, "finish_reason": reason,
+            logprobs = self._sampled_logprobs(prompts, scored) if prompts else []
+        return [{"prompt_tokens": p, "tokens": t, "text": text, "finish_reason": reason,
                  "logprobs": lp[len(p):len(p) + len(t)], "stop_token": stop,
-                 "stop_logprob": lp[len(p) + len(t)] if stop is not None else None,
-                 **({"prompt_logprobs": lp[:len(p)]} if call.prompt_logprobs else {})}
-                for (i, p), (t, text), (_, stop, reason), lp in zip(share, cut, ended, logprobs)]
-        return {"sequences": _in_order(list(range(self.world_rank, len(wanted), self.world)), mine, self.world,
-                                       len(wanted))}
+                 "stop_logprob": lp[len(p) + len(t)] if stop is not None else None, "prompt_logprobs": lp[:len(p)]}
+                for p, (t, text), (_, stop, reason), lp in zip(prompts, cut, ended, logprobs)]
 
     def save_state(self, call: SaveState) -> dict:
         local = os.path.join(self.node_dir, "state")
@@ -278,11 +321,13 @@ class SessionWorker(_Worker):
         self.collectives.barrier()
         return uri
 
-    def _sampled_weights(self, name: str | None):
-        if name is None:
+    def _sampled_weights(self, call: Sample):
+        if not call.adapter:
+            return lora_off(self.engine.module)
+        if call.weights is None:
             return nullcontext()
         try:
-            return self.snapshots.swapped_in(name, self.engine.module)
+            return self.snapshots.swapped_in(call.weights, self.engine.module)
         except KeyError as e:
             raise CallError(str(e.args[0]), "call.weights") from None
 
