@@ -1,6 +1,6 @@
-"""comm.kda_context and comm.conv_halo on 2 and 4 gloo ranks: each rank's output slice and the gradients of its
-inputs (and the initial state's, summed over the ranks) equal the unsplit run's, with and without packed sequences;
-the conv halo likewise against the unsplit per-sequence conv."""
+"""comm.kda_context and comm.conv_halo on 4 gloo ranks (first, middle and last slices): each rank's output slice and the
+gradients of its inputs (and the initial state's, summed over the ranks) equal the unsplit run's, with and without
+packed sequences; the conv halo likewise against the unsplit per-sequence conv."""
 
 import os
 
@@ -95,7 +95,7 @@ def close(got, want):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])
 def test_context_parallel_slices_equal_the_unsplit_run(tmp_path, world):
     launch(_ranks, world, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]

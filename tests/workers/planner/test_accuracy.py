@@ -4,7 +4,7 @@ state exactly as torch AdamW's state after one step (the client optimizer DeepSp
 copy; and activation bytes per sequence within 10 % of the bytes autograd saves (the tuner's CPU measure,
 MemoryProbe), for four families, two sequence lengths, activation checkpointing off and on (on: what the forward
 saves, plus the largest one layer's rerun saves in the backward), for the two sparse-attention families, and for
-Kimi K3 split over 2 and 4 gloo context-parallel ranks (the last rank's, which gathers the most)."""
+Kimi K3 split over 4 gloo context-parallel ranks (the last rank's, which gathers the most)."""
 
 import json
 import os
@@ -163,7 +163,7 @@ def _context_rank(rank: int, world: int, out: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])
 def test_activation_bytes_of_a_context_parallel_rank(tmp_path, world):
     """The plan of a K3 job at CP = `world` is what its last rank saves (its slice's activations, the whole row's
     gathered MLA keys, every rank's KDA state summary), measured in the real CP forward on gloo ranks; and it is
@@ -175,4 +175,4 @@ def test_activation_bytes_of_a_context_parallel_rank(tmp_path, world):
     assert planned == pytest.approx(saved[-1], rel=0.10), (planned, saved)
     assert saved[-1] == max(saved)
     unsplit = facts.activation_bytes(1, False) + facts.loss_bytes()
-    assert planned < unsplit * (0.7 if world == 2 else 0.4), (planned, unsplit)
+    assert planned < unsplit * 0.4, (planned, unsplit)
