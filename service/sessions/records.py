@@ -83,7 +83,8 @@ def get_call(store: Store, session_id: str, call_id: str) -> CallRow | None:
 def take_calls(store: Store, session_id: str, attempt: int) -> list[tuple[CallRow, int]]:
     """The oldest pending call, now running on group `attempt`, with its number in the session (1-based); a sample
     takes the samples queued right after it that can run in the same generation (Sample.mergeable), up to
-    MERGED_SEQUENCES sequences: an RL step's many concurrent samples become one call on the group."""
+    MERGED_CALLS calls and MERGED_SEQUENCES sequences: an RL step's many concurrent samples become one call on the
+    group."""
     with store._write() as s:
         pending = list(s.scalars(select(CallRow).where(CallRow.session_id == session_id, CallRow.status == PENDING)
                                  .order_by(CallRow.seq).limit(MERGED_CALLS)))
