@@ -12,11 +12,14 @@ per-call overhead, and what examples/rl_grpo.py's loop gains.
   `worker_ms:sum` metric of its result).
 - `grpo_reward_gain`: rl_grpo.grpo on that session; the mean reward of its last 3 iterations less that of its
   first (sampled before any update: the base with a fresh LoRA).
+- `merged_samples_speedup`: on that session, SAMPLES one-sequence `sample` calls sent one after another (each run
+  alone) against the same calls queued at once (the control plane hands the group consecutive alike samples as one
+  generation); the time of the first over the second. Each call draws the same tokens either way (checked).
 
     python bench/rl.py [--iterations 12] [--calls 10]
 
 Ends with `RESULT dpo_step_ratio=<x> session_call_overhead_ms=<y> tinker_call_overhead_ms=<t>
-grpo_reward_gain=<z>`.
+grpo_reward_gain=<z> merged_samples_speedup=<m>`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from moetune.workers.model import trainable_model
 from moetune.workers.tiny import write_tiny_checkpoint
 
 LORA = {"rank": 8, "alpha": 16, "dropout": 0.0}
+SAMPLES = 32  # an RL step's concurrent samples (the cookbook's: groups × group size)
 NAMES = [("ada", "red"), ("bob", "blue"), ("cy", "green"), ("dee", "gold"), ("eve", "teal"), ("fay", "pink")]
 
 
@@ -111,7 +115,29 @@ def _tinker_overhead(url: str, token: str, calls: int) -> float:
     return statistics.median(overheads)
 
 
-def session_figures(work: Path, calls: int, iterations: int) -> tuple[float, float, float]:
+def _merged_samples_speedup(session) -> float:
+    """SAMPLES one-sequence samples one after another against the same queued at once, as a time ratio."""
+    def sample(k: int):
+        return session.sample([[5, 17, 33, k + 40]], max_tokens=8, temperature=1.0, seed=k)
+
+    def drawn(results: list[dict]) -> list[list[list[int]]]:
+        return [[s["tokens"] for s in r["sequences"]] for r in results]
+
+    started = time.perf_counter()
+    alone = [sample(k).result(timeout=300) for k in range(SAMPLES)]
+    one_by_one = time.perf_counter() - started
+    started = time.perf_counter()
+    together = [f.result(timeout=300) for f in [sample(k) for k in range(SAMPLES)]]
+    at_once = time.perf_counter() - started
+    if drawn(together) != drawn(alone):
+        raise AssertionError("a merged sample drew other tokens than the same call alone")
+    generations = sum(1 / r["merged_calls"] for r in together)  # a generation of k calls: k results of 1/k
+    print(f"{SAMPLES} samples: one by one {one_by_one:.2f} s, queued at once {at_once:.2f} s in "
+          f"{generations:.0f} generations (the same tokens)")
+    return one_by_one / at_once
+
+
+def session_figures(work: Path, calls: int, iterations: int) -> tuple[float, float, float, float]:
     state = work / "stack"
     stack = local_stack.up(state, base_models={MODELS[False]: f"s3://{BUCKET}/models/{MODELS[False]}"})
     try:
@@ -130,12 +156,13 @@ def session_figures(work: Path, calls: int, iterations: int) -> tuple[float, flo
                 print(f"forward_backward overhead: median {statistics.median(overheads):.1f} ms, "
                       f"max {max(overheads):.1f} ms over {calls} calls")
                 means = grpo(session, iterations, seed=0)
+                speedup = _merged_samples_speedup(session)
             finally:
                 session.close()
         tinker_overhead = _tinker_overhead(stack.url, stack.token, calls)
     finally:
         local_stack.down(state)
-    return statistics.median(overheads), tinker_overhead, statistics.fmean(means[-3:]) - means[0]
+    return statistics.median(overheads), tinker_overhead, statistics.fmean(means[-3:]) - means[0], speedup
 
 
 def main() -> None:
@@ -146,9 +173,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="moetune-bench-rl-") as work:
         ratio = dpo_step_ratio(Path(work), args.steps)
-        overhead, tinker_overhead, gain = session_figures(Path(work), args.calls, args.iterations)
+        overhead, tinker_overhead, gain, speedup = session_figures(Path(work), args.calls, args.iterations)
     print(f"RESULT dpo_step_ratio={ratio:.2f} session_call_overhead_ms={overhead:.1f} "
-          f"tinker_call_overhead_ms={tinker_overhead:.1f} grpo_reward_gain={gain:.3f}")
+          f"tinker_call_overhead_ms={tinker_overhead:.1f} grpo_reward_gain={gain:.3f} "
+          f"merged_samples_speedup={speedup:.2f}")
 
 
 if __name__ == "__main__":
