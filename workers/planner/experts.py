@@ -55,7 +55,7 @@ class ExpertBytes:
     per_expert: float
     per_slot: float
 
-    def of(self, local_experts: int, slots: int) -> float:
+    def of(self, local_experts: int, slots: float) -> float:
         return self.constant + self.per_expert * local_experts + self.per_slot * slots
 
 

@@ -26,6 +26,10 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # exchanging state, and 64 ranks hold a 1M-token row in 16K-token slices.
 MAX_CONTEXT_PARALLEL = 64
 MIN_SLICE_TOKENS = 1024
+# The busiest expert-parallel rank's routed tokens over an even share (stated, not measured: a trained router's
+# per-rank load varies by step and batch; the review of K3's plan put the busiest at 1.5-2x). A plan holds a rank
+# to what its busiest step receives: the experts' saved bytes per routed slot and the all-to-all's receive buffer.
+ROUTING_SKEW = 1.5
 
 
 @dataclass(frozen=True)
@@ -63,14 +67,19 @@ class ModelFacts:
     def slice_tokens(self, context: int) -> int:
         return self.seq_len // context
 
+    def routed_slots(self, ep: int, context: int = 1) -> float:
+        """Token copies the busiest rank's experts receive from one sequence's slice: all of them at EP=1, at EP > 1
+        ROUTING_SKEW times an even share."""
+        return self.slice_tokens(context) * self.top_k * (ROUTING_SKEW if ep > 1 else 1.0)
+
     def layer_bytes(self, ep: int, context: int = 1) -> tuple[float, ...]:
-        """Each decoder layer's saved bytes for one sequence, with its experts' share at EP=`ep`, on one of
-        `context` CP ranks (its slice's tokens routed)."""
+        """Each decoder layer's saved bytes for one sequence, with its experts' share at EP=`ep` (the busiest
+        rank's, routed_slots), on one of `context` CP ranks (its slice's tokens routed)."""
         layers = self.activations(context).layers
         if not self.moe_layers:
             return layers
         saved = self.expert_saved[ep > 1 or self.expert_module_at_ep1]
-        block = saved.of(self.num_experts // ep, self.slice_tokens(context) * self.top_k)
+        block = saved.of(self.num_experts // ep, self.routed_slots(ep, context))
         return tuple(b + (block if i in self.moe_layers else 0) for i, b in enumerate(layers))
 
     def activation_bytes(self, ep: int, checkpointing: bool, context: int = 1) -> float:
@@ -83,8 +92,12 @@ class ModelFacts:
         return self.activations(context).loss
 
     def all_to_all_bytes(self, ep: int, context: int = 1) -> float:
-        """The expert all-to-all's send and receive buffers for one sequence's slice (none without EP)."""
-        return 2 * self.slice_tokens(context) * self.top_k * self.expert_width * self.compute_bytes if ep > 1 else 0
+        """The expert all-to-all's buffers for one sequence's slice: what it sends and what the busiest rank
+        receives (none without EP)."""
+        if ep == 1:
+            return 0
+        sent = self.slice_tokens(context) * self.top_k
+        return (sent + self.routed_slots(ep, context)) * self.expert_width * self.compute_bytes
 
     def largest_layer_bytes(self, ep: int) -> float:
         """One decoder layer's ZeRO-3-partitioned parameters as gathered on one rank (its experts' share)."""

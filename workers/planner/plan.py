@@ -20,7 +20,7 @@ from moetune.workers.planner.memory import (
     load_breakdown,
     total,
 )
-from moetune.workers.planner.model import ModelFacts, model_facts
+from moetune.workers.planner.model import ROUTING_SKEW, ModelFacts, model_facts
 
 
 def _divisors(n: int) -> list[int]:
@@ -127,7 +127,8 @@ def plan(config: dict, run: RunConfig, cluster: ClusterSpec, choose_checkpointin
         fewest_gpus=fewest,
         load=PlannedLoad(bytes_per_rank=per_rank_bytes, bytes_per_node=node_bytes,
                          seconds=node_bytes * 8 / cluster.nic, expert_parallel_size=ep),
-        assumptions="one GPU per worker; every sequence seq_len tokens; an even routing; fits = at most "
+        assumptions="one GPU per worker; every sequence seq_len tokens; with EP > 1 the busiest rank receives "
+                    f"{ROUTING_SKEW:g}x an even share of the routed tokens; fits = at most "
                     f"{USABLE_FRACTION:.0%} of a GPU's memory with a stated {CUDA_CONTEXT_BYTES / 2**30:g} GiB for "
                     "the CUDA context and communicators, both in training and at load (load_total_bytes; under "
                     "ZeRO-3 the loader partitions each parameter as it loads it); load time = the bytes a node's "

@@ -17,7 +17,7 @@ from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mx
 from moetune.workers.families import REGISTRY
 from moetune.workers.planner import plan
 from moetune.workers.planner.memory import breakdown, total
-from moetune.workers.planner.model import model_facts
+from moetune.workers.planner.model import ROUTING_SKEW, model_facts
 from moetune.workers.planner.weights import quantized_bytes
 from tests.support.layouts import layout
 from tests.support import REPO
@@ -131,6 +131,23 @@ def test_layout_search_takes_the_smallest_fitting_layout_and_the_tuner_start():
     assert p.recommended.parallelism.zero_stage == 1 and p.recommended.tuner_start_micro_batch == 2
     tight = plan(config, _tiny_job(), _cluster(one * 0.98 / 0.9), True, facts)
     assert tight.recommended.activation_checkpointing is True
+
+
+def test_an_expert_parallel_rank_is_planned_for_its_busiest_share_of_the_routed_tokens():
+    """With EP > 1 a rank's experts receive ROUTING_SKEW times an even share of the routed token copies at their
+    busiest: in the experts' saved bytes of every MoE layer and in the all-to-all's receive buffer. At EP=1 a rank
+    holds every expert: all copies, no skew."""
+    facts = model_facts(REGISTRY["kimi_linear"].tiny_config().to_dict(), _tiny_job())
+    even = facts.seq_len * facts.top_k
+    assert (facts.routed_slots(1), facts.routed_slots(2)) == (even, ROUTING_SKEW * even)
+    saved = facts.expert_saved[True]
+    assert saved.per_slot > 0
+    unrouted = sum(facts.activations().layers)
+    assert sum(facts.layer_bytes(2)) - unrouted == pytest.approx(
+        len(facts.moe_layers) * saved.of(facts.num_experts // 2, ROUTING_SKEW * even))
+    assert facts.all_to_all_bytes(2) == pytest.approx((1 + ROUTING_SKEW) * even * facts.expert_width
+                                                      * facts.compute_bytes)
+    assert facts.all_to_all_bytes(1) == 0
 
 
 def test_a_dpo_pair_is_planned_as_its_two_sequences():
