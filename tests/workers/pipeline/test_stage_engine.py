@@ -1,12 +1,13 @@
 """Two pipeline stages, each its own DeepSpeed ZeRO-2 engine (workers.engine.pipeline) under
 torch.distributed.pipelining's 1F1B schedule, on four gloo ranks: two data-parallel replicas of the pipeline (each
 its own rows; a stage's gradients reduced over its two ranks; one rank a stage is its one-replica case) that also
-split each stage's experts (EP=2 inside a stage, with expert LoRA: DeepSpeed's expert groups never cross a stage), Qwen3-MoE and
-Kimi K3 as released (each rank streaming only its stage's tensors, MXFP4 experts kept packed, its Attention-Residual
-blocks across the boundary). Against one process's engine over the unsplit model and every replica's rows, for two
-optimizer steps of four micro-batches per replica: the losses, the first step's LoRA gradients (an expert-parallel
-rank's: its experts' rows) and each step's gradient norm are equal (DeepSpeed's, which clipping scales by: every stage
-must see the whole model's, summed over the stages; the loss is summed over tokens, so the norm is above the clip)."""
+split each stage's experts (EP=2 inside a stage, with expert LoRA: DeepSpeed's expert groups never cross a stage),
+Qwen3-MoE and Kimi K3 as released (each rank streaming only its stage's tensors, MXFP4 experts kept packed, its
+Attention-Residual blocks across the boundary). Against one process's engine over the unsplit model and every
+replica's rows, for two optimizer steps of four micro-batches per replica: the losses, the first step's LoRA
+gradients (an expert-parallel rank's: its experts' rows) and each step's gradient norm are equal (DeepSpeed's, which
+clipping scales by: every stage must see the whole model's, summed over the stages; the loss is summed over tokens,
+so the norm is above the clip)."""
 
 import os
 import zlib
