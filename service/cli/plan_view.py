@@ -8,8 +8,9 @@ from moetune.api.plans import Plan, PlannedLayout
 
 _ROWS = (("lora_parameters", "LoRA parameters"), ("lora_gradients", "LoRA gradients"),
          ("optimizer_state", "optimizer state (fp32 master + Adam)"), ("activations", "activations (saved)"),
-         ("logits", "loss (logits)"), ("all_to_all", "all-to-all buffers"), ("zero_buckets", "ZeRO buckets"),
-         ("zero3_gather", "ZeRO-3 gathered layer"), ("cuda_context", "CUDA context, NCCL (stated)"))
+         ("logits", "loss (logits)"), ("loss_chunk", "loss chunk (transient)"), ("all_to_all", "all-to-all buffers"),
+         ("zero_buckets", "ZeRO buckets"), ("zero3_gather", "ZeRO-3 gathered layer"),
+         ("cuda_context", "CUDA context, NCCL (stated)"))
 
 
 def _gib(n: float) -> str:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from moetune.kernels.loss import linear_cross_entropy_sum
 from moetune.kernels.loss.chunked import chunked_linear_cross_entropy_sum
-from moetune.kernels.loss.dispatch import _liger_sum
+from moetune.kernels.loss.dispatch import _liger_sum, logits_chunk_rows
 from tests.support.allocations import Allocations
 from tests.support.triton_child import (  # noqa: F401 (test_interpreter_run: collected here)
     backend_device,
@@ -60,6 +60,27 @@ def test_no_tensor_of_tokens_times_vocab():
     with Allocations() as plain:
         _plain(h, w, y).backward()
     assert plain.largest >= 512 * 1000
+
+
+def test_the_planned_logits_chunk_is_what_each_path_holds():
+    """logits_chunk_rows, which the planner counts: the CPU path's largest tensor is its chunk's fp32 logits (Liger's,
+    the CUDA path's, under the interpreter below); on CUDA the chunk grows with the tokens, as the review of K3's
+    plan measured: 2.5 GiB of bf16 logits at 128K tokens, 20 GiB at 1M."""
+    h, w, y = _inputs(tokens=5000, vocab=1000)
+    with Allocations() as seen:
+        linear_cross_entropy_sum(h, w, y).backward()
+    assert seen.largest == logits_chunk_rows(5000, 1000, 24, on_cuda=False) * 1000 < 5000 * 1000
+    k3_vocab, k3_hidden = 163840, 7168
+    assert [logits_chunk_rows(t, k3_vocab, k3_hidden, on_cuda=True) * k3_vocab * 2 / 2**30
+            for t in (131072, 1048576)] == [2.5, 20.0]
+
+
+@on_triton
+def test_liger_holds_the_logits_chunk_the_planner_counts():
+    h, w, y = to_device(backend_device(), *_inputs())
+    with Allocations() as seen:
+        _liger_sum(h, w, y)
+    assert seen.largest == logits_chunk_rows(75, 300, 24, on_cuda=True) * 300  # 8 rows of 300 (of 75 tokens)
 
 
 @on_triton

@@ -72,6 +72,7 @@ class SequenceLossHead(LossHead):
     minus the sequence's log-probability (kernels.loss, no [tokens, vocab] tensor)."""
 
     sequence_of = None  # per target position (labels shifted by one, flattened): its sequence
+    per_sequence = True
 
     def forward(self, hidden):
         if self.labels is None:

@@ -101,6 +101,8 @@ def logits_token_logprobs(logits, targets, chunk_tokens: int = CHUNK_TOKENS):
 
 
 class LossHead(torch.nn.Module):
+    per_sequence = False  # the loss runs once for the micro-batch's tokens (the planner sizes its logits chunk so)
+
     def __init__(self, head: torch.nn.Linear):
         super().__init__()
         self.weight = head.weight  # the same Parameter: a tie to the input embeddings stays

@@ -58,6 +58,7 @@ def breakdown(model, layout: Layout) -> dict[str, object]:
         "optimizer_state": parts * OPTIMIZER_BYTES_PER_ELEMENT,
         "activations": model.activation_bytes(ep, layout.checkpointing, cp) * m,
         "logits": model.loss_bytes(cp) * m,
+        "loss_chunk": model.logits_chunk(m, model.slice_tokens(cp)),
         "all_to_all": model.all_to_all_bytes(ep, cp) * m,
         "zero_buckets": REDUCE_BUCKET_ELEMENTS * cd * (2 if z == 3 else 1),
         "zero3_gather": (model.largest_layer_bytes(ep) + PREFETCH_BUCKET_ELEMENTS * cd) if z == 3 else 0,

@@ -13,6 +13,7 @@ import torch
 from moetune.api.families import known_facts
 from moetune.api.models.run_config import RunConfig, context_parallel_refusal
 from moetune.api.quantization import quantization_of
+from moetune.kernels.loss.dispatch import logits_chunk_rows
 from moetune.workers.families.spec import Family
 from moetune.workers.lora.coverage import ROUTED_EXPERTS, Coverage, coverage, modules
 from moetune.workers.methods import method_for
@@ -50,6 +51,7 @@ class ModelFacts:
     seq_len: int
     compute_bytes: int
     measure: Callable[[int], Activations]  # what one rank of a CP group of that size saves (planner.activations)
+    logits_chunk: Callable[[int, int], float]  # the loss's transient logits for (sequences, tokens each)
     _profiles: dict[int, Activations] = field(default_factory=dict, repr=False, compare=False)
 
     def activations(self, context: int = 1) -> Activations:
@@ -144,6 +146,21 @@ def context_sizes(config: dict, job: RunConfig) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def _logits_chunk(method, device_type: str, dtype: torch.dtype) -> Callable[[int, int], float]:
+    """Bytes of the logits the loss holds at once for `sequences` sequences of `tokens` tokens each, beyond what it
+    saves (kernels.loss: Liger's chunk on CUDA, in the compute dtype; fp32 CHUNK_TOKENS rows elsewhere), over the
+    micro-batch's tokens or one sequence's (DPO's head); none where the loss takes the model's logits (it saves
+    their fp32 copy, counted with the loss)."""
+    head = method.head
+    if head is None:
+        return lambda sequences, tokens: 0.0
+    vocab, hidden = head.weight.shape
+    on_cuda = device_type == "cuda"
+    width = vocab * (dtype.itemsize if on_cuda else 4)
+    return lambda sequences, tokens: width * logits_chunk_rows(tokens * (1 if head.per_sequence else sequences),
+                                                               vocab, hidden, on_cuda)
+
+
 def model_facts(config: dict, job: RunConfig, dtype: torch.dtype = torch.bfloat16,
                 device_type: str = "cuda") -> ModelFacts:
     """Builds the model on the meta device (any size, in seconds; it stays there for the activations' measures);
@@ -164,4 +181,5 @@ def model_facts(config: dict, job: RunConfig, dtype: torch.dtype = torch.bfloat1
                       base.tensors, found.trainable - routed, routed, experts.num_experts if experts else 0,
                       getattr(text, "num_experts_per_tok", 0) or 0, input_width(experts) if experts else 0,
                       base.moe_layers, saved, at_ep1, context_sizes(config, job), job.training.seq_len,
-                      dtype.itemsize, partial(activations, built.model, method, job.training.seq_len, device_type))
+                      dtype.itemsize, partial(activations, built.model, method, job.training.seq_len, device_type),
+                      _logits_chunk(method, device_type, dtype))

@@ -9,7 +9,7 @@ const GPUS_PER_NODE = 8;
 const PREVIEW_ROWS = 11; // the refused row and five on each side
 const PLAN_ROWS = [["lora_parameters", "LoRA parameters"], ["lora_gradients", "LoRA gradients"],
   ["optimizer_state", "optimizer state"], ["activations", "activations (saved)"], ["logits", "loss (logits)"],
-  ["all_to_all", "all-to-all buffers"], ["zero_buckets", "ZeRO buckets"], ["zero3_gather", "ZeRO-3 gathered layer"],
+  ["loss_chunk", "loss chunk (transient)"], ["all_to_all", "all-to-all buffers"], ["zero_buckets", "ZeRO buckets"], ["zero3_gather", "ZeRO-3 gathered layer"],
   ["cuda_context", "CUDA context, NCCL (stated)"]];
 
 // An input with its label and the element its error goes in; `param` is the API's field path.

@@ -13,6 +13,7 @@ from moetune.api.models.run_config import RunConfig, resolve_run_config
 from moetune.api.models.method import Method
 from moetune.api.plans import Plan, parse_cluster
 from moetune.api.quantization import quantization_of
+from moetune.kernels.loss.dispatch import logits_chunk_rows
 from moetune.kernels.quant import quantize_fp8_block, quantize_int4, quantize_mxfp4
 from moetune.workers.families import REGISTRY
 from moetune.workers.planner import plan
@@ -148,6 +149,23 @@ def test_an_expert_parallel_rank_is_planned_for_its_busiest_share_of_the_routed_
     assert facts.all_to_all_bytes(2) == pytest.approx((1 + ROUTING_SKEW) * even * facts.expert_width
                                                       * facts.compute_bytes)
     assert facts.all_to_all_bytes(1) == 0
+
+
+def test_the_loss_chunk_is_the_logits_the_loss_holds_at_once():
+    """A plan counts the loss's transient logits (kernels.loss.dispatch.logits_chunk_rows): on GPU workers Liger's
+    chunk over the micro-batch's tokens in bf16; DPO's loss runs per sequence, so one sequence's chunk; the CPU
+    path's fp32 chunk for CPU workers."""
+    config = REGISTRY["kimi_linear"].tiny_config().to_dict()
+    vocab, hidden, seq = config["vocab_size"], config["hidden_size"], 4096
+    sft = model_facts(config, _tiny_job())
+    assert breakdown(sft, layout(4, 1, 1, False, 2))["loss_chunk"] == \
+        logits_chunk_rows(2 * seq, vocab, hidden, on_cuda=True) * vocab * 2
+    dpo = model_facts(config, _tiny_job().model_copy(update={"method": Method(type="dpo")}))
+    assert breakdown(dpo, layout(4, 1, 1, False, 1, sequences=2))["loss_chunk"] == \
+        logits_chunk_rows(seq, vocab, hidden, on_cuda=True) * vocab * 2
+    on_cpu = model_facts(config, _tiny_job(), torch.float32, "cpu")
+    assert breakdown(on_cpu, layout(4, 1, 1, False, 2))["loss_chunk"] == \
+        logits_chunk_rows(2 * seq, vocab, hidden, on_cuda=False) * vocab * 4
 
 
 def test_a_dpo_pair_is_planned_as_its_two_sequences():
