@@ -168,7 +168,8 @@ def _lora(config: LoraConfig) -> LoraSpec:
 
 def _new_model(request: Request, tenant: str, session_id: str, model_seq_id: int, base_model: str,
                lora: LoraSpec, seed: int | None, role: str = "train") -> tuple[str, Model]:
-    """A moetune training session for Tinker model `<session>:train:<n>` (the id the SDK derives too)."""
+    """A moetune training session for Tinker model `<session>:<role>:<n>`: a training client's (role "train", the
+    id the SDK derives too) or a base sampler's own group (role "base")."""
     state = _state(request)
     tinker_session = state.session(tenant, session_id)
     if tinker_session.finished:
