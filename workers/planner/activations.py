@@ -29,7 +29,8 @@ from moetune.workers.methods.batch import Batch
 from moetune.workers.planner.context import last_context_rank
 from moetune.workers.planner.device_ops import kernels_as_run_on
 from moetune.workers.planner.saved import SavedBytes
-from moetune.workers.recompute import decoder_layers
+from moetune.workers.planner.work import Work
+from moetune.workers.pipeline.stages import text_model
 
 MEASURED_UP_TO = 16384
 _FIT_LENGTHS = (4096, 8192, 16384)
@@ -40,12 +41,15 @@ _CONTEXT_FIT_LENGTHS = (1024, 2048, 4096)
 @dataclass(frozen=True)
 class Activations:
     """Saved bytes of one sequence: outside the decoder layers (embeddings, final norm), per decoder layer, each
-    layer's input hidden states, and the output layer with the loss (logits)."""
+    layer's input hidden states, and the output layer with the loss (logits); and what its forward's kernels do
+    besides (planner.work): each layer's attention operations, the bytes its CP all-gathers receive."""
 
     outside: float
     layers: tuple[float, ...]
     layer_inputs: tuple[float, ...]
     loss: float
+    attention_flops: tuple[float, ...] = ()
+    received: float = 0.0
 
     def saved(self, layers: tuple[float, ...], checkpointing: bool) -> float:
         """Without the loss, given each layer's bytes (these, plus what the planner adds for experts)."""
@@ -64,7 +68,7 @@ class Activations:
             return sum(w * v for w, v in zip(weights, values))
 
         return Activations(mix(lambda p: p.outside), mix(lambda p: p.layers), mix(lambda p: p.layer_inputs),
-                           mix(lambda p: p.loss))
+                           mix(lambda p: p.loss), mix(lambda p: p.attention_flops), mix(lambda p: p.received))
 
 
 def _first_tensor(args, kwargs):
@@ -72,13 +76,18 @@ def _first_tensor(args, kwargs):
 
 
 class _Recorder:
-    """Forward hooks that note the running saved total around each decoder layer and before the output layer."""
+    """Forward hooks that add the saved bytes (and attention operations) of each decoder layer of the text model,
+    by layer (a method's no-grad reference forward, DPO's, adds its operations and nothing saved), and note the
+    saved total before the output layer."""
 
-    def __init__(self, model, counter: SavedBytes):
-        self.counter, self.layers, self.inputs, self.head_start = counter, [], [], None
+    def __init__(self, model, counter: SavedBytes, work: Work | None = None):
+        self.counter, self.work, self.head_start = counter, work or Work(), None
+        layers = text_model(model).layers
+        self.layers, self.inputs, self.flops = ([0.0] * len(layers) for _ in range(3))
+        self._index = {id(layer): i for i, layer in enumerate(layers)}
         self._starts = {}
         self._handles = []
-        for layer in decoder_layers(model):
+        for layer in layers:
             self._handles.append(layer.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._leave))
         head = model.get_output_embeddings()
@@ -86,11 +95,13 @@ class _Recorder:
 
     def _enter(self, module, args, kwargs):
         hidden = _first_tensor(args, kwargs)
-        self.inputs.append(0.0 if hidden is None else float(hidden.untyped_storage().nbytes()))
-        self._starts[id(module)] = self.counter.total
+        self.inputs[self._index[id(module)]] += 0.0 if hidden is None else float(hidden.untyped_storage().nbytes())
+        self._starts[id(module)] = self.counter.total, self.work.flops
 
     def _leave(self, module, args, output):
-        self.layers.append(float(self.counter.total - self._starts.pop(id(module))))
+        saved, flops = self._starts.pop(id(module))
+        self.layers[self._index[id(module)]] += float(self.counter.total - saved)
+        self.flops[self._index[id(module)]] += self.work.flops - flops
 
     def remove(self):
         for handle in self._handles:
@@ -109,18 +120,18 @@ def _measure(model, method, seq_len: int, context: int, device_type: str = "cuda
     workers."""
     sequences = method.sequences_per_example
     ids = torch.zeros((sequences, seq_len), dtype=torch.long, device="meta")
-    counter = SavedBytes(model)
-    recorder = _Recorder(model, counter)
+    counter, work = SavedBytes(model), Work()
+    recorder = _Recorder(model, counter, work)
     split = last_context_rank(model, seq_len, context) if context > 1 else contextlib.nullcontext()
     try:
-        with split, counter.counting(), _no_packed_sequence_check(), torch.fx.experimental._config.patch(
+        with split, counter.counting(), work.counting(), _no_packed_sequence_check(), torch.fx.experimental._config.patch(
                 meta_nonzero_assume_all_nonzero=True), kernels_as_run_on(device_type):  # DSA: top-k keeps all
             method.loss_sum(model, Batch({"input_ids": ids}, ids, sequences * seq_len))
     finally:
         recorder.remove()
     head_start = counter.total if recorder.head_start is None else recorder.head_start
     example = Activations(head_start - sum(recorder.layers), tuple(recorder.layers), tuple(recorder.inputs),
-                          counter.total - head_start)
+                          counter.total - head_start, tuple(recorder.flops), work.received)
     return example.combine((1 / sequences,), ())
 
 

@@ -19,6 +19,7 @@ import torch
 from moetune.kernels.kda.context_slices import SliceLayout
 from moetune.workers.comm import checked, differentiable, kda_context
 from moetune.workers.families.context import context_parallel
+from moetune.workers.planner import work
 
 
 @contextmanager
@@ -38,3 +39,4 @@ def last_context_rank(model: torch.nn.Module, slice_tokens: int, size: int) -> I
 def _leave_as_is(out: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
     if out.device.type != "meta":
         raise RuntimeError("the planner's CP forward runs on the meta device only")
+    work.add(received=out.nbytes - tensor.nbytes)

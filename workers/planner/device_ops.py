@@ -15,13 +15,16 @@ intermediates a GPU kernel never holds).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
+from functools import partial
 from unittest import mock
 
 import torch
 from torch.nn.attention.bias import CausalBias
 
 import moetune.kernels.kda as kda_module
+from moetune.workers.planner import work
 
 FLA_CHUNK = 64  # fla's KDA chunk size: the width of its intra-chunk matrices
 
@@ -29,17 +32,23 @@ FLA_CHUNK = 64  # fla's KDA chunk size: the width of its intra-chunk matrices
 @contextlib.contextmanager
 def kernels_as_run_on(device_type: str) -> Iterator[None]:
     """Inside, SDPA on meta tensors saves what a flash kernel saves (the CPU's is one too), and on "cuda" KDA saves
-    what fla's kernel saves (elsewhere the CPU path runs, as the workers run it)."""
+    what fla's kernel saves (elsewhere the CPU path runs, as the workers run it); both report their operations to
+    the counting planner.work."""
     cpu_kernel = kda_module.kda_kernel
 
     def kda_kernel(device):
-        return _fla_kda if torch.device(device).type == "meta" else cpu_kernel(device)
+        on_meta = device_type == "cuda" and torch.device(device).type == "meta"
+        return partial(_counted_kda, _fla_kda if on_meta else cpu_kernel(device))
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch("torch.nn.functional.scaled_dot_product_attention", _flash_attention))
-        if device_type == "cuda":
-            stack.enter_context(mock.patch.object(kda_module, "kda_kernel", kda_kernel))
+        stack.enter_context(mock.patch.object(kda_module, "kda_kernel", kda_kernel))
         yield
+
+
+def _counted_kda(kernel, q, k, v, *args, **kwargs):
+    work.add(flops=work.kda_flops(math.prod(v.shape[:3]), q.shape[-1], v.shape[-1], FLA_CHUNK))
+    return kernel(q, k, v, *args, **kwargs)
 
 
 def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -48,6 +57,8 @@ def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     bias (a CP rank's queries over the whole row's keys) is the kernel's own causal flag, no tensor."""
     if isinstance(attn_mask, CausalBias):
         attn_mask, is_causal = None, True
+    work.add(flops=work.attention_flops(math.prod(query.shape[:-2]), query.shape[-2], key.shape[-2],
+                                        query.shape[-1] + value.shape[-1], is_causal))
     if enable_gqa:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)

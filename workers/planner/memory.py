@@ -41,37 +41,69 @@ def partition(numel: int, dp: int) -> int:
 
 
 def breakdown(model, layout: Layout) -> dict[str, object]:
-    """Bytes per rank by part; `model` is a planner.model.ModelFacts. With context parallelism the activations,
-    logits and all-to-all buffers are those of the rank's slice (the last rank's: it gathers the most keys); the
-    LoRA, its gradients and the optimizer state partition as without (CP ranks reduce like data-parallel ones)."""
-    w, ep, z = layout.dims.num_workers, layout.dims.expert_parallel_size, layout.dims.zero_stage
+    """Bytes per rank by part, on the pipeline stage that holds most; `model` is a planner.model.ModelFacts."""
+    stages = layout.dims.pipeline_parallel_size
+    return max((stage_breakdown(model, layout, stage) for stage in range(stages)), key=total)
+
+
+def stage_breakdown(model, layout: Layout, stage: int) -> dict[str, object]:
+    """Bytes per rank of pipeline stage `stage` by part. With context parallelism the activations, logits and
+    all-to-all buffers are those of the rank's slice (the last rank's: it gathers the most keys); the LoRA, its
+    gradients and the optimizer state partition as without (CP ranks reduce like data-parallel ones). A stage holds
+    its layers' share of the LoRA and, under 1F1B, the saved activations of `stages - stage` micro-batches (the
+    forwards it runs before its first backward)."""
+    dims = layout.dims
+    w, ep, z, stages = dims.stage_size, dims.expert_parallel_size, dims.zero_stage, dims.pipeline_parallel_size
     m = layout.micro_batch * layout.sequences
-    replicas = w // ep
-    frozen = _frozen(model, layout)
-    dense, experts = model.lora_dense, model.lora_experts // ep
-    parts = partition(dense, w) + partition(experts, replicas)
-    cd, cp = model.compute_bytes, layout.dims.context_parallel_size
-    return {
-        "frozen_weights": frozen,
+    layers = model.stage_layers(stages)[stage]
+    share = len(layers) / model.num_layers
+    dense, experts = round(model.lora_dense * share), round(model.lora_experts * share) // ep
+    parts = partition(dense, w) + partition(experts, w // ep)
+    cd, cp = model.compute_bytes, dims.context_parallel_size
+    last = stage == stages - 1
+    moe = any(i in model.moe_layers for i in layers)
+    found = {
+        "frozen_weights": _frozen(model.stage_tensors(stages, stage), layout),
         "lora_parameters": (parts if z == 3 else dense + experts) * cd,
         "lora_gradients": (dense + experts if z == 1 else parts) * cd,
         "optimizer_state": parts * OPTIMIZER_BYTES_PER_ELEMENT,
-        "activations": model.activation_bytes(ep, layout.checkpointing, cp) * m,
-        "logits": model.loss_bytes(cp) * m,
-        "loss_chunk": model.logits_chunk(m, model.slice_tokens(cp)),
-        "all_to_all": model.all_to_all_bytes(ep, cp) * m,
+        "activations": _stage_activations(model, layout, stage, layers) * m,
+        "logits": model.loss_bytes(cp) * m if last else 0,
+        "loss_chunk": model.logits_chunk(m, model.slice_tokens(cp)) if last else 0,
+        "all_to_all": model.all_to_all_bytes(ep, cp) * m if moe else 0,
         "zero_buckets": REDUCE_BUCKET_ELEMENTS * cd * (2 if z == 3 else 1),
-        "zero3_gather": (model.largest_layer_bytes(ep) + PREFETCH_BUCKET_ELEMENTS * cd) if z == 3 else 0,
+        "zero3_gather": (model.largest_layer_bytes(ep, layers) + PREFETCH_BUCKET_ELEMENTS * cd) if z == 3 else 0,
         "cuda_context": CUDA_CONTEXT_BYTES,
     }
+    if stages > 1:  # what crosses its boundaries: each micro-batch in flight's input, one output being sent
+        carried = (stages - stage) * model.boundary_tensors(layers.start) * (stage > 0) + \
+            (model.boundary_tensors(layers.stop) if not last else 0)
+        found["pipeline_buffers"] = carried * m * model.slice_tokens(cp) * model.hidden * cd
+    return found
 
 
-def _frozen(model, layout: Layout) -> dict[str, float]:
-    """Frozen bytes one rank holds by label: the routed experts at its 1/EP; under ZeRO-3 each parameter's
-    partition (experts over the ranks holding the same ones, the rest over all ranks)."""
-    w, ep = layout.dims.num_workers, layout.dims.expert_parallel_size
+def _stage_activations(model, layout: Layout, stage: int, layers: range) -> float:
+    """Saved bytes of one sequence on stage `stage` (the whole model at one stage): its layers' (the experts'
+    share at the layout's EP), the embeddings' on the first; with recomputation each layer's input, and one layer
+    rerun at a time."""
+    ep, cp, stages = layout.dims.expert_parallel_size, layout.dims.context_parallel_size, \
+        layout.dims.pipeline_parallel_size
+    measured, per_layer = model.activations(cp), model.layer_bytes(ep, cp)
+    in_flight = stages - stage
+    outside = measured.outside if stage == 0 else 0.0
+    if layout.checkpointing:
+        kept = outside + sum(measured.layer_inputs[i] for i in layers)
+        return in_flight * kept + max((per_layer[i] for i in layers), default=0.0)
+    return in_flight * (outside + sum(per_layer[i] for i in layers))
+
+
+def _frozen(tensors, layout: Layout) -> dict[str, float]:
+    """Frozen bytes one rank holds of `tensors` (its stage's) by label: the routed experts at its 1/EP; under
+    ZeRO-3 each parameter's partition (experts over the stage's ranks holding the same ones, the rest over the
+    stage's ranks)."""
+    w, ep = layout.dims.stage_size, layout.dims.expert_parallel_size
     frozen: dict[str, float] = {}
-    for t in model.tensors:
+    for t in tensors:
         partitions = (w // ep if t.expert else w) if layout.dims.zero_stage == 3 and t.partitionable else 1
         frozen[t.label] = frozen.get(t.label, 0.0) + t.nbytes / (ep if t.expert else 1) / partitions
     return frozen
@@ -95,13 +127,21 @@ def _zero3_load_excess(model, layout: Layout) -> float:
 
 
 def load_breakdown(model, layout: Layout) -> dict[str, float]:
-    """Bytes one rank holds at load (workers.weights.loader). ZeRO-1/2: every frozen tensor whole, the routed
-    experts at this rank's 1/EP. ZeRO-3: the loader fills the parameters a batch at a time, no batch larger than
-    the largest parameter, and partitions each as soon as it is filled: the frozen weights as in training (quantized
-    ones are held buffers, whole at 1/EP), plus what its worst batch holds whole beyond them. PEFT adds the LoRA
-    parameters whole (DeepSpeed's initialize partitions them)."""
-    lora = model.lora_dense + model.lora_experts // layout.dims.expert_parallel_size
-    return {"frozen_weights": sum(_frozen(model, layout).values()),
+    """Bytes one rank holds at load (workers.weights.loader), on the pipeline stage that holds most: its stage's
+    tensors only. ZeRO-1/2: every frozen tensor whole, the routed experts at this rank's 1/EP. ZeRO-3 (one stage):
+    the loader fills the parameters a batch at a time, no batch larger than the largest parameter, and partitions
+    each as soon as it is filled: the frozen weights as in training (quantized ones are held buffers, whole at
+    1/EP), plus what its worst batch holds whole beyond them. PEFT adds the LoRA parameters whole (DeepSpeed's
+    initialize partitions them)."""
+    stages = layout.dims.pipeline_parallel_size
+    return max((_stage_load(model, layout, stage) for stage in range(stages)), key=total)
+
+
+def _stage_load(model, layout: Layout, stage: int) -> dict[str, float]:
+    stages = layout.dims.pipeline_parallel_size
+    share = len(model.stage_layers(stages)[stage]) / model.num_layers
+    lora = round(model.lora_dense * share) + round(model.lora_experts * share) // layout.dims.expert_parallel_size
+    return {"frozen_weights": sum(_frozen(model.stage_tensors(stages, stage), layout).values()),
             "lora_parameters": lora * model.compute_bytes,
             "load_batch": _zero3_load_excess(model, layout) if layout.dims.zero_stage == 3 else 0.0,
             "cuda_context": CUDA_CONTEXT_BYTES}

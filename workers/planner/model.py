@@ -18,6 +18,7 @@ from moetune.workers.families.spec import Family
 from moetune.workers.lora.coverage import ROUTED_EXPERTS, Coverage, coverage, modules
 from moetune.workers.methods import method_for
 from moetune.workers.model import META, build_model, runs_expert_module
+from moetune.workers.pipeline.split import stage_bounds
 from moetune.workers.planner.activations import Activations, activations
 from moetune.workers.planner.experts import ExpertBytes, expert_bytes, input_width
 from moetune.workers.planner.weights import Tensor, frozen_tensors
@@ -52,6 +53,9 @@ class ModelFacts:
     compute_bytes: int
     measure: Callable[[int], Activations]  # what one rank of a CP group of that size saves (planner.activations)
     logits_chunk: Callable[[int, int], float]  # the loss's transient logits for (sequences, tokens each)
+    hidden: int  # the hidden states' width
+    num_layers: int  # decoder layers
+    stage_block: int  # layers a pipeline stage keeps whole (Family.stage_block; 1 elsewhere)
     _profiles: dict[int, Activations] = field(default_factory=dict, repr=False, compare=False)
 
     def activations(self, context: int = 1) -> Activations:
@@ -101,13 +105,62 @@ class ModelFacts:
         sent = self.slice_tokens(context) * self.top_k
         return (sent + self.routed_slots(ep, context)) * self.expert_width * self.compute_bytes
 
-    def largest_layer_bytes(self, ep: int) -> float:
-        """One decoder layer's ZeRO-3-partitioned parameters as gathered on one rank (its experts' share)."""
+    def largest_layer_bytes(self, ep: int, layers: range | None = None) -> float:
+        """One decoder layer's ZeRO-3-partitioned parameters as gathered on one rank (its experts' share), the
+        largest of `layers` (all)."""
         per_layer: dict[int, float] = {}
         for t in self.tensors:
-            if t.partitionable and t.layer is not None:
+            if t.partitionable and t.layer is not None and (layers is None or t.layer in layers):
                 per_layer[t.layer] = per_layer.get(t.layer, 0.0) + t.nbytes / (ep if t.expert else 1)
         return max(per_layer.values(), default=0.0)
+
+    # -------------------------------------------------------------- pipeline stages
+
+    def stage_layers(self, stages: int) -> list[range]:
+        """Each pipeline stage's decoder layers (workers.pipeline.split: whole blocks, as even as they go)."""
+        bounds = stage_bounds(self.num_layers, stages, self.stage_block)
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    @property
+    def most_stages(self) -> int:
+        return -(-self.num_layers // self.stage_block)
+
+    def stage_tensors(self, stages: int, stage: int) -> list[Tensor]:
+        """The frozen tensors stage `stage` of `stages` holds: its layers', the embeddings (and a vision tower) on
+        the first, the final norm and output layer on the last."""
+        layers = self.stage_layers(stages)[stage]
+
+        def held(t: Tensor) -> bool:
+            if t.layer is not None:
+                return t.layer in layers
+            return stage == 0 if t.first_stage else stage == stages - 1
+
+        return [t for t in self.tensors if held(t)]
+
+    def boundary_tensors(self, first_layer: int) -> int:
+        """Hidden-sized tensors that cross into a stage starting at `first_layer`: the hidden states, and with
+        stage blocks (Kimi K3's Attention Residuals) the running block's sum and every completed block's (the
+        embeddings the first)."""
+        return 1 if self.stage_block == 1 else 2 + first_layer // self.stage_block
+
+    # -------------------------------------------------------------- operations
+
+    def linear_elements(self, ep: int) -> tuple[float, ...]:
+        """Weights one token's matmuls read in each decoder layer, on the busiest of `ep` expert-parallel ranks:
+        every dense weight, its top-k experts' (times ROUTING_SKEW at EP > 1: the busiest rank's experts compute
+        that many more), and its share of the LoRA."""
+        skew = ROUTING_SKEW if ep > 1 else 1.0
+        active = self.top_k / self.num_experts * skew if self.num_experts else 0.0
+        per_layer = [(self.lora_dense + self.lora_experts * active) / self.num_layers] * self.num_layers
+        for t in self.tensors:
+            if t.layer is not None:
+                per_layer[t.layer] += t.elements * (active if t.expert else 1)
+        return tuple(per_layer)
+
+    @property
+    def head_elements(self) -> int:
+        """Weights the last stage's matmuls after the layers read per token (the output layer's)."""
+        return sum(t.elements for t in self.tensors if t.layer is None and not t.first_stage)
 
     def load_bytes(self, ep: int) -> float:
         """Bytes one rank streams from storage: every non-expert tensor and its experts' share."""
@@ -182,4 +235,5 @@ def model_facts(config: dict, job: RunConfig, dtype: torch.dtype = torch.bfloat1
                       getattr(text, "num_experts_per_tok", 0) or 0, input_width(experts) if experts else 0,
                       base.moe_layers, saved, at_ep1, context_sizes(config, job), job.training.seq_len,
                       dtype.itemsize, partial(activations, built.model, method, job.training.seq_len, device_type),
-                      _logits_chunk(method, device_type, dtype))
+                      _logits_chunk(method, device_type, dtype), text.hidden_size, text.num_hidden_layers,
+                      getattr(text, family.stage_block) if family.stage_block else 1)

@@ -19,6 +19,7 @@ import torch
 from moetune.api.quantization import FP8, INT4, MXFP4, Quantization, quantization_of
 from moetune.workers.families.spec import Family
 from moetune.workers.lora.coverage import ROUTER, modules
+from moetune.workers.pipeline.stages import text_model
 from moetune.workers.weights.quantized import quantized_shape
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -30,8 +31,11 @@ class Tensor:
     nbytes: int  # one copy on the device (all experts of a fused expert tensor)
     label: str  # dtype, or the quantized format
     expert: bool  # a routed expert tensor: its first dimension is the expert
-    layer: int | None  # decoder layer
+    layer: int | None  # the text model's decoder layer
     partitionable: bool  # a parameter ZeRO-3 partitions (quantized weights are held buffers, never partitioned)
+    elements: int = 0  # the weights it stands for (a quantized one's unpacked), where a token's matmul reads them all
+    first_stage: bool = False  # outside the decoder layers, on the first pipeline stage (the embeddings, a vision
+    # tower); the rest outside them (final norm, output layer) on the last
 
 
 def quantized_bytes(q: Quantization, out: int, inp: int) -> int:
@@ -73,22 +77,29 @@ def frozen_tensors(model, family: Family, config: dict, dtype: torch.dtype, dequ
     expert_modules = {f"{name}.{family.experts}" for name, _ in family.moe_blocks(model)}
     linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    text = text_model(model)
+    text_at, layers_at, embeddings_at = (next(n for n, m in model.named_modules() if m is module)
+                                         for module in (text, text.layers, text.embed_tokens))
     found = []
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         owner, _, leaf = name.rpartition(".")
-        match = _LAYER.search(f".{name}")
+        match = _LAYER.search(f".{name}") if name.startswith(f"{layers_at}.") else None
         layer = int(match.group(1)) if match else None
+        first = layer is None and (name.startswith(f"{embeddings_at}.") or
+                                   not name.startswith((f"{text_at}.", f"{head}.")))
         expert = owner in expert_modules
         expert_weight = expert and not leaf.endswith("_bias")
         linear_weight = (owner in linears and leaf == "weight" and owner != head and owner not in routers
                          and not _not_converted(owner, skip))
+        matmul = expert_weight or owner in linears and leaf == "weight"
         if q is not None and (expert_weight or linear_weight and q.format != MXFP4):
             shape = quantized_shape(model, name, tuple(tensor.shape))
             count = math.prod(shape[:-2])
             found.append(Tensor(name, count * quantized_bytes(q, shape[-2], shape[-1]), q.format, expert, layer,
-                                False))
+                                False, math.prod(shape), first))
         else:
             stored = dtype if tensor.is_floating_point() and isinstance(tensor, torch.nn.Parameter) else tensor.dtype
             found.append(Tensor(name, tensor.numel() * stored.itemsize, str(stored).removeprefix("torch."), expert,
-                                layer, isinstance(tensor, torch.nn.Parameter)))
+                                layer, isinstance(tensor, torch.nn.Parameter), tensor.numel() if matmul else 0,
+                                first))
     return found
