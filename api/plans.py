@@ -20,6 +20,7 @@ _GIBS = {unit: size / GIB for unit, size in {"": GIB, "g": GIB, "b": 1, "kb": 10
                                               "tib": 2**40}.items()}
 _MOST_GIB = 65536
 _BITS_PER_S = {"": 1, "bps": 1, "kbps": 10**3, "mbps": 10**6, "gbps": 10**9, "tbps": 10**12}
+_BYTES_PER_S = {"MB/s": 8 * 10**6, "GB/s": 8 * 10**9, "TB/s": 8 * 10**12}  # NVLink's usual unit (case matters)
 
 
 def _quantity(value, units: dict[str, int], example: str) -> float:
@@ -34,7 +35,9 @@ def _quantity(value, units: dict[str, int], example: str) -> float:
 class ClusterSpec(BaseModel):
     """GPUs the job may run on. `gpu_memory`: one GPU's memory in GiB (2^30 bytes) as the device reports it ("140",
     "140GiB", "140G"; "80GB" is 80·10^9 bytes); `nic`: one node's network bandwidth to storage ("400Gbps" or bits
-    per second)."""
+    per second). For the time estimates: one GPU's dense bf16 peak (`gpu_tflops`) and the share of it the job's
+    kernels reach (`efficiency`), its NVLink bandwidth each way (`nvlink`) and its own network link to other
+    nodes (`network`); the defaults are an H100/H200 SXM node's stated figures and a stated 40 %."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -44,6 +47,11 @@ class ClusterSpec(BaseModel):
     gpu_memory: float = Field(..., gt=0, description="One GPU's memory in GiB (2^30 bytes) as the device reports it, "
                               "or with a unit: \"140GiB\", \"141GB\" (10^9 bytes)")
     nic: float = Field(100e9, gt=0)
+    gpu_tflops: float = Field(989.0, gt=0, description="One GPU's dense bf16 peak in TFLOP/s (H100/H200 SXM: 989)")
+    efficiency: float = Field(0.4, gt=0, le=1, description="The share of the peak the job's kernels reach "
+                              "(stated; bench/gpu_check.py measures it on a GPU)")
+    nvlink: float = Field(3.6e12, gt=0, description="One GPU's NVLink bandwidth each way (\"450GB/s\", bits/s)")
+    network: float = Field(400e9, gt=0, description="One GPU's network bandwidth to other nodes (\"400Gbps\")")
 
     @field_validator("gpu_memory", mode="before")
     @classmethod
@@ -53,9 +61,13 @@ class ClusterSpec(BaseModel):
             raise ValueError(f"{value!r} GiB is more than any GPU has: a bare number is GiB (bytes take the unit B)")
         return gib
 
-    @field_validator("nic", mode="before")
+    @field_validator("nic", "nvlink", "network", mode="before")
     @classmethod
     def _bits_per_second(cls, value):
+        text = str(value).strip()
+        for unit, bits in _BYTES_PER_S.items():
+            if text.endswith(unit):
+                return _quantity(text.removesuffix(unit), {"": 1}, "450GB/s") * bits
         return _quantity(value, _BITS_PER_S, "400Gbps")
 
     @property
@@ -86,8 +98,23 @@ class PlanRequest(BaseModel):
     cluster: ClusterSpec
 
 
+class PlannedTime(BaseModel):
+    """A layout's estimated optimizer step (workers.planner.timing): every figure an estimate from the inputs the
+    plan's assumptions name. `seconds`: the step's time by kind, the pipeline's slowest stage's (compute, ZeRO-3's
+    gathers, the expert all-to-all, the context-parallel exchange, the pipeline's sends, the LoRA gradients'
+    reduction); the step overlaps compute with ZeRO-3's prefetched gathers, nothing else."""
+
+    step_seconds: float
+    tokens_per_second_per_gpu: float
+    micro_batches: int  # per optimizer step on one rank (pipeline: per stage)
+    bubble_fraction: float  # of the step a pipeline stage waits (0 without stages)
+    flops_per_token: float  # the model's training operations per token (forward, recomputation, backward)
+    seconds: dict[str, float]
+
+
 class PlannedLayout(BaseModel):
-    """One layout's memory per GPU (bytes): in training (`bytes` by part) and at load."""
+    """One layout's memory per GPU (bytes): in training (`bytes` by part, on its pipeline stage that holds most)
+    and at load; its estimated step time; whether a job can run it yet (`available`)."""
 
     parallelism: ParallelDims
     activation_checkpointing: bool
@@ -99,11 +126,16 @@ class PlannedLayout(BaseModel):
     fits: bool
     tuner_start_micro_batch: int | None = None  # the recommended layout's: the largest micro-batch that fits
     gpus_available: bool | None = None  # the submitted layout's: the cluster has that many GPUs
+    time: PlannedTime | None = None
+    available: bool = True  # False: a size the workers do not run yet (ParallelDims.check_available)
 
     def describe(self) -> str:
         """The layout in the words of the request's fields (submission's 422 names it)."""
         par = self.parallelism
-        return (f"{par.num_workers} GPUs, expert_parallel_size {par.expert_parallel_size}, zero_stage "
+        split = "".join(f", {name} {size}" for name, size in (("context_parallel_size", par.context_parallel_size),
+                                                             ("pipeline_parallel_size", par.pipeline_parallel_size))
+                        if size > 1)
+        return (f"{par.num_workers} GPUs, expert_parallel_size {par.expert_parallel_size}{split}, zero_stage "
                 f"{par.zero_stage}, activation_checkpointing {str(self.activation_checkpointing).lower()}")
 
 
@@ -125,6 +157,10 @@ class PlannedCluster(BaseModel):
     gpu_memory_gib: float  # as the request's gpu_memory takes it
     nic: float
     usable_bytes_per_gpu: float
+    gpu_tflops: float  # the time estimates' inputs (ClusterSpec's)
+    efficiency: float
+    nvlink: float
+    network: float
 
 
 class PlannedLoad(BaseModel):
@@ -143,7 +179,10 @@ class Plan(BaseModel):
     compute_dtype_bytes: int
     activation_bytes_per_token: dict[str, float]
     submitted: PlannedLayout
-    recommended: PlannedLayout | None  # the smallest layout of the submitted workers that fits
+    recommended: PlannedLayout | None  # the fastest layout of the submitted workers that fits and runs
+    runner_up: PlannedLayout | None = None  # the next fastest after it, and why it is slower
+    runner_up_slower: str | None = None
+    tradeoffs: list[PlannedLayout] = []  # the fitting layouts of the submitted workers, fastest first
     fewest_gpus: PlannedLayout | None  # the fewest GPUs any layout fits on
     load: PlannedLoad
     assumptions: str

@@ -2,8 +2,9 @@
 with the seed recipe (examples/kimi-k3.job.yaml), on up to 256 H200s and 256 B200s (32 nodes of 8; 140 and 179 GiB:
 their memory as the device reports it, nvidia-smi's 143,771 and 183,359 MiB; sold as 141 and 192 GB), at 4K, 32K,
 128K and 1M tokens: the recommended layout for the recipe's 64 workers and the fewest GPUs any layout fits on
-(context parallelism included), per GPU in training and at load, and what the fewest layout's memory goes to.
-Prints docs/parallelism.md's table (markdown) and a RESULT line. The model facts are measured once per length (the
+(context parallelism included), per GPU in training and at load, and what the fewest layout's memory goes to; then
+the estimated steps (workers.planner.timing) of the fastest layout of 64 GPUs that fits, pipeline stages included,
+beside the fastest without stages (ZeRO only). Prints docs/parallelism.md's tables (markdown) and a RESULT line. The model facts are measured once per length (the
 meta-device passes, one per context-parallel size a plan reaches, are the cost; the clusters share them).
 
     python bench/k3_plan.py [--lengths 4096,32768,131072,1048576]
@@ -61,6 +62,17 @@ def _most_split(facts, job, gpus: int) -> str:
             f"({_parts(parts)}; the largest layer's rerun {rerun / GIB:.1f} of the activations)")
 
 
+def _speed(fit: PlannedLayout | None) -> str:
+    if fit is None:
+        return "none fits | –"
+    par, t = fit.parallelism, fit.time
+    split = "".join(f", {n}={v}" for n, v in (("CP", par.context_parallel_size), ("PP", par.pipeline_parallel_size))
+                    if v > 1)
+    bubble = f", bubble {t.bubble_fraction:.0%}" if t.bubble_fraction else ""
+    return (f"EP={par.expert_parallel_size}{split}, ZeRO-{par.zero_stage}: step {t.step_seconds:,.1f} s{bubble} | "
+            f"{t.tokens_per_second_per_gpu:,.0f}")
+
+
 def _length(tokens: int) -> str:
     return f"{tokens // 2**20}M" if tokens % 2**20 == 0 else f"{tokens // 1024}K"
 
@@ -71,7 +83,7 @@ def main() -> None:
     lengths = [int(n) for n in parser.parse_args().lengths.split(",")]
     config = json.loads((EXAMPLES / "kimi-k3" / "config.json").read_text())
     request = yaml.safe_load((EXAMPLES / "kimi-k3.job.yaml").read_text())
-    rows, result, why = [], {}, []
+    rows, speeds, result, why = [], [], {}, []
     for seq_len in lengths:
         spec = JobCreate.model_validate({**request, "training": {**request["training"], "seq_len": seq_len}})
         job, choose = resolve_run_config(spec, 0), spec.training.activation_checkpointing == "auto"
@@ -80,6 +92,12 @@ def main() -> None:
         for gpu, cluster in CLUSTERS.items():
             p = plan(config, job, parse_cluster(cluster), choose, facts)
             rows.append(f"| {gpu} | {_length(seq_len)} | {_layout(p.recommended)} | {_layout(p.fewest_gpus)} |")
+            fastest = p.tradeoffs[0] if p.tradeoffs else None
+            unstaged = next((e for e in p.tradeoffs if e.parallelism.pipeline_parallel_size == 1), None)
+            speeds.append(f"| {gpu} | {_length(seq_len)} | {_speed(fastest)} | {_speed(unstaged)} |")
+            for name, fit in (("fastest", fastest), ("zero_only", unstaged)):
+                result[f"{gpu.lower()}_{_length(seq_len).lower()}_{name}_tokens_per_gpu"] = (
+                    round(fit.time.tokens_per_second_per_gpu) if fit else 0)
             result[f"{gpu.lower()}_{_length(seq_len).lower()}_fewest_gpus"] = (
                 p.fewest_gpus.parallelism.num_workers if p.fewest_gpus else 0)
             if p.fewest_gpus:
@@ -93,6 +111,10 @@ def main() -> None:
     print("| GPU | seq_len | recommended (64 GPUs) | fewest GPUs |\n|---|---|---|---|")
     print("\n".join(rows))
     print("\n" + "\n".join(why))
+    print("\nEstimated steps on 64 GPUs (global batch 64; every figure an estimate: see the plan's assumptions)\n")
+    print("| GPU | seq_len | fastest that fits | tokens/s/GPU | fastest without stages | tokens/s/GPU |\n"
+          "|---|---|---|---|---|---|")
+    print("\n".join(speeds))
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
 
 

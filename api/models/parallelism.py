@@ -51,13 +51,16 @@ class ParallelDims(StrictModel):
 
     # -------------------------------------------------------------- rules
 
-    def check_world(self) -> None:
-        """The rules between the sizes and the worker count; a SpecError names the field. Called where a layout
-        enters (resolve_run_config, a session's creation), so the message keeps its field path."""
+    def check_available(self) -> None:
+        """Refuses the sizes the workers cannot run yet (the planner still plans them)."""
         for field, most in _AVAILABLE.items():
             if getattr(self, field) > most:
                 raise SpecError(f"parallelism.{field}", f"parallelism.{field}: only {most} is available yet "
                                                         f"(got {getattr(self, field)})")
+
+    def check_world(self) -> None:
+        """The rules between the sizes and the worker count; a SpecError names the field. Called where a layout
+        enters (resolve_run_config, a session's creation), so the message keeps its field path."""
         if self.gpus_per_worker > 1:  # a worker is one rank and drives one device: the rest would sit idle
             raise SpecError("parallelism.gpus_per_worker",
                             f"must be 0 (CPU workers) or 1: each worker is one training rank on one GPU; for "
@@ -67,6 +70,10 @@ class ParallelDims(StrictModel):
         if self.num_workers % split:
             raise SpecError("parallelism.num_workers", f"must be a multiple of pipeline_parallel_size x "
                                                        f"context_parallel_size = {split}")
+        if self.pipeline_parallel_size > 1 and self.zero_stage == 3:
+            # DeepSpeed's ZeRO-3 gathers run over the whole world and deadlock inside a stage (measured on gloo)
+            raise SpecError("parallelism.zero_stage", "must be 1 or 2 with pipeline stages (a stage holds only its "
+                                                      "own layers; ZeRO-3 inside a stage is not supported)")
         if self.stage_size % self.expert_parallel_size:
             raise SpecError("parallelism.expert_parallel_size",
                             "must divide parallelism.num_workers" if self.pipeline_parallel_size == 1 else

@@ -60,6 +60,7 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None) 
     training = _apply_hyperparameters(request)
     par = request.parallelism
     par.check_world()
+    par.check_available()
     tuned = training["micro_batch_size"] == "auto"
     per_step = par.data_parallel_size * (1 if tuned else training["micro_batch_size"])
     if training["global_batch_size"] % per_step:

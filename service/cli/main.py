@@ -29,7 +29,7 @@ from moetune.service.cli import serve as serve_commands, up as up_commands
 from moetune.service.cli.data import data
 from moetune.service.cli.models import models
 from moetune.service.cli.output import print_whole
-from moetune.service.cli.plan_view import plan_summary, plan_table
+from moetune.service.cli.plan_view import print_plan
 from moetune.service.cli.progress import follow
 from moetune.service.cli.report_view import compare_table
 from moetune.service.cli.sessions import sessions
@@ -286,9 +286,7 @@ def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
     if as_json:
         click.echo(result.model_dump_json())
         return
-    console.print(plan_table(result))
-    for line in plan_summary(result):
-        console.print(line)
+    print_plan(console, result)
 
 
 @main.command()

@@ -170,6 +170,7 @@ def create(spec: SessionCreate, request: Request, tenant: Tenant, store: StoreDe
     par = spec.parallelism
     try:  # the layout's rules, as a job's (its config.json's are the driver's: a session reads no data first)
         par.check_world()
+        par.check_available()
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
     if par.context_parallel_size > 1:

@@ -20,11 +20,17 @@ def _refused(check, param: str, words: str) -> None:
 @pytest.mark.parametrize("dims, param, words", [
     (dict(num_workers=6, expert_parallel_size=4), "parallelism.expert_parallel_size", "must divide"),
     (dict(num_workers=3, context_parallel_size=2), "parallelism.num_workers", "context_parallel_size = 2"),
-    (dict(num_workers=2, pipeline_parallel_size=2), "parallelism.pipeline_parallel_size", "only 1 is available"),
     (dict(num_workers=2, gpus_per_worker=4), "parallelism.gpus_per_worker", "num_workers: 8"),
+    (dict(num_workers=2, pipeline_parallel_size=2, zero_stage=3), "parallelism.zero_stage", "1 or 2"),
 ])
 def test_a_layout_that_cannot_run_on_its_workers_names_the_field(dims, param, words):
     _refused(ParallelDims(**dims).check_world, param, words)
+
+
+def test_pipeline_stages_are_planned_but_not_run_yet():
+    stages = ParallelDims(num_workers=2, pipeline_parallel_size=2)
+    stages.check_world()
+    _refused(stages.check_available, "parallelism.pipeline_parallel_size", "only 1 is available")
 
 
 def test_a_layout_that_cannot_divide_the_model_names_the_field():

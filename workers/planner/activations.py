@@ -41,8 +41,10 @@ _CONTEXT_FIT_LENGTHS = (1024, 2048, 4096)
 @dataclass(frozen=True)
 class Activations:
     """Saved bytes of one sequence: outside the decoder layers (embeddings, final norm), per decoder layer, each
-    layer's input hidden states, and the output layer with the loss (logits); and what its forward's kernels do
-    besides (planner.work): each layer's attention operations, the bytes its CP all-gathers receive."""
+    layer's input hidden states, and the output layer with the loss (logits); of `outside`, what the forward saved
+    before its first layer (`before_layers`: a pipeline's first stage holds it, its last the rest); and what its
+    forward's kernels do besides (planner.work): each layer's attention operations, the bytes its CP all-gathers
+    receive."""
 
     outside: float
     layers: tuple[float, ...]
@@ -50,6 +52,7 @@ class Activations:
     loss: float
     attention_flops: tuple[float, ...] = ()
     received: float = 0.0
+    before_layers: float = 0.0
 
     def saved(self, layers: tuple[float, ...], checkpointing: bool) -> float:
         """Without the loss, given each layer's bytes (these, plus what the planner adds for experts)."""
@@ -68,7 +71,8 @@ class Activations:
             return sum(w * v for w, v in zip(weights, values))
 
         return Activations(mix(lambda p: p.outside), mix(lambda p: p.layers), mix(lambda p: p.layer_inputs),
-                           mix(lambda p: p.loss), mix(lambda p: p.attention_flops), mix(lambda p: p.received))
+                           mix(lambda p: p.loss), mix(lambda p: p.attention_flops), mix(lambda p: p.received),
+                           mix(lambda p: p.before_layers))
 
 
 def _first_tensor(args, kwargs):
@@ -81,7 +85,7 @@ class _Recorder:
     saved total before the output layer."""
 
     def __init__(self, model, counter: SavedBytes, work: Work | None = None):
-        self.counter, self.work, self.head_start = counter, work or Work(), None
+        self.counter, self.work, self.head_start, self.first_start = counter, work or Work(), None, 0.0
         layers = text_model(model).layers
         self.layers, self.inputs, self.flops = ([0.0] * len(layers) for _ in range(3))
         self._index = {id(layer): i for i, layer in enumerate(layers)}
@@ -97,6 +101,8 @@ class _Recorder:
         hidden = _first_tensor(args, kwargs)
         self.inputs[self._index[id(module)]] += 0.0 if hidden is None else float(hidden.untyped_storage().nbytes())
         self._starts[id(module)] = self.counter.total, self.work.flops
+        if self._index[id(module)] == 0:  # the last forward's (DPO's no-grad reference forward runs first)
+            self.first_start = self.counter.total
 
     def _leave(self, module, args, output):
         saved, flops = self._starts.pop(id(module))
@@ -131,7 +137,7 @@ def _measure(model, method, seq_len: int, context: int, device_type: str = "cuda
         recorder.remove()
     head_start = counter.total if recorder.head_start is None else recorder.head_start
     example = Activations(head_start - sum(recorder.layers), tuple(recorder.layers), tuple(recorder.inputs),
-                          counter.total - head_start, tuple(recorder.flops), work.received)
+                          counter.total - head_start, tuple(recorder.flops), work.received, recorder.first_start)
     return example.combine((1 / sequences,), ())
 
 

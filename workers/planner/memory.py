@@ -84,13 +84,14 @@ def stage_breakdown(model, layout: Layout, stage: int) -> dict[str, object]:
 
 def _stage_activations(model, layout: Layout, stage: int, layers: range) -> float:
     """Saved bytes of one sequence on stage `stage` (the whole model at one stage): its layers' (the experts'
-    share at the layout's EP), the embeddings' on the first; with recomputation each layer's input, and one layer
-    rerun at a time."""
+    share at the layout's EP), what the forward saves before the layers on the first stage and after them on the
+    last; with recomputation each layer's input, and one layer rerun at a time."""
     ep, cp, stages = layout.dims.expert_parallel_size, layout.dims.context_parallel_size, \
         layout.dims.pipeline_parallel_size
     measured, per_layer = model.activations(cp), model.layer_bytes(ep, cp)
     in_flight = stages - stage
-    outside = measured.outside if stage == 0 else 0.0
+    outside = (measured.before_layers if stage == 0 else 0.0) + \
+        (measured.outside - measured.before_layers if stage == stages - 1 else 0.0)
     if layout.checkpointing:
         kept = outside + sum(measured.layer_inputs[i] for i in layers)
         return in_flight * kept + max((per_layer[i] for i in layers), default=0.0)

@@ -57,12 +57,10 @@ def _as_printed(plan: dict) -> list[str]:
 
     from rich.console import Console
 
-    from moetune.service.cli.plan_view import plan_summary, plan_table
+    from moetune.service.cli.plan_view import print_plan
 
     console = Console(width=120, file=io.StringIO(), record=True)
-    console.print(plan_table(plan))
-    for line in plan_summary(plan):
-        console.print(line)
+    print_plan(console, plan)
     return [line.rstrip() for line in console.export_text().splitlines()]
 
 
