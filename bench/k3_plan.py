@@ -27,8 +27,9 @@ from moetune.workers.planner.memory import Layout, breakdown, total
 from moetune.workers.planner.model import model_facts
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-CLUSTERS = {"H200": "nodes=32,gpus_per_node=8,gpu_memory=140GiB,nic=400Gbps",
-            "B200": "nodes=32,gpus_per_node=8,gpu_memory=179GiB,nic=400Gbps"}
+# dense bf16 peaks and NVLink each way as stated for the SXM parts (the time estimates' inputs; 40 % of the peak)
+CLUSTERS = {"H200": "nodes=32,gpus_per_node=8,gpu_memory=140GiB,nic=400Gbps,gpu_tflops=989,nvlink=450GB/s",
+            "B200": "nodes=32,gpus_per_node=8,gpu_memory=179GiB,nic=400Gbps,gpu_tflops=2250,nvlink=900GB/s"}
 SEQ_LENS = (4096, 32768, 131072, 1048576)
 GIB = 2**30
 

@@ -92,6 +92,9 @@ def test_a_job_from_upload_to_playground_in_the_browser(console_server, tiny_ass
         stages = [o.get_attribute("value") for o in page.query_selector_all("#field-parallelism\\.zero_stage option")]
         recommended = re.findall(r"ZeRO-(\d)", page.inner_text("#plan-table thead"))
         assert recommended and set(recommended) <= set(stages), (recommended, stages)
+        # the estimated steps of the layouts that fit, the recommended one among them
+        rows = [row.inner_text() for row in page.query_selector_all("#plan-tradeoffs tr")]
+        assert f"ZeRO-{recommended[1]}" in next(row for row in rows if "recommended" in row), rows
         s.both_widths("new-job-plan")
         page.click("#submit")
         page.wait_for_url(re.compile(r"/console/jobs/ftjob-"))

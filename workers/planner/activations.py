@@ -130,8 +130,9 @@ def _measure(model, method, seq_len: int, context: int, device_type: str = "cuda
     recorder = _Recorder(model, counter, work)
     split = last_context_rank(model, seq_len, context) if context > 1 else contextlib.nullcontext()
     try:
-        with split, counter.counting(), work.counting(), _no_packed_sequence_check(), torch.fx.experimental._config.patch(
-                meta_nonzero_assume_all_nonzero=True), kernels_as_run_on(device_type):  # DSA: top-k keeps all
+        with split, counter.counting(), work.counting(), _no_packed_sequence_check(), \
+                torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True), \
+                kernels_as_run_on(device_type):  # DSA: top-k keeps all
             method.loss_sum(model, Batch({"input_ids": ids}, ids, sequences * seq_len))
     finally:
         recorder.remove()

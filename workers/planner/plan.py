@@ -96,18 +96,20 @@ def _first_fit(facts: ModelFacts, run: RunConfig, world: int, usable: float, cho
 
 def _fastest(facts: ModelFacts, run: RunConfig, usable: float, choose_checkpointing: bool,
              cluster: ClusterSpec) -> list[PlannedLayout]:
-    """The fitting layouts of the job's workers at the fewest CP ranks any fits at, fastest first; of those alike
-    but for ZeRO stage and recomputation, the fastest (the preferred among equals)."""
+    """The fitting layouts of the job's workers, fastest first, up to the fewest CP ranks at which one a job can
+    run fits; of those alike but for ZeRO stage and recomputation, the fastest (the preferred among equals)."""
+    fitting: list[PlannedLayout] = []
     for context in facts.context_sizes:
-        fitting = [e for layout in _layouts(facts, run, run.parallelism.num_workers, choose_checkpointing, context,
-                                            available_only=False)
-                   if (e := _evaluate(facts, layout, usable, run, cluster)).fits]
-        if fitting:
-            shapes: dict[tuple[int, int], PlannedLayout] = {}
-            for e in sorted(fitting, key=lambda e: e.time.step_seconds):
-                shapes.setdefault((e.parallelism.expert_parallel_size, e.parallelism.pipeline_parallel_size), e)
-            return list(shapes.values())
-    return []
+        fitting += [e for layout in _layouts(facts, run, run.parallelism.num_workers, choose_checkpointing, context,
+                                             available_only=False)
+                    if (e := _evaluate(facts, layout, usable, run, cluster)).fits]
+        if any(e.available for e in fitting):
+            break
+    shapes: dict[tuple[int, int, int], PlannedLayout] = {}
+    for e in sorted(fitting, key=lambda e: e.time.step_seconds):
+        par = e.parallelism
+        shapes.setdefault((par.expert_parallel_size, par.context_parallel_size, par.pipeline_parallel_size), e)
+    return list(shapes.values())
 
 
 def _why_slower(slower: PlannedLayout, faster: PlannedLayout) -> str:

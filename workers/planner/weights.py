@@ -91,7 +91,7 @@ def frozen_tensors(model, family: Family, config: dict, dtype: torch.dtype, dequ
         expert_weight = expert and not leaf.endswith("_bias")
         linear_weight = (owner in linears and leaf == "weight" and owner != head and owner not in routers
                          and not _not_converted(owner, skip))
-        matmul = expert_weight or owner in linears and leaf == "weight"
+        matmul = expert_weight or (owner in linears or owner in routers) and leaf == "weight"
         if q is not None and (expert_weight or linear_weight and q.format != MXFP4):
             shape = quantized_shape(model, name, tuple(tensor.shape))
             count = math.prod(shape[:-2])

@@ -207,10 +207,29 @@ export async function render() {
   page("New job", h("div", { class: "card" }, form));
 }
 
-function layoutText(fit) {
+function shapeText(fit) {
   const par = fit.parallelism;
-  const context = par.context_parallel_size > 1 ? `, CP=${par.context_parallel_size}` : "";
-  return `${par.num_workers} GPUs, EP=${par.expert_parallel_size}${context}, ZeRO-${par.zero_stage}, checkpointing ${fit.activation_checkpointing ? "on" : "off"}, micro-batch ${fit.micro_batch_size}`;
+  const split = [["CP", par.context_parallel_size], ["PP", par.pipeline_parallel_size]].filter(([, n]) => n > 1).map(([k, n]) => `, ${k}=${n}`).join("");
+  return `EP=${par.expert_parallel_size}${split}, ZeRO-${par.zero_stage}`;
+}
+
+function layoutText(fit) {
+  return `${fit.parallelism.num_workers} GPUs, ${shapeText(fit)}, checkpointing ${fit.activation_checkpointing ? "on" : "off"}, micro-batch ${fit.micro_batch_size}`;
+}
+
+// the planner's estimated steps of the fastest layouts that fit (api.plans.PlannedTime), fastest first
+function tradeoffView(plan) {
+  const note = (fit) => (JSON.stringify(fit) === JSON.stringify(plan.recommended) ? "recommended" : fit.available ? "" : "not yet runnable");
+  return h("div", {},
+    h("p", { class: "muted" }, `Estimated steps (${plan.cluster.gpu_tflops} TFLOP/s per GPU at ${Math.round(plan.cluster.efficiency * 100)} %; estimates, see the plan's assumptions).`,
+      plan.runner_up ? ` Runner-up ${shapeText(plan.runner_up)}: ${plan.runner_up_slower}.` : ""),
+    table(["layout", "GiB per GPU", "step s", "bubble", "tokens/s per GPU", ""],
+      plan.tradeoffs.slice(0, 8).map((fit) => h("tr", {},
+        h("th", { scope: "row" }, `${shapeText(fit)}${fit.activation_checkpointing ? ", checkpointing" : ""}`),
+        h("td", { class: "num" }, gib(fit.total_bytes)), h("td", { class: "num" }, fit.time.step_seconds.toFixed(1)),
+        h("td", { class: "num" }, `${Math.round(fit.time.bubble_fraction * 100)} %`),
+        h("td", { class: "num" }, Math.round(fit.time.tokens_per_second_per_gpu).toLocaleString()), h("td", {}, note(fit)))),
+      { id: "plan-tradeoffs" }));
 }
 
 function planView(plan) {
@@ -230,5 +249,6 @@ function planView(plan) {
     h("p", { class: "muted" }, `${model.model_type}, ${model.parameters.toLocaleString()} parameters, ${model.routed_experts} experts (top-${model.experts_per_token}), seq_len ${plan.seq_len.toLocaleString()}`),
     table(["per GPU", ...layouts.map(([name, fit]) => h("span", {}, name, h("br"), h("span", { class: "muted" }, layoutText(fit))))],
       rows.map(([title, value]) => h("tr", {}, h("th", { scope: "row" }, title), layouts.map(([, fit]) => h("td", { class: "num" }, value(fit))))),
-      { id: "plan-table" }));
+      { id: "plan-table" }),
+    plan.tradeoffs.length > 0 && tradeoffView(plan));
 }
