@@ -52,6 +52,8 @@ class ClusterSpec(BaseModel):
                               "(stated; bench/gpu_check.py measures it on a GPU)")
     nvlink: float = Field(3.6e12, gt=0, description="One GPU's NVLink bandwidth each way (\"450GB/s\", bits/s)")
     network: float = Field(400e9, gt=0, description="One GPU's network bandwidth to other nodes (\"400Gbps\")")
+    overlap: bool = Field(True, description="ZeRO-3's prefetched gathers run beside the compute (on GPUs, on their "
+                          "own stream); false where a collective blocks the rank (CPU ranks over gloo)")
 
     @field_validator("gpu_memory", mode="before")
     @classmethod
@@ -102,7 +104,8 @@ class PlannedTime(BaseModel):
     """A layout's estimated optimizer step (workers.planner.timing): every figure an estimate from the inputs the
     plan's assumptions name. `seconds`: the step's time by kind, the pipeline's slowest stage's (compute, ZeRO-3's
     gathers, the expert all-to-all, the context-parallel exchange, the pipeline's sends, the LoRA gradients'
-    reduction); the step overlaps compute with ZeRO-3's prefetched gathers, nothing else."""
+    reduction); the step overlaps compute with ZeRO-3's prefetched gathers (where the cluster says they overlap),
+    nothing else."""
 
     step_seconds: float
     tokens_per_second_per_gpu: float
@@ -161,6 +164,7 @@ class PlannedCluster(BaseModel):
     efficiency: float
     nvlink: float
     network: float
+    overlap: bool
 
 
 class PlannedLoad(BaseModel):

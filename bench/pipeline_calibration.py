@@ -7,7 +7,8 @@ global batch of 8 rows, LoRA on every linear, no recomputation), each run for re
   torch.distributed.pipelining's Schedule1F1B, two data-parallel replicas of the pipeline.
 The estimate's inputs are measured on the same ranks at the same time: the peak is a matmul's rate with all four
 ranks running one at once (`gpu_tflops`, efficiency 1: the CPU's share a rank gets), and both links a gloo
-all-gather's bytes per second (one box: NVLink and network alike). The step time is the mean of the timed steps
+all-gather's bytes per second (one box: NVLink and network alike); gloo's collectives block the rank, so nothing
+overlaps (`overlap` false). The step time is the mean of the timed steps
 (after one warm-up), the slowest rank's.
 
 The last line is `RESULT pp2_vs_zero3_step_ratio=… estimate_ratio=… ranking_agrees=… zero3_estimate_ratio=…
@@ -172,7 +173,7 @@ def _estimates(seq: int, matmul_rate: float, gather_rate: float) -> dict[str, fl
     facts = model_facts(_config().to_dict(), zero3, torch.float32, "cpu")
     link = f"{gather_rate * 8:.0f}"
     cluster = ClusterSpec(nodes=1, gpus_per_node=WORLD, gpu_memory=64, gpu_tflops=matmul_rate / 1e12,
-                          efficiency=1.0, nvlink=link, network=link)
+                          efficiency=1.0, nvlink=link, network=link, overlap=False)
     return {name: estimate(facts, Layout(dims, False, 1), cluster, GLOBAL_BATCH).step_seconds
             for name, dims in (("zero3", zero3.parallelism), ("pp2", staged))}
 

@@ -166,7 +166,8 @@ def plan(config: dict, run: RunConfig, cluster: ClusterSpec, choose_checkpointin
         cluster=PlannedCluster(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node, gpus=cluster.gpus,
                                gpu_memory=cluster.gpu_memory_bytes, gpu_memory_gib=cluster.gpu_memory,
                                nic=cluster.nic, usable_bytes_per_gpu=usable, gpu_tflops=cluster.gpu_tflops,
-                               efficiency=cluster.efficiency, nvlink=cluster.nvlink, network=cluster.network),
+                               efficiency=cluster.efficiency, nvlink=cluster.nvlink, network=cluster.network,
+                               overlap=cluster.overlap),
         seq_len=facts.seq_len,
         compute_dtype_bytes=facts.compute_bytes,
         activation_bytes_per_token={
@@ -194,6 +195,7 @@ def plan(config: dict, run: RunConfig, cluster: ClusterSpec, choose_checkpointin
                     "attention's backward "
                     f"{BACKWARD_ATTENTION:g}x its forward; collectives over NVLink ({cluster.nvlink / 8e9:g} GB/s) "
                     f"within a node, over the GPU's network link ({cluster.network / 1e9:g} Gb/s) beyond; ZeRO-3's "
-                    "gathers overlap the compute, nothing else does; pipelines run 1F1B. Pipeline stages are "
+                    f"gathers {'overlap' if cluster.overlap else 'do not overlap'} the compute, nothing else does; "
+                    "pipelines run 1F1B. Pipeline stages are "
                     "planned but not yet a job setting (available: false)",
     )

@@ -10,7 +10,7 @@ pipeline_calibration.py checks it against measured steps on CPU ranks.
   At EP > 1 the busiest rank's experts compute ROUTING_SKEW times an even share.
 - Collectives, each over NVLink where its group fits in a node, else over the GPU's network link: the expert
   all-to-all (dispatch and combine, in the forward, the rerun and the backward), ZeRO-3's parameter gathers (the
-  same three passes, prefetched: they overlap the compute), the CP all-gathers (forward and rerun; the backward
+  same three passes, prefetched: they overlap the compute where the cluster says so), the CP all-gathers (forward and rerun; the backward
   reduces as many bytes), the pipeline's sends (activations forward, their gradients back) and the LoRA gradients'
   reduction once a step.
 - A pipeline runs 1F1B: (micro-batches + stages - 1) of its slowest stage's micro-batch steps.
@@ -76,7 +76,8 @@ def estimate(facts: ModelFacts, layout: Layout, cluster: ClusterSpec, global_bat
     kinds = ("compute", "zero3_gather", "all_to_all", "context_exchange", "pipeline_sends")
 
     def micro_step(s: dict[str, float]) -> float:
-        return max(s["compute"], s["zero3_gather"]) + s["all_to_all"] + s["context_exchange"] + s["pipeline_sends"]
+        work = max(s["compute"], s["zero3_gather"]) if cluster.overlap else s["compute"] + s["zero3_gather"]
+        return work + s["all_to_all"] + s["context_exchange"] + s["pipeline_sends"]
 
     slowest = max(per_stage, key=micro_step)
     micro_batches = math.ceil(global_batch / dims.data_parallel_size / layout.micro_batch)
