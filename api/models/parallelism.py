@@ -142,6 +142,11 @@ class ParallelDims(StrictModel):
         first = self.coordinates(world_rank).stage * self.stage_size
         return list(range(first, first + self.stage_size))
 
+    @property
+    def stage_first_ranks(self) -> tuple[int, ...]:
+        """Each pipeline stage's first world rank, stage by stage (the writer of what its stage alone holds)."""
+        return tuple(range(0, self.num_workers, self.stage_size))
+
     def pipeline_ranks(self, world_rank: int) -> list[int]:
         """The world ranks in the same place of every pipeline stage as `world_rank`, stage by stage: one
         micro-batch's path through the model."""

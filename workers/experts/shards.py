@@ -40,12 +40,14 @@ def _local_shard(engine) -> dict:
     return shard
 
 
-def _shard_file(local_dir: str, ep) -> str:
-    return os.path.join(local_dir, EXPERT_DIR, f"ep-{ep.ep_rank}-of-{ep.size}.safetensors")
+def _shard_file(local_dir: str, ep, stage: int) -> str:
+    # a pipeline stage's own names its stage (the first's keeps the name checkpoints had before stages)
+    prefix = f"stage-{stage}-" if stage else ""
+    return os.path.join(local_dir, EXPERT_DIR, f"{prefix}ep-{ep.ep_rank}-of-{ep.size}.safetensors")
 
 
-def save_expert_shards(engine, local_dir: str) -> None:
-    """Every rank calls this; one rank per replica group writes its EP rank's shard."""
+def save_expert_shards(engine, local_dir: str, stage: int = 0) -> None:
+    """Every rank calls this; one rank per replica group writes its EP rank's shard (of its pipeline `stage`)."""
     from safetensors.torch import save_file
 
     modules = expert_modules(engine.module)
@@ -54,10 +56,10 @@ def save_expert_shards(engine, local_dir: str) -> None:
     shard, ep = _local_shard(engine), modules[0][1].ep
     if dist.get_rank(group=ep.replica_group) == 0:
         os.makedirs(os.path.join(local_dir, EXPERT_DIR), exist_ok=True)
-        save_file(shard, _shard_file(local_dir, ep))
+        save_file(shard, _shard_file(local_dir, ep, stage))
 
 
-def restore_expert_shards(engine, local_dir: str) -> None:
+def restore_expert_shards(engine, local_dir: str, stage: int = 0) -> None:
     """After DeepSpeed's load: puts this rank's own expert LoRA back into the module and checks it.
 
     Under ZeRO-1/2 DeepSpeed restores each rank's fp32 master partition from that rank's optimizer file,
@@ -69,7 +71,7 @@ def restore_expert_shards(engine, local_dir: str) -> None:
     modules = expert_modules(engine.module)
     if not modules:
         return
-    saved = load_file(_shard_file(local_dir, modules[0][1].ep))
+    saved = load_file(_shard_file(local_dir, modules[0][1].ep, stage))
     with torch.no_grad():
         for name, module in modules:
             for factor, param in _lora_params(module).items():
@@ -100,10 +102,11 @@ def _gather(slab, ep):
     return parts
 
 
-def expert_adapter_entries(engine) -> dict:
-    """PEFT adapter key -> (dtype, shape) of every expert-LoRA tensor, all experts (see workers.experts.lora_layout)."""
+def expert_adapter_entries(model) -> dict:
+    """PEFT adapter key -> (dtype, shape) of every expert-LoRA tensor of the PEFT `model`, all experts (see
+    workers.experts.lora_layout); a pipeline stage's rank knows the other stages' from their meta tensors."""
     entries = {}
-    for name, module in expert_modules(engine.module):
+    for name, module in expert_modules(model):
         for a_name, b_name, key_a, key_b in expert_keys(name):
             a, b = getattr(module, a_name), getattr(module, b_name)
             (_, r, fan_in), (_, out, _) = (full_shape(p) for p in (a, b))
@@ -112,11 +115,15 @@ def expert_adapter_entries(engine) -> dict:
     return entries
 
 
-def write_expert_adapter(engine, writer) -> None:
-    """Streams all experts' LoRA into `writer` (a SafetensorsWriter on the chief, None elsewhere), a slab of rows
-    at a time: no rank ever holds more than its own experts' factors plus one slab from each EP rank. Every rank
-    calls it (the slabs travel by gather within each EP group, on the communication device)."""
-    for name, module in expert_modules(engine.module):
+def write_expert_adapter(model, writer, trained=None) -> None:
+    """Streams all experts' LoRA of the PEFT `model` into `writer` (a SafetensorsWriter on the chief, a stage's
+    relay, None elsewhere), a slab of rows at a time: no rank ever holds more than its own experts' factors plus one
+    slab from each EP rank. Every rank calls it (the slabs travel by gather within each EP group, on the
+    communication device); with `trained` (a pipeline stage's module), only the experts it holds."""
+    held = {id(m) for m in (trained or model).modules()}
+    for name, module in expert_modules(model):
+        if id(module) not in held:
+            continue
         ep, params = module.ep, _lora_params(module)
         with gathered(params.values()):
             for a_name, b_name, key_a, key_b in expert_keys(name):

@@ -57,19 +57,15 @@ def _layouts(facts: ModelFacts, run: RunConfig, world: int, choose_checkpointing
 
 
 def _accepted(run: RunConfig, dims: ParallelDims, available_only: bool) -> bool:
-    try:
-        dims.check_world()
-        if available_only:
-            dims.check_available()
-    except SpecError:
+    if not _passes(dims.check_world) or available_only and not _passes(dims.check_available):
         return False
     micro = 1 if run.training.tune_micro_batch else run.training.micro_batch_size
     return run.training.global_batch_size % (dims.data_parallel_size * micro) == 0
 
 
-def _is_available(dims: ParallelDims) -> bool:
+def _passes(check) -> bool:
     try:
-        dims.check_available()
+        check()
     except SpecError:
         return False
     return True
@@ -83,7 +79,7 @@ def _evaluate(facts: ModelFacts, layout: Layout, usable: float, run: RunConfig,
                          micro_batch_size=layout.micro_batch, bytes=parts, total_bytes=used, load_bytes=at_load,
                          load_total_bytes=loading, fits=used <= usable and loading <= usable,
                          time=estimate(facts, layout, cluster, run.training.global_batch_size),
-                         available=_is_available(layout.dims))
+                         available=_passes(layout.dims.check_available))
 
 
 def _first_fit(facts: ModelFacts, run: RunConfig, world: int, usable: float, choose_checkpointing: bool,

@@ -52,10 +52,10 @@ def test_the_adapter_is_written_a_slab_at_a_time_in_peft_layout(tmp_path, monkey
             torch.nn.init.normal_(param)  # B too: every value must land in its place
     engine = types.SimpleNamespace(module=model)  # what the writer reads of a DeepSpeed engine
     monkeypatch.setattr(shards, "SLAB_BYTES", 512)  # several slabs per tensor even at this size
-    entries = shards.expert_adapter_entries(engine)
+    entries = shards.expert_adapter_entries(engine.module)
     writer = SafetensorsWriter(str(tmp_path / "adapter.safetensors"), entries)
     with Allocations() as recorder:
-        shards.write_expert_adapter(engine, writer)
+        shards.write_expert_adapter(engine.module, writer)
     writer.close()
     written = load_file(str(tmp_path / "adapter.safetensors"))
     want = {}

@@ -7,13 +7,16 @@ Attention-Residual blocks across the boundary). Against one process's engine ove
 replica's rows, for two optimizer steps of four micro-batches per replica: the losses, the first step's LoRA
 gradients (an expert-parallel rank's: its experts' rows) and each step's gradient norm are equal (DeepSpeed's, which
 clipping scales by: every stage must see the whole model's, summed over the stages; the loss is summed over tokens,
-so the norm is above the clip)."""
+so the norm is above the clip). The adapter exported after the two steps (each stage's first rank relays its share
+to world rank 0: one file) equals the unsplit engine's; fresh stage engines resumed from the checkpoint written
+after step 1 run step 2 to the same loss and the same adapter, bit for bit."""
 
 import os
 import zlib
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from bench.support.harness import launch, spec, write_released_checkpoint
 
@@ -89,52 +92,85 @@ def _full_grads(model, params) -> dict:
 
 
 def _stages(rank: int, world: int, out_dir: str) -> None:
+    from moetune.workers.engine.deepspeed import init_comm
+
+    init_comm()
     for source in SOURCES[world]:
         _stage_run(rank, world, source, out_dir)
 
 
-def _stage_run(rank: int, world: int, source: str, out_dir: str) -> None:
-    from torch.distributed.pipelining import Schedule1F1B
-
-    from moetune.workers.engine.deepspeed import build_engine, init_comm
+def _stage_engine(source: str, world: int, rank: int, out_dir: str):
+    """This rank's model, stage module, engine, pipeline stage and what saving from it needs."""
+    from moetune.workers.checkpoints.stage_relay import PipelinedModel
+    from moetune.workers.engine.deepspeed import build_engine
     from moetune.workers.engine.pipeline import EngineStage, StageGroups
-    from moetune.workers.experts.module import ExpertParallelExperts
-    from moetune.workers.methods.sft import token_loss_sum
     from moetune.workers.pipeline.split import stage_bounds
     from moetune.workers.pipeline.stages import stage_module
 
-    init_comm()
     job, parallelism = _job(world)
-    place, replicas = parallelism.coordinates(rank), parallelism.data_parallel_size
+    place = parallelism.coordinates(rank)
     model = _model(source, job, parallelism, out_dir, place.stage)
     layers = model.config.get_text_config().num_hidden_layers
     module = stage_module(model, stage_bounds(layers, STAGES), place.stage)
     groups = StageGroups(parallelism, rank)
     engine, _ = build_engine(module, job.training, parallelism, world, STEPS, bf16=False, groups=groups)
     stage = EngineStage(engine, place.stage, STAGES, torch.device("cpu"), group=groups.model)
-    params = [p for p in module.parameters() if p.requires_grad]
+    return model, module, engine, stage, PipelinedModel(model, place.stage, parallelism.stage_first_ranks)
+
+
+def _train_step(stage, step: int, rank: int, world: int) -> float:
+    """The micro-batches of this rank's replica through 1F1B (the optimizer step is the caller's): their summed
+    loss on the last stage, 0 elsewhere."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from moetune.workers.methods.sft import token_loss_sum
+
+    _, parallelism = _job(world)
+    place, replicas = parallelism.coordinates(rank), parallelism.data_parallel_size
 
     def loss_fn(logits, target):  # DeepSpeed averages over the replicas: their sum, as the unsplit step takes it
         return token_loss_sum(logits, target) * replicas
 
+    schedule = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn, scale_grads=False)
+    mine = _rows(step, replicas)[place.data_rank * MICRO_BATCHES:(place.data_rank + 1) * MICRO_BATCHES]
+    micro = []
+    if place.stage == 0:
+        schedule.step(mine)
+    else:
+        schedule.step(target=mine, losses=micro)
+    return float(sum(micro)) / replicas
+
+
+def _stage_run(rank: int, world: int, source: str, out_dir: str) -> None:
+    """Two steps, a checkpoint after the first and the adapter after the second; then fresh engines resume from
+    the checkpoint, run the second step again and export the adapter again."""
+    from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
+    from moetune.workers.experts.module import ExpertParallelExperts
+
+    model, module, engine, stage, pipelined = _stage_engine(source, world, rank, out_dir)
+    params = [p for p in module.parameters() if p.requires_grad]
+    saved = os.path.join(out_dir, f"{source}-checkpoint")
     losses, norms, grads = [], [], None
     for step in range(STEPS):
-        schedule = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn, scale_grads=False)
-        mine = _rows(step, replicas)[place.data_rank * MICRO_BATCHES:(place.data_rank + 1) * MICRO_BATCHES]
-        micro = []
-        if place.stage == 0:
-            schedule.step(mine)
-        else:
-            schedule.step(target=mine, losses=micro)
+        loss = _train_step(stage, step, rank, world)
         grads = grads or _full_grads(model, params)
         stage.step()
-        losses.append(float(sum(micro)) / replicas)
+        losses.append(loss)
         norms.append(float(engine.get_global_grad_norm()))
+        if step == 0:
+            save_checkpoint(engine, saved, is_writer=rank == 0, pipelined=pipelined)
+    save_adapter(engine, os.path.join(out_dir, f"{source}-pipelined-adapter"), rank == 0, pipelined=pipelined)
     packed = sum(m.quantized for m in module.modules() if isinstance(m, ExpertParallelExperts))
     mine = {id(p) for p in module.parameters()}
     outside = [n for n, p in model.named_parameters() if id(p) not in mine and not p.is_meta]
+
+    _, _, engine, stage, pipelined = _stage_engine(source, world, rank, out_dir)
+    load_checkpoint(engine, saved, pipelined.stage)
+    resumed = _train_step(stage, 1, rank, world)
+    stage.step()
+    save_adapter(engine, os.path.join(out_dir, f"{source}-resumed-adapter"), rank == 0, pipelined=pipelined)
     torch.save({"grads": grads, "losses": losses, "norms": norms, "packed_expert_layers": packed,
-                "loaded_outside_stage": outside},
+                "loaded_outside_stage": outside, "resumed_loss": resumed},
                os.path.join(out_dir, f"{source}-{rank}.pt"))
 
 
@@ -144,6 +180,7 @@ def _unsplit(rank: int, world: int, pipelined_world: int, out_dir: str) -> None:
 
 
 def _unsplit_run(source: str, pipelined_world: int, out_dir: str) -> None:
+    from moetune.workers.checkpoints.save import save_adapter
     from moetune.workers.engine.deepspeed import build_engine, init_comm
     from moetune.workers.methods.sft import token_loss_sum
 
@@ -166,6 +203,7 @@ def _unsplit_run(source: str, pipelined_world: int, out_dir: str) -> None:
             total += loss.item()
         losses.append(total)
         norms.append(float(engine.get_global_grad_norm()))
+    save_adapter(engine, os.path.join(out_dir, f"{source}-unsplit-adapter"), is_writer=True)
     torch.save({"grads": grads, "losses": losses, "norms": norms}, os.path.join(out_dir, f"{source}-unsplit.pt"))
 
 
@@ -191,6 +229,17 @@ def test_stages_under_their_own_engines_step_as_the_unsplit_model(tmp_path, worl
         # the released K3's experts stay MXFP4 on every stage, and each rank loaded its stage's tensors only
         assert all(bool(rank["packed_expert_layers"]) == (source != "qwen3_moe") for rank in ranks), source
         assert all(not rank["loaded_outside_stage"] for rank in ranks) or source == "qwen3_moe"
+        # the checkpoint after step 1 resumed: the same step 2, the same adapter; and that adapter is the unsplit one
+        assert [rank["resumed_loss"] for rank in ranks] == [rank["losses"][1] for rank in ranks], source
+        adapters = {kind: load_file(tmp_path / f"{source}-{kind}-adapter" / "adapter_model.safetensors")
+                    for kind in ("pipelined", "resumed", "unsplit")}
+        assert adapters["pipelined"].keys() == adapters["unsplit"].keys() == adapters["resumed"].keys()
+        assert any(".experts." in key for key in adapters["unsplit"]), source
+        for key, unsplit in adapters["unsplit"].items():
+            assert torch.equal(adapters["resumed"][key], adapters["pipelined"][key]), (source, key)
+            # Adam's steps (lr 1e-2) amplify the float differences of summing in another order up to ~3e-5; a
+            # missing or stale stage's share differs by a whole step
+            assert (adapters["pipelined"][key] - unsplit).abs().max() <= 1e-4, (source, key)
         for r, rank in enumerate(ranks):
             for name, got in rank["grads"].items():
                 expected = want["grads"][name]
