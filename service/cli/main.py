@@ -255,12 +255,15 @@ def jobs_events(ctx: click.Context, job_id: str, follow: bool, timeout: float) -
 @click.option("--cluster", "cluster_text", required=True,
               help="The GPUs, e.g. nodes=8,gpus_per_node=8,gpu_memory=140GiB,nic=400Gbps. gpu_memory is one GPU's "
                    "memory as the device reports it, in GiB (2^30 bytes; nvidia-smi's MiB / 1024, an H200's 140): a "
-                   "bare number or G means GiB, GB means 10^9 bytes.")
+                   "bare number or G means GiB, GB means 10^9 bytes. The step-time estimates take gpu_tflops (dense "
+                   "bf16 peak, default 989), efficiency (share of it reached, default 0.4), nvlink (each way, "
+                   "default 450GB/s), network (a GPU's link to other nodes, default 400Gbps) and overlap (default "
+                   "true: ZeRO-3's gathers overlap the compute).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (the only thing on stdout).")
 def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
-    """Per-GPU memory of the job in SPEC_FILE on a cluster, and the smallest layout that fits (model built on the
-    meta device from its config.json, in this process: it needs the training stack installed; nothing is
-    submitted, no control plane is asked)."""
+    """Per-GPU memory of the job in SPEC_FILE on a cluster, the fastest layout that fits (estimated) and the fewest
+    GPUs any layout fits on (model built on the meta device from its config.json, in this process: it needs the
+    training stack installed; nothing is submitted, no control plane is asked)."""
     spec = _read_spec(spec_file)
     try:
         cluster = parse_cluster(cluster_text)

@@ -179,7 +179,8 @@ def get_report_page(job_id: str, request: Request, tenant: Tenant, store: StoreD
 
 @plans.post("", responses=documented_errors((503, "The memory planner did not answer")))
 def create_plan(request: Request, body: PlanRequest, tenant: Tenant, store: StoreDep) -> Plan:
-    """Per-GPU memory of a job on a described cluster and the smallest layout that fits (workers.planner)."""
+    """Per-GPU memory of a job on a described cluster, the fastest layout that fits (estimated) and the fewest GPUs
+    (workers.planner)."""
     settings = request.app.state.settings
     job = resolve_inputs(body.job, store, tenant, request.app.state.base_models)  # names and file ids
     check_job_uris(job, tenant, settings)

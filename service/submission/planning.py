@@ -69,7 +69,8 @@ def _breakdown(fit: PlannedLayout) -> str:
 def check_fits(config: dict, job: RunConfig, choose_checkpointing: bool, settings: Settings) -> Plan | None:
     """The plan of a GPU job on the configured cluster's GPUs (None for CPU jobs, without MOETUNE_CLUSTER, or when
     the planner gave no answer: the job is left to the workers); a 422 (param `parallelism`) when it cannot fit,
-    with the plan's breakdown and the smallest layout that would fit."""
+    with the plan's breakdown and a layout that would fit (the fastest estimated of its workers, else the fewest
+    GPUs)."""
     if job.parallelism.gpus_per_worker == 0 or not settings.cluster:
         return None
     try:
@@ -81,7 +82,8 @@ def check_fits(config: dict, job: RunConfig, choose_checkpointing: bool, setting
     if submitted.fits:
         return plan
     fit = plan.recommended or plan.fewest_gpus
-    fix = (f"the smallest layout that fits is {fit.describe()} ({_gib(fit.total_bytes)} per GPU)" if fit
+    which = "the fastest layout that fits (estimated)" if plan.recommended else "the fewest GPUs that fit it"
+    fix = (f"{which} is {fit.describe()} ({_gib(fit.total_bytes)} per GPU)" if fit
            else "no layout on this cluster fits it")
     raise invalid_request(
         f"parallelism: the job needs {_gib(submitted.total_bytes)} per GPU, more than the usable "
