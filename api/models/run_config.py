@@ -49,9 +49,11 @@ class RunConfig(StrictModel):
         return body
 
 
-def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None) -> RunConfig:
+def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None, *,
+                       planning: bool = False) -> RunConfig:
     """`request` (its inputs already URIs) as a run config; raises SpecError naming the field. The one place that
-    turns a request's `"auto"` into values.
+    turns a request's `"auto"` into values. `planning`: for a plan only (`moetune plan`, the plans route), which
+    may ask about a layout the workers do not run yet (pipeline stages).
 
     `"auto"`: `micro_batch_size` is tuned online from 1 (`tune_micro_batch`); `activation_checkpointing` is what
     the memory plan of the submitted layout chose (`plan`, the planner's answer on the configured cluster);
@@ -60,7 +62,8 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None) 
     training = _apply_hyperparameters(request)
     par = request.parallelism
     par.check_world()
-    par.check_available()
+    if not planning:
+        par.check_available()
     tuned = training["micro_batch_size"] == "auto"
     per_step = par.data_parallel_size * (1 if tuned else training["micro_batch_size"])
     if training["global_batch_size"] % per_step:

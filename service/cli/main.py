@@ -278,7 +278,7 @@ def plan(spec_file: Path, cluster_text: str, as_json: bool) -> None:
         from moetune.workers.planner.plan import plan as plan_job
 
         try:
-            job = resolve_run_config(spec, spec.seed or 0)  # the seed changes no byte of the plan
+            job = resolve_run_config(spec, spec.seed or 0, planning=True)  # the seed changes no byte of the plan
             config = json.loads(storage.read_text(storage.join(spec.model, "config.json")))
             result = plan_job(config, job, cluster, spec.training.activation_checkpointing == "auto")
         except SpecError as e:  # the message names its field, or is about the field in `param`

@@ -91,6 +91,9 @@ def plan_summary(plan: Plan) -> list[str]:
              f"logits {per_token['logits']:,.0f} B",
              f"load: {load.bytes_per_rank / 1e9:,.1f} GB per rank, {load.bytes_per_node / 1e9:,.1f} GB per node "
              f"at EP={load.expert_parallel_size}: about {load.seconds:,.0f} s over the node's NIC"]
+    if not plan.submitted.available:
+        lines.append("[yellow]as submitted: pipeline stages are planned, not yet a job setting (a submission gets a "
+                     "422)[/]")
     if plan.recommended:
         best = plan.recommended
         lines.append(f"recommended (the fastest that fits and runs): {_shape(best)}, about "

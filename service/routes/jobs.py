@@ -185,7 +185,7 @@ def create_plan(request: Request, body: PlanRequest, tenant: Tenant, store: Stor
     job = resolve_inputs(body.job, store, tenant, request.app.state.base_models)  # names and file ids
     check_job_uris(job, tenant, settings)
     try:
-        run_config = resolve_run_config(job, job.seed or 0)  # the seed changes no byte of the plan
+        run_config = resolve_run_config(job, job.seed or 0, planning=True)  # the seed changes no byte of the plan
         config = read_model_config(job.model, settings.s3_endpoint_url, request.app.state.storage_facts)
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
