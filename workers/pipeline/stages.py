@@ -11,9 +11,10 @@ from moetune.workers.families.stage import DecoderStage
 
 def text_model(model: nn.Module) -> nn.Module:
     """The module that holds the token embeddings and the decoder layers (under any wrapper: PEFT, a vision
-    model's text model)."""
-    return next(m for m in model.modules()
-                if isinstance(getattr(m, "layers", None), nn.ModuleList) and hasattr(m, "embed_tokens"))
+    model's text model; `embed_tokens` or, as Nemotron-H names them, `embeddings`)."""
+    embeddings = model.get_input_embeddings()
+    return next(m for m in model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)
+                and any(child is embeddings for child in m.children()))
 
 
 def stage_module(model: nn.Module, bounds: tuple[int, ...], stage: int) -> nn.Module:

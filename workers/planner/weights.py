@@ -79,7 +79,7 @@ def frozen_tensors(model, family: Family, config: dict, dtype: torch.dtype, dequ
     head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
     text = text_model(model)
     text_at, layers_at, embeddings_at = (next(n for n, m in model.named_modules() if m is module)
-                                         for module in (text, text.layers, text.embed_tokens))
+                                         for module in (text, text.layers, model.get_input_embeddings()))
     found = []
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         owner, _, leaf = name.rpartition(".")

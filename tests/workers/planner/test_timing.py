@@ -102,3 +102,14 @@ def test_the_plan_recommends_the_fastest_layout_a_job_can_run():
     assert {f.available for f in p.tradeoffs if f.parallelism.pipeline_parallel_size > 1} == {False}
     assert p.runner_up.time.step_seconds >= p.recommended.time.step_seconds
     assert p.runner_up_slower.split(":")[0].endswith("the step time (estimated)")
+
+
+@pytest.mark.parametrize("family", sorted(REGISTRY))
+def test_every_family_is_planned_with_its_stages_and_step_times(family):
+    """Whatever a family names its text model's parts (Nemotron-H's `embeddings`), its tensors find their layers
+    and stages, and each fitting layout gets a step time."""
+    facts = model_facts(REGISTRY[family].tiny_config().to_dict(), _job())
+    assert {t.layer for t in facts.tensors if t.layer is not None} == set(range(facts.num_layers))
+    p = plan(REGISTRY[family].tiny_config().to_dict(), _job(), parse_cluster("nodes=1,gpus_per_node=4,gpu_memory=80"),
+             False, facts)
+    assert p.recommended.time.step_seconds > 0 and p.tradeoffs
