@@ -57,6 +57,7 @@ class ModelFacts:
     num_layers: int  # decoder layers
     stage_block: int  # layers a pipeline stage keeps whole (Family.stage_block; 1 elsewhere)
     _profiles: dict[int, Activations] = field(default_factory=dict, repr=False, compare=False)
+    _linear: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def activations(self, context: int = 1) -> Activations:
         """One sequence's saved bytes on one of `context` CP ranks, measured on first use: a plan reaches few of
@@ -149,13 +150,15 @@ class ModelFacts:
         """Weights one token's matmuls read in each decoder layer, on the busiest of `ep` expert-parallel ranks:
         every dense weight, its top-k experts' (times ROUTING_SKEW at EP > 1: the busiest rank's experts compute
         that many more), and its share of the LoRA."""
-        skew = ROUTING_SKEW if ep > 1 else 1.0
-        active = self.top_k / self.num_experts * skew if self.num_experts else 0.0
-        per_layer = [(self.lora_dense + self.lora_experts * active) / self.num_layers] * self.num_layers
-        for t in self.tensors:
-            if t.layer is not None:
-                per_layer[t.layer] += t.elements * (active if t.expert else 1)
-        return tuple(per_layer)
+        if ep not in self._linear:  # asked for every stage of every layout a plan weighs
+            skew = ROUTING_SKEW if ep > 1 else 1.0
+            active = self.top_k / self.num_experts * skew if self.num_experts else 0.0
+            per_layer = [(self.lora_dense + self.lora_experts * active) / self.num_layers] * self.num_layers
+            for t in self.tensors:
+                if t.layer is not None:
+                    per_layer[t.layer] += t.elements * (active if t.expert else 1)
+            self._linear[ep] = tuple(per_layer)
+        return self._linear[ep]
 
     @property
     def head_elements(self) -> int:
