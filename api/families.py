@@ -36,6 +36,10 @@ class FamilyFacts:
     # model_types of released checkpoints of this family's architecture that transformers does not know
     release_model_types: tuple[str, ...] = ()
     context_parallel: bool = False  # every layer that mixes tokens has a CP path (workers.families.context)
+    pipeline: bool = False  # its decoder layers split into pipeline stages (workers.families.stage)
+    # the text config's key giving the layers of one block that stage boundaries keep whole (Kimi K3's
+    # Attention-Residual blocks: a stage then passes on every completed block's sum besides the hidden states)
+    stage_block_key: str | None = None
 
     def text_config(self, config: dict) -> dict:
         """The part of config.json that configures the text model (all of it, unless the family nests it)."""
@@ -59,6 +63,17 @@ class FamilyFacts:
             raise config_error(f"{where}.num_hidden_layers".lstrip("."), f"must be a positive number of layers, "
                                                                         f"not {count}")
         return count
+
+    def stage_block(self, config: dict) -> int:
+        """Layers a pipeline stage keeps whole (1: any layer may end a stage)."""
+        if self.stage_block_key is None:
+            return 1
+        where = self.text_config_key or ""
+        block = read(self.text_config(config), self.stage_block_key, int, where)
+        if block is None or block <= 0:
+            raise config_error(f"{where}.{self.stage_block_key}".lstrip("."), f"must be a positive number of layers, "
+                                                                             f"not {block}")
+        return block
 
     def linears(self, config: dict) -> list[str]:
         """The leaf names of the linears LoRA may adapt in a model of this config.json."""
@@ -127,18 +142,23 @@ def facts_of(config: dict) -> FamilyFacts:
     return facts
 
 
-def images_refusal(config: dict, context_parallel_size: int = 1) -> str | None:
-    """Why a job on this checkpoint cannot train on rows with images, phrased to follow "but"; None when it can.
-    Context parallelism cuts token rows only: the vision tower's image tokens would have to be split with them."""
+def images_refusal(config: dict, parallelism: ParallelDims | None = None) -> str | None:
+    """Why a job on this checkpoint (and `parallelism`) cannot train on rows with images, phrased to follow "but";
+    None when it can. Context parallelism cuts token rows only: the vision tower's image tokens would have to be
+    split with them; a pipeline's first stage takes token ids only."""
     model_type = config.get("model_type")
     facts = known_facts(config)
     if facts is None or not facts.images:
         return f"moetune trains {model_type!r} models on text only (no image input for this family)"
     if "vision_config" not in config:
         return "the model has no vision tower (its config.json has no vision_config)"
-    if context_parallel_size > 1:
-        return (f"a job with parallelism.context_parallel_size = {context_parallel_size} trains on text only "
-                "(context parallelism splits token rows, not images); use context_parallel_size 1 for image rows")
+    cp, pp = (parallelism.context_parallel_size, parallelism.pipeline_parallel_size) if parallelism else (1, 1)
+    if cp > 1:
+        return (f"a job with parallelism.context_parallel_size = {cp} trains on text only (context parallelism "
+                "splits token rows, not images); use context_parallel_size 1 for image rows")
+    if pp > 1:
+        return (f"a job with parallelism.pipeline_parallel_size = {pp} trains on text only (its first stage takes "
+                "token ids, not images); use pipeline_parallel_size 1 for image rows")
     return None
 
 
@@ -147,12 +167,18 @@ def check_model_spec(config: dict, lora: LoraSpec, parallelism: ParallelDims) ->
     api.models.base.SpecError naming the field. Used at submission (422) and again by the driver before workers
     start."""
     facts = facts_of(config)  # a malformed field or an unsupported model before the family's own rules
-    parallelism.check_model(facts.num_experts(config), facts.num_layers(config))
+    pipelined = parallelism.pipeline_parallel_size > 1
+    parallelism.check_model(facts.num_experts(config), facts.num_layers(config),
+                            facts.stage_block(config) if pipelined else 1)
+    if pipelined and not facts.pipeline:
+        able = sorted(name for name, f in FAMILIES.items() if f.pipeline)
+        raise SpecError("parallelism.pipeline_parallel_size", f"a {facts.model_type} model has no pipeline-stage "
+                                                              f"split yet; the families that have one: {', '.join(able)}")
     if parallelism.context_parallel_size > 1 and not facts.context_parallel:
         able = sorted(name for name, f in FAMILIES.items() if f.context_parallel)
         raise SpecError("parallelism.context_parallel_size", f"a {facts.model_type} model has no context-parallel "
                                                              f"path yet; the families that have one: {', '.join(able)}")
-    if lora.vision != "none" and (why := images_refusal(config, parallelism.context_parallel_size)):
+    if lora.vision != "none" and (why := images_refusal(config, parallelism)):
         raise SpecError("lora.vision", f"{lora.vision!r} puts LoRA on the model's vision tower, but {why}; "
                                        f"use \"none\" (the default)")
     if isinstance(lora.target_modules, list):

@@ -130,7 +130,7 @@ class PlannedLayout(BaseModel):
     tuner_start_micro_batch: int | None = None  # the recommended layout's: the largest micro-batch that fits
     gpus_available: bool | None = None  # the submitted layout's: the cluster has that many GPUs
     time: PlannedTime | None = None
-    available: bool = True  # False: a size the workers do not run yet (ParallelDims.check_available)
+    available: bool = True  # False: a job of the planned configuration cannot run it (run_config.pipeline_refusal)
 
     def describe(self) -> str:
         """The layout in the words of the request's fields (submission's 422 names it)."""

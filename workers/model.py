@@ -27,6 +27,7 @@ from moetune.workers.families import auto_model_class, family_for, hf_config
 from moetune.workers.families.spec import Family
 from moetune.workers.lora.fused_linear import fuse_lora_linears
 from moetune.workers.lora.peft_lora import apply_lora
+from moetune.workers.pipeline.stages import model_stage_bounds, stage_tensor_names
 from moetune.workers.recompute import enable_activation_checkpointing
 from moetune.workers.weights.loader import StreamedModel, stream_model
 
@@ -73,7 +74,8 @@ class Built:
 
 
 def build_model(mode: Mode, config: dict, job: RunConfig | None = None, *, device=None, dtype=None,
-                weights: WeightsSource | None = None, read_base: Callable[[Any, Family], Any] | None = None) -> Built:
+                weights: WeightsSource | None = None, read_base: Callable[[Any, Family], Any] | None = None,
+                stage: int = 0) -> Built:
     """The model of `config` (the checkpoint's config.json) for `mode`.
 
     `job`: the job's run config (train, meta); serving has none: no LoRA (adapters are applied per row,
@@ -81,7 +83,8 @@ def build_model(mode: Mode, config: dict, job: RunConfig | None = None, *, devic
     load_dtype(device)). `read_base` is called with the base as built (weights or meta) and its family, before any
     swap: what a caller reads of the checkpoint's own modules (the planner its tensors, serving its expert layout); its answer is `Built.base`.
     `train` needs torch.distributed up (the expert process groups) and every rank to have drawn the same random
-    state (LoRA init)."""
+    state (LoRA init); with pipeline stages it streams only the tensors of the rank's `stage` (the others stay on
+    the meta device)."""
     family = family_for(config)
     placement = job_placement(config, job.parallelism, job.lora) if mode == TRAIN else placement_at(config, 1, 0)
     dtype = dtype or load_dtype(device)
@@ -91,13 +94,22 @@ def build_model(mode: Mode, config: dict, job: RunConfig | None = None, *, devic
     else:
         streamed = stream_model(weights.uri, device, dtype, placement, weights.cache_dir, weights.cache_max_bytes,
                                 job.training.base_weights if job else "quantized",
-                                load_partitioner(job.training, job.parallelism, device) if mode == TRAIN else None)
+                                load_partitioner(job.training, job.parallelism, device) if mode == TRAIN else None,
+                                held=stage_tensors(job.parallelism, stage) if mode == TRAIN else None)
         model = streamed.model
     base = read_base(model, family) if read_base else None
     custom_kernels = job.training.custom_kernels if job else True
     swapped = family.apply_kernel_swaps(model) if custom_kernels else {}
     adapted = _adapted(mode, model, family, job.lora if job else None, job.training if job else None, placement)
     return Built(adapted, family, placement, streamed, swapped, base)
+
+
+def stage_tensors(parallelism: ParallelDims, stage: int) -> Callable[[Any], set[str]] | None:
+    """stream_model's `held` for a rank of pipeline stage `stage` (None without stages: every tensor)."""
+    if parallelism.pipeline_parallel_size == 1:
+        return None
+    return lambda meta: stage_tensor_names(meta, model_stage_bounds(meta, parallelism.pipeline_parallel_size),
+                                           stage)
 
 
 def load_partitioner(training: RunTraining, parallelism: ParallelDims, device) -> Zero3Partitioner | None:

@@ -21,7 +21,6 @@ from moetune.api.models.base import SpecError, StrictModel
 # Sizes the workers can run today; the request takes any positive value and says which are not available yet, so
 # the field exists once (its issue, pipeline parallelism, lifts this). Context parallelism's rules against the model
 # and the method are api.families.check_model_spec's and resolve_run_config's.
-_AVAILABLE = {"pipeline_parallel_size": 1}
 
 
 def expert_group_name(expert_parallel_size: int) -> str:
@@ -51,13 +50,6 @@ class ParallelDims(StrictModel):
 
     # -------------------------------------------------------------- rules
 
-    def check_available(self) -> None:
-        """Refuses the sizes the workers cannot run yet (the planner still plans them)."""
-        for field, most in _AVAILABLE.items():
-            if getattr(self, field) > most:
-                raise SpecError(f"parallelism.{field}", f"parallelism.{field}: only {most} is available yet "
-                                                        f"(got {getattr(self, field)})")
-
     def check_world(self) -> None:
         """The rules between the sizes and the worker count; a SpecError names the field. Called where a layout
         enters (resolve_run_config, a session's creation), so the message keeps its field path."""
@@ -79,15 +71,19 @@ class ParallelDims(StrictModel):
                             "must divide parallelism.num_workers" if self.pipeline_parallel_size == 1 else
                             f"must divide the {self.stage_size} workers of a pipeline stage")
 
-    def check_model(self, routed_experts: int | None, layers: int | None) -> None:
-        """The rules between the sizes and the model (its config.json's routed experts and decoder layers); the
-        control plane's at submission and the driver's before any worker starts (api.families.check_model_spec)."""
+    def check_model(self, routed_experts: int | None, layers: int | None, stage_block: int = 1) -> None:
+        """The rules between the sizes and the model (its config.json's routed experts and decoder layers, which
+        stages split in whole blocks of `stage_block`); the control plane's at submission and the driver's before
+        any worker starts (api.families.check_model_spec)."""
         if routed_experts and routed_experts % self.expert_parallel_size:
             raise SpecError("parallelism.expert_parallel_size", f"must divide the model's {routed_experts} routed "
                                                                 f"experts (got {self.expert_parallel_size})")
-        if layers and self.pipeline_parallel_size > layers:
-            raise SpecError("parallelism.pipeline_parallel_size", f"must be at most the model's {layers} decoder "
-                                                                  f"layers (got {self.pipeline_parallel_size})")
+        blocks = -(-layers // stage_block) if layers else 0
+        if blocks and self.pipeline_parallel_size > blocks:
+            whole = "decoder layers" if stage_block == 1 else f"blocks of {stage_block} decoder layers (of {layers})"
+            raise SpecError("parallelism.pipeline_parallel_size", f"must be at most the model's {blocks} {whole}, "
+                                                                  f"a stage holding whole ones (got "
+                                                                  f"{self.pipeline_parallel_size})")
 
     def check_sequence(self, seq_len: int) -> None:
         """Context parallelism cuts each row into context_parallel_size equal contiguous slices, in rank order

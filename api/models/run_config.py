@@ -53,7 +53,7 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None, 
                        planning: bool = False) -> RunConfig:
     """`request` (its inputs already URIs) as a run config; raises SpecError naming the field. The one place that
     turns a request's `"auto"` into values. `planning`: for a plan only (`moetune plan`, the plans route), which
-    may ask about a layout the workers do not run yet (pipeline stages).
+    may ask about pipeline stages a job of this request cannot run (pipeline_refusal).
 
     `"auto"`: `micro_batch_size` is tuned online from 1 (`tune_micro_batch`); `activation_checkpointing` is what
     the memory plan of the submitted layout chose (`plan`, the planner's answer on the configured cluster);
@@ -62,9 +62,9 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None, 
     training = _apply_hyperparameters(request)
     par = request.parallelism
     par.check_world()
-    if not planning:
-        par.check_available()
     tuned = training["micro_batch_size"] == "auto"
+    if not planning and (refusal := pipeline_refusal(par, request.method, tuned, request.evaluation)):
+        raise refusal
     per_step = par.data_parallel_size * (1 if tuned else training["micro_batch_size"])
     if training["global_batch_size"] % per_step:
         replicas = ("num_workers" if par.data_parallel_size == par.num_workers
@@ -86,6 +86,29 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None, 
                      validation_file=request.validation_file, seed=seed, lora=request.lora, parallelism=par,
                      training=RunTraining.model_validate(training), method=request.method,
                      evaluation=request.evaluation)
+
+
+def pipeline_refusal(par: ParallelDims, method: Method | None, tuned: bool,
+                     evaluation: EvaluationSpec | None) -> SpecError | None:
+    """Why a job of this method, micro-batch (`tuned`: "auto") and evaluation cannot run `par`'s pipeline stages,
+    None when it can (or has none): each stage runs whole supervised rows in micro-batches of one size, and scores
+    their loss only (workers.loop.pipeline_step)."""
+    if par.pipeline_parallel_size == 1:
+        return None
+    if method is not None and method.type != "supervised":
+        return SpecError("parallelism.pipeline_parallel_size",
+                         f"pipeline stages run supervised jobs only, not {method.type!r}")
+    if tuned:
+        return SpecError("training.micro_batch_size", "must be a number with pipeline_parallel_size > 1: every stage "
+                                                      "runs the same micro-batches (the online tuner does not run on "
+                                                      "pipeline stages yet)")
+    if par.context_parallel_size > 1:
+        return SpecError("parallelism.context_parallel_size", "must be 1 with pipeline_parallel_size > 1 (context "
+                                                              "parallelism does not run on pipeline stages yet)")
+    if evaluation is not None:
+        return SpecError("evaluation", "generation-based evaluation does not run on pipeline stages yet; a "
+                                       "validation_file gives a validation loss")
+    return None
 
 
 def context_parallel_refusal(method: Method | None, custom_kernels: bool) -> SpecError | None:

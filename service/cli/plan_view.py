@@ -63,7 +63,7 @@ def tradeoff_table(plan: Plan) -> Table:
                         f"at {cluster.efficiency:.0%}; estimates, see the plan's assumptions)")
     for fit in plan.tradeoffs[:TRADEOFF_ROWS]:
         t = fit.time
-        note = "recommended" if fit == plan.recommended else "" if fit.available else "not yet runnable"
+        note = "recommended" if fit == plan.recommended else "" if fit.available else "not for this job"
         table.add_row(_shape(fit).replace(", ", " ") + (" ckpt" if fit.activation_checkpointing else ""),
                       f"{fit.total_bytes / 2**30:,.0f}", f"{t.step_seconds:,.1f}",
                       *(f"{t.seconds[key]:,.1f}" for key, _ in _TIMES), f"{t.bubble_fraction:.0%}",
@@ -92,8 +92,8 @@ def plan_summary(plan: Plan) -> list[str]:
              f"load: {load.bytes_per_rank / 1e9:,.1f} GB per rank, {load.bytes_per_node / 1e9:,.1f} GB per node "
              f"at EP={load.expert_parallel_size}: about {load.seconds:,.0f} s over the node's NIC"]
     if not plan.submitted.available:
-        lines.append("[yellow]as submitted: pipeline stages are planned, not yet a job setting (a submission gets a "
-                     "422)[/]")
+        lines.append("[yellow]as submitted: a job of this configuration cannot run these pipeline stages yet (a "
+                     "submission gets a 422 that says why)[/]")
     if plan.recommended:
         best = plan.recommended
         lines.append(f"recommended (the fastest that fits and runs): {_shape(best)}, about "

@@ -170,13 +170,13 @@ def create(spec: SessionCreate, request: Request, tenant: Tenant, store: StoreDe
     par = spec.parallelism
     try:  # the layout's rules, as a job's (its config.json's are the driver's: a session reads no data first)
         par.check_world()
-        par.check_available()
     except SpecError as e:
         raise invalid_request(e.message, e.param) from None
-    if par.context_parallel_size > 1:
-        raise invalid_request("parallelism.context_parallel_size: a training session runs each call's batch whole "
-                              "on its ranks; context parallelism is for supervised jobs",
-                              "parallelism.context_parallel_size")
+    for field in ("context_parallel_size", "pipeline_parallel_size"):
+        if getattr(par, field) > 1:
+            raise invalid_request(f"parallelism.{field}: a training session runs each call's batch whole on its "
+                                  f"ranks; context parallelism and pipeline stages are for supervised jobs",
+                                  f"parallelism.{field}")
     session_id = records.new_id("ts")
     with store.slots_locked():  # checked and inserted as one: two creates at once cannot both take the last place
         quotas.check_session(store, settings.tenant_quotas, tenant, par, settings.max_running_jobs)

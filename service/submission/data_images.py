@@ -64,7 +64,7 @@ def check_data_images(spec: JobCreate, config: dict | None, access: UriAccess, s
     the tenant's storage, or any image when the model (`config`; None: storage could not give it) or the job's context
     parallelism takes none.
     Returns the number of rows of each file scanned, by field (the submission limits' dataset size)."""
-    refusal = images_refusal(config, spec.parallelism.context_parallel_size) if config is not None else None
+    refusal = images_refusal(config, spec.parallelism) if config is not None else None
     rows: dict[str, int] = {}
     for param in _DATA_FIELDS:
         uri = getattr(spec, param)

@@ -27,10 +27,11 @@ def test_a_layout_that_cannot_run_on_its_workers_names_the_field(dims, param, wo
     _refused(ParallelDims(**dims).check_world, param, words)
 
 
-def test_pipeline_stages_are_planned_but_not_run_yet():
-    stages = ParallelDims(num_workers=2, pipeline_parallel_size=2)
-    stages.check_world()
-    _refused(stages.check_available, "parallelism.pipeline_parallel_size", "only 1 is available")
+def test_pipeline_stages_keep_a_family_s_blocks_whole():
+    """Kimi K3's 93 layers in Attention-Residual blocks of 12: 8 blocks, so at most 8 stages."""
+    ParallelDims(num_workers=8, pipeline_parallel_size=8).check_model(896, 93, 12)
+    _refused(lambda: ParallelDims(num_workers=9, pipeline_parallel_size=9).check_model(896, 93, 12),
+             "parallelism.pipeline_parallel_size", "8 blocks of 12 decoder layers (of 93)")
 
 
 def test_a_layout_that_cannot_divide_the_model_names_the_field():

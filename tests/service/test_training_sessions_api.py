@@ -36,7 +36,8 @@ def test_refusals_name_the_field_and_a_session_ray_never_took_is_failed(start_se
         unknown = http.post("/v1/training_sessions", json={"model": "no-such-base"})
         assert unknown.status_code == 422 and unknown.json()["error"]["param"] == "model"
         for layout, param in (({"num_workers": 3, "expert_parallel_size": 2}, "parallelism.expert_parallel_size"),
-                              ({"num_workers": 2, "context_parallel_size": 2}, "parallelism.context_parallel_size")):
+                              ({"num_workers": 2, "context_parallel_size": 2}, "parallelism.context_parallel_size"),
+                              ({"num_workers": 2, "pipeline_parallel_size": 2}, "parallelism.pipeline_parallel_size")):
             uneven = http.post("/v1/training_sessions", json={"model": "s3://b/m", "parallelism": layout})
             assert uneven.status_code == 422 and uneven.json()["error"]["param"] == param, uneven.text
         down = http.post("/v1/training_sessions", json={"model": "s3://b/m", "lora": {"rank": 4}})

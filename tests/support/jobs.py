@@ -4,6 +4,8 @@ reports recomputed on the plain transformers model: its first train loss, its ex
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import torch
 
@@ -45,6 +47,24 @@ def run_in_process(run: JobRunSpec, ray_head, receiver, monkeypatch, worker_env:
         return run_job(run, Reporter(run.job_id, settings.callback_url, settings.job_token), settings)
     finally:
         ray.shutdown()
+
+
+def kill_a_worker_after(receiver, step: int, ray_head, killed: list) -> None:
+    """Once the chief reported `step`, SIGKILLs one of the job's Ray Train worker processes (the newest)."""
+    from ray.util.state import list_actors
+
+    def reported(at_least: int) -> bool:
+        return any(m["step"] >= at_least for m in receiver.metrics())
+
+    while not reported(1):  # the group is up: look its workers up now, so that the kill itself is immediate
+        time.sleep(0.05)
+    workers = list_actors(address=ray_head.dashboard_url,
+                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    while not reported(step):
+        time.sleep(0.05)
+    pid = max(w.pid for w in workers)
+    os.kill(pid, signal.SIGKILL)
+    killed.append(pid)
 
 
 def expected_first_loss(run: JobRunSpec, checkpoint) -> float:

@@ -41,7 +41,7 @@ def validate(run: JobRunSpec, settings: WorkerSettings) -> tuple[int, Coverage]:
         tokenizer = check_tokenizer(job.model, config, model_dir)
         method = method_for(job.method, job.training, tokenizer, model_dir)
         too_long = method.too_long if isinstance(method, SupervisedImageMethod) else None
-        refusal = images_refusal(config, job.parallelism.context_parallel_size)
+        refusal = images_refusal(config, job.parallelism)
         images = ImageCheck(settings.uri_access, settings.image_limits, refusal, too_long)
         problem = training_row_problem(method_type(job.method))  # preference rows for dpo, SFT rows otherwise
         rows = len(load_rows(job.training_file, "training_file", images, problem))

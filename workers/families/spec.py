@@ -54,9 +54,6 @@ class Family:
     as_released: Callable[[str], None] | None = None
     # its pipeline stage's module, where its layers carry more than hidden states (workers.families.stage)
     pipeline_stage: type | None = None
-    # the text config's attribute giving the layers of one block that stage boundaries keep whole (Kimi K3's
-    # Attention-Residual blocks: a stage then passes on every completed block's sum besides the hidden states)
-    stage_block: str | None = None
 
     @property
     def model_type(self) -> str:

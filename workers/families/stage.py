@@ -16,21 +16,30 @@ from torch import nn
 class StageModules(nn.Module):
     """The stage's layers, and the embeddings on the first stage, the final norm and output layer on the last."""
 
-    def __init__(self, model: nn.Module, text: nn.Module, bounds: tuple[int, ...], stage: int):
+    def __init__(self, model: nn.Module, text: nn.Module, bounds: tuple[int, ...], stage: int,
+                 emit_logits: bool = True):
+        """`emit_logits` False: the last stage returns the final norm's output, whose loss the training method's
+        loss head takes (workers.methods.loss_head: no [tokens, vocab] logits)."""
         super().__init__()
         self.embed_tokens = text.embed_tokens if stage == 0 else None
         self.layers = nn.ModuleList(text.layers[bounds[stage]:bounds[stage + 1]])
         last = stage == len(bounds) - 2
         self.norm = text.norm if last else None
         self.lm_head = model.get_output_embeddings() if last else None
+        self.emit_logits = emit_logits
+
+    def output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's output: the logits, or the final norm's output (`emit_logits` False)."""
+        hidden = self.norm(hidden)
+        return self.lm_head(hidden) if self.emit_logits else hidden
 
 
 class DecoderStage(StageModules):
     """A transformers decoder's stage: hidden states across the boundary; each stage makes the rotary position
     embeddings of its rows itself."""
 
-    def __init__(self, model, text, bounds, stage):
-        super().__init__(model, text, bounds, stage)
+    def __init__(self, model, text, bounds, stage, **options):
+        super().__init__(model, text, bounds, stage, **options)
         self.rotary_emb = getattr(text, "rotary_emb", None)
 
     def forward(self, received: torch.Tensor) -> torch.Tensor:
@@ -41,4 +50,4 @@ class DecoderStage(StageModules):
             kwargs["position_embeddings"] = self.rotary_emb(hidden, positions)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=None, **kwargs)
-        return hidden if self.lm_head is None else self.lm_head(self.norm(hidden))
+        return hidden if self.lm_head is None else self.output(hidden)

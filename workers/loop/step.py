@@ -21,6 +21,7 @@ from moetune.workers.data.sampling import step_examples, step_rng_seed
 from moetune.workers.engine.deepspeed import set_micro_batch_size
 from moetune.workers.loop.collectives import Collectives
 from moetune.workers.loop.context_split import ContextSplit
+from moetune.workers.loop.evaluate import evaluate
 from moetune.workers.loop.faults import NO_FAULTS, FaultHook
 from moetune.workers.loop.tuner import GPU_DEFAULT_BUDGET, MemoryProbe, MicroBatchTuner
 
@@ -58,6 +59,7 @@ class StepRunner:
         par = job.parallelism
         self.data_rank, self.data_world = par.coordinates(place.world_rank).data_rank, par.data_parallel_size
         self.parallelism, self.context_size = par, par.context_parallel_size
+        self.copies = par.context_parallel_size * par.pipeline_parallel_size  # ranks that take the same examples
         self.per_rank = training.global_batch_size // self.data_world
         self.tuner, self.figures = None, {}  # figures: the method's own metrics of the last step run
         if training.tune_micro_batch:
@@ -132,15 +134,8 @@ class StepRunner:
         by the loss tokens of the whole global batch, so neither the loss nor the gradient depends on the cut. The
         method's figures of the micro-batches that count (not one redone after an OOM) are then in `figures`.
         """
-        p, t = self.place, self.t
-        self._context_stage(step)
-        torch.manual_seed(step_rng_seed(p.seed, step, p.world_rank))
-        indices = step_examples(len(train_set), step - 1, t.global_batch_size, self.data_rank, self.data_world,
-                               p.seed)
-        examples = [train_set[i].truncated(self.seq_len) for i in indices]
-        (loss_tokens,) = self.collectives.all_sum(sum(e.loss_tokens for e in examples) / self.context_size)
-        loss_tokens = max(loss_tokens, 1)  # an early stage can cut a batch's every answer: a zero loss, no NaN
-        scale = p.world / loss_tokens  # DeepSpeed averages gradients over ranks: this makes it a global token mean
+        p = self.place
+        examples, loss_tokens, scale = self._step_examples(step, train_set)
         loss_sum = tokens = fixed = per_token = 0.0
         done, figure_sums = 0, None
         while done < len(examples):
@@ -169,10 +164,27 @@ class StepRunner:
             done += len(chunk)
         if self.tuner:
             self._tune(step, *self.collectives.all_max(fixed, per_token))
-        loss_sum, tokens, *figure_sums = self.collectives.all_sum(loss_sum, tokens / self.context_size,
-                                                                  *figure_sums)
+        loss_sum, tokens, *figure_sums = self.collectives.all_sum(loss_sum, tokens / self.copies, *figure_sums)
         self.figures = self.method.figures(figure_sums)
         return loss_sum, loss_tokens, tokens
+
+    def _step_examples(self, step: int, train_set: list) -> tuple[list, float, float]:
+        """This rank's examples of step `step` (within the context length in use), the whole global batch's loss
+        tokens, and the scale of each micro-batch's summed loss: DeepSpeed averages gradients over a stage's ranks
+        (all of them without stages), so the scaled gradient is the global batch's token mean."""
+        p, t = self.place, self.t
+        self._context_stage(step)
+        torch.manual_seed(step_rng_seed(p.seed, step, p.world_rank))
+        indices = step_examples(len(train_set), step - 1, t.global_batch_size, self.data_rank, self.data_world,
+                               p.seed)
+        examples = [train_set[i].truncated(self.seq_len) for i in indices]
+        (loss_tokens,) = self.collectives.all_sum(sum(e.loss_tokens for e in examples) / self.copies)
+        loss_tokens = max(loss_tokens, 1)  # an early stage can cut a batch's every answer: a zero loss, no NaN
+        return examples, loss_tokens, self.parallelism.stage_size / loss_tokens
+
+    def validation_loss(self, valid_set: list) -> float:
+        """The token-weighted mean loss over the validation set (workers.loop.evaluate)."""
+        return evaluate(self, valid_set)
 
     @contextlib.contextmanager
     def micro_batch(self, chunk: list):

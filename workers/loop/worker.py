@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 
 import ray.train
 import ray.train.torch
@@ -23,21 +24,24 @@ from moetune.api.models.job_run import JobRunSpec
 from moetune.api.report import EVAL_PREFIX
 from moetune.kernels.quant import held, held_names
 from moetune.workers.checkpoints import run_state
+from moetune.workers.checkpoints.stage_relay import PipelinedModel
 from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
 from moetune.workers.data.rows import load_rows
 from moetune.workers.data.sampling import step_examples
 from moetune.workers.engine.deepspeed import build_engine, full_shape
+from moetune.workers.engine.pipeline import StageGroups, StagePipeline, StageTraffic
 from moetune.workers.engine.schedule import total_steps
 from moetune.workers.errors import DatasetError
 from moetune.workers.evaluation.alignment import check_alignment, verdict
 from moetune.workers.evaluation.generation import evaluate_generation, load_eval_rows
 from moetune.workers.loop.collectives import Collectives
-from moetune.workers.loop.evaluate import evaluate
 from moetune.workers.loop.faults import fault_hook
 from moetune.workers.loop.context_split import ContextSplit
+from moetune.workers.loop.pipeline_step import PipelineStepRunner
 from moetune.workers.loop.step import RankPlace, StepRunner
 from moetune.workers.methods import method_for
 from moetune.workers.model import TRAIN, WeightsSource, build_model, load_tokenizer
+from moetune.workers.pipeline.stages import model_stage_bounds, stage_module
 from moetune.workers.reporting.metrics import WorkerMetrics
 from moetune.workers.reporting.reporter import Reporter
 from moetune.workers.reporting.step_figures import memory_budget_bytes, step_figures
@@ -63,6 +67,9 @@ class _Worker:
                                      self.settings)
         self.node_dir = os.path.join(tempfile.gettempdir(), "moetune", self.run.job_id)
         self.attempt = config["attempt"]  # this driver run's id (see workers.checkpoints.run_state)
+        self.stage = self.run.config.parallelism.coordinates(self.world_rank).stage  # its pipeline stage
+        self.pipelined = None  # with pipeline stages: what saving an adapter or checkpoint needs (train)
+        self.traffic = StageTraffic() if self.run.config.parallelism.pipeline_parallel_size > 1 else None
         self.alignment = None  # the alignment table, when this run checked it (a resumed run does not)
         self.base_evaluation = None  # the evaluation scores at step 0, when this run evaluated (not a resumed one)
 
@@ -84,7 +91,8 @@ class _Worker:
             config = json.load(f)
         # Each rank streams its own share of the weights (workers.weights): non-expert tensors, its experts.
         built = build_model(TRAIN, config, self.job, device=self.device, weights=WeightsSource(
-            self.job.model, self.settings.weights_cache_dir, self.settings.weights_cache_max_bytes))
+            self.job.model, self.settings.weights_cache_dir, self.settings.weights_cache_max_bytes),
+                            stage=self.stage)
         message, data = load_summary(built.streamed, self.job.parallelism.expert_parallel_size)
         data["bytes_from_storage_all_ranks"] = int(self.collectives.all_sum(built.streamed.stats.bytes_from_storage)[0])
         self.event(message, data=data)
@@ -122,7 +130,7 @@ class _Worker:
     def checkpoint(self, step: int, record: dict, paused: bool = False) -> None:
         local = os.path.join(self.node_dir, "checkpoints", step_dir(step))
         uri = checkpoint_uri(self.run.output_uri, step)
-        save_checkpoint(self.engine, local, is_writer=self.chief, base_model=self.job.model)
+        save_checkpoint(self.engine, local, is_writer=self.chief, base_model=self.job.model, pipelined=self.pipelined)
         if self.chief:
             record["checkpoint"] = step_dir(step)  # also in this history's copy: the report's checkpoint marks
             run_state.save_trainer_state(local, step=step, trained_tokens=record["trained_tokens"],
@@ -173,7 +181,7 @@ class _Worker:
         if self.node_leader:
             storage.download_dir(checkpoint_uri(self.run.output_uri, step), local)
         self.collectives.barrier()
-        load_checkpoint(self.engine, local)
+        load_checkpoint(self.engine, local, self.stage)
         self.collectives.barrier()
         if self.node_leader:
             shutil.rmtree(local)
@@ -257,22 +265,16 @@ class _Worker:
         t = self.t
         steps = total_steps(len(self.train_set), t.global_batch_size, t.max_steps, t.n_epochs)
         self.method.prepare(self.model)
-        self.engine, scheduler = build_engine(self.model, t, self.job.parallelism, self.world, steps,
-                                              bf16=self.device.type == "cuda")
-        par = self.job.parallelism
-        context = None if par.context_parallel_size == 1 else ContextSplit(
-            self.engine.module, par, self.world_rank, self.tokenizer.pad_token_id)
-        place = RankPlace(self.world_rank, self.world, self.job.seed, self.device,
-                          collective_forward=par.collective_forward, context=context)
-        self.steps = StepRunner(self.engine, self.method, self.job, place,
-                                self.collectives, self.event, steps,
-                                fault_hook(self.settings.inject_faults, self.world_rank), self._record_oom)
+        scheduler = self._step_runner(steps)
+        self.engine = self.steps.engine
         self.memory_budget_mb = memory_budget_bytes(self.device, t.memory_budget_mb) / 1e6
         self.event(f"Training started: {steps} steps on {self.world} workers, {self.steps.describe()}",
                    data={"total_steps": steps, "train_examples": len(self.train_set), "workers": self.world})
         self.history, self.resumed_tuner = [], None
         done, trained_tokens = self.resume()
-        if not done and t.alignment_check:
+        if not done and t.alignment_check and self.pipelined:
+            self.event("Alignment check skipped: it does not run on pipeline stages yet", level="warn")
+        elif not done and t.alignment_check:
             self.check_alignment()
         if not done and self.eval_rows:
             self.base_evaluation = self.generation_eval()
@@ -292,7 +294,7 @@ class _Worker:
             if step == done + 1 and done:
                 record["resumed_from_step"] = done
             if self.valid_set and ((t.eval_every and step % t.eval_every == 0) or step == steps):
-                record["valid_loss"] = evaluate(self.steps, self.valid_set)
+                record["valid_loss"] = self.steps.validation_loss(self.valid_set)
             every = (self.job.evaluation.every or t.checkpoint_every) if self.eval_rows else None
             if self.eval_rows and ((every and step % every == 0) or step == steps):
                 record.update(self.generation_eval())
@@ -312,11 +314,37 @@ class _Worker:
                 return False
         return True
 
+    def _step_runner(self, steps: int):
+        """The engine over the rank's model (its pipeline stage's module, with stages) and the runner of its
+        steps (`self.steps`); returns the engine's LR scheduler."""
+        par, bf16 = self.job.parallelism, self.device.type == "cuda"
+        faults = fault_hook(self.settings.inject_faults, self.world_rank)
+        place = RankPlace(self.world_rank, self.world, self.job.seed, self.device,
+                          collective_forward=par.collective_forward)
+        rest = (self.collectives, self.event, steps, faults, self._record_oom)
+        if par.pipeline_parallel_size > 1:
+            stages, groups = par.pipeline_parallel_size, StageGroups(par, self.world_rank)
+            module = stage_module(self.model, model_stage_bounds(self.model, stages), self.stage,
+                                  emit_logits=self.method.head is None)
+            engine, scheduler = build_engine(module, self.t, par, self.world, steps, bf16=bf16, groups=groups)
+            pipeline = StagePipeline(engine, self.stage, stages, self.device, groups.model, self.method.stage_loss,
+                                     self.traffic)
+            self.pipelined = PipelinedModel(self.model, self.stage, par.stage_first_ranks)
+            self.steps = PipelineStepRunner(pipeline, self.tokenizer.pad_token_id, self.method, self.job, place,
+                                            *rest)
+            return scheduler
+        engine, scheduler = build_engine(self.model, self.t, par, self.world, steps, bf16=bf16)
+        if par.context_parallel_size > 1:
+            place = replace(place, context=ContextSplit(engine.module, par, self.world_rank,
+                                                        self.tokenizer.pad_token_id))
+        self.steps = StepRunner(engine, self.method, self.job, place, *rest)
+        return scheduler
+
     def finish(self) -> None:
         if selected := self._selected_checkpoint():
             self._load_checkpoint(selected)
         local = os.path.join(self.node_dir, ADAPTER_DIR)
-        save_adapter(self.engine, local, is_writer=self.chief, base_model=self.job.model)
+        save_adapter(self.engine, local, is_writer=self.chief, base_model=self.job.model, pipelined=self.pipelined)
         if self.chief:
             storage.upload_dir(local, adapter_uri(self.run.output_uri))
             lines = "".join(json.dumps(r) + "\n" for r in self.history)
@@ -347,7 +375,8 @@ def train_loop_per_worker(config: dict) -> None:
     worker = _Worker(config)
     try:
         worker.load()
-        worker.metrics.training_started(worker.model, worker.job.parallelism.context_parallel_size > 1)
+        worker.metrics.training_started(worker.model, worker.job.parallelism.context_parallel_size > 1,
+                                        (worker.stage, worker.traffic) if worker.traffic else None)
         worker.load_data()
         if worker.train():
             worker.finish()

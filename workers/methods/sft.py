@@ -182,6 +182,15 @@ class SupervisedMethod:
         with self.head.armed(batch.labels):
             return model(**batch.inputs).logits
 
+    def stage_loss(self, output, labels):
+        """A pipeline's last stage's loss of a micro-batch, summed over its loss tokens: `output` is the final
+        norm's output where the loss head takes it (a stage emits no logits then, workers.families.stage), else the
+        logits."""
+        if self.head is None:
+            return token_loss_sum(output, labels)
+        with self.head.armed(labels):
+            return self.head(output)
+
     def figure_sums(self) -> list[float]:
         """Sums over the last forward's examples that the step adds up over a step's micro-batches and ranks into
         `figures`, a method's own metrics (workers.methods.dpo's rewards); SFT reports none."""

@@ -7,6 +7,7 @@ from torch import nn
 
 from moetune.workers.families import family_for
 from moetune.workers.families.stage import DecoderStage
+from moetune.workers.pipeline.split import stage_bounds
 
 
 def text_model(model: nn.Module) -> nn.Module:
@@ -17,10 +18,17 @@ def text_model(model: nn.Module) -> nn.Module:
                 and any(child is embeddings for child in m.children()))
 
 
-def stage_module(model: nn.Module, bounds: tuple[int, ...], stage: int) -> nn.Module:
-    """The module of pipeline stage `stage` of `model`."""
+def model_stage_bounds(model: nn.Module, stages: int) -> tuple[int, ...]:
+    """split.stage_bounds of `model`'s decoder layers in `stages` stages of its family's whole blocks."""
+    family = family_for(model.config)
+    return stage_bounds(model.config.get_text_config().num_hidden_layers, stages,
+                        family.facts.stage_block(model.config.to_dict()))
+
+
+def stage_module(model: nn.Module, bounds: tuple[int, ...], stage: int, emit_logits: bool = True) -> nn.Module:
+    """The module of pipeline stage `stage` of `model` (`emit_logits`: see workers.families.stage)."""
     kind = family_for(model.config).pipeline_stage or DecoderStage
-    return kind(model, text_model(model), bounds, stage)
+    return kind(model, text_model(model), bounds, stage, emit_logits=emit_logits)
 
 
 def stage_tensor_names(model: nn.Module, bounds: tuple[int, ...], stage: int) -> set[str]:

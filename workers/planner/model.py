@@ -55,7 +55,7 @@ class ModelFacts:
     logits_chunk: Callable[[int, int], float]  # the loss's transient logits for (sequences, tokens each)
     hidden: int  # the hidden states' width
     num_layers: int  # decoder layers
-    stage_block: int  # layers a pipeline stage keeps whole (Family.stage_block; 1 elsewhere)
+    stage_block: int  # layers a pipeline stage keeps whole (FamilyFacts.stage_block; 1 elsewhere)
     _profiles: dict[int, Activations] = field(default_factory=dict, repr=False, compare=False)
     _linear: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -239,4 +239,4 @@ def model_facts(config: dict, job: RunConfig, dtype: torch.dtype = torch.bfloat1
                       base.moe_layers, saved, at_ep1, context_sizes(config, job), job.training.seq_len,
                       dtype.itemsize, partial(activations, built.model, method, job.training.seq_len, device_type),
                       _logits_chunk(method, device_type, dtype), text.hidden_size, text.num_hidden_layers,
-                      getattr(text, family.stage_block) if family.stage_block else 1)
+                      family.facts.stage_block(config))

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from moetune.api.models.base import SpecError
 from moetune.api.models.parallelism import ParallelDims
-from moetune.api.models.run_config import RunConfig
+from moetune.api.models.run_config import RunConfig, pipeline_refusal
 from moetune.api.plans import ClusterSpec, Plan, PlannedCluster, PlannedLayout, PlannedLoad, PlannedModel
 from moetune.api.preference import sequences_per_example
 from moetune.workers.planner.memory import (
@@ -57,10 +57,15 @@ def _layouts(facts: ModelFacts, run: RunConfig, world: int, choose_checkpointing
 
 
 def _accepted(run: RunConfig, dims: ParallelDims, available_only: bool) -> bool:
-    if not _passes(dims.check_world) or available_only and not _passes(dims.check_available):
+    if not _passes(dims.check_world) or available_only and not _runs(run, dims):
         return False
     micro = 1 if run.training.tune_micro_batch else run.training.micro_batch_size
     return run.training.global_batch_size % (dims.data_parallel_size * micro) == 0
+
+
+def _runs(run: RunConfig, dims: ParallelDims) -> bool:
+    """Whether a job of this run config can run the layout (pipeline stages: not every job)."""
+    return pipeline_refusal(dims, run.method, run.training.tune_micro_batch, run.evaluation) is None
 
 
 def _passes(check) -> bool:
@@ -79,7 +84,7 @@ def _evaluate(facts: ModelFacts, layout: Layout, usable: float, run: RunConfig,
                          micro_batch_size=layout.micro_batch, bytes=parts, total_bytes=used, load_bytes=at_load,
                          load_total_bytes=loading, fits=used <= usable and loading <= usable,
                          time=estimate(facts, layout, cluster, run.training.global_batch_size),
-                         available=_passes(layout.dims.check_available))
+                         available=_runs(run, layout.dims))
 
 
 def _first_fit(facts: ModelFacts, run: RunConfig, world: int, usable: float, choose_checkpointing: bool,
@@ -113,7 +118,7 @@ def _why_slower(slower: PlannedLayout, faster: PlannedLayout) -> str:
     a, b = slower.time, faster.time
     kind = max(a.seconds, key=lambda k: a.seconds[k] - b.seconds[k])
     waits = f"; its pipeline waits {a.bubble_fraction:.0%} of the step" if a.bubble_fraction else ""
-    unavailable = "" if slower.available else " (and pipeline stages are not a job setting yet)"
+    unavailable = "" if slower.available else " (and this job's settings cannot run its pipeline stages)"
     return (f"{a.step_seconds / b.step_seconds:.2f}x the step time (estimated): {kind.replace('_', ' ')} "
             f"{a.seconds[kind]:,.1f} s a step against {b.seconds[kind]:,.1f} s{waits}{unavailable}")
 
@@ -192,6 +197,7 @@ def plan(config: dict, run: RunConfig, cluster: ClusterSpec, choose_checkpointin
                     f"{BACKWARD_ATTENTION:g}x its forward; collectives over NVLink ({cluster.nvlink / 8e9:g} GB/s) "
                     f"within a node, over the GPU's network link ({cluster.network / 1e9:g} Gb/s) beyond; ZeRO-3's "
                     f"gathers {'overlap' if cluster.overlap else 'do not overlap'} the compute, nothing else does; "
-                    "pipelines run 1F1B. Pipeline stages are "
-                    "planned but not yet a job setting (available: false)",
+                    "pipelines run 1F1B. A layout a job of this configuration cannot run is marked available: false "
+                    "(pipeline stages with micro_batch_size \"auto\", a method other than SFT, context parallelism "
+                    "or generation-based evaluation)",
     )

@@ -47,7 +47,8 @@ class ExpertLoad:
         self.modules = [m for _, m in found]
         self.top_k = 1  # experts per token, seen in the first forward
         num_experts = max((m.num_experts for m in self.modules), default=0)
-        device = self.modules[0].device if self.modules else torch.device("cpu")  # where the counts are made
+        # where the counts are made: where the rank's layers are (a pipeline stage's; the others' stay on meta)
+        device = next((m.device for m in self.modules if m.device.type != "meta"), torch.device("cpu"))
         # [counts | gate weights] per layer; float64 keeps token counts exact through the all-reduce.
         self.totals = torch.zeros(2, len(found), num_experts, dtype=torch.float64, device=device)
         for i, module in enumerate(self.modules):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import socket
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from moetune.workers.comm.differentiable import CONTEXT_EXCHANGES
 from moetune.workers.reporting.exporter import Exporter
@@ -19,6 +21,27 @@ from moetune.workers.reporting.system import NodeCollector, ProcessCollector
 from moetune.workers.settings import WorkerSettings
 
 PHASES = ("loading", "training")
+# a pipeline stage's rank: its counters (workers.engine.pipeline.StageTraffic's fields); the bubble is
+# 1 - rate(busy) / rate(schedule)
+STAGE_COUNTERS = (("schedule_seconds", "moetune_pipeline_schedule_seconds", "Time in the stage's pipeline schedules"),
+                  ("busy_seconds", "moetune_pipeline_busy_seconds",
+                   "Time of it in the stage's forwards, backwards and loss (the rest: sends, receives, the bubble)"),
+                  ("sent_bytes", "moetune_pipeline_sent_bytes", "Activations and gradients the stage sent"),
+                  ("received_bytes", "moetune_pipeline_received_bytes",
+                   "Activations and gradients the stage received"))
+
+
+class StageCollector(Collector):
+    """A pipeline stage's rank's STAGE_COUNTERS, read from its traffic at each scrape."""
+
+    def __init__(self, labels: dict[str, str], stage: int, traffic):
+        self.names, self.values, self.traffic = [*labels, "stage"], [*labels.values(), str(stage)], traffic
+
+    def collect(self):
+        for field, name, doc in STAGE_COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=self.names)
+            counter.add_metric(self.values, getattr(self.traffic, field))
+            yield counter
 
 
 def _node_address() -> str:
@@ -77,10 +100,13 @@ class WorkerMetrics:
         for p in PHASES:
             self.phase.labels(*self.labels.values(), p).set(1 if p == phase else 0)
 
-    def training_started(self, model, context_parallel: bool) -> None:
-        """Hooks the model's expert-parallel MoE layers and, with `context_parallel`, counts this rank's CP exchanges
+    def training_started(self, model, context_parallel: bool, stage: tuple[int, object] | None = None) -> None:
+        """Hooks the model's expert-parallel MoE layers and, with `context_parallel`, counts this rank's CP exchanges;
+        `stage`: a pipeline stage's index and traffic (workers.engine.pipeline.StageTraffic), exported as counters
         (call before the first forward)."""
         self.moe = MoEMetrics(model, self.registry, self.labels, export_load=self.chief)
+        if stage is not None:
+            self.registry.register(StageCollector(self.labels, *stage))
         if context_parallel:
             self.context = (self._counter("moetune_context_exchange_sent_bytes", "Context-parallel bytes this rank "
                                           "sent to its CP group (gathered keys and states, their gradients)"),

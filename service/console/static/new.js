@@ -219,7 +219,7 @@ function layoutText(fit) {
 
 // the planner's estimated steps of the fastest layouts that fit (api.plans.PlannedTime), fastest first
 function tradeoffView(plan) {
-  const note = (fit) => (JSON.stringify(fit) === JSON.stringify(plan.recommended) ? "recommended" : fit.available ? "" : "not yet runnable");
+  const note = (fit) => (JSON.stringify(fit) === JSON.stringify(plan.recommended) ? "recommended" : fit.available ? "" : "not for this job");
   return h("div", {},
     h("p", { class: "muted" }, `Estimated steps (${plan.cluster.gpu_tflops} TFLOP/s per GPU at ${Math.round(plan.cluster.efficiency * 100)} %; estimates, see the plan's assumptions).`,
       plan.runner_up ? ` Runner-up ${shapeText(plan.runner_up)}: ${plan.runner_up_slower}.` : ""),

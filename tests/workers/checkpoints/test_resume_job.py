@@ -14,7 +14,6 @@
 
 import json
 import os
-import signal
 import threading
 import time
 
@@ -24,7 +23,7 @@ from moetune.api import storage
 from moetune.api.models.job_create import JobCreate
 from bench.support.proxy import FaultProxy
 from moetune.api.environment import ENV_S3_ENDPOINT_URL
-from tests.support.jobs import job_run, adapter_valid_loss, run_in_process
+from tests.support.jobs import adapter_valid_loss, job_run, kill_a_worker_after, run_in_process
 
 pytestmark = pytest.mark.ray_job
 STEPS, CHECKPOINT_EVERY, PAUSE_AT, KILL_AFTER, OUTAGE_AT = 10, 3, 2, 5, 9
@@ -36,24 +35,6 @@ def _asks_pause_at(step: int):
         return "pause" if r.kind == "event" and r.type == "metrics" and r.data["step"] == step else None
 
     return control_for
-
-
-def _kill_a_worker_after(receiver, step: int, ray_head, killed: list) -> None:
-    """Once the chief reported `step`, SIGKILLs one of the job's Ray Train worker processes."""
-    from ray.util.state import list_actors
-
-    def reported(at_least: int) -> bool:
-        return any(m["step"] >= at_least for m in receiver.metrics())
-
-    while not reported(1):  # the group is up: look its workers up now, so that the kill itself is immediate
-        time.sleep(0.05)
-    workers = list_actors(address=ray_head.dashboard_url,
-                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    while not reported(step):
-        time.sleep(0.05)
-    pid = max(w.pid for w in workers)
-    os.kill(pid, signal.SIGKILL)
-    killed.append(pid)
 
 
 def _messages(receiver) -> list:
@@ -104,7 +85,7 @@ def test_pause_resume_worker_loss_and_storage_outage(assets, ray_head, receiver,
     monkeypatch.setenv(ENV_S3_ENDPOINT_URL, proxy.url)  # the driver hands its workers the proxy as their S3
     proxy.cut_from_write(f"/checkpoints/step-{OUTAGE_AT}/")
     killed = []
-    threading.Thread(target=_kill_a_worker_after, args=(receiver, KILL_AFTER, ray_head, killed), daemon=True).start()
+    threading.Thread(target=kill_a_worker_after, args=(receiver, KILL_AFTER, ray_head, killed), daemon=True).start()
     threading.Thread(target=_restore_after_second_failure, args=(receiver, proxy), daemon=True).start()
     try:
         assert run_in_process(run, ray_head, receiver, monkeypatch)

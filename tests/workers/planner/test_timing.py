@@ -92,14 +92,17 @@ def test_pipeline_stages_hold_the_model_once_and_the_first_holds_most_activation
     assert two.bubble_fraction == pytest.approx(1 / (two.micro_batches + 1)) and one.bubble_fraction == 0
 
 
-def test_the_plan_recommends_the_fastest_layout_a_job_can_run():
+@pytest.mark.parametrize("micro_batch_size", [1, "auto"])
+def test_the_plan_recommends_the_fastest_layout_a_job_can_run(micro_batch_size):
+    """Pipeline stages run with a fixed micro-batch size, not under the online tuner."""
     config = REGISTRY["kimi_k3"].tiny_config().to_dict()
-    job = _job()
+    job = _job(micro_batch_size=micro_batch_size)
     p = plan(config, job, parse_cluster("nodes=1,gpus_per_node=4,gpu_memory=80"), False)
     steps = [fit.time.step_seconds for fit in p.tradeoffs]
     assert steps == sorted(steps) and p.recommended == min((f for f in p.tradeoffs if f.available),
                                                            key=lambda f: f.time.step_seconds)
-    assert {f.available for f in p.tradeoffs if f.parallelism.pipeline_parallel_size > 1} == {False}
+    staged = {f.available for f in p.tradeoffs if f.parallelism.pipeline_parallel_size > 1}
+    assert staged == {micro_batch_size != "auto"}
     assert p.runner_up.time.step_seconds >= p.recommended.time.step_seconds
     assert p.runner_up_slower.split(":")[0].endswith("the step time (estimated)")
 

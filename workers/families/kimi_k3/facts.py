@@ -9,4 +9,5 @@ FACTS = dict(expert_count_keys=("num_experts",),
              linear_names=MLA + MLP + ("k_proj", "v_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj",
                                        "routed_expert_down_proj", "routed_expert_up_proj"),
              text_config_key="text_config", absent_linears=mla_query_absent_beside_kda, images=True,
-             image_token_key="media_placeholder_token_id", context_parallel=True)
+             image_token_key="media_placeholder_token_id", context_parallel=True,
+             pipeline=True, stage_block_key="attn_res_block_size")

@@ -37,5 +37,4 @@ FAMILY = Family(FAMILIES["kimi_k3"], moe_block="KimiK3MoE", shared_experts="shar
                 model_type_aliases=("kimi_k3_text",), expert_activation=expert_activation,
                 # the Attention Residuals' projections: their weight is the mix's pseudo-query, never called
                 lora_unsupported=("self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj"),
-                demo="seed", as_released=as_released, pipeline_stage=KimiK3Stage,
-                stage_block="attn_res_block_size")
+                demo="seed", as_released=as_released, pipeline_stage=KimiK3Stage)

@@ -11,8 +11,8 @@ from moetune.workers.families.stage import StageModules
 
 
 class KimiK3Stage(StageModules):
-    def __init__(self, model, text, bounds, stage):
-        super().__init__(model, text, bounds, stage)
+    def __init__(self, model, text, bounds, stage, **options):
+        super().__init__(model, text, bounds, stage, **options)
         self.output_attn_res_norm = text.output_attn_res_norm if self.norm is not None else None
         self.output_attn_res_proj = text.output_attn_res_proj if self.norm is not None else None
 
@@ -26,4 +26,4 @@ class KimiK3Stage(StageModules):
         if self.lm_head is None:
             return (partial, *blocks)
         hidden = attn_res_mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
-        return self.lm_head(self.norm(hidden))
+        return self.output(hidden)

@@ -11,4 +11,5 @@ def absent_linears(text: dict) -> tuple[str, ...]:
 
 
 FACTS = dict(expert_count_keys=("num_experts", "num_local_experts"),
-             linear_names=("q_proj", "k_proj", "v_proj", "o_proj") + MLP, absent_linears=absent_linears)
+             linear_names=("q_proj", "k_proj", "v_proj", "o_proj") + MLP, absent_linears=absent_linears,
+             pipeline=True)
