@@ -172,8 +172,9 @@ def check_model_spec(config: dict, lora: LoraSpec, parallelism: ParallelDims) ->
                             facts.stage_block(config) if pipelined else 1)
     if pipelined and not facts.pipeline:
         able = sorted(name for name, f in FAMILIES.items() if f.pipeline)
-        raise SpecError("parallelism.pipeline_parallel_size", f"a {facts.model_type} model has no pipeline-stage "
-                                                              f"split yet; the families that have one: {', '.join(able)}")
+        raise SpecError("parallelism.pipeline_parallel_size",
+                        f"a {facts.model_type} model has no pipeline-stage split yet; the families that have one: "
+                        f"{', '.join(able)}")
     if parallelism.context_parallel_size > 1 and not facts.context_parallel:
         able = sorted(name for name, f in FAMILIES.items() if f.context_parallel)
         raise SpecError("parallelism.context_parallel_size", f"a {facts.model_type} model has no context-parallel "

@@ -47,6 +47,12 @@ class StepRecord(_Report):
     eval_seconds: float | None = None  # the validation pass, when the step had one
     alltoall_share: float | None = None  # the slowest rank's token all-to-all seconds over train_seconds
     context_share: float | None = None  # the slowest rank's context-parallel exchange seconds over train_seconds
+    # pipeline stages, a value per stage (its ranks' mean): the share and seconds of its schedule outside its
+    # forwards, backwards and loss (the bubble, sends and receives), the MB it sent and received
+    pipeline_idle_share: list[float] | None = None
+    pipeline_idle_seconds: list[float] | None = None
+    pipeline_sent_mb: list[float] | None = None
+    pipeline_received_mb: list[float] | None = None
     memory_peak_mb: list[float] | None = None  # per rank
     memory_budget_mb: float | None = None
     expert_imbalance: dict[str, float] | None = None  # MoE layer -> max / mean expert load of the step
@@ -68,6 +74,10 @@ class Throughput(_Report):
     eval_share: float  # evaluation time over all step time
     alltoall_share: float  # token all-to-all time over training time (0 without expert parallelism)
     context_share: float | None = None  # context-parallel exchange time over training time (None without CP)
+    # per pipeline stage (None without stages): its time outside its forwards, backwards and loss over training
+    # time, and the MB it sent a step (mean over steps)
+    pipeline_idle_share: list[float] | None = None
+    pipeline_sent_mb: list[float] | None = None
 
 
 class Memory(_Report):

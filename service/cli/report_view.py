@@ -45,6 +45,8 @@ def compare_rows(a: AdaptationReport, b: AdaptationReport) -> list[tuple[str, ob
         ("seconds per step", a.throughput.step_seconds, b.throughput.step_seconds),
         ("all-to-all share", a.throughput.alltoall_share, b.throughput.alltoall_share),
         ("context-parallel share", a.throughput.context_share, b.throughput.context_share),
+        ("pipeline idle share (most idle stage)", max(a.throughput.pipeline_idle_share or [], default=None),
+         max(b.throughput.pipeline_idle_share or [], default=None)),
         ("peak memory MB (max rank)", max(a.memory.peak_mb_per_rank, default=None),
          max(b.memory.peak_mb_per_rank, default=None)),
         ("alignment", _alignment(a), _alignment(b)),

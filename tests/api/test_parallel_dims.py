@@ -78,3 +78,17 @@ def test_context_parallelism_is_refused_for_a_family_without_its_path():
              "the families that have one: deepseek_v3, glm5_next, kimi_k25, kimi_k3, kimi_linear")
     check_model_spec({"model_type": "kimi_k3", "text_config": {"num_experts": 8, "num_hidden_layers": 4}},
                      LoraSpec(), dims)
+
+
+def test_pipeline_stages_are_refused_for_a_family_without_a_stage_split_and_keep_k3_s_blocks_whole():
+    from moetune.api.families import check_model_spec
+    from moetune.api.models.lora import LoraSpec
+
+    dims = ParallelDims(num_workers=2, pipeline_parallel_size=2)
+    _refused(lambda: check_model_spec({"model_type": "deepseek_v3", "n_routed_experts": 8, "num_hidden_layers": 2},
+                                      LoraSpec(), dims),
+             "parallelism.pipeline_parallel_size", "the families that have one: kimi_k3, kimi_linear, qwen3_moe")
+    k3 = {"model_type": "kimi_k3", "text_config": {"num_experts": 8, "num_hidden_layers": 4, "attn_res_block_size": 2}}
+    check_model_spec(k3, LoraSpec(), dims)
+    _refused(lambda: check_model_spec(k3, LoraSpec(), ParallelDims(num_workers=4, pipeline_parallel_size=4)),
+             "parallelism.pipeline_parallel_size", "the model's 2 blocks of 2 decoder layers")

@@ -28,9 +28,9 @@ ALIGNMENT = [{"op": "kda", "rmse_ratio": 2e-7, "tolerance": 1e-3, "ok": True},
               "ok": True}]
 
 
-def _history(steps: int, start_loss: float, context: bool) -> list[dict]:
+def _history(steps: int, start_loss: float, context: bool, staged: bool) -> list[dict]:
     """Step records with every figure the workers log (two ranks, two MoE layers, checkpoints every 4; `context`:
-    the context-parallel share of a CP job)."""
+    the context-parallel share of a CP job; `staged`: the two stages' figures of a pipelined job)."""
     records = []
     for step in range(1, steps + 1):
         record = {"step": step, "total_steps": steps, "train_loss": start_loss * math.exp(-step / 5),
@@ -38,7 +38,9 @@ def _history(steps: int, start_loss: float, context: bool) -> list[dict]:
                   "train_seconds": 0.5, "eval_seconds": 0.1 if step % 4 == 0 else 0.0, "alltoall_share": 0.2,
                   "memory_peak_mb": [1000.0 + step, 1100.0], "memory_budget_mb": 4000.0,
                   "expert_imbalance": {"1": 1.0 + step / 10, "2": 2.0 - step / 20},
-                  **({"context_share": 0.1} if context else {})}
+                  **({"context_share": 0.1} if context else {}),
+                  **({"pipeline_idle_share": [0.3, 0.15], "pipeline_idle_seconds": [0.1, 0.05],
+                      "pipeline_sent_mb": [2.0, 1.0], "pipeline_received_mb": [1.0, 2.0]} if staged else {})}
         if step % 4 == 0:
             record |= {"valid_loss": record["train_loss"] + 0.1, "checkpoint": f"step-{step}",
                        "eval_exact_match": step / steps, "eval_chrf": 0.5}
@@ -46,12 +48,13 @@ def _history(steps: int, start_loss: float, context: bool) -> list[dict]:
     return records
 
 
-def _write(service, steps: int, start_loss: float, context: bool = False) -> tuple[str, JobRunSpec]:
+def _write(service, steps: int, start_loss: float, context: bool = False,
+           staged: bool = False) -> tuple[str, JobRunSpec]:
     evaluation = {"file": "s3://outputs/eval.jsonl", "metrics": ["exact_match", "chrf"]}
     row = service.store.get_job(service.create_job(evaluation=evaluation)["id"])
     run = JobRunSpec(job_id=row.id, config=RunConfig.model_validate(row.run_config), output_uri=row.output_uri)
     storage.write_bytes(metrics_uri(run.output_uri),
-                        "".join(json.dumps(r) + "\n" for r in _history(steps, start_loss, context)).encode())
+                        "".join(json.dumps(r) + "\n" for r in _history(steps, start_loss, context, staged)).encode())
     summary = {"alignment": ALIGNMENT, "base_evaluation": {"eval_exact_match": 0.0, "eval_chrf": 0.25},
                "selected_step": steps}
     write_report(run, [{"layer_type": "linear attention", "layers": 2}], summary, kept_steps={steps - steps % 4})
@@ -60,7 +63,7 @@ def _write(service, steps: int, start_loss: float, context: bool = False) -> tup
 
 @pytest.fixture(scope="module")
 def two_reports(service):
-    return _write(service, 12, 3.0, context=True), _write(service, 8, 4.0)
+    return _write(service, 12, 3.0, context=True), _write(service, 8, 4.0, staged=True)
 
 
 def test_a_job_without_report_is_a_404_naming_it(service):
@@ -109,6 +112,10 @@ def test_compare_prints_both_reports_figures_side_by_side(service, two_reports):
     assert rows["exact_match @ step 0"] == ["0", "0"] and rows["exact_match (last)"] == ["1", "1"]
     assert rows["tokens/s"] == [f"{r.throughput.tokens_per_second:.4g}" for r in (left, right)]
     assert rows["context-parallel share"] == ["0.1", "-"] and right.throughput.context_share is None
+    # the pipelined job's stages: idle seconds over training time, per stage
+    assert right.throughput.pipeline_idle_share == pytest.approx([0.2, 0.1])
+    assert right.throughput.pipeline_sent_mb == [2.0, 1.0] and left.throughput.pipeline_idle_share is None
+    assert rows["pipeline idle share (most idle stage)"] == ["-", "0.2"]
 
 
 def test_the_report_page_draws_every_plot_in_chromium_without_any_request(service, two_reports, tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import astuple, dataclass
 
 import torch
@@ -71,6 +72,15 @@ class StageTraffic:
     def since(self, before: StageTraffic) -> StageTraffic:
         return StageTraffic(*(now - then for now, then in zip(astuple(self), astuple(before))))
 
+    @contextmanager
+    def busy(self):
+        """Counts the time inside as the stage's work."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_seconds += time.perf_counter() - started
+
 
 def _bytes(ops: list) -> int:
     return sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
@@ -110,18 +120,12 @@ class EngineStage(PipelineStage):
         self.engine.step()
 
     def forward_one_chunk(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
+        with self.traffic.busy():
             return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.traffic.busy_seconds += time.perf_counter() - started
 
     def backward_one_chunk(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
+        with self.traffic.busy():
             return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.traffic.busy_seconds += time.perf_counter() - started
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
@@ -160,10 +164,8 @@ class StagePipeline:
         return self.stage == 0
 
     def _scaled_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        started = time.perf_counter()
-        loss = self.loss(output, labels) * self.scale
-        self.traffic.busy_seconds += time.perf_counter() - started
-        return loss
+        with self.traffic.busy():
+            return self.loss(output, labels) * self.scale
 
     def _schedule_of(self, input_ids: torch.Tensor, micro_batches: int) -> Schedule1F1B:
         """The schedule of this shape of step: the last one's, or a new stage's (every rank of a pipeline meets

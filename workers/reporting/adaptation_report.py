@@ -70,6 +70,9 @@ def build_report(run: JobRunSpec, lora_coverage: list[dict], summary: dict, hist
     evaluation = [r.get("eval_seconds", 0.0) for r in history]
     alltoall = [r.get("alltoall_share", 0.0) * r.get("train_seconds", 0.0) for r in history]
     context = [r["context_share"] * r.get("train_seconds", 0.0) for r in history if "context_share" in r]
+    staged = [r for r in history if r.get("pipeline_idle_seconds")]
+    stages = range(len(staged[0]["pipeline_idle_seconds"])) if staged else range(0)
+    staged_seconds = max(sum(r.get("train_seconds", 0.0) for r in staged), 1e-9)
     peaks = [r["memory_peak_mb"] for r in history if r.get("memory_peak_mb")]
     with_load = [r for r in history if r.get("expert_imbalance")]
     layers = list(with_load[0]["expert_imbalance"]) if with_load else []
@@ -82,7 +85,11 @@ def build_report(run: JobRunSpec, lora_coverage: list[dict], summary: dict, hist
                        "step_seconds": _mean(train),
                        "eval_share": sum(evaluation) / max(sum(train) + sum(evaluation), 1e-9),
                        "alltoall_share": sum(alltoall) / max(sum(train), 1e-9),
-                       "context_share": sum(context) / max(sum(train), 1e-9) if context else None},
+                       "context_share": sum(context) / max(sum(train), 1e-9) if context else None,
+                       "pipeline_idle_share": [sum(r["pipeline_idle_seconds"][s] for r in staged) / staged_seconds
+                                               for s in stages] if staged else None,
+                       "pipeline_sent_mb": [_mean([r["pipeline_sent_mb"][s] for r in staged]) for s in stages]
+                                           if staged else None},
         "memory": {"peak_mb_per_rank": [max(p[rank] for p in peaks) for rank in range(len(peaks[0]))] if peaks
                    else [], "budget_mb": history[-1].get("memory_budget_mb")},
         "expert_imbalance": {"layers": layers, "steps": [r["step"] for r in with_load],

@@ -141,6 +141,10 @@ def render_page(report: AdaptationReport) -> str:
     figures = (f"<p>{t.tokens_per_second:,.1f} tokens/s, {t.step_seconds:.3g} s per step, evaluation "
                f"{t.eval_share:.1%} of step time, all-to-all {t.alltoall_share:.1%} of training time"
                + (f", context-parallel exchanges {t.context_share:.1%}" if t.context_share is not None else "")
+               + (", pipeline stages idle (bubble, sends, receives) "
+                  + " / ".join(f"{share:.1%}" for share in t.pipeline_idle_share) + " of training time, sending "
+                  + " / ".join(f"{mb:,.1f}" for mb in t.pipeline_sent_mb) + " MB a step"
+                  if t.pipeline_idle_share is not None else "")
                + f"; loss {report.first_train_loss:.4f} → {report.last_train_loss:.4f}"
                + (f", valid {report.last_valid_loss:.4f}" if report.last_valid_loss is not None else "") + "</p>")
     reproduce = json.dumps(report.reproduce.job, indent=2)
