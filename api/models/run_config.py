@@ -63,7 +63,7 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None, 
     par = request.parallelism
     par.check_world()
     tuned = training["micro_batch_size"] == "auto"
-    if not planning and (refusal := pipeline_refusal(par, request.method, tuned, request.evaluation)):
+    if not planning and (refusal := pipeline_refusal(par, request.method, request.evaluation)):
         raise refusal
     per_step = par.data_parallel_size * (1 if tuned else training["micro_batch_size"])
     if training["global_batch_size"] % per_step:
@@ -71,6 +71,8 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None, 
                     else "the data-parallel size (num_workers / (pipeline x context parallel sizes))")
         raise SpecError("training.global_batch_size",
                         f"must be a multiple of {'' if tuned else 'micro_batch_size x '}{replicas} = {per_step}")
+    if refusal := micro_batches_refusal(par, training["global_batch_size"], training["micro_batch_size"]):
+        raise refusal
     if training["memory_budget_mb"] is not None and not tuned:
         raise SpecError("training.memory_budget_mb", "only applies to micro_batch_size \"auto\"")
     par.check_sequence(training["seq_len"])
@@ -88,20 +90,27 @@ def resolve_run_config(request: JobCreate, seed: int, plan: Plan | None = None, 
                      evaluation=request.evaluation)
 
 
-def pipeline_refusal(par: ParallelDims, method: Method | None, tuned: bool,
-                     evaluation: EvaluationSpec | None) -> SpecError | None:
-    """Why a job of this method, micro-batch (`tuned`: "auto") and evaluation cannot run `par`'s pipeline stages,
-    None when it can (or has none): each stage runs whole supervised rows in micro-batches of one size, and scores
-    their loss only (workers.loop.pipeline_step)."""
+def micro_batches_refusal(par: ParallelDims, global_batch_size: int, micro_batch_size: int | str) -> SpecError | None:
+    """Why a step of `par`'s pipeline stages cannot run in 1F1B, None when it can: each pipeline needs at least as
+    many micro-batches a step as it has stages (the tuner's sizes are kept to those, from 1)."""
+    stages, tuned = par.pipeline_parallel_size, micro_batch_size == "auto"
+    per_rank = global_batch_size // par.data_parallel_size
+    if stages == 1 or per_rank // (1 if tuned else micro_batch_size) >= stages:
+        return None
+    field = "training.global_batch_size" if tuned else "training.micro_batch_size"
+    return SpecError(field, f"a pipeline of {stages} stages runs at least {stages} micro-batches a step: "
+                            f"global_batch_size / the data-parallel size ({per_rank}) / micro_batch_size "
+                            f"({1 if tuned else micro_batch_size}) must be at least {stages}")
+
+
+def pipeline_refusal(par: ParallelDims, method: Method | None, evaluation: EvaluationSpec | None) -> SpecError | None:
+    """Why a job of this method and evaluation cannot run `par`'s pipeline stages, None when it can (or has none):
+    each stage runs whole supervised rows and scores their loss only (workers.loop.pipeline_step)."""
     if par.pipeline_parallel_size == 1:
         return None
     if method is not None and method.type != "supervised":
         return SpecError("parallelism.pipeline_parallel_size",
                          f"pipeline stages run supervised jobs only, not {method.type!r}")
-    if tuned:
-        return SpecError("training.micro_batch_size", "must be a number with pipeline_parallel_size > 1: every stage "
-                                                      "runs the same micro-batches (the online tuner does not run on "
-                                                      "pipeline stages yet)")
     if par.context_parallel_size > 1:
         return SpecError("parallelism.context_parallel_size", "must be 1 with pipeline_parallel_size > 1 (context "
                                                               "parallelism does not run on pipeline stages yet)")

@@ -61,20 +61,17 @@ def test_plan_endpoint_answers_the_plan(service, model_dir):
 
 
 def test_a_layout_a_job_cannot_run_is_planned_and_refused_at_submission(service, model_dir):
-    """Pipeline stages with the online micro-batch tuner: the plans route answers for them (not runnable with
-    this job's settings, said so), a job asking for them gets a 422 naming the field; with a fixed micro-batch
-    size they run."""
+    """Pipeline stages for a DPO job: the plans route answers for them (not runnable with this job's settings,
+    said so), a job asking for them gets a 422 naming the field (a supervised job's run: test_timing)."""
     par = {"num_workers": 2, "gpus_per_worker": 1, "pipeline_parallel_size": 2}
-    for micro, runs in ((1, True), ("auto", False)):
-        staged = {**_job(model_dir, micro_batch_size=micro), "parallelism": par}
-        response = httpx.post(service.url + PLANS, json={"job": staged, "cluster": CLUSTER}, headers=AUTH,
-                              timeout=120)
-        assert response.status_code == 200, response.text
-        submitted = response.json()["submitted"]
-        assert submitted["parallelism"]["pipeline_parallel_size"] == 2 and submitted["available"] is runs
-        assert submitted["time"]["bubble_fraction"] > 0
+    staged = {**_job(model_dir, micro_batch_size=1), "parallelism": par, "method": {"type": "dpo"}}
+    response = httpx.post(service.url + PLANS, json={"job": staged, "cluster": CLUSTER}, headers=AUTH, timeout=120)
+    assert response.status_code == 200, response.text
+    submitted = response.json()["submitted"]
+    assert submitted["parallelism"]["pipeline_parallel_size"] == 2 and submitted["available"] is False
+    assert submitted["time"]["bubble_fraction"] > 0
     refused = httpx.post(service.url + JOBS, json=staged, headers=AUTH, timeout=120)
-    assert refused.status_code == 422 and refused.json()["error"]["param"] == "training.micro_batch_size"
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "parallelism.pipeline_parallel_size"
 
 
 @pytest.mark.parametrize("body, param", [

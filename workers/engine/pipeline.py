@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import astuple, dataclass
 
 import torch
@@ -90,9 +90,11 @@ class EngineStage(PipelineStage):
     """A pipeline stage whose module is a DeepSpeed engine's: its backward is the engine's."""
 
     def __init__(self, engine, stage_index: int, num_stages: int, device: torch.device, group=None,
-                 traffic: StageTraffic | None = None):
+                 traffic: StageTraffic | None = None,
+                 forward_context: Callable[[], AbstractContextManager] = nullcontext):
+        """`forward_context()`: entered around each micro-batch's forward (the tuner's memory measure)."""
         super().__init__(engine.module, stage_index, num_stages, device, group=group)
-        self.engine, self.traffic = engine, traffic or StageTraffic()
+        self.engine, self.traffic, self.forward_context = engine, traffic or StageTraffic(), forward_context
         for param in engine.module.parameters():
             # the stage's own, not a copy on every stage: DeepSpeed's gradient norm counts a parameter without
             # this mark on model-parallel rank 0 only (it takes it for one replicated across the group)
@@ -120,7 +122,7 @@ class EngineStage(PipelineStage):
         self.engine.step()
 
     def forward_one_chunk(self, *args, **kwargs):
-        with self.traffic.busy():
+        with self.traffic.busy(), self.forward_context():
             return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args, **kwargs):
@@ -157,6 +159,7 @@ class StagePipeline:
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], traffic: StageTraffic):
         self.engine, self.stage, self.stages, self.device, self.group = engine, stage, stages, device, group
         self.loss, self.scale, self.traffic = loss, 1.0, traffic
+        self.measure: Callable[[], AbstractContextManager] | None = None  # around each micro-batch's forward
         self._shape, self._schedule = None, None
 
     @property
@@ -172,7 +175,8 @@ class StagePipeline:
         the same shapes in the same order, so they rebuild together)."""
         shape = (tuple(input_ids.shape), micro_batches)
         if shape != self._shape:
-            stage = EngineStage(self.engine, self.stage, self.stages, self.device, self.group, self.traffic)
+            stage = EngineStage(self.engine, self.stage, self.stages, self.device, self.group, self.traffic,
+                                lambda: self.measure() if self.measure else nullcontext())
             self._schedule = Schedule1F1B(stage, n_microbatches=micro_batches, loss_fn=self._scaled_loss,
                                           scale_grads=False)
             self._shape = shape

@@ -64,7 +64,7 @@ class StepRunner:
         self.tuner, self.figures = None, {}  # figures: the method's own metrics of the last step run
         if training.tune_micro_batch:
             sequences = method.sequences_per_example if method else 1  # a harness that only plans has no method
-            self.tuner = MicroBatchTuner.planned(engine.module, self.per_rank, job, self._budget_bytes(),
+            self.tuner = MicroBatchTuner.planned(self._planned_on(), self.per_rank, job, self._budget_bytes(),
                                                  place.device, sequences)
             # each rank planned from its own free memory: all start at the smallest, or they run different numbers
             # of micro-batches and one waits alone in the experts' all-to-all or ZeRO's reductions
@@ -73,6 +73,10 @@ class StepRunner:
             self._switch(self.tuner.size)
         else:
             self.micro_batch_size = training.micro_batch_size
+
+    def _planned_on(self):
+        """The model the tuner's first size is planned on."""
+        return self.engine.module
 
     @property
     def grad_accum_steps(self) -> int:

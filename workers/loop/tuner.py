@@ -68,12 +68,15 @@ class MemoryProbe:
 class MicroBatchTuner:
     """Pure decision rules over agreed measurements; holds the current micro-batch size."""
 
-    def __init__(self, per_rank: int, seq_len: int, budget_bytes: float | None, size: int = 1, sequences: int = 1):
+    def __init__(self, per_rank: int, seq_len: int, budget_bytes: float | None, size: int = 1, sequences: int = 1,
+                 least_micro_batches: int = 1):
         """Sizes count examples, each `sequences` sequences of the micro-batch (the method's sequences_per_example:
-        DPO's chosen and rejected are 2)."""
-        self.sizes = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        DPO's chosen and rejected are 2); each size cuts a step into `least_micro_batches` or more (a pipeline's
+        1F1B needs as many as it has stages)."""
+        self.sizes = [d for d in range(1, per_rank + 1) if per_rank % d == 0 and per_rank // d >= least_micro_batches]
+        size = max(s for s in self.sizes if s <= size)
         self.seq_len, self.budget, self.size, self.sequences = seq_len, budget_bytes, size, sequences
-        self.ceiling = per_rank  # sizes above it failed with an OOM
+        self.ceiling = self.sizes[-1]  # sizes above it failed with an OOM
 
     @classmethod
     def planned(cls, model, per_rank: int, job: RunConfig, budget_bytes: float | None, device,
@@ -87,7 +90,7 @@ class MicroBatchTuner:
 
             fixed = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             size = starting_micro_batch(model, job, per_rank, budget_bytes - fixed, sequences)
-        return cls(per_rank, job.training.seq_len, budget_bytes, size, sequences)
+        return cls(per_rank, job.training.seq_len, budget_bytes, size, sequences, job.parallelism.pipeline_parallel_size)
 
     def predicted(self, size: int, fixed: float, per_token: float) -> float:
         """`per_token`: activation bytes per token of the micro-batch, all its sequences' tokens counted."""

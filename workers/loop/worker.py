@@ -330,8 +330,8 @@ class _Worker:
             pipeline = StagePipeline(engine, self.stage, stages, self.device, groups.model, self.method.stage_loss,
                                      self.traffic)
             self.pipelined = PipelinedModel(self.model, self.stage, par.stage_first_ranks)
-            self.steps = PipelineStepRunner(pipeline, self.tokenizer.pad_token_id, self.method, self.job, place,
-                                            *rest)
+            self.steps = PipelineStepRunner(pipeline, self.tokenizer.pad_token_id, self.model, self.method, self.job,
+                                            place, *rest)
             return scheduler
         engine, scheduler = build_engine(self.model, self.t, par, self.world, steps, bf16=bf16)
         if par.context_parallel_size > 1:

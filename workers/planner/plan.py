@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from moetune.api.models.base import SpecError
 from moetune.api.models.parallelism import ParallelDims
-from moetune.api.models.run_config import RunConfig, pipeline_refusal
+from moetune.api.models.run_config import RunConfig, micro_batches_refusal, pipeline_refusal
 from moetune.api.plans import ClusterSpec, Plan, PlannedCluster, PlannedLayout, PlannedLoad, PlannedModel
 from moetune.api.preference import sequences_per_example
 from moetune.workers.planner.memory import (
@@ -60,12 +60,13 @@ def _accepted(run: RunConfig, dims: ParallelDims, available_only: bool) -> bool:
     if not _passes(dims.check_world) or available_only and not _runs(run, dims):
         return False
     micro = 1 if run.training.tune_micro_batch else run.training.micro_batch_size
-    return run.training.global_batch_size % (dims.data_parallel_size * micro) == 0
+    return (run.training.global_batch_size % (dims.data_parallel_size * micro) == 0
+            and micro_batches_refusal(dims, run.training.global_batch_size, micro) is None)
 
 
 def _runs(run: RunConfig, dims: ParallelDims) -> bool:
     """Whether a job of this run config can run the layout (pipeline stages: not every job)."""
-    return pipeline_refusal(dims, run.method, run.training.tune_micro_batch, run.evaluation) is None
+    return pipeline_refusal(dims, run.method, run.evaluation) is None
 
 
 def _passes(check) -> bool:
@@ -198,6 +199,6 @@ def plan(config: dict, run: RunConfig, cluster: ClusterSpec, choose_checkpointin
                     f"within a node, over the GPU's network link ({cluster.network / 1e9:g} Gb/s) beyond; ZeRO-3's "
                     f"gathers {'overlap' if cluster.overlap else 'do not overlap'} the compute, nothing else does; "
                     "pipelines run 1F1B. A layout a job of this configuration cannot run is marked available: false "
-                    "(pipeline stages with micro_batch_size \"auto\", a method other than SFT, context parallelism "
-                    "or generation-based evaluation)",
+                    "(pipeline stages with a method other than SFT, context parallelism or generation-based "
+                    "evaluation)",
     )

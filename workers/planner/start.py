@@ -13,7 +13,8 @@ def sequence_bytes(model, job: RunConfig) -> float:
 
     par = job.parallelism
     ep, cp = par.expert_parallel_size, par.context_parallel_size
-    facts = model_facts(model.config.to_dict(), job, model.dtype, model.device.type)
+    device_type = "cuda" if par.gpus_per_worker else "cpu"  # not the model's: a pipeline stage's rank holds some
+    facts = model_facts(model.config.to_dict(), job, model.dtype, device_type)
     return (facts.activation_bytes(ep, job.training.activation_checkpointing, cp) + facts.loss_bytes(cp)
             + facts.all_to_all_bytes(ep, cp))
 

@@ -1,9 +1,12 @@
 """A pipelined job on the local Ray head: Kimi-Linear's tiny model in two pipeline stages on two Ray Train workers
-(ZeRO-2, expert LoRA, 1F1B over two micro-batches a step, a validation loss every step), one worker SIGKILLed
-after step 3: Ray Train restarts the group, which resumes from checkpoint step-2 (each stage's own DeepSpeed state
-and expert shards) and repeats step 3 with the same loss. Against the same job unsplit on one worker: every step's
-train and validation loss agree, and so does the exported adapter (one file, each stage's share relayed to rank 0).
-Each step reports each stage's idle share and the activations and gradients it sent and received."""
+(ZeRO-2, expert LoRA, 1F1B, a validation loss every step) with the online micro-batch tuner (no memory budget on
+CPU: it grows from 1 to 2, both stages at once, and no further: 1F1B needs two micro-batches of the four rows a
+step for its two stages), one worker SIGKILLed after step 3: Ray Train
+restarts the group, which resumes from checkpoint step-2 (each stage's own DeepSpeed state and expert shards, the
+tuner's size) and repeats step 3 with the same loss. Against the same job unsplit on one worker at a fixed
+micro-batch size: every step's train and validation loss agree, and so does the exported adapter (one file, each
+stage's share relayed to rank 0). Each step reports each stage's idle share and the activations and gradients it
+sent and received."""
 
 import threading
 
@@ -20,12 +23,12 @@ pytestmark = pytest.mark.ray_job
 STEPS, KILL_AFTER = 4, 3
 
 
-def _job(assets: str, job_id: str, stages: int):
+def _job(assets: str, job_id: str, stages: int, micro_batch_size):
     spec = JobCreate(model=f"{assets}/models/tiny", training_file=f"{assets}/data/train.jsonl",
                      validation_file=f"{assets}/data/valid.jsonl",
                      lora={"rank": 4, "alpha": 8, "dropout": 0.0, "train_experts": True},
                      training={"max_steps": STEPS, "checkpoint_every": 2, "eval_every": 1, "learning_rate": 3e-3,
-                               "global_batch_size": 4, "micro_batch_size": 2, "seq_len": 64,
+                               "global_batch_size": 4, "micro_batch_size": micro_batch_size, "seq_len": 64,
                                "alignment_check": False},
                      parallelism={"num_workers": stages, "pipeline_parallel_size": stages, "zero_stage": 2})
     return job_run(job_id, spec, 5, f"{assets}/out/{job_id}")
@@ -38,7 +41,7 @@ def _adapter(run, tmp_path, name: str) -> dict:
 
 def test_a_pipelined_job_resumes_after_a_lost_worker_and_trains_as_the_unsplit_one(assets, ray_head, receiver,
                                                                                     tmp_path, monkeypatch):
-    pipelined = _job(assets, "ftjob-pp2", 2)
+    pipelined = _job(assets, "ftjob-pp2", 2, "auto")
     killed = []
     threading.Thread(target=kill_a_worker_after, args=(receiver, KILL_AFTER, ray_head, killed), daemon=True).start()
     assert run_in_process(pipelined, ray_head, receiver, monkeypatch)
@@ -53,13 +56,19 @@ def test_a_pipelined_job_resumes_after_a_lost_worker_and_trains_as_the_unsplit_o
     for once, again in receiver.repeated_steps():
         assert again["train_loss"] == pytest.approx(once["train_loss"], abs=1e-5), once["step"]
     staged = first[:2] + second
+    tuned = [e.data for e in receiver.of_kind("event") if e.type == "message" and e.data
+             and e.data.get("reason") == "grow"]
+    assert [(d["step"], d["micro_batch_size"]) for d in tuned] == [(2, 2)]
+    assert tuned[0]["measured_bytes_per_token"] > 0
+    assert any(e.message.startswith("Micro-batch size 2 restored from the checkpoint")
+               for e in receiver.of_kind("event") if e.type == "message")
     for m in staged:
         assert len(m["pipeline_idle_share"]) == 2 and all(0 <= share < 1 for share in m["pipeline_idle_share"])
         # each stage sends what the other receives: the hidden states forward, their gradients back
         assert m["pipeline_sent_mb"] == m["pipeline_received_mb"][::-1] and min(m["pipeline_sent_mb"]) > 0
 
     receiver.reports.clear()
-    unsplit = _job(assets, "ftjob-pp1", 1)
+    unsplit = _job(assets, "ftjob-pp1", 1, 2)
     assert run_in_process(unsplit, ray_head, receiver, monkeypatch)
     reference = receiver.metrics()
     for got, want in zip(staged, reference, strict=True):

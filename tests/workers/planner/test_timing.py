@@ -20,10 +20,11 @@ from tests.support.layouts import layout
 SEQ = 64
 
 
-def _job(seq_len: int = SEQ, workers: int = 4, **training):
+def _job(seq_len: int = SEQ, workers: int = 4, method: str = "supervised", **training):
     return resolve_run_config(JobCreate(model="file:///unused", training_file="file:///unused",
                                         training={"seq_len": seq_len, "global_batch_size": 8, **training},
-                                        parallelism={"num_workers": workers, "gpus_per_worker": 1}), 0)
+                                        parallelism={"num_workers": workers, "gpus_per_worker": 1},
+                                        method={"type": method}), 0)
 
 
 def test_a_tokens_matmul_operations_are_what_transformers_runs():
@@ -92,17 +93,17 @@ def test_pipeline_stages_hold_the_model_once_and_the_first_holds_most_activation
     assert two.bubble_fraction == pytest.approx(1 / (two.micro_batches + 1)) and one.bubble_fraction == 0
 
 
-@pytest.mark.parametrize("micro_batch_size", [1, "auto"])
-def test_the_plan_recommends_the_fastest_layout_a_job_can_run(micro_batch_size):
-    """Pipeline stages run with a fixed micro-batch size, not under the online tuner."""
+@pytest.mark.parametrize("method", ["supervised", "dpo"])
+def test_the_plan_recommends_the_fastest_layout_a_job_can_run(method):
+    """Pipeline stages run supervised jobs, not DPO's."""
     config = REGISTRY["kimi_k3"].tiny_config().to_dict()
-    job = _job(micro_batch_size=micro_batch_size)
+    job = _job(method=method)
     p = plan(config, job, parse_cluster("nodes=1,gpus_per_node=4,gpu_memory=80"), False)
     steps = [fit.time.step_seconds for fit in p.tradeoffs]
     assert steps == sorted(steps) and p.recommended == min((f for f in p.tradeoffs if f.available),
                                                            key=lambda f: f.time.step_seconds)
     staged = {f.available for f in p.tradeoffs if f.parallelism.pipeline_parallel_size > 1}
-    assert staged == {micro_batch_size != "auto"}
+    assert staged == {method == "supervised"}
     assert p.runner_up.time.step_seconds >= p.recommended.time.step_seconds
     assert p.runner_up_slower.split(":")[0].endswith("the step time (estimated)")
 
