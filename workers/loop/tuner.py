@@ -90,7 +90,8 @@ class MicroBatchTuner:
 
             fixed = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             size = starting_micro_batch(model, job, per_rank, budget_bytes - fixed, sequences)
-        return cls(per_rank, job.training.seq_len, budget_bytes, size, sequences, job.parallelism.pipeline_parallel_size)
+        return cls(per_rank, job.training.seq_len, budget_bytes, size, sequences,
+                   job.parallelism.pipeline_parallel_size)
 
     def predicted(self, size: int, fixed: float, per_token: float) -> float:
         """`per_token`: activation bytes per token of the micro-batch, all its sequences' tokens counted."""
