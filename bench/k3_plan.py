@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -90,11 +91,12 @@ def main() -> None:
         job, choose = resolve_run_config(spec, 0), spec.training.activation_checkpointing == "auto"
         start = time.perf_counter()
         facts = model_facts(config, job)
+        one_block = replace(facts, stage_block=facts.num_layers)  # no stage split: the layouts without stages
         for gpu, cluster in CLUSTERS.items():
             p = plan(config, job, parse_cluster(cluster), choose, facts)
             rows.append(f"| {gpu} | {_length(seq_len)} | {_layout(p.recommended)} | {_layout(p.fewest_gpus)} |")
             fastest = p.tradeoffs[0] if p.tradeoffs else None
-            unstaged = next((e for e in p.tradeoffs if e.parallelism.pipeline_parallel_size == 1), None)
+            unstaged = next(iter(plan(config, job, parse_cluster(cluster), choose, one_block).tradeoffs), None)
             speeds.append(f"| {gpu} | {_length(seq_len)} | {_speed(fastest)} | {_speed(unstaged)} |")
             for name, fit in (("fastest", fastest), ("zero_only", unstaged)):
                 result[f"{gpu.lower()}_{_length(seq_len).lower()}_{name}_tokens_per_gpu"] = (
