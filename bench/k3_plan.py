@@ -39,7 +39,8 @@ def _layout(fit: PlannedLayout | None) -> str:
     if fit is None:
         return "none fits"
     par, ckpt = fit.parallelism, "on" if fit.activation_checkpointing else "off"
-    return (f"{par.num_workers} GPUs, EP={par.expert_parallel_size}, CP={par.context_parallel_size}, "
+    stages = f"PP={par.pipeline_parallel_size}, " if par.pipeline_parallel_size > 1 else ""
+    return (f"{par.num_workers} GPUs, EP={par.expert_parallel_size}, CP={par.context_parallel_size}, {stages}"
             f"ZeRO-{par.zero_stage}, checkpointing {ckpt}: {fit.total_bytes / GIB:.1f} GiB, "
             f"{fit.load_total_bytes / GIB:.1f} GiB at load")
 
