@@ -24,8 +24,8 @@ from moetune.api.models.job_run import JobRunSpec
 from moetune.api.report import EVAL_PREFIX
 from moetune.kernels.quant import held, held_names
 from moetune.workers.checkpoints import run_state
-from moetune.workers.checkpoints.stage_relay import PipelinedModel
 from moetune.workers.checkpoints.save import load_checkpoint, save_adapter, save_checkpoint
+from moetune.workers.checkpoints.stage_relay import PipelinedModel
 from moetune.workers.data.rows import load_rows
 from moetune.workers.data.sampling import step_examples
 from moetune.workers.engine.deepspeed import build_engine, full_shape
