@@ -8,7 +8,9 @@ micro-batch size: every step's train and validation loss agree, and so does the 
 stage's share relayed to rank 0). Each step reports each stage's idle share and the activations and gradients it
 sent and received."""
 
+import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,8 +41,8 @@ def _adapter(run, tmp_path, name: str) -> dict:
     return load_file(f"{local}/adapter_model.safetensors")
 
 
-def test_a_pipelined_job_resumes_after_a_lost_worker_and_trains_as_the_unsplit_one(assets, ray_head, receiver,
-                                                                                    tmp_path, monkeypatch):
+def test_a_pipelined_job_resumes_after_a_lost_worker_and_trains_as_the_unsplit_one(assets, tiny_checkpoint, ray_head,
+                                                                                    receiver, tmp_path, monkeypatch):
     pipelined = _job(assets, "ftjob-pp2", 2, "auto")
     killed = []
     threading.Thread(target=kill_a_worker_after, args=(receiver, KILL_AFTER, ray_head, killed), daemon=True).start()
@@ -62,10 +64,12 @@ def test_a_pipelined_job_resumes_after_a_lost_worker_and_trains_as_the_unsplit_o
     assert tuned[0]["measured_bytes_per_token"] > 0
     assert any(e.message.startswith("Micro-batch size 2 restored from the checkpoint")
                for e in receiver.of_kind("event") if e.type == "message")
+    hidden = json.loads((Path(tiny_checkpoint) / "config.json").read_text())["hidden_size"]
     for m in staged:
         assert len(m["pipeline_idle_share"]) == 2 and all(0 <= share < 1 for share in m["pipeline_idle_share"])
-        # each stage sends what the other receives: the hidden states forward, their gradients back
-        assert m["pipeline_sent_mb"] == m["pipeline_received_mb"][::-1] and min(m["pipeline_sent_mb"]) > 0
+        # each stage sends what the other receives: the step's 4 rows of 64 tokens' fp32 hidden states forward,
+        # their gradients back
+        assert m["pipeline_sent_mb"] == m["pipeline_received_mb"][::-1] == [4 * 64 * hidden * 4 / 1e6] * 2
 
     receiver.reports.clear()
     unsplit = _job(assets, "ftjob-pp1", 1, 2)

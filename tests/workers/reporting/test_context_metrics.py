@@ -97,3 +97,24 @@ def test_the_step_figures_carry_the_slowest_ranks_share_only_for_a_cp_job(contex
     figures = step_figures(mine, 1.0, 0.0, 0, 2, SimpleNamespace(type="cpu"), all_sum)
     assert figures["alltoall_share"] == pytest.approx(0.3)
     assert figures.get("context_share") == (pytest.approx(0.5) if context else None)
+
+
+def test_worker_metrics_export_a_pipeline_stage_s_traffic(monkeypatch):
+    """A stage's rank exports its traffic as counters labelled with its stage, read at each scrape."""
+    from moetune.workers.engine.pipeline import StageTraffic
+    from moetune.workers.reporting.metrics import WorkerMetrics
+    from moetune.workers.settings import WorkerSettings
+
+    monkeypatch.setenv("MOETUNE_METRICS_PORT", "0")
+    metrics = WorkerMetrics("ftjob-pp", 1, 1, torch.device("cpu"), lambda *a, **k: None, WorkerSettings())
+    traffic = StageTraffic()
+    try:
+        metrics.training_started(_moe_model(), context_parallel=False, stage=(1, traffic))
+        labels = {"job_id": "ftjob-pp", "node": metrics.labels["node"], "rank": "1", "stage": "1"}
+        assert metrics.registry.get_sample_value("moetune_pipeline_sent_bytes_total", labels) == 0
+        traffic.schedule_seconds, traffic.busy_seconds, traffic.sent_bytes, traffic.received_bytes = 2.0, 1.5, 64, 32
+        for name, value in (("schedule_seconds", 2.0), ("busy_seconds", 1.5), ("sent_bytes", 64),
+                            ("received_bytes", 32)):
+            assert metrics.registry.get_sample_value(f"moetune_pipeline_{name}_total", labels) == value
+    finally:
+        metrics.close()
