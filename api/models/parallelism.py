@@ -18,9 +18,8 @@ from pydantic import Field
 
 from moetune.api.models.base import SpecError, StrictModel
 
-# Sizes the workers can run today; the request takes any positive value and says which are not available yet, so
-# the field exists once (its issue, pipeline parallelism, lifts this). Context parallelism's rules against the model
-# and the method are api.families.check_model_spec's and resolve_run_config's.
+# The rules between the sizes and the model are api.families.check_model_spec's; those between the sizes, the method
+# and the training section api.models.run_config's (pipeline_refusal, micro_batches_refusal, context_parallel_refusal).
 
 
 def expert_group_name(expert_parallel_size: int) -> str:
