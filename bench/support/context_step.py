@@ -31,7 +31,6 @@ def run_context_step(rank: int, world: int, family_name: str, spec_json: str, ou
     from bench.support.harness import make_engine
     from moetune.workers.loop.collectives import Collectives
     from moetune.workers.loop.context_split import ContextSplit
-    from moetune.workers.loop.evaluate import evaluate
     from moetune.workers.loop.step import RankPlace, StepRunner
     from moetune.workers.methods.sft import SupervisedMethod
 
@@ -53,7 +52,7 @@ def run_context_step(rank: int, world: int, family_name: str, spec_json: str, ou
 
     engine.step = step
     loss_sum, loss_tokens, tokens = runner.run(1, train_set())
-    valid_loss = evaluate(runner, train_set()[:5])
+    valid_loss = runner.validation_loss(train_set()[:5])
     os.makedirs(out_dir, exist_ok=True)
     torch.save({"loss_sum": loss_sum, "loss_tokens": loss_tokens, "tokens": tokens, "grads": grads,
                 "valid_loss": valid_loss}, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from moetune.api.models.run_config import RunConfig
-from moetune.workers.data.sampling import step_examples, step_rng_seed
+from moetune.workers.data.sampling import eval_micro_batches, step_examples, step_rng_seed
 from moetune.workers.engine.deepspeed import set_micro_batch_size
 from moetune.workers.loop.collectives import Collectives
 from moetune.workers.loop.context_split import ContextSplit
-from moetune.workers.loop.evaluate import evaluate
 from moetune.workers.loop.faults import NO_FAULTS, FaultHook
 from moetune.workers.loop.tuner import GPU_DEFAULT_BUDGET, MemoryProbe, MicroBatchTuner
 
@@ -187,8 +186,23 @@ class StepRunner:
         return examples, loss_tokens, self.parallelism.stage_size / loss_tokens
 
     def validation_loss(self, valid_set: list) -> float:
-        """The token-weighted mean loss over the validation set (workers.loop.evaluate)."""
-        return evaluate(self, valid_set)
+        """The token-weighted mean loss over the whole validation set, across ranks. With context parallelism a CP
+        group's ranks take the same rows and each scores its own slice of them, as in training."""
+        loss_sum = count = 0.0
+        self.engine.eval()
+        with torch.no_grad():
+            for indices in eval_micro_batches(len(valid_set), self.micro_batch_size, self.data_rank,
+                                              self.data_world):
+                real = [valid_set[i] for i in indices if i is not None]
+                # A rank whose share ran out still runs a forward: under ZeRO-3 it is a collective.
+                with self.micro_batch(real or valid_set[:1]) as batch:
+                    loss = self.method.loss_sum(self.engine, batch)
+                if real:
+                    loss_sum += loss.item()
+                    count += sum(e.loss_tokens for e in real) / self.context_size  # each CP rank counts the rows
+        self.engine.train()
+        loss_sum, count = self.collectives.all_sum(loss_sum, count)
+        return loss_sum / count
 
     @contextlib.contextmanager
     def micro_batch(self, chunk: list):
