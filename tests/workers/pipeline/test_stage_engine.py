@@ -40,18 +40,15 @@ def _model(source: str, job, parallelism, folder: str, stage: int | None = None)
     given (the other stages' stay on the meta device)."""
     from bench.support.harness import base_model
     from bench.support.tiny_models import plain_model
-    from moetune.workers.pipeline.split import stage_bounds
-    from moetune.workers.pipeline.stages import stage_tensor_names
     from moetune.workers.experts.placement import job_placement
     from moetune.workers.families import REGISTRY
-    from moetune.workers.model import trainable_model
+    from moetune.workers.model import stage_tensors, trainable_model
 
     if source in REGISTRY:
         config = REGISTRY[source].tiny_config(num_hidden_layers=4)
         model = plain_model(REGISTRY[source], config=config)
     else:
-        held = None if stage is None else lambda meta: stage_tensor_names(
-            meta, stage_bounds(meta.config.get_text_config().num_hidden_layers, STAGES), stage)
+        held = None if stage is None else stage_tensors(parallelism, stage)
         model = base_model(os.path.join(folder, source), job=job.model_copy(update={"parallelism": parallelism}),
                            held=held)
     model.config.use_cache = model.config.get_text_config().use_cache = False
